@@ -1,0 +1,54 @@
+#include "core/crypto.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+
+namespace ferry {
+
+void SecureRandom(void* out, size_t n) {
+    auto* p = static_cast<uint8_t*>(out);
+    while (n > 0) {
+        ssize_t r = getrandom(p, n, 0);
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            std::perror("ferry: getrandom");
+            std::abort();
+        }
+        p += r;
+        n -= static_cast<size_t>(r);
+    }
+}
+
+uint64_t SecureRandomU64() {
+    uint64_t v = 0;
+    SecureRandom(&v, sizeof(v));
+    return v;
+}
+
+Nonce RandomNonce() {
+    Nonce n;
+    SecureRandom(n.data(), n.size());
+    return n;
+}
+
+Digest HmacSha256(std::string_view key, std::string_view data) {
+    Digest out{};
+    unsigned int len = 0;
+    HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+         reinterpret_cast<const unsigned char*>(data.data()), data.size(), out.data(), &len);
+    return out;
+}
+
+bool DigestEqual(const Digest& a, const Digest& b) {
+    return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+}  // namespace ferry

@@ -1,0 +1,24 @@
+// Randomness and message authentication for region keys, epochs and the deployment secret.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+
+namespace ferry {
+
+using Digest = std::array<uint8_t, 32>;
+using Nonce = std::array<uint8_t, 32>;
+
+// Cryptographically secure random bytes (getrandom); aborts only if the kernel cannot supply them.
+void SecureRandom(void* out, size_t n);
+uint64_t SecureRandomU64();
+Nonce RandomNonce();
+
+// HMAC-SHA256(key, data).
+Digest HmacSha256(std::string_view key, std::string_view data);
+
+// Constant-time comparison, so a wrong proof leaks nothing through timing.
+bool DigestEqual(const Digest& a, const Digest& b);
+
+}  // namespace ferry

@@ -1,0 +1,103 @@
+#include "testing/testing.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstring>
+
+#include "transfer/backend.h"
+#include "transfer/metadata.h"
+
+namespace ferry::testing {
+
+namespace {
+inline uint8_t PatternByte(uint64_t seed, uint64_t i) {
+    uint64_t x = (i >> 3) * 0x9E3779B97F4A7C15ull ^ seed * 0xC2B2AE3D27D4EB4Full;
+    x ^= x >> 29;
+    return static_cast<uint8_t>(x >> (8 * (i & 7)));
+}
+}  // namespace
+
+void FillPattern(void* p, size_t len, uint64_t seed) {
+    auto* b = static_cast<uint8_t*>(p);
+    for (size_t i = 0; i < len; ++i) b[i] = PatternByte(seed, i);
+}
+
+int64_t FirstMismatch(const void* p, size_t len, uint64_t seed) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    for (size_t i = 0; i < len; ++i) {
+        if (b[i] != PatternByte(seed, i)) return static_cast<int64_t>(i);
+    }
+    return -1;
+}
+
+AgentConfig TestConfig(const std::string& name, const std::string& backend) {
+    AgentConfig c;
+    c.name = name;
+    c.backends = {backend};
+    c.default_timeout = std::chrono::seconds(20);
+    return c;
+}
+
+AgentPair MakePair(const std::string& backend, const std::string& secret) {
+    AgentConfig ca = TestConfig("agent-a", backend);
+    AgentConfig cb = TestConfig("agent-b", backend);
+    ca.secret = cb.secret = secret;
+    AgentPair p;
+    p.a = ValueOrDie(Agent::Create(ca), "create a");
+    p.b = ValueOrDie(Agent::Create(cb), "create b");
+    return p;
+}
+
+std::string TamperRegion(const std::string& metadata, RegionId id, uint64_t new_length,
+                         uint64_t new_key) {
+    AgentMetadata md = DecodeMetadata(metadata).value();
+    for (RemoteRegion& r : md.regions) {
+        if (r.id == id) {
+            r.length = new_length;
+            r.key = new_key;
+        }
+    }
+    return EncodeMetadata(md);
+}
+
+std::string AddFakeRegion(const std::string& metadata, RegionId id, uint64_t length) {
+    AgentMetadata md = DecodeMetadata(metadata).value();
+    md.regions.push_back(RemoteRegion{id, length, 12345, MemoryKind::kHost});
+    return EncodeMetadata(md);
+}
+
+std::string BlackholeMetadata(const std::string& name, const std::string& backend,
+                              const std::string& address, RegionId region, uint64_t length,
+                              uint64_t key) {
+    AgentMetadata md;
+    md.name = name;
+    md.epoch = 42;
+    md.host_id = LocalHostId();
+    md.endpoints.push_back(EndpointInfo{backend, address});
+    md.regions.push_back(RemoteRegion{region, length, key, MemoryKind::kHost});
+    return EncodeMetadata(md);
+}
+
+Blackhole::Blackhole(const std::string& backend) {
+    AgentConfig config;
+    auto b = CreateBackend(backend, config, LocalHostId()).value();
+    address_ = b->Listen(&listener_).value();
+    thread_ = std::thread([this] {
+        while (!stop_.load()) {
+            pollfd p{listener_.get(), POLLIN, 0};
+            if (poll(&p, 1, 20) > 0) {
+                int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+                if (fd >= 0) accepted_.emplace_back(fd);
+            }
+        }
+    });
+}
+
+Blackhole::~Blackhole() {
+    stop_.store(true);
+    thread_.join();
+}
+
+}  // namespace ferry::testing

@@ -1,0 +1,91 @@
+// Helpers shared by every ferry test: status matchers, data patterns, agent pairs, and a
+// "black hole" peer that accepts connections and never answers (a stalled process).
+#pragma once
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/fd.h"
+#include "ferry/agent.h"
+#include "ferry/status.h"
+
+namespace ferry::testing {
+
+MATCHER_P(StatusIs, code, "has status code " + std::string(::ferry::CodeName(code))) {
+    const auto& s = [&]() -> const ::ferry::Status& {
+        if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, ::ferry::Status>) {
+            return arg;
+        } else {
+            return arg.status();
+        }
+    }();
+    *result_listener << "status is " << s.ToString();
+    return s.code() == code;
+}
+
+#define FERRY_ASSERT_OK(expr)                                  \
+    do {                                                       \
+        const ::ferry::Status ferry_s_ = (expr);               \
+        ASSERT_TRUE(ferry_s_.ok()) << ferry_s_.ToString();     \
+    } while (0)
+#define FERRY_EXPECT_OK(expr)                                  \
+    do {                                                       \
+        const ::ferry::Status ferry_s_ = (expr);               \
+        EXPECT_TRUE(ferry_s_.ok()) << ferry_s_.ToString();     \
+    } while (0)
+
+// Unwraps a Result in a test, failing the test (and aborting it) on error.
+template <typename T>
+T ValueOrDie(Result<T> r, const char* what = "result") {
+    if (!r.ok()) {
+        ADD_FAILURE() << what << ": " << r.status().ToString();
+        std::abort();
+    }
+    return std::move(r).value();
+}
+
+// Deterministic bytes: byte i of stream `seed` is a function of (seed, i).
+void FillPattern(void* p, size_t len, uint64_t seed);
+// Index of the first byte that differs from the pattern, or -1.
+int64_t FirstMismatch(const void* p, size_t len, uint64_t seed);
+
+AgentConfig TestConfig(const std::string& name, const std::string& backend);
+
+// Two agents that know each other.
+struct AgentPair {
+    std::unique_ptr<Agent> a;
+    std::unique_ptr<Agent> b;
+};
+AgentPair MakePair(const std::string& backend, const std::string& secret = "");
+
+// Metadata of `agent` with one field changed, to play a peer that lies.
+std::string TamperRegion(const std::string& metadata, RegionId id, uint64_t new_length,
+                         uint64_t new_key);
+std::string AddFakeRegion(const std::string& metadata, RegionId id, uint64_t length);
+// Metadata claiming name `name` whose endpoint for `backend` is a black hole.
+std::string BlackholeMetadata(const std::string& name, const std::string& backend,
+                              const std::string& address, RegionId region, uint64_t length,
+                              uint64_t key);
+
+// Accepts connections and never reads or writes: a stalled peer.
+class Blackhole {
+public:
+    explicit Blackhole(const std::string& backend);
+    ~Blackhole();
+    std::string address() const { return address_; }
+
+private:
+    ScopedFd listener_;
+    std::string address_;
+    std::vector<ScopedFd> accepted_;
+    std::thread thread_;
+    std::atomic<bool> stop_{false};
+};
+
+}  // namespace ferry::testing

@@ -1,0 +1,1013 @@
+#include "transfer/agent_core.h"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <thread>
+
+#include "core/crypto.h"
+#include "core/log.h"
+#include "transfer/planner.h"
+
+namespace ferry::internal {
+
+namespace {
+
+constexpr auto kTickPeriod = std::chrono::milliseconds(10);
+constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
+constexpr auto kDeregisterGrace = std::chrono::seconds(2);
+constexpr uint64_t kMinChunk = 64 * 1024;
+constexpr uint64_t kMaxChunk = 4u << 20;
+constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
+
+// Copies between our iovecs and the peer's with as few process_vm calls as possible.
+// `to_peer`: ours -> theirs (process_vm_writev); otherwise theirs -> ours.
+Status CmaCopy(pid_t pid, const std::vector<iovec>& ours, const std::vector<iovec>& theirs,
+               bool to_peer) {
+    constexpr size_t kIovMax = IOV_MAX;
+    size_t oi = 0, ooff = 0, ti = 0, toff = 0;
+    iovec lw[kIovMax];
+    iovec rw[kIovMax];
+    while (oi < ours.size() && ti < theirs.size()) {
+        size_t ln = 0, rn = 0;
+        uint64_t lbytes = 0, rbytes = 0;
+        for (size_t i = oi, off = ooff; i < ours.size() && ln < kIovMax; ++i, off = 0) {
+            lw[ln++] = iovec{static_cast<char*>(ours[i].iov_base) + off, ours[i].iov_len - off};
+            lbytes += ours[i].iov_len - off;
+        }
+        for (size_t i = ti, off = toff; i < theirs.size() && rn < kIovMax; ++i, off = 0) {
+            rw[rn++] =
+                iovec{static_cast<char*>(theirs[i].iov_base) + off, theirs[i].iov_len - off};
+            rbytes += theirs[i].iov_len - off;
+        }
+        uint64_t want = std::min(lbytes, rbytes);
+        ssize_t r = to_peer ? process_vm_writev(pid, lw, ln, rw, rn, 0)
+                            : process_vm_readv(pid, lw, ln, rw, rn, 0);
+        if (r < 0) {
+            return Status(errno == EFAULT ? Code::kInvalidArgument : Code::kUnavailable,
+                          std::string("shm: ") + (to_peer ? "process_vm_writev" : "process_vm_readv") +
+                              " to pid " + std::to_string(pid) + ": " + std::strerror(errno));
+        }
+        if (static_cast<uint64_t>(r) != want) {
+            return InvalidArgumentError("shm: partial copy (" + std::to_string(r) + " of " +
+                                        std::to_string(want) +
+                                        " bytes): the initiator's buffer is not mapped");
+        }
+        // Advance both sides by r bytes.
+        auto advance = [](const std::vector<iovec>& v, size_t& i, size_t& off, uint64_t n) {
+            while (n > 0 && i < v.size()) {
+                uint64_t k = std::min<uint64_t>(n, v[i].iov_len - off);
+                n -= k;
+                off += k;
+                if (off == v[i].iov_len) {
+                    ++i;
+                    off = 0;
+                }
+            }
+        };
+        advance(ours, oi, ooff, want);
+        advance(theirs, ti, toff, want);
+    }
+    return Status::Ok();
+}
+
+int DefaultIoThreads() {
+    return std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
+}
+
+}  // namespace
+
+// Accepts connections on one listener (loop 0) and hands them out round-robin.
+class AgentCore::Acceptor final : public EventHandler {
+public:
+    Acceptor(AgentCore* core, Backend* backend, int fd) : core_(core), backend_(backend), fd_(fd) {}
+    void OnEvents(uint32_t) override {
+        for (int i = 0; i < 64; ++i) {
+            int fd = accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd < 0) {
+                if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                    FERRY_LOG(kWarn, "{}: accept: {}", backend_->name(), std::strerror(errno));
+                }
+                return;
+            }
+            core_->Accept(backend_, ScopedFd(fd));
+        }
+    }
+
+private:
+    AgentCore* core_;
+    Backend* backend_;
+    int fd_;
+};
+
+AgentCore::AgentCore(AgentConfig config)
+    : config_(std::move(config)), epoch_(SecureRandomU64() | 1), host_id_(LocalHostId()),
+      cma_probe_(std::make_unique<uint64_t>(SecureRandomU64())) {}
+
+Result<std::shared_ptr<AgentCore>> AgentCore::Create(AgentConfig config) {
+    FERRY_RETURN_IF_ERROR(ValidateAgentName(config.name).WithContext("AgentConfig.name"));
+    if (config.backends.empty()) {
+        return InvalidArgumentError("AgentConfig.backends: no backend enabled");
+    }
+    for (const std::string& b : config.backends) {
+        auto known = KnownBackends();
+        if (std::find(known.begin(), known.end(), b) == known.end()) {
+            return InvalidArgumentError("AgentConfig.backends: unknown backend '" + b +
+                                        "' (known: shm, tcp)");
+        }
+    }
+    if (!config.force_backend.empty() &&
+        std::find(config.backends.begin(), config.backends.end(), config.force_backend) ==
+            config.backends.end()) {
+        return InvalidArgumentError("AgentConfig.force_backend '" + config.force_backend +
+                                    "' is not among the enabled backends");
+    }
+    if (config.default_timeout.count() <= 0) {
+        return InvalidArgumentError("AgentConfig.default_timeout must be positive");
+    }
+    std::shared_ptr<AgentCore> core(new AgentCore(std::move(config)));
+    Status s = core->Start();
+    if (!s.ok()) {
+        core->Shutdown();
+        return s;
+    }
+    return core;
+}
+
+Status AgentCore::Start() {
+    int threads = config_.io_threads > 0 ? std::min(config_.io_threads, 64) : DefaultIoThreads();
+    for (int i = 0; i < threads; ++i) {
+        FERRY_ASSIGN_OR_RETURN(auto loop, IoLoop::Create("ferry-io" + std::to_string(i)));
+        loops_.push_back(std::move(loop));
+    }
+    // The tcp listener is always there: it is the side channel that serves metadata.
+    std::vector<std::string> names = config_.backends;
+    if (std::find(names.begin(), names.end(), "tcp") == names.end()) {
+        names.push_back("tcp");
+    }
+    for (const std::string& n : names) {
+        FERRY_ASSIGN_OR_RETURN(auto backend, CreateBackend(n, config_, host_id_));
+        ScopedFd listener;
+        FERRY_ASSIGN_OR_RETURN(std::string address, backend->Listen(&listener));
+        Backend* raw = backend.get();
+        auto acceptor = std::make_shared<Acceptor>(this, raw, listener.get());
+        int fd = listener.get();
+        Status watched;
+        loops_[0]->RunSync([&] { watched = loops_[0]->Watch(fd, EPOLLIN, acceptor); });
+        FERRY_RETURN_IF_ERROR(watched);
+        if (n == "tcp") {
+            side_channel_address_ = address;
+        }
+        if (std::find(config_.backends.begin(), config_.backends.end(), n) !=
+            config_.backends.end()) {
+            endpoints_[n] = address;
+        }
+        listeners_.push_back(std::move(listener));
+        acceptors_.push_back(std::move(acceptor));
+        backends_.emplace(n, std::move(backend));
+    }
+    // Preference order: shm (same host) before tcp.
+    for (const char* n : {"shm", "tcp"}) {
+        if (endpoints_.count(n) != 0) enabled_.push_back(n);
+    }
+    std::weak_ptr<AgentCore> weak = weak_from_this();
+    loops_[0]->SetTick(kTickPeriod, [this] { Tick(); });
+    FERRY_LOG(kInfo, "agent {} epoch {:016x} listening on {}", config_.name, epoch_,
+              side_channel_address_);
+    return Status::Ok();
+}
+
+AgentCore::~AgentCore() { Shutdown(); }
+
+void AgentCore::Shutdown() {
+    if (shut_down_.exchange(true)) {
+        return;
+    }
+    std::vector<std::shared_ptr<TransferOp>> ops;
+    {
+        std::lock_guard<std::mutex> lock(ops_mu_);
+        for (auto& [id, w] : ops_) {
+            if (auto op = w.lock()) ops.push_back(std::move(op));
+        }
+        ops_.clear();
+    }
+    for (auto& op : ops) {
+        op->Fail(CancelledError("agent " + config_.name + " is shutting down"),
+                 /*close_streams=*/false);
+    }
+    std::set<std::shared_ptr<Connection>> conns;
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        conns.swap(conns_);
+    }
+    for (const auto& c : conns) {
+        c->CloseAndWait(CancelledError("agent " + config_.name + " is shutting down"));
+    }
+    for (auto& loop : loops_) {
+        loop->Stop();
+    }
+    {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        peers_.clear();
+    }
+    acceptors_.clear();
+    listeners_.clear();
+    {
+        std::lock_guard<std::mutex> lock(notes_mu_);
+        notes_cv_.notify_all();
+    }
+}
+
+IoLoop* AgentCore::NextLoop() {
+    return loops_[next_loop_.fetch_add(1) % loops_.size()].get();
+}
+
+Backend* AgentCore::FindBackend(std::string_view name) const {
+    auto it = backends_.find(name);
+    return it == backends_.end() ? nullptr : it->second.get();
+}
+
+// --- Memory ---------------------------------------------------------------------------------
+
+Result<RegionInfo> AgentCore::RegisterMemory(void* ptr, size_t length) {
+    return regions_.Register(ptr, length);
+}
+
+Result<RegionInfo> AgentCore::AllocateRegion(size_t length) { return regions_.Allocate(length); }
+
+Status AgentCore::Deregister(RegionId id) {
+    if (!regions_.Find(id)) {
+        return NotFoundError("Deregister: no region " + std::to_string(id));
+    }
+    // Local transfers using it fail first, so their pins drop.
+    std::vector<std::shared_ptr<TransferOp>> users;
+    {
+        std::lock_guard<std::mutex> lock(ops_mu_);
+        for (auto& [oid, w] : ops_) {
+            auto op = w.lock();
+            if (op && !op->finished() && op->UsesLocalRegion(id)) users.push_back(std::move(op));
+        }
+    }
+    for (auto& op : users) {
+        op->Fail(CancelledError("local region " + std::to_string(id) + " was deregistered"));
+    }
+    return regions_.Deregister(id, kDeregisterGrace, [this](RegionId rid) {
+        std::vector<std::shared_ptr<Connection>> conns;
+        {
+            std::lock_guard<std::mutex> lock(conns_mu_);
+            conns.assign(conns_.begin(), conns_.end());
+        }
+        for (auto& c : conns) {
+            bool holds = false;
+            c->loop()->RunSync([&] { holds = !c->closed() && c->HoldsRegion(rid); });
+            if (holds) {
+                c->CloseAndWait(UnavailableError("region " + std::to_string(rid) +
+                                                 " deregistered while this stream was stalled"));
+            }
+        }
+    });
+}
+
+// --- Peers ----------------------------------------------------------------------------------
+
+AgentMetadata AgentCore::SelfMetadata() const {
+    AgentMetadata md;
+    md.name = config_.name;
+    md.epoch = epoch_;
+    md.host_id = host_id_;
+    for (const std::string& b : enabled_) {
+        md.endpoints.push_back(EndpointInfo{b, endpoints_.at(b)});
+    }
+    for (const RegionInfo& r : regions_.List()) {
+        md.regions.push_back(RemoteRegion{r.id, r.length, r.key, r.kind});
+    }
+    std::sort(md.regions.begin(), md.regions.end(),
+              [](const RemoteRegion& a, const RemoteRegion& b) { return a.id < b.id; });
+    return md;
+}
+
+std::string AgentCore::Metadata() const { return EncodeMetadata(SelfMetadata()); }
+
+Result<std::string> AgentCore::ChooseBackend(const AgentMetadata& peer) const {
+    AgentMetadata self = SelfMetadata();
+    if (!config_.force_backend.empty()) {
+        Backend* b = FindBackend(config_.force_backend);
+        if (b == nullptr || !b->CanReach(self, peer)) {
+            return FailedPreconditionError("forced backend " + config_.force_backend +
+                                           " cannot reach peer " + peer.name);
+        }
+        return config_.force_backend;
+    }
+    for (const std::string& n : enabled_) {
+        if (FindBackend(n)->CanReach(self, peer)) {
+            return n;
+        }
+    }
+    return FailedPreconditionError("no common backend with peer " + peer.name);
+}
+
+Result<std::string> AgentCore::AddPeer(std::string_view blob) {
+    FERRY_ASSIGN_OR_RETURN(AgentMetadata md, DecodeMetadata(blob));
+    if (md.name == config_.name) {
+        return AlreadyExistsError("AddPeer: metadata of this agent itself (" + md.name + ")");
+    }
+    FERRY_ASSIGN_OR_RETURN(std::string backend, ChooseBackend(md));
+    std::shared_ptr<Peer> old;
+    std::string name = md.name;
+    {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        auto it = peers_.find(name);
+        if (it != peers_.end()) {
+            std::lock_guard<std::mutex> plock(it->second->mu);
+            if (it->second->md.epoch == md.epoch) {
+                it->second->md = std::move(md);  // refreshed regions, same process
+                return name;
+            }
+            old = it->second;
+        }
+        auto peer = std::make_shared<Peer>();
+        peer->md = std::move(md);
+        peer->backend = backend;
+        peers_[name] = std::move(peer);
+    }
+    if (old) {
+        FERRY_LOG(kInfo, "peer {} restarted: dropping the old epoch", name);
+        ClosePeerStreams(*old, UnavailableError("peer " + name + " restarted with a new epoch"));
+    }
+    return name;
+}
+
+void AgentCore::ClosePeerStreams(Peer& peer, const Status& why) {
+    std::vector<std::shared_ptr<Connection>> conns;
+    {
+        std::lock_guard<std::mutex> lock(peer.mu);
+        for (auto& [b, v] : peer.streams) {
+            for (auto& c : v) {
+                if (c) conns.push_back(c);
+            }
+        }
+        peer.streams.clear();
+    }
+    for (auto& c : conns) {
+        c->Close(why);
+    }
+}
+
+Status AgentCore::RemovePeer(std::string_view name) {
+    std::shared_ptr<Peer> peer;
+    {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        auto it = peers_.find(name);
+        if (it == peers_.end()) {
+            return NotFoundError("RemovePeer: unknown peer " + std::string(name));
+        }
+        peer = std::move(it->second);
+        peers_.erase(it);
+    }
+    ClosePeerStreams(*peer, UnavailableError("peer " + std::string(name) + " was removed"));
+    return Status::Ok();
+}
+
+Result<std::string> AgentCore::PeerBackend(std::string_view name) const {
+    auto peer = FindPeer(name);
+    if (!peer) {
+        return NotFoundError("unknown peer " + std::string(name));
+    }
+    return peer->backend;
+}
+
+std::shared_ptr<AgentCore::Peer> AgentCore::FindPeer(std::string_view name) const {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(name);
+    return it == peers_.end() ? nullptr : it->second;
+}
+
+void AgentCore::TrackConnection(const std::shared_ptr<Connection>& c) {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    if (!shut_down_.load()) {
+        conns_.insert(c);
+    }
+}
+
+Result<std::shared_ptr<Connection>> AgentCore::Dial(Backend& backend, std::string_view address,
+                                                    const std::string& label,
+                                                    wire::Purpose purpose, uint64_t expect_epoch) {
+    if (shut_down_.load()) {
+        return CancelledError("agent " + config_.name + " is shutting down");
+    }
+    bool in_progress = false;
+    FERRY_ASSIGN_OR_RETURN(ScopedFd fd, backend.Dial(address, &in_progress));
+    HandshakeConfig hc;
+    hc.backend = std::string(backend.name());
+    hc.name = config_.name;
+    hc.epoch = epoch_;
+    hc.secret = config_.secret;
+    hc.purpose = purpose;
+    hc.expect_epoch = expect_epoch;
+    if (backend.data_mode() == wire::DataMode::kCma) {
+        hc.probe_addr = reinterpret_cast<uint64_t>(cma_probe_.get());
+        hc.probe_value = *cma_probe_;
+    }
+    auto conn = Connection::Create(NextLoop(), std::move(fd), Connection::Role::kClient,
+                                   std::move(hc), this, label, in_progress);
+    TrackConnection(conn);
+    conn->Start();
+    return conn;
+}
+
+void AgentCore::Accept(Backend* backend, ScopedFd fd) {
+    backend->Configure(fd.get());
+    HandshakeConfig hc;
+    hc.backend = std::string(backend->name());
+    hc.name = config_.name;
+    hc.epoch = epoch_;
+    hc.secret = config_.secret;
+    hc.verify_cma = backend->verify_cma();
+    auto conn = Connection::Create(NextLoop(), std::move(fd), Connection::Role::kServer,
+                                   std::move(hc), this,
+                                   std::string(backend->name()) + " client", false);
+    TrackConnection(conn);
+    conn->Start();
+}
+
+Result<std::vector<std::shared_ptr<Connection>>> AgentCore::Streams(Peer& peer, Backend& backend) {
+    std::lock_guard<std::mutex> lock(peer.mu);
+    const EndpointInfo* ep = peer.md.FindEndpoint(backend.name());
+    if (ep == nullptr) {
+        return FailedPreconditionError("peer " + peer.md.name + " offers no " +
+                                       std::string(backend.name()) + " endpoint");
+    }
+    auto& v = peer.streams[std::string(backend.name())];
+    v.resize(static_cast<size_t>(backend.streams()));
+    for (size_t i = 0; i < v.size(); ++i) {
+        if (!v[i] || v[i]->closed()) {
+            FERRY_ASSIGN_OR_RETURN(
+                v[i], Dial(backend, ep->address,
+                           peer.md.name + " (" + std::string(backend.name()) + " stream " +
+                               std::to_string(i) + ")",
+                           wire::Purpose::kData, peer.md.epoch));
+        }
+    }
+    return v;
+}
+
+Result<std::string> AgentCore::Connect(std::string_view host_port,
+                                       std::chrono::milliseconds timeout) {
+    Backend* tcp = FindBackend("tcp");
+    struct Fetch {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+        Status status;
+        std::string blob;
+    };
+    auto fetch = std::make_shared<Fetch>();
+    FERRY_ASSIGN_OR_RETURN(auto conn, Dial(*tcp, host_port, "side channel " + std::string(host_port),
+                                           wire::Purpose::kSideChannel, 0));
+    OutFrame f;
+    f.request_id = NextRequestId();
+    f.head = wire::MakeFrame(wire::FrameType::kGetMetadata, f.request_id, {});
+    f.expects_response = true;
+    f.expect.callback = [fetch](const Status& s, std::string_view body) {
+        std::lock_guard<std::mutex> lock(fetch->mu);
+        if (fetch->done) return;
+        fetch->done = true;
+        fetch->status = s;
+        fetch->blob = std::string(body);
+        fetch->cv.notify_all();
+    };
+    conn->Send(std::move(f));
+    std::unique_lock<std::mutex> lock(fetch->mu);
+    bool done = fetch->cv.wait_for(lock, timeout, [&] { return fetch->done; });
+    lock.unlock();
+    conn->Close(CancelledError("metadata fetched"));
+    if (!done) {
+        return DeadlineExceededError("Connect " + std::string(host_port) + ": no metadata within " +
+                                     std::to_string(timeout.count()) + " ms");
+    }
+    if (!fetch->status.ok()) {
+        return fetch->status.WithContext("Connect " + std::string(host_port));
+    }
+    return AddPeer(fetch->blob);
+}
+
+// --- Transfers ------------------------------------------------------------------------------
+
+Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descriptor> local,
+                                 std::string_view peer_name, std::span<const Descriptor> remote,
+                                 const TransferOptions& options) {
+    if (shut_down_.load()) {
+        return CancelledError("agent " + config_.name + " is shutting down");
+    }
+    std::shared_ptr<Peer> peer = FindPeer(peer_name);
+    if (!peer) {
+        return NotFoundError("unknown peer " + std::string(peer_name) +
+                             " (AddPeer or Connect first)");
+    }
+    if (options.notification && options.notification->size() > wire::kMaxNotificationLen) {
+        return InvalidArgumentError("notification of " +
+                                    std::to_string(options.notification->size()) +
+                                    " bytes exceeds the limit of " +
+                                    std::to_string(wire::kMaxNotificationLen));
+    }
+    std::string backend_name = options.backend.empty() ? peer->backend : options.backend;
+    Backend* backend = FindBackend(backend_name);
+    if (backend == nullptr ||
+        std::find(enabled_.begin(), enabled_.end(), backend_name) == enabled_.end()) {
+        return InvalidArgumentError("backend '" + backend_name + "' is not enabled on agent " +
+                                    config_.name);
+    }
+
+    // Local side: resolve, check bounds, pin.
+    std::unordered_map<RegionId, std::shared_ptr<RegionEntry>> local_entries;
+    std::unordered_map<RegionId, RegionView> local_views;
+    auto find_local = [&](RegionId id) -> const RegionView* {
+        auto it = local_views.find(id);
+        if (it != local_views.end()) return &it->second;
+        auto e = regions_.Find(id);
+        if (!e) return nullptr;
+        local_entries[id] = e;
+        return &(local_views[id] = RegionView{e->base, e->length, e->key});
+    };
+    std::vector<Run> local_runs;
+    FERRY_RETURN_IF_ERROR(ExpandDescriptors(local, find_local, "local", &local_runs));
+
+    // Remote side: against the peer's published regions (the target checks again).
+    std::unordered_map<RegionId, RegionView> remote_views;
+    {
+        std::lock_guard<std::mutex> lock(peer->mu);
+        for (const RemoteRegion& r : peer->md.regions) {
+            remote_views[r.id] = RegionView{nullptr, r.length, r.key};
+        }
+    }
+    auto find_remote = [&](RegionId id) -> const RegionView* {
+        auto it = remote_views.find(id);
+        return it == remote_views.end() ? nullptr : &it->second;
+    };
+    std::vector<Run> remote_runs;
+    FERRY_RETURN_IF_ERROR(ExpandDescriptors(remote, find_remote, "remote", &remote_runs)
+                              .WithContext("peer " + std::string(peer_name)));
+    FERRY_ASSIGN_OR_RETURN(auto segments, PairRuns(local_runs, remote_runs));
+
+    std::vector<RegionPin> pins;
+    for (auto& [id, e] : local_entries) {
+        FERRY_ASSIGN_OR_RETURN(RegionPin p, regions_.PinLocal(id));
+        pins.push_back(std::move(p));
+    }
+
+    FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
+    uint64_t total = 0;
+    for (const auto& s : segments) total += s.remote.length;
+    uint64_t per_stream = (total + streams.size() - 1) / streams.size();
+    uint64_t chunk_bytes = std::clamp<uint64_t>(per_stream, kMinChunk, kMaxChunk);
+    std::vector<Chunk> chunks = MakeChunks(segments, chunk_bytes, wire::kMaxSegmentsPerFrame);
+
+    wire::DataMode mode = backend->data_mode();
+    auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
+    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total,
+                                           Clock::now() + timeout, std::string(peer_name), mode);
+    std::function<void()> on_success;
+    if (options.notification) {
+        std::shared_ptr<Connection> control = streams[0];
+        std::string payload = *options.notification;
+        on_success = [control, payload = std::move(payload)] {
+            OutFrame n;
+            n.head = wire::MakeFrame(wire::FrameType::kNotify, 0, payload);
+            control->Send(std::move(n));
+        };
+    }
+    op->Arm(static_cast<uint32_t>(chunks.size()), std::move(pins), std::move(on_success));
+    {
+        std::lock_guard<std::mutex> lock(ops_mu_);
+        ops_[op->id()] = op;
+    }
+    size_t first = static_cast<size_t>(peer->next_stream++);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+        Chunk& c = chunks[i];
+        const auto& conn = streams[(first + i) % streams.size()];
+        op->AddConnection(conn);
+        wire::DataRequest req;
+        req.mode = mode;
+        req.segments = std::move(c.remote);
+        if (mode == wire::DataMode::kCma) {
+            req.initiator_iov = c.local;
+        }
+        OutFrame f;
+        f.request_id = NextRequestId();
+        f.expects_response = true;
+        f.expect.op = op;
+        f.expect.cma = (mode == wire::DataMode::kCma);
+        bool inline_write = kind == TransferOp::Kind::kWrite && mode == wire::DataMode::kInline;
+        f.head = wire::MakeFrame(
+            kind == TransferOp::Kind::kWrite ? wire::FrameType::kWrite : wire::FrameType::kRead,
+            f.request_id, wire::EncodeDataRequest(req), inline_write ? c.bytes : 0);
+        if (inline_write) {
+            f.payload = std::move(c.local);
+            f.op = op;
+        } else if (kind == TransferOp::Kind::kRead && mode == wire::DataMode::kInline) {
+            f.expect.local = std::move(c.local);
+            f.expect.local_bytes = c.bytes;
+        }
+        conn->Send(std::move(f));
+    }
+    return Transfer(op);
+}
+
+// --- Notifications ----------------------------------------------------------------------------
+
+Status AgentCore::Notify(std::string_view peer_name, std::string_view payload) {
+    if (payload.size() > wire::kMaxNotificationLen) {
+        return InvalidArgumentError("notification of " + std::to_string(payload.size()) +
+                                    " bytes exceeds the limit of " +
+                                    std::to_string(wire::kMaxNotificationLen));
+    }
+    std::shared_ptr<Peer> peer = FindPeer(peer_name);
+    if (!peer) {
+        return NotFoundError("unknown peer " + std::string(peer_name));
+    }
+    FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *FindBackend(peer->backend)));
+    OutFrame f;
+    f.head = wire::MakeFrame(wire::FrameType::kNotify, 0, payload);
+    streams[0]->Send(std::move(f));
+    return Status::Ok();
+}
+
+std::vector<Notification> AgentCore::TakeNotifications() {
+    std::lock_guard<std::mutex> lock(notes_mu_);
+    std::vector<Notification> out(std::make_move_iterator(notes_.begin()),
+                                  std::make_move_iterator(notes_.end()));
+    notes_.clear();
+    notes_bytes_ = 0;
+    return out;
+}
+
+std::vector<Notification> AgentCore::WaitNotifications(Clock::time_point deadline) {
+    {
+        std::unique_lock<std::mutex> lock(notes_mu_);
+        notes_cv_.wait_until(lock, deadline, [&] { return !notes_.empty() || shut_down_.load(); });
+    }
+    return TakeNotifications();
+}
+
+// --- Named objects ----------------------------------------------------------------------------
+
+Status AgentCore::Publish(std::string key, std::vector<Descriptor> descriptors) {
+    if (key.empty() || key.size() > wire::kMaxKeyLen) {
+        return InvalidArgumentError("Publish: key must be 1.." + std::to_string(wire::kMaxKeyLen) +
+                                    " bytes");
+    }
+    std::vector<Run> runs;
+    std::unordered_map<RegionId, RegionView> views;
+    FERRY_RETURN_IF_ERROR(ExpandDescriptors(
+        descriptors,
+        [&](RegionId id) -> const RegionView* {
+            auto e = regions_.Find(id);
+            if (!e) return nullptr;
+            return &(views[id] = RegionView{e->base, e->length, e->key});
+        },
+        "Publish", &runs));
+    uint64_t total = 0;
+    for (const Run& r : runs) total += r.length;
+    if (total > wire::kMaxPayload) {
+        return InvalidArgumentError("Publish: object of " + std::to_string(total) +
+                                    " bytes exceeds the limit of " +
+                                    std::to_string(wire::kMaxPayload));
+    }
+    std::lock_guard<std::mutex> lock(objects_mu_);
+    objects_[std::move(key)] = std::move(descriptors);
+    return Status::Ok();
+}
+
+Status AgentCore::Unpublish(std::string_view key) {
+    std::lock_guard<std::mutex> lock(objects_mu_);
+    auto it = objects_.find(key);
+    if (it == objects_.end()) {
+        return NotFoundError("Unpublish: no object '" + std::string(key) + "'");
+    }
+    objects_.erase(it);
+    return Status::Ok();
+}
+
+Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_view key,
+                                        const Descriptor& local,
+                                        std::chrono::milliseconds timeout) {
+    if (key.empty() || key.size() > wire::kMaxKeyLen) {
+        return InvalidArgumentError("PullByKey: key must be 1.." +
+                                    std::to_string(wire::kMaxKeyLen) + " bytes");
+    }
+    std::shared_ptr<Peer> peer = FindPeer(peer_name);
+    if (!peer) {
+        return NotFoundError("unknown peer " + std::string(peer_name));
+    }
+    std::shared_ptr<RegionEntry> entry = regions_.Find(local.region);
+    if (!entry) {
+        return NotFoundError("PullByKey: no local region " + std::to_string(local.region));
+    }
+    RegionView view{entry->base, entry->length, entry->key};
+    std::vector<Run> runs;
+    FERRY_RETURN_IF_ERROR(ExpandDescriptors(
+        std::span<const Descriptor>(&local, 1),
+        [&](RegionId id) -> const RegionView* { return id == local.region ? &view : nullptr; },
+        "PullByKey local", &runs));
+    std::vector<iovec> iov;
+    uint64_t capacity = 0;
+    for (const Run& r : runs) {
+        iov.push_back(iovec{r.base + r.offset, r.length});
+        capacity += r.length;
+    }
+    capacity = std::min<uint64_t>(capacity, wire::kMaxPayload);
+    FERRY_ASSIGN_OR_RETURN(RegionPin pin, regions_.PinLocal(local.region));
+    Backend* backend = FindBackend(peer->backend);
+    FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
+    wire::DataMode mode = backend->data_mode();
+    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), TransferOp::Kind::kPull,
+                                           capacity, Clock::now() + timeout,
+                                           std::string(peer_name), mode);
+    std::vector<RegionPin> pins;
+    pins.push_back(std::move(pin));
+    op->Arm(1, std::move(pins), nullptr);
+    op->AddConnection(streams[0]);
+    {
+        std::lock_guard<std::mutex> lock(ops_mu_);
+        ops_[op->id()] = op;
+    }
+    wire::PullRequest req;
+    req.key = std::string(key);
+    req.capacity = capacity;
+    req.mode = mode;
+    OutFrame f;
+    f.request_id = NextRequestId();
+    f.expects_response = true;
+    f.expect.op = op;
+    f.expect.cma = mode == wire::DataMode::kCma;
+    if (mode == wire::DataMode::kCma) {
+        req.initiator_iov = iov;
+    } else {
+        f.expect.local = iov;
+        f.expect.local_bytes = capacity;
+    }
+    f.head = wire::MakeFrame(wire::FrameType::kPull, f.request_id, wire::EncodePullRequest(req));
+    streams[0]->Send(std::move(f));
+    Transfer handle(op);  // cancels on scope exit if still pending
+    Status s = op->Wait(op->deadline() + std::chrono::seconds(5));
+    if (!s.ok()) {
+        return s;
+    }
+    uint64_t size = op->pull_size().value_or(0);
+    return PullResult{size, size <= capacity};
+}
+
+// --- Target side ------------------------------------------------------------------------------
+
+void AgentCore::Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value) {
+    OutFrame f;
+    f.head = wire::MakeFrame(wire::FrameType::kResponse, request_id,
+                             wire::EncodeResponse({s.code(), s.message(), value}));
+    conn.SendNow(std::move(f));
+}
+
+Status AgentCore::PinSegments(const std::vector<wire::Segment>& segs,
+                              std::vector<RegionPin>* pins, std::vector<iovec>* iov) {
+    iov->reserve(segs.size());
+    RegionId last = 0;
+    for (const wire::Segment& s : segs) {
+        FERRY_ASSIGN_OR_RETURN(RegionPin p, regions_.PinRemote(s.region, s.key, s.offset, s.length));
+        iov->push_back(iovec{p.entry()->base + s.offset, s.length});
+        // One pin per distinct region is enough; consecutive segments usually share one.
+        if (pins->empty() || last != s.region) {
+            last = s.region;
+            pins->push_back(std::move(p));
+        }
+    }
+    return Status::Ok();
+}
+
+void AgentCore::OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
+    switch (h.type) {
+        case wire::FrameType::kNotify: {
+            if (body.size() > wire::kMaxNotificationLen) {
+                conn.Close(InvalidArgumentError("notification over the size limit"));
+                return;
+            }
+            std::lock_guard<std::mutex> lock(notes_mu_);
+            if (notes_bytes_ + body.size() > kMaxQueuedNotificationBytes) {
+                FERRY_LOG(kWarn, "dropping a notification from {}: {} bytes already queued "
+                          "(call TakeNotifications)", conn.peer_name(), notes_bytes_);
+                return;
+            }
+            notes_bytes_ += body.size();
+            notes_.push_back(Notification{conn.peer_name(), std::string(body)});
+            notes_cv_.notify_all();
+            return;
+        }
+        case wire::FrameType::kGetMetadata: {
+            OutFrame f;
+            f.head = wire::MakeFrame(wire::FrameType::kMetadata, h.request_id, Metadata());
+            conn.SendNow(std::move(f));
+            return;
+        }
+        case wire::FrameType::kPull:
+            ServePull(conn, h, body);
+            return;
+        case wire::FrameType::kWrite:
+        case wire::FrameType::kRead:
+            ServeData(conn, h, body);
+            return;
+        default:
+            conn.Close(InvalidArgumentError("unexpected request type"));
+    }
+}
+
+void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
+    bool write = h.type == wire::FrameType::kWrite;
+    Result<wire::DataRequest> req = wire::DecodeDataRequest(body);
+    if (!req.ok()) {
+        conn.Close(InvalidArgumentError("malformed " + std::string(write ? "write" : "read") +
+                                        " request from " + conn.peer_name() + ": " +
+                                        req.status().message()));
+        return;
+    }
+    bool inline_mode = req->mode == wire::DataMode::kInline;
+    uint64_t expected_payload = write && inline_mode ? req->TotalLength() : 0;
+    if (h.payload_len != expected_payload) {
+        conn.Close(InvalidArgumentError("request from " + conn.peer_name() + " carries " +
+                                        std::to_string(h.payload_len) +
+                                        " payload bytes for segments of " +
+                                        std::to_string(expected_payload)));
+        return;
+    }
+    std::vector<RegionPin> pins;
+    std::vector<iovec> iov;
+    Status s = PinSegments(req->segments, &pins, &iov);
+    uint64_t id = h.request_id;
+    if (!s.ok()) {
+        FERRY_LOG(kInfo, "refusing {} from {}: {}", write ? "write" : "read", conn.peer_name(),
+                  s.ToString());
+    }
+    if (!inline_mode) {
+        if (s.ok() && conn.cma_pid() == 0) {
+            s = FailedPreconditionError("cma transfer on a stream without a verified peer");
+        }
+        if (s.ok() && !conn.PeerStillThere()) {
+            return;  // the initiator hung up (cancelled): do not touch its memory
+        }
+        if (s.ok()) {
+            s = CmaCopy(conn.cma_pid(), iov, req->initiator_iov, /*to_peer=*/!write);
+        }
+        pins.clear();
+        Respond(conn, id, s);
+        return;
+    }
+    if (write) {
+        PayloadSink sink;
+        if (s.ok()) {
+            sink.iov = std::move(iov);
+            sink.pins = std::move(pins);
+        }
+        std::weak_ptr<Connection> weak = conn.shared_from_this();
+        sink.done = [this, weak, id, s](const Status& st) {
+            auto c = weak.lock();
+            if (c && st.ok()) Respond(*c, id, s);
+        };
+        conn.SetPayloadSink(std::move(sink));
+        return;
+    }
+    // Inline read: the response carries the bytes straight from the region.
+    if (!s.ok()) {
+        Respond(conn, id, s);
+        return;
+    }
+    OutFrame f;
+    f.head = wire::MakeFrame(wire::FrameType::kResponse, id, wire::EncodeResponse({}),
+                             req->TotalLength());
+    f.if_revoked = wire::MakeFrame(
+        wire::FrameType::kResponse, id,
+        wire::EncodeResponse({Code::kNotFound, "region deregistered during the read", 0}));
+    f.payload = std::move(iov);
+    f.pins = std::move(pins);
+    conn.SendNow(std::move(f));
+}
+
+void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
+    Result<wire::PullRequest> req = wire::DecodePullRequest(body);
+    if (!req.ok()) {
+        conn.Close(InvalidArgumentError("malformed pull request from " + conn.peer_name() + ": " +
+                                        req.status().message()));
+        return;
+    }
+    std::vector<Descriptor> descs;
+    {
+        std::lock_guard<std::mutex> lock(objects_mu_);
+        auto it = objects_.find(req->key);
+        if (it == objects_.end()) {
+            Respond(conn, h.request_id, NotFoundError("no object '" + req->key + "'"));
+            return;
+        }
+        descs = it->second;
+    }
+    std::vector<Run> runs;
+    std::unordered_map<RegionId, RegionView> views;
+    std::vector<RegionPin> pins;
+    Status s = ExpandDescriptors(
+        descs,
+        [&](RegionId id) -> const RegionView* {
+            auto e = regions_.Find(id);
+            if (!e) return nullptr;
+            return &(views[id] = RegionView{e->base, e->length, e->key});
+        },
+        "object '" + req->key + "'", &runs);
+    uint64_t size = 0;
+    std::vector<iovec> iov;
+    for (const Run& r : runs) {
+        size += r.length;
+        iov.push_back(iovec{r.base + r.offset, r.length});
+    }
+    if (s.ok()) {
+        for (auto& [id, v] : views) {
+            Result<RegionPin> p = regions_.PinLocal(id);
+            if (!p.ok()) {
+                s = p.status();
+                break;
+            }
+            pins.push_back(std::move(*p));
+        }
+    }
+    if (!s.ok()) {
+        Respond(conn, h.request_id,
+                s.code() == Code::kNotFound ? NotFoundError(s.message()) : s);
+        return;
+    }
+    if (size > req->capacity) {
+        Respond(conn, h.request_id, Status::Ok(), size);  // too small: just the size
+        return;
+    }
+    if (req->mode == wire::DataMode::kCma) {
+        if (conn.cma_pid() == 0) {
+            s = FailedPreconditionError("cma pull on a stream without a verified peer");
+        } else if (!conn.PeerStillThere()) {
+            return;
+        } else {
+            s = CmaCopy(conn.cma_pid(), iov, req->initiator_iov, /*to_peer=*/true);
+        }
+        Respond(conn, h.request_id, s, size);
+        return;
+    }
+    OutFrame f;
+    f.head = wire::MakeFrame(wire::FrameType::kResponse, h.request_id,
+                             wire::EncodeResponse({Code::kOk, "", size}), size);
+    f.if_revoked = wire::MakeFrame(
+        wire::FrameType::kResponse, h.request_id,
+        wire::EncodeResponse({Code::kNotFound, "object's region deregistered during the pull", 0}));
+    f.payload = std::move(iov);
+    f.pins = std::move(pins);
+    conn.SendNow(std::move(f));
+}
+
+void AgentCore::OnClosed(Connection& conn, const Status& /*why*/) {
+    std::shared_ptr<Connection> self = conn.shared_from_this();
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    conns_.erase(self);
+}
+
+void AgentCore::Tick() {
+    auto now = Clock::now();
+    std::vector<std::shared_ptr<TransferOp>> expired;
+    {
+        std::lock_guard<std::mutex> lock(ops_mu_);
+        for (auto it = ops_.begin(); it != ops_.end();) {
+            auto op = it->second.lock();
+            if (!op || op->finished()) {
+                it = ops_.erase(it);
+                continue;
+            }
+            if (now >= op->deadline()) {
+                expired.push_back(std::move(op));
+            }
+            ++it;
+        }
+    }
+    for (auto& op : expired) {
+        op->Fail(DeadlineExceededError("transfer " + std::to_string(op->id()) + " to " +
+                                       op->peer() + " (" + std::to_string(op->bytes()) +
+                                       " bytes) missed its deadline"));
+    }
+    std::vector<std::shared_ptr<Connection>> stale;
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        for (const auto& c : conns_) {
+            if (!c->ready() && !c->closed() && now - c->created() > kHandshakeTimeout) {
+                stale.push_back(c);
+            }
+        }
+    }
+    for (auto& c : stale) {
+        c->Close(DeadlineExceededError("handshake not completed within 10 s"));
+    }
+}
+
+}  // namespace ferry::internal

@@ -1,0 +1,140 @@
+// AgentCore: the implementation behind ferry::Agent. Owns the region table, the I/O loops, the
+// backends and their listeners, the peers and their connections, the live transfers, the
+// received notifications and the published objects. It is also the target: it serves peers'
+// requests after checking every descriptor.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ferry/agent.h"
+#include "transfer/backend.h"
+#include "transfer/connection.h"
+#include "transfer/io_loop.h"
+#include "transfer/metadata.h"
+#include "transfer/region_table.h"
+#include "transfer/transfer_op.h"
+
+namespace ferry::internal {
+
+class AgentCore final : public ConnectionOwner, public std::enable_shared_from_this<AgentCore> {
+public:
+    static Result<std::shared_ptr<AgentCore>> Create(AgentConfig config);
+    ~AgentCore() override;
+    void Shutdown();
+
+    const std::string& name() const { return config_.name; }
+    uint64_t epoch() const { return epoch_; }
+    std::string ListenAddress() const { return side_channel_address_; }
+
+    Result<RegionInfo> RegisterMemory(void* ptr, size_t length);
+    Result<RegionInfo> AllocateRegion(size_t length);
+    Status Deregister(RegionId id);
+    std::vector<RegionInfo> Regions() const { return regions_.List(); }
+
+    std::string Metadata() const;
+    Result<std::string> AddPeer(std::string_view blob);
+    Result<std::string> Connect(std::string_view host_port, std::chrono::milliseconds timeout);
+    Status RemovePeer(std::string_view name);
+    Result<std::string> PeerBackend(std::string_view name) const;
+
+    Result<Transfer> Post(TransferOp::Kind kind, std::span<const Descriptor> local,
+                          std::string_view peer, std::span<const Descriptor> remote,
+                          const TransferOptions& options);
+
+    Status Notify(std::string_view peer, std::string_view payload);
+    std::vector<Notification> TakeNotifications();
+    std::vector<Notification> WaitNotifications(Clock::time_point deadline);
+
+    Status Publish(std::string key, std::vector<Descriptor> descriptors);
+    Status Unpublish(std::string_view key);
+    Result<PullResult> PullByKey(std::string_view peer, std::string_view key,
+                                 const Descriptor& local, std::chrono::milliseconds timeout);
+
+    // ConnectionOwner (loop threads).
+    void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) override;
+    void OnClosed(Connection& conn, const Status& why) override;
+
+private:
+    struct Peer {
+        AgentMetadata md;
+        std::string backend;  // chosen for this peer
+        std::mutex mu;
+        std::map<std::string, std::vector<std::shared_ptr<Connection>>> streams;
+        uint64_t next_stream = 0;
+    };
+
+    class Acceptor;
+
+    explicit AgentCore(AgentConfig config);
+    Status Start();
+    Backend* FindBackend(std::string_view name) const;
+    Result<std::string> ChooseBackend(const AgentMetadata& peer) const;
+    AgentMetadata SelfMetadata() const;
+    std::shared_ptr<Peer> FindPeer(std::string_view name) const;
+    // The peer's connections over `backend`, dialing the missing or closed ones.
+    Result<std::vector<std::shared_ptr<Connection>>> Streams(Peer& peer, Backend& backend);
+    Result<std::shared_ptr<Connection>> Dial(Backend& backend, std::string_view address,
+                                             const std::string& label, wire::Purpose purpose,
+                                             uint64_t expect_epoch);
+    void Accept(Backend* backend, ScopedFd fd);
+    void TrackConnection(const std::shared_ptr<Connection>& c);
+    IoLoop* NextLoop();
+    void Tick();
+    void ClosePeerStreams(Peer& peer, const Status& why);
+    uint64_t NextRequestId() { return next_request_id_.fetch_add(1); }
+
+    // Target side.
+    void ServeData(Connection& conn, const wire::FrameHeader& h, std::string_view body);
+    void ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body);
+    void Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value = 0);
+    Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
+                       std::vector<iovec>* iov);
+
+    const AgentConfig config_;
+    const uint64_t epoch_;
+    const std::string host_id_;
+    // Read by the peer in the shm handshake to prove it may attach to this process.
+    const std::unique_ptr<uint64_t> cma_probe_;
+
+    RegionTable regions_;
+    std::vector<std::unique_ptr<IoLoop>> loops_;
+    std::atomic<uint64_t> next_loop_{0};
+    std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;  // enabled + side channel
+    std::vector<std::string> enabled_;  // offered and usable, in preference order
+    std::map<std::string, std::string, std::less<>> endpoints_;  // backend -> published address
+    std::vector<ScopedFd> listeners_;
+    std::vector<std::shared_ptr<EventHandler>> acceptors_;
+    std::string side_channel_address_;
+
+    mutable std::mutex peers_mu_;
+    std::map<std::string, std::shared_ptr<Peer>, std::less<>> peers_;
+
+    std::mutex conns_mu_;
+    std::set<std::shared_ptr<Connection>> conns_;
+
+    std::mutex ops_mu_;
+    std::unordered_map<uint64_t, std::weak_ptr<TransferOp>> ops_;
+    std::atomic<uint64_t> next_op_id_{1};
+    std::atomic<uint64_t> next_request_id_{1};
+
+    std::mutex notes_mu_;
+    std::condition_variable notes_cv_;
+    std::deque<Notification> notes_;
+    size_t notes_bytes_ = 0;
+
+    mutable std::mutex objects_mu_;
+    std::map<std::string, std::vector<Descriptor>, std::less<>> objects_;
+
+    std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace ferry::internal

@@ -1,0 +1,843 @@
+#include "transfer/connection.h"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <condition_variable>
+#include <cstring>
+
+#include "core/log.h"
+
+namespace ferry::internal {
+
+namespace {
+
+constexpr size_t kReadBufferSize = 256 * 1024;
+constexpr size_t kMaxIovPerCall = 256;
+constexpr size_t kMaxBytesPerEvent = 32u << 20;  // fairness between connections on one loop
+constexpr size_t kZeroBufSize = 1u << 20;
+
+const char* ZeroBuffer() {
+    static const std::vector<char> zeros(kZeroBufSize, 0);
+    return zeros.data();
+}
+
+// Discard target for payloads nobody may receive.
+char* ScratchBuffer() {
+    static thread_local std::vector<char> scratch(kReadBufferSize);
+    return scratch.data();
+}
+
+}  // namespace
+
+void Expectation::Fail(const Status& s) const {
+    if (op) {
+        op->ChunkDone(s);
+    }
+    if (callback) {
+        callback(s, {});
+    }
+}
+
+std::shared_ptr<Connection> Connection::Create(IoLoop* loop, ScopedFd fd, Role role,
+                                               HandshakeConfig config, ConnectionOwner* owner,
+                                               std::string label, bool connecting) {
+    return std::shared_ptr<Connection>(new Connection(loop, std::move(fd), role, std::move(config),
+                                                      owner, std::move(label), connecting));
+}
+
+Connection::Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig config,
+                       ConnectionOwner* owner, std::string label, bool connecting)
+    : loop_(loop), fd_(std::move(fd)), role_(role), config_(std::move(config)), owner_(owner),
+      label_(std::move(label)), created_(std::chrono::steady_clock::now()),
+      state_(role == Role::kServer ? State::kAwaitHello
+                                   : (connecting ? State::kConnecting : State::kAwaitHelloAck)),
+      rbuf_(kReadBufferSize) {
+    purpose_ = config_.purpose;
+    my_nonce_ = RandomNonce();
+}
+
+Connection::~Connection() = default;
+
+void Connection::Start() {
+    auto self = shared_from_this();
+    loop_->Post([self] {
+        if (self->closed_.load()) {
+            return;
+        }
+        uint32_t events = EPOLLIN | EPOLLRDHUP;
+        if (self->state_ == State::kConnecting) {
+            events |= EPOLLOUT;
+        }
+        Status s = self->loop_->Watch(self->fd_.get(), events, self);
+        if (!s.ok()) {
+            self->CloseNow(s);
+            return;
+        }
+        if (self->state_ == State::kAwaitHelloAck) {
+            // Client socket already connected (blocking connect or socketpair).
+            self->state_ = State::kConnecting;
+            self->OnEvents(EPOLLOUT);
+        }
+    });
+}
+
+void Connection::Send(OutFrame f) {
+    bool post = false;
+    {
+        std::lock_guard<std::mutex> lock(in_mu_);
+        if (!in_closed_) {
+            incoming_.push_back(std::move(f));
+            if (!flush_posted_) {
+                flush_posted_ = true;
+                post = true;
+            }
+            f.expects_response = false;
+        }
+    }
+    if (f.expects_response) {  // not queued: the connection is closed
+        f.expect.Fail(UnavailableError(config_.backend + ": connection to " + label_ +
+                                       " is closed"));
+        return;
+    }
+    if (post) {
+        auto self = shared_from_this();
+        loop_->Post([self] { self->FlushIncoming(); });
+    }
+}
+
+void Connection::Close(const Status& why) {
+    if (closed_.load()) {
+        return;
+    }
+    auto self = shared_from_this();
+    loop_->Post([self, why] { self->CloseNow(why); });
+}
+
+void Connection::CloseAndWait(const Status& why) {
+    auto self = shared_from_this();
+    if (!loop_->RunSync([self, why] { self->CloseNow(why); })) {
+        // Loop stopped: nothing runs on it any more, so nothing touches memory either.
+        closed_.store(true);
+    }
+}
+
+void Connection::FlushIncoming() {
+    std::vector<OutFrame> frames;
+    {
+        std::lock_guard<std::mutex> lock(in_mu_);
+        frames.swap(incoming_);
+        flush_posted_ = false;
+    }
+    for (OutFrame& f : frames) {
+        Enqueue(std::move(f));
+    }
+    TryWrite();
+}
+
+void Connection::SendNow(OutFrame f) {
+    Enqueue(std::move(f));
+    TryWrite();
+}
+
+void Connection::Enqueue(OutFrame f) {
+    if (closed_.load()) {
+        if (f.expects_response) {
+            f.expect.Fail(UnavailableError(config_.backend + ": connection to " + label_ +
+                                           " is closed"));
+        }
+        return;
+    }
+    if (state_ != State::kReady) {
+        held_.push_back(std::move(f));
+        return;
+    }
+    if (f.expects_response) {
+        pending_.emplace(f.request_id, std::move(f.expect));
+        f.expects_response = false;
+    }
+    sendq_.push_back(std::move(f));
+}
+
+void Connection::SendHandshakeFrame(wire::FrameType type, std::string_view body) {
+    OutFrame f;
+    f.head = wire::MakeFrame(type, 0, body);
+    sendq_.push_back(std::move(f));
+    TryWrite();
+}
+
+void Connection::BecomeReady() {
+    state_ = State::kReady;
+    ready_.store(true);
+    std::vector<OutFrame> held;
+    held.swap(held_);
+    for (OutFrame& f : held) {
+        Enqueue(std::move(f));
+    }
+    TryWrite();
+}
+
+void Connection::SetPayloadSink(PayloadSink sink) {
+    sink_ = std::move(sink);
+    sink_idx_ = 0;
+    sink_off_ = 0;
+}
+
+bool Connection::HoldsRegion(RegionId id) const {
+    auto holds = [id](const std::vector<RegionPin>& pins) {
+        for (const RegionPin& p : pins) {
+            if (p.entry() != nullptr && p.entry()->id == id) {
+                return true;
+            }
+        }
+        return false;
+    };
+    if (in_payload_ && holds(sink_.pins)) {
+        return true;
+    }
+    return !sendq_.empty() && front_started_ && holds(sendq_.front().pins);
+}
+
+bool Connection::PeerStillThere() const {
+    char c;
+    ssize_t r = recv(fd_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return !(r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR));
+}
+
+void Connection::CloseNow(const Status& why) {
+    if (closed_.exchange(true)) {
+        return;
+    }
+    std::vector<OutFrame> incoming;
+    {
+        std::lock_guard<std::mutex> lock(in_mu_);
+        in_closed_ = true;
+        incoming.swap(incoming_);
+    }
+    if (why.code() == Code::kUnavailable || why.code() == Code::kCancelled) {
+        FERRY_LOG(kInfo, "{}: {}: closed: {}", config_.backend, label_, why.ToString());
+    } else {
+        FERRY_LOG(kWarn, "{}: {}: closing: {}", config_.backend, label_, why.ToString());
+    }
+    if (fd_.valid()) {
+        loop_->Unwatch(fd_.get());
+        fd_.Reset();
+    }
+    Status failure = why.code() == Code::kPermissionDenied || why.code() == Code::kDeadlineExceeded
+                         ? why
+                         : UnavailableError(config_.backend + ": connection to " + label_ +
+                                            " lost: " + why.message());
+    auto pending = std::move(pending_);
+    pending_.clear();
+    for (auto& [id, e] : pending) {
+        e.Fail(failure);
+    }
+    for (OutFrame& f : held_) {
+        if (f.expects_response) f.expect.Fail(failure);
+    }
+    for (OutFrame& f : incoming) {
+        if (f.expects_response) f.expect.Fail(failure);
+    }
+    held_.clear();
+    sendq_.clear();
+    if (in_payload_ && sink_.done) {
+        auto done = std::move(sink_.done);
+        sink_ = PayloadSink{};
+        done(failure);
+    }
+    sink_ = PayloadSink{};
+    in_payload_ = false;
+    owner_->OnClosed(*this, why);
+}
+
+void Connection::UpdateInterest() {
+    if (!fd_.valid()) {
+        return;
+    }
+    bool want = !sendq_.empty();
+    if (want != want_write_) {
+        want_write_ = want;
+        loop_->Modify(fd_.get(), EPOLLIN | EPOLLRDHUP | (want ? EPOLLOUT : 0u));
+    }
+}
+
+void Connection::TryWrite() {
+    while (!sendq_.empty() && !closed_.load()) {
+        iovec iov[kMaxIovPerCall];
+        size_t n_iov = 0;
+        size_t batch_bytes = 0;
+        std::unique_lock<std::mutex> op_lock;
+        bool zero_fill = false;
+        size_t frames_in_batch = 0;
+        for (auto it = sendq_.begin(); it != sendq_.end() && n_iov + 2 < kMaxIovPerCall; ++it) {
+            OutFrame& f = *it;
+            bool first = (it == sendq_.begin());
+            if (!first && (f.op || !f.pins.empty())) {
+                break;  // frames touching memory go first in their own call
+            }
+            size_t skip = first ? front_sent_ : 0;
+            if (first && !front_started_) {
+                front_started_ = true;
+                bool revoked = false;
+                for (const RegionPin& p : f.pins) revoked |= p.revoked();
+                if (revoked) {
+                    f.head = std::move(f.if_revoked);
+                    f.payload.clear();
+                    f.pins.clear();
+                }
+            }
+            if (f.op) {
+                op_lock = std::unique_lock<std::mutex>(f.op->io_mu);
+                zero_fill = f.op->io_closed;
+            }
+            // Head.
+            if (skip < f.head.size()) {
+                iov[n_iov++] = iovec{f.head.data() + skip, f.head.size() - skip};
+                batch_bytes += f.head.size() - skip;
+                skip = 0;
+            } else {
+                skip -= f.head.size();
+            }
+            // Payload.
+            for (const iovec& p : f.payload) {
+                if (n_iov >= kMaxIovPerCall) break;
+                if (skip >= p.iov_len) {
+                    skip -= p.iov_len;
+                    continue;
+                }
+                size_t len = p.iov_len - skip;
+                if (zero_fill) {
+                    len = std::min(len, kZeroBufSize);
+                    iov[n_iov++] = iovec{const_cast<char*>(ZeroBuffer()), len};
+                } else {
+                    iov[n_iov++] = iovec{static_cast<char*>(p.iov_base) + skip, len};
+                }
+                batch_bytes += len;
+                skip = 0;
+                if (zero_fill) break;
+            }
+            ++frames_in_batch;
+            if (f.op || !f.pins.empty() || batch_bytes >= (8u << 20)) {
+                break;
+            }
+        }
+        if (n_iov == 0) {
+            // Empty frame (cannot happen: every frame has a header). Drop it defensively.
+            sendq_.pop_front();
+            front_sent_ = 0;
+            front_started_ = false;
+            continue;
+        }
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = n_iov;
+        ssize_t w = sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (op_lock.owns_lock()) {
+            op_lock.unlock();
+        }
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                break;
+            }
+            CloseNow(UnavailableError(std::string("send: ") + std::strerror(errno)));
+            return;
+        }
+        // Retire fully written frames.
+        size_t written = static_cast<size_t>(w);
+        while (written > 0 && !sendq_.empty()) {
+            OutFrame& f = sendq_.front();
+            size_t total = f.head.size();
+            for (const iovec& p : f.payload) total += p.iov_len;
+            size_t left = total - front_sent_;
+            if (written >= left) {
+                written -= left;
+                sendq_.pop_front();
+                front_sent_ = 0;
+                front_started_ = false;
+            } else {
+                front_sent_ += written;
+                written = 0;
+            }
+        }
+        (void)frames_in_batch;
+    }
+    UpdateInterest();
+}
+
+void Connection::OnEvents(uint32_t events) {
+    if (closed_.load()) {
+        return;
+    }
+    if (state_ == State::kConnecting) {
+        if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) {
+            int err = 0;
+            socklen_t len = sizeof(err);
+            getsockopt(fd_.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+            if (err != 0) {
+                CloseNow(UnavailableError(std::string("connect: ") + std::strerror(err)));
+                return;
+            }
+            state_ = State::kAwaitHelloAck;
+            want_write_ = true;  // force UpdateInterest to recompute
+            wire::Hello hello;
+            hello.name = config_.name;
+            hello.epoch = config_.epoch;
+            hello.nonce = my_nonce_;
+            hello.purpose = config_.purpose;
+            hello.wants_auth = config_.secret.empty() ? 0 : 1;
+            hello.probe_addr = config_.probe_addr;
+            hello.probe_value = config_.probe_value;
+            SendHandshakeFrame(wire::FrameType::kHello, wire::EncodeHello(hello));
+            UpdateInterest();
+        }
+        return;
+    }
+    if (events & EPOLLOUT) {
+        TryWrite();
+        if (closed_.load()) return;
+    }
+    if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+        ReadSome();
+    }
+}
+
+void Connection::ReadSome() {
+    size_t budget = kMaxBytesPerEvent;
+    while (!closed_.load() && budget > 0) {
+        if (in_payload_) {
+            if (!ReadPayload()) {
+                return;
+            }
+            continue;
+        }
+        // Parse whatever whole frames the buffer holds.
+        size_t avail = rlen_ - rpos_;
+        if (avail >= wire::kHeaderSize) {
+            Result<wire::FrameHeader> h =
+                wire::DecodeHeader(std::string_view(rbuf_.data() + rpos_, wire::kHeaderSize));
+            if (!h.ok()) {
+                ProtocolError(h.status().message());
+                return;
+            }
+            size_t need = wire::kHeaderSize + h->body_len;
+            if (avail >= need) {
+                std::string_view body(rbuf_.data() + rpos_ + wire::kHeaderSize, h->body_len);
+                rpos_ += need;
+                if (h->payload_len > 0) {
+                    in_payload_ = true;
+                    payload_left_ = h->payload_len;
+                    sink_ = PayloadSink{};
+                    sink_idx_ = 0;
+                    sink_off_ = 0;
+                }
+                Dispatch(*h, body);
+                continue;
+            }
+            if (need > rbuf_.size()) {
+                // A big body (large descriptor list): grow up to header + kMaxBody.
+                std::vector<char> bigger(need);
+                std::memcpy(bigger.data(), rbuf_.data() + rpos_, avail);
+                rbuf_.swap(bigger);
+                rpos_ = 0;
+                rlen_ = avail;
+            }
+        }
+        // Need more bytes: compact and read.
+        if (rpos_ > 0) {
+            std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rlen_ - rpos_);
+            rlen_ -= rpos_;
+            rpos_ = 0;
+        }
+        if (rlen_ == 0 && rbuf_.size() > kReadBufferSize) {
+            std::vector<char>(kReadBufferSize).swap(rbuf_);
+        }
+        ssize_t r = recv(fd_.get(), rbuf_.data() + rlen_, rbuf_.size() - rlen_, MSG_DONTWAIT);
+        if (r == 0) {
+            CloseNow(UnavailableError("peer closed the connection"));
+            return;
+        }
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+            CloseNow(UnavailableError(std::string("recv: ") + std::strerror(errno)));
+            return;
+        }
+        rlen_ += static_cast<size_t>(r);
+        budget -= std::min(budget, static_cast<size_t>(r));
+    }
+}
+
+bool Connection::ReadPayload() {
+    // Into the sink, or into scratch when discarding or after the op closed its memory.
+    std::unique_lock<std::mutex> op_lock;
+    bool discard = sink_.iov.empty();
+    if (!discard && sink_.op) {
+        op_lock = std::unique_lock<std::mutex>(sink_.op->io_mu);
+        discard = sink_.op->io_closed;
+    }
+    // First the bytes already buffered.
+    size_t buffered = rlen_ - rpos_;
+    if (buffered > 0) {
+        size_t n = static_cast<size_t>(std::min<uint64_t>(buffered, payload_left_));
+        size_t copied = 0;
+        while (copied < n) {
+            if (discard) {
+                copied = n;
+                break;
+            }
+            iovec& v = sink_.iov[sink_idx_];
+            size_t k = std::min(n - copied, v.iov_len - sink_off_);
+            std::memcpy(static_cast<char*>(v.iov_base) + sink_off_, rbuf_.data() + rpos_ + copied,
+                        k);
+            copied += k;
+            sink_off_ += k;
+            if (sink_off_ == v.iov_len) {
+                ++sink_idx_;
+                sink_off_ = 0;
+            }
+        }
+        if (discard) {
+            // Keep the sink position consistent in case the payload continues below.
+            size_t left = n;
+            while (left > 0 && sink_idx_ < sink_.iov.size()) {
+                size_t k = std::min(left, sink_.iov[sink_idx_].iov_len - sink_off_);
+                left -= k;
+                sink_off_ += k;
+                if (sink_off_ == sink_.iov[sink_idx_].iov_len) {
+                    ++sink_idx_;
+                    sink_off_ = 0;
+                }
+            }
+        }
+        rpos_ += n;
+        payload_left_ -= n;
+    } else {
+        iovec iov[kMaxIovPerCall];
+        size_t n_iov = 0;
+        uint64_t want = payload_left_;
+        if (discard) {
+            iov[n_iov++] = iovec{ScratchBuffer(), static_cast<size_t>(std::min<uint64_t>(
+                                                      want, kReadBufferSize))};
+        } else {
+            size_t idx = sink_idx_;
+            size_t off = sink_off_;
+            while (idx < sink_.iov.size() && n_iov < kMaxIovPerCall && want > 0) {
+                const iovec& v = sink_.iov[idx];
+                size_t k = static_cast<size_t>(std::min<uint64_t>(v.iov_len - off, want));
+                iov[n_iov++] = iovec{static_cast<char*>(v.iov_base) + off, k};
+                want -= k;
+                ++idx;
+                off = 0;
+            }
+        }
+        ssize_t r = readv(fd_.get(), iov, static_cast<int>(n_iov));
+        if (op_lock.owns_lock()) {
+            op_lock.unlock();
+        }
+        if (r == 0) {
+            CloseNow(UnavailableError("peer closed the connection mid-payload"));
+            return false;
+        }
+        if (r < 0) {
+            if (errno == EINTR) return true;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+            CloseNow(UnavailableError(std::string("recv payload: ") + std::strerror(errno)));
+            return false;
+        }
+        size_t got = static_cast<size_t>(r);
+        payload_left_ -= got;
+        while (got > 0 && sink_idx_ < sink_.iov.size()) {
+            size_t k = std::min(got, sink_.iov[sink_idx_].iov_len - sink_off_);
+            got -= k;
+            sink_off_ += k;
+            if (sink_off_ == sink_.iov[sink_idx_].iov_len) {
+                ++sink_idx_;
+                sink_off_ = 0;
+            }
+        }
+    }
+    if (op_lock.owns_lock()) {
+        op_lock.unlock();
+    }
+    if (payload_left_ == 0) {
+        FinishPayload(Status::Ok());
+    }
+    return true;
+}
+
+void Connection::FinishPayload(const Status& s) {
+    in_payload_ = false;
+    PayloadSink sink = std::move(sink_);
+    sink_ = PayloadSink{};
+    if (sink.done) {
+        sink.done(s);
+    }
+}
+
+void Connection::ProtocolError(const std::string& why) {
+    RefuseAndClose(InvalidArgumentError("protocol error from " + label_ + ": " + why));
+}
+
+void Connection::RefuseAndClose(const Status& why) {
+    // Tell the peer why (best effort, one non-blocking send), then close.
+    // Only between frames: a partly sent frame would make the error unreadable.
+    if (fd_.valid() && front_sent_ == 0) {
+        wire::Response r{why.code(), why.message(), 0};
+        std::string frame = wire::MakeFrame(wire::FrameType::kError, 0, wire::EncodeResponse(r));
+        ssize_t ignored = send(fd_.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)ignored;
+    }
+    CloseNow(why);
+}
+
+Status Connection::VerifyCmaProbe(const wire::Hello& hello) {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) {
+        return PermissionDeniedError("shm: cannot identify the peer process (SO_PEERCRED)");
+    }
+    uint64_t value = 0;
+    iovec local{&value, sizeof(value)};
+    iovec remote{reinterpret_cast<void*>(hello.probe_addr), sizeof(value)};
+    ssize_t r = process_vm_readv(cred.pid, &local, 1, &remote, 1, 0);
+    if (r != static_cast<ssize_t>(sizeof(value))) {
+        return PermissionDeniedError("shm: cross-memory attach to pid " +
+                                     std::to_string(cred.pid) + " refused: " +
+                                     std::strerror(errno) + " (use the tcp backend)");
+    }
+    if (value != hello.probe_value) {
+        return PermissionDeniedError("shm: probe of pid " + std::to_string(cred.pid) +
+                                     " read the wrong value: not the process that connected");
+    }
+    cma_pid_ = cred.pid;
+    return Status::Ok();
+}
+
+void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
+    if (h.type == wire::FrameType::kError) {
+        Result<wire::Response> r = wire::DecodeResponse(body);
+        if (!r.ok()) {
+            CloseNow(UnavailableError("peer sent a malformed error frame"));
+            return;
+        }
+        CloseNow(Status(r->code, "peer " + label_ + " refused: " + r->message));
+        return;
+    }
+    if (state_ != State::kReady) {
+        if (h.payload_len > 0) {
+            ProtocolError("payload during the handshake");
+            return;
+        }
+        HandleHandshake(h, body);
+        return;
+    }
+    switch (h.type) {
+        case wire::FrameType::kResponse:
+        case wire::FrameType::kMetadata:
+            HandleResponse(h, body);
+            break;
+        case wire::FrameType::kWrite:
+        case wire::FrameType::kRead:
+        case wire::FrameType::kPull:
+        case wire::FrameType::kGetMetadata:
+        case wire::FrameType::kNotify:
+            owner_->OnRequest(*this, h, body);
+            break;
+        default:
+            ProtocolError(std::string("unexpected ") + std::string(wire::FrameTypeName(h.type)) +
+                          " frame after the handshake");
+            return;
+    }
+    // A payload nobody claimed (no sink set) is read and dropped: the stream stays in sync.
+}
+
+void Connection::HandleHandshake(const wire::FrameHeader& h, std::string_view body) {
+    switch (state_) {
+        case State::kAwaitHello: {
+            if (h.type != wire::FrameType::kHello) {
+                ProtocolError("expected hello, got " + std::string(wire::FrameTypeName(h.type)));
+                return;
+            }
+            Result<wire::Hello> hello = wire::DecodeHello(body);
+            if (!hello.ok()) {
+                ProtocolError(hello.status().message());
+                return;
+            }
+            peer_name_ = hello->name;
+            peer_epoch_ = hello->epoch;
+            purpose_ = hello->purpose;
+            peer_nonce_ = hello->nonce;
+            if (hello->wants_auth && config_.secret.empty()) {
+                RefuseAndClose(PermissionDeniedError(
+                    "agent " + config_.name + " has no deployment secret, but " + peer_name_ +
+                    " expects one"));
+                return;
+            }
+            if (config_.verify_cma && hello->purpose == wire::Purpose::kData) {
+                Status s = VerifyCmaProbe(*hello);
+                if (!s.ok()) {
+                    RefuseAndClose(s);
+                    return;
+                }
+            }
+            wire::HelloAck ack;
+            ack.name = config_.name;
+            ack.epoch = config_.epoch;
+            ack.nonce = my_nonce_;
+            ack.auth_required = config_.secret.empty() ? 0 : 1;
+            if (ack.auth_required) {
+                ack.proof = wire::ServerProof(config_.secret, peer_nonce_, my_nonce_);
+            }
+            SendHandshakeFrame(wire::FrameType::kHelloAck, wire::EncodeHelloAck(ack));
+            if (ack.auth_required) {
+                state_ = State::kAwaitAuth;
+            } else {
+                SendHandshakeFrame(wire::FrameType::kReady, {});
+                BecomeReady();
+            }
+            return;
+        }
+        case State::kAwaitAuth: {
+            Digest proof{};
+            if (h.type != wire::FrameType::kAuth || body.size() != proof.size()) {
+                RefuseAndClose(PermissionDeniedError("peer " + peer_name_ +
+                                                     " did not answer the secret challenge"));
+                return;
+            }
+            std::memcpy(proof.data(), body.data(), proof.size());
+            if (!DigestEqual(proof, wire::ClientProof(config_.secret, peer_nonce_, my_nonce_))) {
+                RefuseAndClose(PermissionDeniedError("peer " + peer_name_ +
+                                                     " does not know the deployment secret"));
+                return;
+            }
+            SendHandshakeFrame(wire::FrameType::kReady, {});
+            BecomeReady();
+            return;
+        }
+        case State::kAwaitHelloAck: {
+            if (h.type != wire::FrameType::kHelloAck) {
+                ProtocolError("expected hello-ack, got " +
+                              std::string(wire::FrameTypeName(h.type)));
+                return;
+            }
+            Result<wire::HelloAck> ack = wire::DecodeHelloAck(body);
+            if (!ack.ok()) {
+                ProtocolError(ack.status().message());
+                return;
+            }
+            peer_name_ = ack->name;
+            peer_epoch_ = ack->epoch;
+            peer_nonce_ = ack->nonce;
+            if (config_.expect_epoch != 0 && ack->epoch != config_.expect_epoch) {
+                CloseNow(UnavailableError(
+                    "peer " + peer_name_ + " restarted (epoch " +
+                    fmt::format("{:016x} -> {:016x}", config_.expect_epoch, ack->epoch) +
+                    "): transfers to the old process fail; refresh its metadata"));
+                return;
+            }
+            if (ack->auth_required && config_.secret.empty()) {
+                CloseNow(PermissionDeniedError("peer " + peer_name_ +
+                                               " requires a deployment secret and this agent "
+                                               "has none"));
+                return;
+            }
+            if (!config_.secret.empty()) {
+                if (!ack->auth_required ||
+                    !DigestEqual(ack->proof,
+                                 wire::ServerProof(config_.secret, my_nonce_, peer_nonce_))) {
+                    CloseNow(PermissionDeniedError("peer " + peer_name_ +
+                                                   " could not prove the deployment secret"));
+                    return;
+                }
+                Digest proof = wire::ClientProof(config_.secret, my_nonce_, peer_nonce_);
+                SendHandshakeFrame(wire::FrameType::kAuth,
+                                   std::string_view(reinterpret_cast<const char*>(proof.data()),
+                                                    proof.size()));
+            }
+            state_ = State::kAwaitReady;
+            return;
+        }
+        case State::kAwaitReady:
+            if (h.type != wire::FrameType::kReady) {
+                ProtocolError("expected ready, got " + std::string(wire::FrameTypeName(h.type)));
+                return;
+            }
+            BecomeReady();
+            return;
+        default:
+            ProtocolError("frame in an unexpected state");
+            return;
+    }
+}
+
+void Connection::HandleResponse(const wire::FrameHeader& h, std::string_view body) {
+    auto it = pending_.find(h.request_id);
+    if (it == pending_.end()) {
+        ProtocolError("response to unknown request " + std::to_string(h.request_id));
+        return;
+    }
+    Expectation e = std::move(it->second);
+    pending_.erase(it);
+    if (e.callback) {
+        if (h.payload_len > 0) {
+            ProtocolError("unexpected payload on a metadata response");
+            e.callback(UnavailableError("protocol error"), {});
+            return;
+        }
+        if (h.type == wire::FrameType::kMetadata) {
+            e.callback(Status::Ok(), body);
+        } else {
+            Result<wire::Response> r = wire::DecodeResponse(body);
+            e.callback(r.ok() ? Status(r->code, r->message) : r.status(), {});
+        }
+        return;
+    }
+    Result<wire::Response> r = wire::DecodeResponse(body);
+    if (!r.ok()) {
+        e.Fail(UnavailableError("malformed response from " + label_));
+        ProtocolError(r.status().message());
+        return;
+    }
+    Status s(r->code, r->code == Code::kOk ? "" : "target " + label_ + ": " + r->message);
+    if (h.payload_len > 0) {
+        // Must be exactly what we asked for (a read) or the object size (a pull that fits).
+        bool pull = e.op && e.op->kind() == TransferOp::Kind::kPull;
+        bool fits = pull ? (r->value == h.payload_len && h.payload_len <= e.local_bytes)
+                         : (h.payload_len == e.local_bytes);
+        if (r->code != Code::kOk || e.cma || !fits) {
+            e.Fail(DataLossError("target " + label_ + " sent " +
+                                 std::to_string(h.payload_len) + " payload bytes, expected " +
+                                 std::to_string(e.local_bytes)));
+            ProtocolError("payload length does not match the request");
+            return;
+        }
+        // Clip the destination to the payload (a pull may be shorter than the buffer).
+        std::vector<iovec> dst;
+        uint64_t left = h.payload_len;
+        for (const iovec& v : e.local) {
+            if (left == 0) break;
+            size_t k = static_cast<size_t>(std::min<uint64_t>(left, v.iov_len));
+            dst.push_back(iovec{v.iov_base, k});
+            left -= k;
+        }
+        PayloadSink sink;
+        sink.iov = std::move(dst);
+        sink.op = e.op;
+        uint64_t value = r->value;
+        sink.done = [op = e.op, value](const Status& st) { op->ChunkDone(st, value); };
+        SetPayloadSink(std::move(sink));
+        return;
+    }
+    if (e.op) {
+        e.op->ChunkDone(s, r->value);
+    }
+}
+
+}  // namespace ferry::internal

@@ -1,0 +1,197 @@
+// Connection: one framed, non-blocking stream (TCP or Unix socket) owned by an IoLoop.
+//
+// It runs the handshake (identity, deployment-secret challenge-response, cma probe), sends
+// queued frames with scatter/gather I/O straight from registered memory, receives payloads
+// straight into registered memory, matches responses to the requests that expect them, and on
+// close fails every request still expecting an answer. Send() and Close() may be called from any
+// thread; everything else runs on the loop thread.
+#pragma once
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "core/crypto.h"
+#include "core/fd.h"
+#include "transfer/io_loop.h"
+#include "transfer/region_table.h"
+#include "transfer/transfer_op.h"
+#include "transfer/wire.h"
+
+namespace ferry::internal {
+
+class Connection;
+
+// What a frame that expects an answer waits for.
+struct Expectation {
+    std::shared_ptr<TransferOp> op;  // the chunk of this op completes with the response
+    std::vector<iovec> local;        // inline READ / PULL: where the response payload goes
+    uint64_t local_bytes = 0;
+    bool cma = false;  // the peer copies into `op`'s memory directly
+    // Generic answer (metadata fetch): status, and the frame body when OK.
+    std::function<void(const Status&, std::string_view)> callback;
+
+    void Fail(const Status& s) const;
+};
+
+struct OutFrame {
+    std::string head;            // header + body
+    std::vector<iovec> payload;  // sent after head, not copied
+    // The payload is the op's local memory: read under op->io_mu, zeros once io_closed.
+    std::shared_ptr<TransferOp> op;
+    // The payload is this agent's region memory, pinned until sent.
+    std::vector<RegionPin> pins;
+    // Sent instead (without payload) if a pin was revoked before the frame's first byte.
+    std::string if_revoked;
+    uint64_t request_id = 0;
+    bool expects_response = false;
+    Expectation expect;
+};
+
+// Received payload destination.
+struct PayloadSink {
+    std::vector<iovec> iov;  // empty: discard everything
+    std::shared_ptr<TransferOp> op;
+    std::vector<RegionPin> pins;
+    std::function<void(const Status&)> done;
+};
+
+class ConnectionOwner {
+public:
+    virtual ~ConnectionOwner() = default;
+    // A request frame (write, read, pull, get-metadata, notify) on a ready connection. May call
+    // conn.SetPayloadSink (required for frames with a payload) and conn.SendNow.
+    virtual void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) = 0;
+    virtual void OnClosed(Connection& conn, const Status& why) = 0;
+};
+
+struct HandshakeConfig {
+    std::string backend;  // "tcp", "shm": for messages
+    std::string name;     // ours
+    uint64_t epoch = 0;
+    std::string secret;
+    wire::Purpose purpose = wire::Purpose::kData;  // client
+    bool verify_cma = false;                       // server: probe the client's memory
+    uint64_t probe_addr = 0;                       // client
+    uint64_t expect_epoch = 0;  // client: refuse a peer whose epoch differs (0 = any)
+    uint64_t probe_value = 0;
+};
+
+class Connection final : public EventHandler, public std::enable_shared_from_this<Connection> {
+public:
+    enum class Role { kClient, kServer };
+
+    // `connecting`: a client socket whose non-blocking connect is in progress.
+    static std::shared_ptr<Connection> Create(IoLoop* loop, ScopedFd fd, Role role,
+                                              HandshakeConfig config, ConnectionOwner* owner,
+                                              std::string label, bool connecting);
+    ~Connection() override;
+
+    // Registers with the loop and starts the handshake. Any thread.
+    void Start();
+    // Queues a frame (any thread). Frames queued before the handshake completes wait for it. On
+    // a closed connection the frame's expectation fails at once with Unavailable.
+    void Send(OutFrame f);
+    // Closes (any thread, idempotent): pending expectations fail with `why`.
+    void Close(const Status& why);
+    // As Close, and returns after the loop thread has closed the socket.
+    void CloseAndWait(const Status& why);
+
+    // Loop thread only.
+    void SendNow(OutFrame f);
+    void SetPayloadSink(PayloadSink sink);
+    bool HoldsRegion(RegionId id) const;
+    void OnEvents(uint32_t events) override;
+
+    // Set once the handshake is done; read from any thread after that.
+    bool ready() const { return ready_.load(); }
+    bool closed() const { return closed_.load(); }
+    const std::string& peer_name() const { return peer_name_; }
+    uint64_t peer_epoch() const { return peer_epoch_; }
+    pid_t cma_pid() const { return cma_pid_; }
+    const std::string& label() const { return label_; }
+    IoLoop* loop() const { return loop_; }
+    std::chrono::steady_clock::time_point created() const { return created_; }
+    Role role() const { return role_; }
+    wire::Purpose purpose() const { return purpose_; }
+    // Health check before a cma copy: false if the peer has hung up.
+    bool PeerStillThere() const;
+
+private:
+    enum class State { kConnecting, kAwaitHello, kAwaitHelloAck, kAwaitAuth, kAwaitReady, kReady };
+
+    Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig config,
+               ConnectionOwner* owner, std::string label, bool connecting);
+
+    void CloseNow(const Status& why);
+    void FlushIncoming();
+    void Enqueue(OutFrame f);
+    void TryWrite();
+    void UpdateInterest();
+    void ReadSome();
+    bool ReadPayload();  // false: stop reading for now (EAGAIN or closed)
+    void FinishPayload(const Status& s);
+    void Dispatch(const wire::FrameHeader& h, std::string_view body);
+    void HandleHandshake(const wire::FrameHeader& h, std::string_view body);
+    void HandleResponse(const wire::FrameHeader& h, std::string_view body);
+    void SendHandshakeFrame(wire::FrameType type, std::string_view body);
+    void BecomeReady();
+    void ProtocolError(const std::string& why);
+    void RefuseAndClose(const Status& why);
+    Status VerifyCmaProbe(const wire::Hello& hello);
+
+    IoLoop* const loop_;
+    ScopedFd fd_;
+    const Role role_;
+    const HandshakeConfig config_;
+    ConnectionOwner* const owner_;
+    const std::string label_;
+    const std::chrono::steady_clock::time_point created_;
+
+    std::atomic<bool> ready_{false};
+    std::atomic<bool> closed_{false};
+
+    // Written before ready_ is set, constant afterwards.
+    std::string peer_name_;
+    uint64_t peer_epoch_ = 0;
+    pid_t cma_pid_ = 0;
+    wire::Purpose purpose_ = wire::Purpose::kData;
+
+    // Frames from other threads.
+    std::mutex in_mu_;
+    std::vector<OutFrame> incoming_;
+    bool flush_posted_ = false;
+    bool in_closed_ = false;
+
+    // Loop thread state.
+    State state_;
+    Nonce my_nonce_{};
+    Nonce peer_nonce_{};
+    std::vector<OutFrame> held_;  // queued before the handshake completed
+    std::deque<OutFrame> sendq_;
+    size_t front_sent_ = 0;   // bytes of sendq_.front() already written
+    bool front_started_ = false;
+    bool want_write_ = false;
+    std::unordered_map<uint64_t, Expectation> pending_;
+
+    std::vector<char> rbuf_;
+    size_t rpos_ = 0;
+    size_t rlen_ = 0;
+    bool in_payload_ = false;
+    uint64_t payload_left_ = 0;
+    PayloadSink sink_;
+    size_t sink_idx_ = 0;
+    size_t sink_off_ = 0;
+};
+
+}  // namespace ferry::internal

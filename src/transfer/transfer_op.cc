@@ -1,0 +1,158 @@
+#include "transfer/transfer_op.h"
+
+#include "transfer/connection.h"
+
+namespace ferry::internal {
+
+void TransferOp::Arm(uint32_t chunks, std::vector<RegionPin> pins,
+                     std::function<void()> on_success) {
+    std::lock_guard<std::mutex> lock(mu_);
+    chunks_left_ = chunks;
+    for (const RegionPin& p : pins) {
+        local_regions_.push_back(p.entry()->id);
+    }
+    pins_ = std::move(pins);
+    on_success_ = std::move(on_success);
+}
+
+void TransferOp::AddConnection(const std::shared_ptr<Connection>& c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& w : conns_) {
+        if (w.lock() == c) {
+            return;
+        }
+    }
+    conns_.push_back(c);
+}
+
+void TransferOp::FinishLocked(const Status& s) {
+    finished_ = true;
+    reported_ = true;
+    status_ = s;
+    cv_.notify_all();
+}
+
+void TransferOp::ChunkDone(const Status& s, uint64_t value) {
+    std::vector<RegionPin> release;  // destroyed after the lock below is dropped
+    std::function<void()> on_success;
+    bool failed_now = false;
+    bool success_now = false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (chunks_left_ > 0) {
+            --chunks_left_;
+        }
+        if (kind_ == Kind::kPull && s.ok()) {
+            pull_size_ = value;
+        }
+        if (chunks_left_ == 0 || (!s.ok() && mode_ == wire::DataMode::kInline)) {
+            release = std::move(pins_);
+        }
+        if (finished_) {
+            return;
+        }
+        if (!s.ok()) {
+            FinishLocked(s);  // later chunks are discarded: io_closed below
+            failed_now = true;
+        } else if (chunks_left_ == 0) {
+            success_now = true;
+            on_success = std::move(on_success_);
+        }
+    }
+    if (failed_now || success_now) {
+        std::lock_guard<std::mutex> io(io_mu);
+        io_closed = true;
+    }
+    if (success_now) {
+        if (on_success) {
+            on_success();
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!finished_) {
+            FinishLocked(Status::Ok());
+        }
+    }
+}
+
+void TransferOp::Fail(const Status& s, bool close_streams) {
+    {
+        std::lock_guard<std::mutex> io(io_mu);
+        io_closed = true;
+    }
+    std::vector<std::shared_ptr<Connection>> close;
+    std::vector<RegionPin> release;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (finished_) {
+            return;
+        }
+        if (chunks_left_ > 0 && mode_ == wire::DataMode::kCma && close_streams) {
+            // The peer copies straight into our memory: cut it off before reporting, so that
+            // when Wait returns nothing touches the memory any more.
+            finished_ = true;
+            status_ = s;
+            for (const auto& w : conns_) {
+                if (auto c = w.lock()) {
+                    close.push_back(std::move(c));
+                }
+            }
+        } else {
+            FinishLocked(s);
+            if (mode_ == wire::DataMode::kInline) {
+                release = std::move(pins_);
+            }
+        }
+    }
+    if (close.empty()) {
+        return;
+    }
+    for (auto& c : close) {
+        c->CloseAndWait(UnavailableError("closing shm stream of transfer " + std::to_string(id_) +
+                                         " that ended with: " + s.ToString()));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    reported_ = true;
+    cv_.notify_all();
+}
+
+Result<TransferState> TransferOp::Poll() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!reported_) {
+        return TransferState::kPending;
+    }
+    if (!status_.ok()) {
+        return status_;
+    }
+    return TransferState::kDone;
+}
+
+Status TransferOp::Wait(Clock::time_point deadline) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_until(lock, deadline, [&] { return reported_; })) {
+        return DeadlineExceededError("transfer " + std::to_string(id_) + " to " + peer_ +
+                                     " still pending at the wait deadline");
+    }
+    return status_;
+}
+
+bool TransferOp::UsesLocalRegion(RegionId id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (RegionId r : local_regions_) {
+        if (r == id) {
+            return true;
+        }
+    }
+    return false;
+}
+
+bool TransferOp::finished() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reported_;
+}
+
+std::optional<uint64_t> TransferOp::pull_size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pull_size_;
+}
+
+}  // namespace ferry::internal

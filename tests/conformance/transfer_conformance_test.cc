@@ -1,0 +1,450 @@
+// The backend conformance suite: every backend must pass every test here (ggml's
+// test-backend-ops idea). Two agents in one process, talking over the backend under test.
+#include <sys/mman.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "testing/testing.h"
+
+namespace ferry {
+namespace {
+
+using ::ferry::testing::AddFakeRegion;
+using ::ferry::testing::AgentPair;
+using ::ferry::testing::Blackhole;
+using ::ferry::testing::BlackholeMetadata;
+using ::ferry::testing::FillPattern;
+using ::ferry::testing::FirstMismatch;
+using ::ferry::testing::MakePair;
+using ::ferry::testing::StatusIs;
+using ::ferry::testing::TamperRegion;
+using ::ferry::testing::ValueOrDie;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+class TransferConformance : public ::testing::TestWithParam<std::string> {
+protected:
+    void SetUp() override {
+        pair_ = MakePair(GetParam());
+        a_ = pair_.a.get();
+        b_ = pair_.b.get();
+        ASSERT_EQ(ValueOrDie(a_->AddPeer(b_->Metadata())), "agent-b");
+        ASSERT_EQ(ValueOrDie(b_->AddPeer(a_->Metadata())), "agent-a");
+        ASSERT_EQ(ValueOrDie(a_->PeerBackend("agent-b")), GetParam());
+    }
+
+    // Re-sends b's metadata to a (after b registered more regions).
+    void RefreshB() { ASSERT_TRUE(a_->AddPeer(b_->Metadata()).ok()); }
+
+    Status Run(bool read, const std::vector<Descriptor>& local,
+               const std::vector<Descriptor>& remote, TransferOptions opts = {}) {
+        auto x = read ? a_->PostRead(local, "agent-b", remote, opts)
+                      : a_->PostWrite(local, "agent-b", remote, opts);
+        if (!x.ok()) return x.status();
+        return x->Wait(seconds(30));
+    }
+
+    AgentPair pair_;
+    Agent* a_ = nullptr;
+    Agent* b_ = nullptr;
+};
+
+TEST_P(TransferConformance, ReadAndWriteEverySize) {
+    const std::vector<uint64_t> sizes = {1, 7, 4096, 65537, (1u << 20) + 3, 64u << 20};
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(64u << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(64u << 20));
+    RefreshB();
+    uint64_t seed = 1;
+    for (uint64_t size : sizes) {
+        SCOPED_TRACE("size " + std::to_string(size));
+        // WRITE a -> b.
+        FillPattern(la.base, size, ++seed);
+        std::memset(rb.base, 0, size);
+        FERRY_ASSERT_OK(Run(false, {{la.id, 0, size}}, {{rb.id, 0, size}}));
+        EXPECT_EQ(FirstMismatch(rb.base, size, seed), -1);
+        // READ b -> a.
+        FillPattern(rb.base, size, ++seed);
+        std::memset(la.base, 0, size);
+        FERRY_ASSERT_OK(Run(true, {{la.id, 0, size}}, {{rb.id, 0, size}}));
+        EXPECT_EQ(FirstMismatch(la.base, size, seed), -1);
+    }
+}
+
+TEST_P(TransferConformance, UnalignedOffsetsInRegisteredMemory) {
+    std::vector<uint8_t> mine(1 << 20);
+    std::vector<uint8_t> theirs(1 << 20);
+    RegionInfo la = ValueOrDie(a_->RegisterMemory(mine.data(), mine.size()));
+    RegionInfo rb = ValueOrDie(b_->RegisterMemory(theirs.data(), theirs.size()));
+    RefreshB();
+    FillPattern(mine.data() + 3, 500001, 77);
+    FERRY_ASSERT_OK(Run(false, {{la.id, 3, 500001}}, {{rb.id, 1001, 500001}}));
+    EXPECT_EQ(FirstMismatch(theirs.data() + 1001, 500001, 77), -1);
+    EXPECT_EQ(theirs[1000], 0);
+    EXPECT_EQ(theirs[1001 + 500001], 0);
+}
+
+TEST_P(TransferConformance, GatherScatterWithManyDescriptors) {
+    for (size_t n : {1u, 2u, 16u, 1024u, 4096u}) {
+        SCOPED_TRACE("descriptors " + std::to_string(n));
+        const uint64_t block = 512;
+        RegionInfo la = ValueOrDie(a_->AllocateRegion(n * block * 2));
+        RegionInfo rb = ValueOrDie(b_->AllocateRegion(n * block));
+        RefreshB();
+        // Local: every other block (scattered), remote: blocks in reverse order.
+        std::vector<Descriptor> local, remote;
+        for (size_t i = 0; i < n; ++i) {
+            local.push_back({la.id, i * 2 * block, block});
+            remote.push_back({rb.id, (n - 1 - i) * block, block});
+        }
+        for (size_t i = 0; i < n; ++i) {
+            FillPattern(static_cast<uint8_t*>(la.base) + i * 2 * block, block, 1000 + i);
+        }
+        FERRY_ASSERT_OK(Run(false, local, remote));
+        for (size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(FirstMismatch(static_cast<uint8_t*>(rb.base) + (n - 1 - i) * block, block,
+                                    1000 + i), -1) << "block " << i;
+        }
+        // And back: read into a fresh region, gathering from b's blocks into one run.
+        RegionInfo lc = ValueOrDie(a_->AllocateRegion(n * block));
+        std::vector<Descriptor> remote_fwd;
+        for (size_t i = 0; i < n; ++i) remote_fwd.push_back({rb.id, (n - 1 - i) * block, block});
+        FERRY_ASSERT_OK(Run(true, {{lc.id, 0, n * block}}, remote_fwd));
+        for (size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(FirstMismatch(static_cast<uint8_t*>(lc.base) + i * block, block, 1000 + i),
+                      -1) << "block " << i;
+        }
+        FERRY_ASSERT_OK(a_->Deregister(la.id));
+        FERRY_ASSERT_OK(a_->Deregister(lc.id));
+        FERRY_ASSERT_OK(b_->Deregister(rb.id));
+    }
+}
+
+TEST_P(TransferConformance, UnequalDescriptorCountsSplitAcrossBoundaries) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(10000));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(10000));
+    RefreshB();
+    FillPattern(la.base, 10000, 5);
+    // 3 local pieces against 4 remote pieces of other sizes, same 10000 bytes in all.
+    std::vector<Descriptor> local = {{la.id, 0, 3000}, {la.id, 3000, 5000}, {la.id, 8000, 2000}};
+    std::vector<Descriptor> remote = {
+        {rb.id, 0, 1}, {rb.id, 1, 4998}, {rb.id, 4999, 1}, {rb.id, 5000, 5000}};
+    FERRY_ASSERT_OK(Run(false, local, remote));
+    EXPECT_EQ(FirstMismatch(rb.base, 10000, 5), -1);
+}
+
+TEST_P(TransferConformance, StridedDescriptorNamesASliceOfEveryBlock) {
+    // 64 blocks of 4 KiB; the slice is bytes [1024, 2048) of each block.
+    const uint64_t blocks = 64, block = 4096, slice = 1024;
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(blocks * slice));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(blocks * block));
+    RefreshB();
+    FillPattern(rb.base, blocks * block, 9);
+    Descriptor remote{rb.id, 1024, slice, block, blocks};
+    FERRY_ASSERT_OK(Run(true, {{la.id, 0, blocks * slice}}, {remote}));
+    std::vector<uint8_t> expect(blocks * block);
+    FillPattern(expect.data(), expect.size(), 9);
+    for (uint64_t i = 0; i < blocks; ++i) {
+        ASSERT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + i * slice,
+                              expect.data() + i * block + 1024, slice), 0) << "block " << i;
+    }
+}
+
+TEST_P(TransferConformance, LengthMismatchIsRefusedBeforePosting) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(4096));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(4096));
+    RefreshB();
+    EXPECT_THAT(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 100}}, "agent-b",
+                              std::vector<Descriptor>{{rb.id, 0, 101}}),
+                StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(a_->PostWrite(std::vector<Descriptor>{{la.id, 4000, 100}}, "agent-b",
+                              std::vector<Descriptor>{{rb.id, 0, 100}}),
+                StatusIs(Code::kOutOfRange));
+    EXPECT_THAT(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 100}}, "nobody",
+                              std::vector<Descriptor>{{rb.id, 0, 100}}),
+                StatusIs(Code::kNotFound));
+    EXPECT_THAT(a_->PostWrite(std::vector<Descriptor>{{999, 0, 100}}, "agent-b",
+                              std::vector<Descriptor>{{rb.id, 0, 100}}),
+                StatusIs(Code::kNotFound));
+    EXPECT_THAT(a_->PostWrite(std::vector<Descriptor>{}, "agent-b", std::vector<Descriptor>{}),
+                StatusIs(Code::kInvalidArgument));
+}
+
+TEST_P(TransferConformance, TargetRefusesWrongKeyBoundsAndUnknownRegionAndKeepsServing) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(4096));
+    std::string honest = b_->Metadata();
+
+    // Wrong key: the initiator believes a lie; the target says no.
+    ASSERT_TRUE(a_->AddPeer(TamperRegion(honest, rb.id, 4096, rb.key ^ 1)).ok());
+    EXPECT_THAT(Run(false, {{la.id, 0, 64}}, {{rb.id, 0, 64}}), StatusIs(Code::kPermissionDenied));
+    EXPECT_THAT(Run(true, {{la.id, 0, 64}}, {{rb.id, 0, 64}}), StatusIs(Code::kPermissionDenied));
+
+    // Out of bounds: the lie says the region is bigger than it is.
+    ASSERT_TRUE(a_->AddPeer(TamperRegion(honest, rb.id, 1 << 20, rb.key)).ok());
+    EXPECT_THAT(Run(false, {{la.id, 0, 8192}}, {{rb.id, 0, 8192}}), StatusIs(Code::kOutOfRange));
+    EXPECT_THAT(Run(true, {{la.id, 0, 64}}, {{rb.id, 4090, 64}}), StatusIs(Code::kOutOfRange));
+
+    // A region that does not exist.
+    ASSERT_TRUE(a_->AddPeer(AddFakeRegion(honest, 777, 4096)).ok());
+    EXPECT_THAT(Run(true, {{la.id, 0, 64}}, {{777, 0, 64}}), StatusIs(Code::kNotFound));
+
+    // The target is still serving, on the same connections.
+    ASSERT_TRUE(a_->AddPeer(honest).ok());
+    FillPattern(la.base, 4096, 3);
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 4096}}, {{rb.id, 0, 4096}}));
+    EXPECT_EQ(FirstMismatch(rb.base, 4096, 3), -1);
+}
+
+TEST_P(TransferConformance, TiedNotificationArrivesAfterEveryByte) {
+    const uint64_t size = 8u << 20;
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(size));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(size));
+    RefreshB();
+    for (int round = 0; round < 5; ++round) {
+        FillPattern(la.base, size, 100 + round);
+        TransferOptions opts;
+        opts.notification = "done-" + std::to_string(round);
+        auto x = ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, size}}, "agent-b",
+                                          std::vector<Descriptor>{{rb.id, 0, size}}, opts));
+        // The target looks at its memory the moment it sees the notification.
+        std::vector<Notification> notes;
+        auto deadline = Clock::now() + seconds(20);
+        while (notes.empty() && Clock::now() < deadline) {
+            notes = b_->WaitNotifications(deadline);
+        }
+        ASSERT_EQ(notes.size(), 1u);
+        EXPECT_EQ(notes[0].peer, "agent-a");
+        EXPECT_EQ(notes[0].payload, "done-" + std::to_string(round));
+        EXPECT_EQ(FirstMismatch(rb.base, size, 100 + round), -1);
+        FERRY_ASSERT_OK(x.Wait(seconds(10)));
+    }
+}
+
+TEST_P(TransferConformance, NotificationsArriveInOrder) {
+    for (int i = 0; i < 500; ++i) {
+        FERRY_ASSERT_OK(a_->Notify("agent-b", "n" + std::to_string(i)));
+    }
+    std::vector<Notification> all;
+    auto deadline = Clock::now() + seconds(20);
+    while (all.size() < 500 && Clock::now() < deadline) {
+        for (auto& n : b_->WaitNotifications(deadline)) all.push_back(std::move(n));
+    }
+    ASSERT_EQ(all.size(), 500u);
+    for (int i = 0; i < 500; ++i) {
+        EXPECT_EQ(all[i].payload, "n" + std::to_string(i));
+    }
+    EXPECT_THAT(a_->Notify("agent-b", std::string((1u << 20) + 1, 'x')),
+                StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(a_->Notify("nobody", "x"), StatusIs(Code::kNotFound));
+    // A failed transfer sends no notification.
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(4096));
+    ASSERT_TRUE(a_->AddPeer(AddFakeRegion(b_->Metadata(), 555, 4096)).ok());
+    TransferOptions opts;
+    opts.notification = "must-not-arrive";
+    EXPECT_THAT(Run(false, {{la.id, 0, 64}}, {{555, 0, 64}}, opts), StatusIs(Code::kNotFound));
+    FERRY_ASSERT_OK(a_->Notify("agent-b", "marker"));
+    auto notes = b_->WaitNotifications(Clock::now() + seconds(10));
+    ASSERT_EQ(notes.size(), 1u);
+    EXPECT_EQ(notes[0].payload, "marker");
+}
+
+TEST_P(TransferConformance, PullByKey) {
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(1 << 20));
+    FillPattern(rb.base, 1 << 20, 21);
+    // The object is two pieces of b's region; the consumer gets them concatenated.
+    FERRY_ASSERT_OK(b_->Publish("mm:abc", {{rb.id, 0, 1000}, {rb.id, 5000, 3000}}));
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
+
+    PullResult r = ValueOrDie(a_->PullByKey("agent-b", "mm:abc", {la.id, 100, 8000}));
+    EXPECT_EQ(r.object_size, 4000u);
+    EXPECT_TRUE(r.copied);
+    EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + 100, rb.base, 1000), 0);
+    EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + 1100,
+                          static_cast<uint8_t*>(rb.base) + 5000, 3000), 0);
+
+    // Too small: nothing copied, the size is reported.
+    std::memset(la.base, 0xEE, 4096);
+    r = ValueOrDie(a_->PullByKey("agent-b", "mm:abc", {la.id, 0, 3999}));
+    EXPECT_EQ(r.object_size, 4000u);
+    EXPECT_FALSE(r.copied);
+    EXPECT_EQ(static_cast<uint8_t*>(la.base)[0], 0xEE);
+
+    EXPECT_THAT(a_->PullByKey("agent-b", "mm:missing", {la.id, 0, 4096}),
+                StatusIs(Code::kNotFound));
+    FERRY_ASSERT_OK(b_->Unpublish("mm:abc"));
+    EXPECT_THAT(a_->PullByKey("agent-b", "mm:abc", {la.id, 0, 4096}), StatusIs(Code::kNotFound));
+    EXPECT_THAT(b_->Unpublish("mm:abc"), StatusIs(Code::kNotFound));
+
+    // An object whose region was deregistered is gone too.
+    RegionInfo rc = ValueOrDie(b_->AllocateRegion(4096));
+    FERRY_ASSERT_OK(b_->Publish("k2", {{rc.id, 0, 4096}}));
+    FERRY_ASSERT_OK(b_->Deregister(rc.id));
+    EXPECT_THAT(a_->PullByKey("agent-b", "k2", {la.id, 0, 4096}), StatusIs(Code::kNotFound));
+}
+
+TEST_P(TransferConformance, StalledPeerHitsTheDeadlineAndCancelWorks) {
+    Blackhole hole(GetParam());
+    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7))
+                    .ok());
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
+    TransferOptions opts;
+    opts.timeout = milliseconds(300);
+    auto t0 = Clock::now();
+    auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
+                                     std::vector<Descriptor>{{1, 0, 1 << 20}}, opts));
+    EXPECT_THAT(x.Wait(seconds(10)), StatusIs(Code::kDeadlineExceeded));
+    EXPECT_LT(Clock::now() - t0, seconds(5));
+    EXPECT_THAT(x.Poll(), StatusIs(Code::kDeadlineExceeded));
+
+    auto y = ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
+                                      std::vector<Descriptor>{{1, 0, 1 << 20}}));
+    EXPECT_EQ(ValueOrDie(y.Poll()), TransferState::kPending);
+    FERRY_EXPECT_OK(y.Cancel());
+    EXPECT_THAT(y.Wait(seconds(1)), StatusIs(Code::kCancelled));
+    EXPECT_THAT(a_->PullByKey("stalled", "k", {la.id, 0, 10}, milliseconds(200)),
+                StatusIs(Code::kDeadlineExceeded));
+}
+
+TEST_P(TransferConformance, DeregisteringALocalRegionFailsItsPendingTransfers) {
+    Blackhole hole(GetParam());
+    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7))
+                    .ok());
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
+    auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
+                                     std::vector<Descriptor>{{1, 0, 1 << 20}}));
+    FERRY_ASSERT_OK(a_->Deregister(la.id));
+    EXPECT_THAT(x.Wait(seconds(1)), StatusIs(Code::kCancelled));
+    EXPECT_THAT(a_->Deregister(la.id), StatusIs(Code::kNotFound));
+}
+
+TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(32u << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(32u << 20));
+    RefreshB();
+    std::vector<Transfer> xs;
+    for (int i = 0; i < 16; ++i) {
+        xs.push_back(ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 32u << 20}},
+                                              "agent-b",
+                                              std::vector<Descriptor>{{rb.id, 0, 32u << 20}})));
+    }
+    auto t0 = Clock::now();
+    pair_.b.reset();  // the target goes away mid-flight
+    b_ = nullptr;
+    int failed = 0;
+    for (auto& x : xs) {
+        Status s = x.Wait(seconds(5));
+        if (!s.ok()) {
+            EXPECT_THAT(s, StatusIs(Code::kUnavailable));
+            ++failed;
+        }
+    }
+    EXPECT_LT(Clock::now() - t0, seconds(2));
+    // New transfers to the dead peer fail too, with Unavailable.
+    auto y = a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 100}}, "agent-b",
+                           std::vector<Descriptor>{{rb.id, 0, 100}});
+    if (y.ok()) {
+        EXPECT_THAT(y->Wait(seconds(5)), StatusIs(Code::kUnavailable));
+    } else {
+        EXPECT_THAT(y, StatusIs(Code::kUnavailable));
+    }
+}
+
+TEST_P(TransferConformance, DestroyingTheInitiatorWithTransfersInFlightIsClean) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(16u << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(16u << 20));
+    RefreshB();
+    std::vector<Transfer> xs;
+    for (int i = 0; i < 8; ++i) {
+        xs.push_back(ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 16u << 20}},
+                                             "agent-b",
+                                             std::vector<Descriptor>{{rb.id, 0, 16u << 20}})));
+    }
+    pair_.a.reset();
+    a_ = nullptr;
+    for (auto& x : xs) {
+        Status s = x.Wait(seconds(5));
+        EXPECT_TRUE(s.ok() || s.code() == Code::kCancelled) << s.ToString();
+    }
+    // The target still works for others.
+    auto c = ValueOrDie(Agent::Create(testing::TestConfig("agent-c", GetParam())));
+    ASSERT_TRUE(c->AddPeer(b_->Metadata()).ok());
+    RegionInfo lc = ValueOrDie(c->AllocateRegion(4096));
+    auto x = ValueOrDie(c->PostRead(std::vector<Descriptor>{{lc.id, 0, 4096}}, "agent-b",
+                                    std::vector<Descriptor>{{rb.id, 0, 4096}}));
+    FERRY_EXPECT_OK(x.Wait(seconds(10)));
+}
+
+TEST_P(TransferConformance, RestartedPeerWithNewEpochIsNotTouched) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(4096));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(4096));
+    RefreshB();
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 4096}}, {{rb.id, 0, 4096}}));
+    std::string old_md = b_->Metadata();
+    // b restarts under the same name.
+    pair_.b.reset();
+    pair_.b = ValueOrDie(Agent::Create(testing::TestConfig("agent-b", GetParam())));
+    b_ = pair_.b.get();
+    RegionInfo rb2 = ValueOrDie(b_->AllocateRegion(4096));
+    std::memset(rb2.base, 0x5A, 4096);
+    // Transfers with the stale metadata fail (the old process is gone).
+    auto x = a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 4096}}, "agent-b",
+                           std::vector<Descriptor>{{rb.id, 0, 4096}});
+    EXPECT_THAT(x.ok() ? x->Wait(seconds(5)) : x.status(), StatusIs(Code::kUnavailable));
+    // New metadata replaces the peer; the new process's memory is reached only through it.
+    ASSERT_TRUE(a_->AddPeer(b_->Metadata()).ok());
+    FillPattern(la.base, 4096, 8);
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 4096}}, {{rb2.id, 0, 4096}}));
+    EXPECT_EQ(FirstMismatch(rb2.base, 4096, 8), -1);
+}
+
+TEST_P(TransferConformance, ConnectFetchesMetadataThroughTheSideChannel) {
+    auto c = ValueOrDie(Agent::Create(testing::TestConfig("agent-c", GetParam())));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(4096));
+    FillPattern(rb.base, 4096, 4);
+    EXPECT_EQ(ValueOrDie(c->Connect(b_->ListenAddress())), "agent-b");
+    RegionInfo lc = ValueOrDie(c->AllocateRegion(4096));
+    auto x = ValueOrDie(c->PostRead(std::vector<Descriptor>{{lc.id, 0, 4096}}, "agent-b",
+                                    std::vector<Descriptor>{{rb.id, 0, 4096}}));
+    FERRY_ASSERT_OK(x.Wait(seconds(10)));
+    EXPECT_EQ(FirstMismatch(lc.base, 4096, 4), -1);
+    EXPECT_THAT(c->Connect("127.0.0.1:1", milliseconds(2000)), StatusIs(Code::kUnavailable));
+    EXPECT_THAT(c->Connect("not-an-address"), StatusIs(Code::kInvalidArgument));
+}
+
+TEST_P(TransferConformance, ManyConcurrentTransfersFromSeveralThreads) {
+    const uint64_t block = 64 * 1024;
+    const int threads = 4, per_thread = 50;
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(block * threads));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(block * threads));
+    RefreshB();
+    std::atomic<int> errors{0};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t) {
+        ts.emplace_back([&, t] {
+            for (int i = 0; i < per_thread; ++i) {
+                uint8_t* mine = static_cast<uint8_t*>(la.base) + t * block;
+                FillPattern(mine, block, t * 1000 + i);
+                auto w = a_->PostWrite(std::vector<Descriptor>{{la.id, t * block, block}},
+                                       "agent-b",
+                                       std::vector<Descriptor>{{rb.id, t * block, block}});
+                if (!w.ok() || !w->Wait(seconds(30)).ok()) { ++errors; continue; }
+                std::memset(mine, 0, block);
+                auto r = a_->PostRead(std::vector<Descriptor>{{la.id, t * block, block}}, "agent-b",
+                                      std::vector<Descriptor>{{rb.id, t * block, block}});
+                if (!r.ok() || !r->Wait(seconds(30)).ok()) { ++errors; continue; }
+                if (FirstMismatch(mine, block, t * 1000 + i) != -1) ++errors;
+            }
+        });
+    }
+    for (auto& t : ts) t.join();
+    EXPECT_EQ(errors.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance, ::testing::Values("shm", "tcp"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ferry
