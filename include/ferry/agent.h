@@ -106,7 +106,7 @@ class AgentCore;
 // backend touches its local memory any more). A handle stays valid after its Agent is destroyed;
 // a transfer still pending then has failed with Cancelled.
 class Transfer {
-public:
+  public:
     Transfer() = default;
     Transfer(Transfer&&) noexcept;
     Transfer& operator=(Transfer&&) noexcept;
@@ -128,7 +128,7 @@ public:
     uint64_t bytes() const;
     bool valid() const { return op_ != nullptr; }
 
-private:
+  private:
     friend class internal::AgentCore;
     explicit Transfer(std::shared_ptr<internal::TransferOp> op);
     std::shared_ptr<internal::TransferOp> op_;
@@ -153,7 +153,7 @@ struct PullResult {
 // bounded times as documented. The Agent owns regions it allocated; memory passed to
 // RegisterMemory stays the caller's and must outlive its registration.
 class Agent {
-public:
+  public:
     // Starts the listener and I/O threads. Fails with InvalidArgument for a bad config and
     // Unavailable if the listen address cannot be bound.
     static Result<std::unique_ptr<Agent>> Create(AgentConfig config);
@@ -233,7 +233,7 @@ public:
                                  const Descriptor& local,
                                  std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
-private:
+  private:
     explicit Agent(std::shared_ptr<internal::AgentCore> core);
     std::shared_ptr<internal::AgentCore> core_;
 };

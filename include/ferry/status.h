@@ -38,7 +38,7 @@ enum class Code : uint8_t {
 std::string_view CodeName(Code code);
 
 class [[nodiscard]] Status {
-public:
+  public:
     Status() = default;
     Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
 
@@ -58,7 +58,7 @@ public:
         return a.code_ == b.code_ && a.message_ == b.message_;
     }
 
-private:
+  private:
     Code code_ = Code::kOk;
     std::string message_;
 };
@@ -81,8 +81,8 @@ Status DataLossError(std::string message);
 // error (checked by assertion in debug builds).
 template <typename T>
 class [[nodiscard]] Result {
-public:
-    Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  public:
+    Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
     Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
         if (std::get<Status>(v_).ok()) {
             v_ = Status(Code::kInternal, "Result constructed from an OK status without a value");
@@ -105,7 +105,7 @@ public:
     T* operator->() { return &value(); }
     const T* operator->() const { return &value(); }
 
-private:
+  private:
     std::variant<T, Status> v_;
 };
 
@@ -115,12 +115,12 @@ private:
 #define FERRY_CONCAT_(a, b) FERRY_CONCAT_INNER_(a, b)
 
 // Returns the Status from the enclosing function if `expr` is not OK.
-#define FERRY_RETURN_IF_ERROR(expr)           \
-    do {                                      \
+#define FERRY_RETURN_IF_ERROR(expr)             \
+    do {                                        \
         ::ferry::Status ferry_status_ = (expr); \
-        if (!ferry_status_.ok()) {            \
-            return ferry_status_;             \
-        }                                     \
+        if (!ferry_status_.ok()) {              \
+            return ferry_status_;               \
+        }                                       \
     } while (0)
 
 // `FERRY_ASSIGN_OR_RETURN(auto x, MakeX());` binds the value or returns the error.

@@ -1,0 +1,455 @@
+#include "bench/transfer_bench.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/core.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "core/fd.h"
+#include "core/log.h"
+#include "ferry/agent.h"
+#include "transfer/backend.h"
+#include "transfer/region_table.h"
+
+extern char** environ;
+
+namespace ferry::bench {
+
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+uint64_t RegionBytes(const TransferBenchOptions& o) {
+    uint64_t max_block = *std::max_element(o.block_sizes.begin(), o.block_sizes.end());
+    uint64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+    return max_block * max_batch;
+}
+
+double Percentile(std::vector<double> v, double p) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    size_t idx = static_cast<size_t>(std::ceil(p / 100.0 * v.size())) - 1;
+    return v[std::min(idx, v.size() - 1)];
+}
+
+// --- references -------------------------------------------------------------------------------
+
+// memcpy between two pre-faulted buffers, the same bytes per iteration as one batch.
+double MemcpyReferenceGbps(uint64_t block, uint64_t batch, double duration) {
+    uint64_t bytes = block * batch;
+    std::vector<uint8_t> src(bytes, 1), dst(bytes, 0);
+    PrefaultMemory(src.data(), bytes);
+    PrefaultMemory(dst.data(), bytes);
+    uint64_t moved = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto end = t0 + Seconds(duration);
+    do {
+        for (uint64_t i = 0; i < batch; ++i) {
+            std::memcpy(dst.data() + i * block, src.data() + i * block, block);
+        }
+        moved += bytes;
+    } while (std::chrono::steady_clock::now() < end);
+    double s = Seconds(std::chrono::steady_clock::now() - t0).count();
+    return moved / s / 1e9;
+}
+
+// A plain TCP stream to the target's raw sink: one connection, send() of `block` bytes.
+double TcpReferenceGbps(const std::string& address, uint64_t block, double duration) {
+    std::string host;
+    uint16_t port = 0;
+    if (!SplitHostPort(address, &host, &port).ok()) return 0;
+    ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    inet_pton(AF_INET, host.c_str(), &sa.sin_addr);
+    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) return 0;
+    int one = 1;
+    setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    std::vector<uint8_t> buf(block, 7);
+    PrefaultMemory(buf.data(), buf.size());
+    uint64_t moved = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto end = t0 + Seconds(duration);
+    while (std::chrono::steady_clock::now() < end) {
+        size_t off = 0;
+        while (off < block) {
+            ssize_t n = send(fd.get(), buf.data() + off, block - off, MSG_NOSIGNAL);
+            if (n <= 0) return 0;
+            off += static_cast<size_t>(n);
+        }
+        moved += block;
+    }
+    shutdown(fd.get(), SHUT_WR);
+    char c;
+    while (recv(fd.get(), &c, 1, 0) > 0) {
+    }  // the sink closes once it has read everything: count only delivered bytes
+    double s = Seconds(std::chrono::steady_clock::now() - t0).count();
+    return moved / s / 1e9;
+}
+
+// Target side of the TCP reference: reads and drops everything, then closes.
+class RawSink {
+  public:
+    bool Start(const std::string& host) {
+        fd_.Reset(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in sa{};
+        sa.sin_family = AF_INET;
+        sa.sin_port = 0;
+        inet_pton(AF_INET, host.c_str(), &sa.sin_addr);
+        if (bind(fd_.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
+            listen(fd_.get(), 16) != 0) {
+            return false;
+        }
+        socklen_t len = sizeof(sa);
+        getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&sa), &len);
+        address_ = host + ":" + std::to_string(ntohs(sa.sin_port));
+        thread_ = std::thread([this] {
+            std::vector<uint8_t> buf(4u << 20);
+            PrefaultMemory(buf.data(), buf.size());
+            while (true) {
+                int c = accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+                if (c < 0) return;
+                while (recv(c, buf.data(), buf.size(), 0) > 0) {
+                }
+                close(c);
+            }
+        });
+        thread_.detach();
+        return true;
+    }
+    const std::string& address() const { return address_; }
+
+  private:
+    ScopedFd fd_;
+    std::string address_;
+    std::thread thread_;
+};
+
+// --- child process ----------------------------------------------------------------------------
+
+struct Child {
+    pid_t pid = -1;
+    ScopedFd stdin_w;
+    FILE* out = nullptr;
+    ~Child() {
+        stdin_w.Reset();  // the target exits when its stdin closes
+        if (pid > 0) {
+            int status = 0;
+            for (int i = 0; i < 50; ++i) {
+                if (waitpid(pid, &status, WNOHANG) == pid) {
+                    pid = -1;
+                    break;
+                }
+                usleep(20000);
+            }
+            if (pid > 0) {
+                kill(pid, SIGKILL);
+                waitpid(pid, &status, 0);
+            }
+        }
+        if (out) fclose(out);
+    }
+};
+
+bool SpawnTarget(const TransferBenchOptions& o, const std::string& backend, Child* child,
+                 std::string* agent_address, std::string* raw_address) {
+    std::vector<std::string> args = {"ferry",     "bench", "transfer", "--role", "target",
+                                     "--backend", backend, "--listen", o.listen};
+    std::string blocks, batches;
+    for (uint64_t b : o.block_sizes) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
+    for (uint64_t b : o.batches) batches += (batches.empty() ? "" : ",") + std::to_string(b);
+    args.insert(args.end(), {"--block-size", blocks, "--batch", batches});
+    if (o.streams > 0) args.insert(args.end(), {"--streams", std::to_string(o.streams)});
+    if (!o.secret.empty()) args.insert(args.end(), {"--secret", o.secret});
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) return false;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    int rc = posix_spawn(&child->pid, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    child->stdin_w.Reset(in[1]);
+    child->out = fdopen(out[0], "r");
+    if (rc != 0) {
+        child->pid = -1;
+        return false;
+    }
+    char line[1024];
+    while (fgets(line, sizeof(line), child->out) != nullptr) {
+        char agent[512], raw[512];
+        if (sscanf(line, "FERRY-BENCH-TARGET agent=%511s raw=%511s", agent, raw) == 2) {
+            *agent_address = agent;
+            *raw_address = raw;
+            return true;
+        }
+    }
+    return false;
+}
+
+AgentConfig BenchConfig(const std::string& name, const std::string& backend,
+                        const TransferBenchOptions& o) {
+    AgentConfig c;
+    c.name = name;
+    c.backends = {backend};
+    c.secret = o.secret;
+    c.tcp_streams = o.streams;
+    c.shm_streams = o.streams;
+    c.default_timeout = std::chrono::seconds(60);
+    std::string host;
+    uint16_t port = 0;
+    if (SplitHostPort(o.listen, &host, &port).ok()) {
+        c.listen_host = host;
+        c.listen_port = port;
+    }
+    return c;
+}
+
+int RunTarget(const TransferBenchOptions& o) {
+    std::string backend = o.backends.at(0);
+    auto agent = Agent::Create(BenchConfig("bench-target", backend, o));
+    if (!agent.ok()) {
+        fmt::print(stderr, "ferry bench: target: {}\n", agent.status().ToString());
+        return 1;
+    }
+    auto region = (*agent)->AllocateRegion(RegionBytes(o));
+    if (!region.ok()) {
+        fmt::print(stderr, "ferry bench: target: {}\n", region.status().ToString());
+        return 1;
+    }
+    RawSink sink;
+    std::string host;
+    uint16_t port = 0;
+    (void)SplitHostPort((*agent)->ListenAddress(), &host, &port);
+    if (!sink.Start(host)) {
+        fmt::print(stderr, "ferry bench: target: raw tcp sink: {}\n", std::strerror(errno));
+        return 1;
+    }
+    fmt::print("FERRY-BENCH-TARGET agent={} raw={} region={}\n", (*agent)->ListenAddress(),
+               sink.address(), region->id);
+    std::fflush(stdout);
+    // Serve until stdin closes (spawned by an initiator) or a signal ends the process.
+    char buf[256];
+    while (read(0, buf, sizeof(buf)) > 0) {
+    }
+    return 0;
+}
+
+struct Row {
+    std::string backend, op;
+    uint64_t block = 0, batch = 0;
+    double gbps = 0, descs_per_s = 0, p50_us = 0, p99_us = 0, reference_gbps = 0;
+    std::string error;
+};
+
+Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remote,
+           const std::string& backend, const std::string& op, uint64_t block, uint64_t batch,
+           const TransferBenchOptions& o) {
+    Row row;
+    row.backend = backend;
+    row.op = op;
+    row.block = block;
+    row.batch = batch;
+    std::vector<Descriptor> ldesc, rdesc;
+    for (uint64_t i = 0; i < batch; ++i) {
+        ldesc.push_back({local, i * block, block});
+        rdesc.push_back({remote, i * block, block});
+    }
+    bool read = op == "read";
+    auto post = [&]() {
+        return read ? agent.PostRead(ldesc, peer, rdesc) : agent.PostWrite(ldesc, peer, rdesc);
+    };
+    std::vector<double> lat_us;
+    uint64_t batches_done = 0;
+    auto run = [&](double seconds, bool record) -> Status {
+        auto end = Clock::now() + Seconds(seconds);
+        std::vector<std::pair<Transfer, Clock::time_point>> window;
+        while (true) {
+            bool more = Clock::now() < end;
+            while (more && window.size() < static_cast<size_t>(std::max(1, o.inflight))) {
+                auto t = post();
+                if (!t.ok()) return t.status();
+                window.emplace_back(std::move(*t), Clock::now());
+            }
+            if (window.empty()) return Status::Ok();
+            Status s = window.front().first.Wait(std::chrono::seconds(60));
+            if (!s.ok()) return s;
+            if (record) {
+                lat_us.push_back(
+                    std::chrono::duration<double, std::micro>(Clock::now() - window.front().second)
+                        .count());
+                ++batches_done;
+            }
+            window.erase(window.begin());
+        }
+    };
+    Status s = run(o.warmup, false);
+    auto t0 = Clock::now();
+    if (s.ok()) s = run(o.duration, true);
+    double secs = Seconds(Clock::now() - t0).count();
+    if (!s.ok()) {
+        row.error = s.ToString();
+        return row;
+    }
+    double bytes = static_cast<double>(batches_done) * block * batch;
+    row.gbps = bytes / secs / 1e9;
+    row.descs_per_s = batches_done * batch / secs;
+    row.p50_us = Percentile(lat_us, 50);
+    row.p99_us = Percentile(lat_us, 99);
+    return row;
+}
+
+void PrintRow(const Row& r, bool json) {
+    if (json) {
+        if (!r.error.empty()) {
+            fmt::print(
+                "{{\"backend\":\"{}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},"
+                "\"error\":\"{}\"}}\n",
+                r.backend, r.op, r.block, r.batch, r.error);
+            return;
+        }
+        fmt::print(
+            "{{\"backend\":\"{}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},"
+            "\"gbps\":{:.3f},\"descs_per_s\":{:.0f},\"p50_us\":{:.1f},\"p99_us\":{:.1f},"
+            "\"reference_gbps\":{:.3f}}}\n",
+            r.backend, r.op, r.block, r.batch, r.gbps, r.descs_per_s, r.p50_us, r.p99_us,
+            r.reference_gbps);
+        std::fflush(stdout);
+        return;
+    }
+    if (!r.error.empty()) {
+        fmt::print("{:<7} {:<6} {:>10} {:>6}  error: {}\n", r.backend, r.op, FormatSize(r.block),
+                   r.batch, r.error);
+        return;
+    }
+    fmt::print(
+        "{:<7} {:<6} {:>10} {:>6} {:>9.2f} {:>12.0f} {:>10.1f} {:>10.1f} {:>9.2f} {:>6.2f}\n",
+        r.backend, r.op, FormatSize(r.block), r.batch, r.gbps, r.descs_per_s, r.p50_us, r.p99_us,
+        r.reference_gbps, r.reference_gbps > 0 ? r.gbps / r.reference_gbps : 0);
+    std::fflush(stdout);
+}
+
+int RunInitiator(const TransferBenchOptions& o) {
+    if (!o.json) {
+        fmt::print("{:<7} {:<6} {:>10} {:>6} {:>9} {:>12} {:>10} {:>10} {:>9} {:>6}\n", "backend",
+                   "op", "block", "batch", "GB/s", "descs/s", "p50 us", "p99 us", "ref GB/s",
+                   "ratio");
+    }
+    int rc = 0;
+    for (const std::string& backend : o.backends) {
+        Child child;
+        std::string agent_addr = o.peer, raw_addr;
+        RegionId remote = 1;  // the target's only region
+        if (o.role == "both") {
+            if (!SpawnTarget(o, backend, &child, &agent_addr, &raw_addr)) {
+                fmt::print(stderr, "ferry bench: could not start the target process\n");
+                return 1;
+            }
+        }
+        auto agent = Agent::Create(BenchConfig("bench-initiator", backend, o));
+        if (!agent.ok()) {
+            fmt::print(stderr, "ferry bench: {}\n", agent.status().ToString());
+            return 1;
+        }
+        auto peer = (*agent)->Connect(agent_addr, std::chrono::seconds(10));
+        if (!peer.ok()) {
+            fmt::print(stderr, "ferry bench: {}\n", peer.status().ToString());
+            return 1;
+        }
+        auto chosen = (*agent)->PeerBackend(*peer);
+        if (!chosen.ok() || *chosen != backend) {
+            fmt::print(stderr, "ferry bench: backend {} cannot reach {} (chosen: {})\n", backend,
+                       agent_addr, chosen.ok() ? *chosen : chosen.status().ToString());
+            rc = 1;
+            continue;
+        }
+        auto local = (*agent)->AllocateRegion(RegionBytes(o));
+        if (!local.ok()) {
+            fmt::print(stderr, "ferry bench: {}\n", local.status().ToString());
+            return 1;
+        }
+        for (const std::string& op : o.ops) {
+            for (uint64_t block : o.block_sizes) {
+                for (uint64_t batch : o.batches) {
+                    Row row =
+                        RunRow(**agent, *peer, local->id, remote, backend, op, block, batch, o);
+                    if (!o.no_reference && row.error.empty()) {
+                        row.reference_gbps =
+                            backend == "shm"   ? MemcpyReferenceGbps(block, batch, o.duration / 2)
+                            : raw_addr.empty() ? 0
+                                               : TcpReferenceGbps(raw_addr, block, o.duration / 2);
+                    }
+                    if (!row.error.empty()) rc = 1;
+                    PrintRow(row, o.json);
+                }
+            }
+        }
+    }
+    return rc;
+}
+
+}  // namespace
+
+bool ParseSize(const std::string& text, uint64_t* bytes) {
+    if (text.empty()) return false;
+    size_t pos = 0;
+    uint64_t v = 0;
+    while (pos < text.size() && std::isdigit(static_cast<unsigned char>(text[pos]))) {
+        if (v > (UINT64_MAX - 9) / 10) return false;
+        v = v * 10 + (text[pos++] - '0');
+    }
+    if (pos == 0) return false;
+    std::string unit = text.substr(pos);
+    uint64_t mult = 1;
+    if (unit.empty() || unit == "B")
+        mult = 1;
+    else if (unit == "K" || unit == "KiB" || unit == "k")
+        mult = 1ull << 10;
+    else if (unit == "M" || unit == "MiB")
+        mult = 1ull << 20;
+    else if (unit == "G" || unit == "GiB")
+        mult = 1ull << 30;
+    else
+        return false;
+    if (v == 0 || v > (1ull << 40) / mult) return false;
+    *bytes = v * mult;
+    return true;
+}
+
+std::string FormatSize(uint64_t b) {
+    if (b % (1ull << 30) == 0) return std::to_string(b >> 30) + "GiB";
+    if (b % (1ull << 20) == 0) return std::to_string(b >> 20) + "MiB";
+    if (b % (1ull << 10) == 0) return std::to_string(b >> 10) + "KiB";
+    return std::to_string(b) + "B";
+}
+
+int RunTransferBench(const TransferBenchOptions& o) {
+    if (o.role == "target") {
+        return RunTarget(o);
+    }
+    return RunInitiator(o);
+}
+
+}  // namespace ferry::bench

@@ -14,7 +14,7 @@
 namespace ferry {
 
 class ByteWriter {
-public:
+  public:
     void U8(uint8_t v) { buf_.push_back(static_cast<char>(v)); }
     void U16(uint16_t v) { Le(v); }
     void U32(uint32_t v) { Le(v); }
@@ -29,7 +29,7 @@ public:
     std::string Take() { return std::move(buf_); }
     size_t size() const { return buf_.size(); }
 
-private:
+  private:
     template <typename T>
     void Le(T v) {
         char b[sizeof(T)];
@@ -42,7 +42,7 @@ private:
 };
 
 class ByteReader {
-public:
+  public:
     // `what` names the thing being decoded in error messages ("metadata", "write frame").
     ByteReader(std::string_view data, std::string_view what) : data_(data), what_(what) {}
 
@@ -65,9 +65,9 @@ public:
             return false;
         }
         if (n > max_len) {
-            error_ = InvalidArgumentError(
-                fmt_error("string of " + std::to_string(n) + " bytes exceeds the limit of " +
-                          std::to_string(max_len)));
+            error_ = InvalidArgumentError(fmt_error("string of " + std::to_string(n) +
+                                                    " bytes exceeds the limit of " +
+                                                    std::to_string(max_len)));
             return false;
         }
         if (remaining() < n) {
@@ -118,7 +118,7 @@ public:
         }
     }
 
-private:
+  private:
     template <typename T>
     bool Le(T* v) {
         if (remaining() < sizeof(T)) {
@@ -134,8 +134,8 @@ private:
     }
     bool Fail(uint64_t wanted) {
         SetError(InvalidArgumentError(fmt_error("truncated: wanted " + std::to_string(wanted) +
-                                                " bytes at offset " + std::to_string(pos_) +
-                                                ", " + std::to_string(remaining()) + " left")));
+                                                " bytes at offset " + std::to_string(pos_) + ", " +
+                                                std::to_string(remaining()) + " left")));
         return false;
     }
     std::string fmt_error(const std::string& m) const { return std::string(what_) + ": " + m; }

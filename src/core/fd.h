@@ -8,7 +8,7 @@
 namespace ferry {
 
 class ScopedFd {
-public:
+  public:
     ScopedFd() = default;
     explicit ScopedFd(int fd) : fd_(fd) {}
     ScopedFd(ScopedFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
@@ -32,7 +32,7 @@ public:
         fd_ = fd;
     }
 
-private:
+  private:
     int fd_ = -1;
 };
 

@@ -16,9 +16,9 @@ void LogLine(LogLevel level, std::string_view text);
 
 }  // namespace ferry
 
-#define FERRY_LOG(level, ...)                                                         \
-    do {                                                                              \
-        if (::ferry::LogLevel::level >= ::ferry::CurrentLogLevel()) {                 \
-            ::ferry::LogLine(::ferry::LogLevel::level, ::fmt::format(__VA_ARGS__));   \
-        }                                                                             \
+#define FERRY_LOG(level, ...)                                                       \
+    do {                                                                            \
+        if (::ferry::LogLevel::level >= ::ferry::CurrentLogLevel()) {               \
+            ::ferry::LogLine(::ferry::LogLevel::level, ::fmt::format(__VA_ARGS__)); \
+        }                                                                           \
     } while (0)

@@ -4,22 +4,38 @@ namespace ferry {
 
 std::string_view CodeName(Code code) {
     switch (code) {
-        case Code::kOk: return "OK";
-        case Code::kCancelled: return "Cancelled";
-        case Code::kUnknown: return "Unknown";
-        case Code::kInvalidArgument: return "InvalidArgument";
-        case Code::kDeadlineExceeded: return "DeadlineExceeded";
-        case Code::kNotFound: return "NotFound";
-        case Code::kAlreadyExists: return "AlreadyExists";
-        case Code::kPermissionDenied: return "PermissionDenied";
-        case Code::kResourceExhausted: return "ResourceExhausted";
-        case Code::kFailedPrecondition: return "FailedPrecondition";
-        case Code::kAborted: return "Aborted";
-        case Code::kOutOfRange: return "OutOfRange";
-        case Code::kUnimplemented: return "Unimplemented";
-        case Code::kInternal: return "Internal";
-        case Code::kUnavailable: return "Unavailable";
-        case Code::kDataLoss: return "DataLoss";
+        case Code::kOk:
+            return "OK";
+        case Code::kCancelled:
+            return "Cancelled";
+        case Code::kUnknown:
+            return "Unknown";
+        case Code::kInvalidArgument:
+            return "InvalidArgument";
+        case Code::kDeadlineExceeded:
+            return "DeadlineExceeded";
+        case Code::kNotFound:
+            return "NotFound";
+        case Code::kAlreadyExists:
+            return "AlreadyExists";
+        case Code::kPermissionDenied:
+            return "PermissionDenied";
+        case Code::kResourceExhausted:
+            return "ResourceExhausted";
+        case Code::kFailedPrecondition:
+            return "FailedPrecondition";
+        case Code::kAborted:
+            return "Aborted";
+        case Code::kOutOfRange:
+            return "OutOfRange";
+        case Code::kUnimplemented:
+            return "Unimplemented";
+        case Code::kInternal:
+            return "Internal";
+        case Code::kUnavailable:
+            return "Unavailable";
+        case Code::kDataLoss:
+            return "DataLoss";
     }
     return "Unknown";
 }

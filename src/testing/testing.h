@@ -29,15 +29,15 @@ MATCHER_P(StatusIs, code, "has status code " + std::string(::ferry::CodeName(cod
     return s.code() == code;
 }
 
-#define FERRY_ASSERT_OK(expr)                                  \
-    do {                                                       \
-        const ::ferry::Status ferry_s_ = (expr);               \
-        ASSERT_TRUE(ferry_s_.ok()) << ferry_s_.ToString();     \
+#define FERRY_ASSERT_OK(expr)                              \
+    do {                                                   \
+        const ::ferry::Status ferry_s_ = (expr);           \
+        ASSERT_TRUE(ferry_s_.ok()) << ferry_s_.ToString(); \
     } while (0)
-#define FERRY_EXPECT_OK(expr)                                  \
-    do {                                                       \
-        const ::ferry::Status ferry_s_ = (expr);               \
-        EXPECT_TRUE(ferry_s_.ok()) << ferry_s_.ToString();     \
+#define FERRY_EXPECT_OK(expr)                              \
+    do {                                                   \
+        const ::ferry::Status ferry_s_ = (expr);           \
+        EXPECT_TRUE(ferry_s_.ok()) << ferry_s_.ToString(); \
     } while (0)
 
 // Unwraps a Result in a test, failing the test (and aborting it) on error.
@@ -75,12 +75,12 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
 
 // Accepts connections and never reads or writes: a stalled peer.
 class Blackhole {
-public:
+  public:
     explicit Blackhole(const std::string& backend);
     ~Blackhole();
     std::string address() const { return address_; }
 
-private:
+  private:
     ScopedFd listener_;
     std::string address_;
     std::vector<ScopedFd> accepted_;

@@ -41,8 +41,7 @@ Status CmaCopy(pid_t pid, const std::vector<iovec>& ours, const std::vector<iove
             lbytes += ours[i].iov_len - off;
         }
         for (size_t i = ti, off = toff; i < theirs.size() && rn < kIovMax; ++i, off = 0) {
-            rw[rn++] =
-                iovec{static_cast<char*>(theirs[i].iov_base) + off, theirs[i].iov_len - off};
+            rw[rn++] = iovec{static_cast<char*>(theirs[i].iov_base) + off, theirs[i].iov_len - off};
             rbytes += theirs[i].iov_len - off;
         }
         uint64_t want = std::min(lbytes, rbytes);
@@ -50,8 +49,9 @@ Status CmaCopy(pid_t pid, const std::vector<iovec>& ours, const std::vector<iove
                             : process_vm_readv(pid, lw, ln, rw, rn, 0);
         if (r < 0) {
             return Status(errno == EFAULT ? Code::kInvalidArgument : Code::kUnavailable,
-                          std::string("shm: ") + (to_peer ? "process_vm_writev" : "process_vm_readv") +
-                              " to pid " + std::to_string(pid) + ": " + std::strerror(errno));
+                          std::string("shm: ") +
+                              (to_peer ? "process_vm_writev" : "process_vm_readv") + " to pid " +
+                              std::to_string(pid) + ": " + std::strerror(errno));
         }
         if (static_cast<uint64_t>(r) != want) {
             return InvalidArgumentError("shm: partial copy (" + std::to_string(r) + " of " +
@@ -84,7 +84,7 @@ int DefaultIoThreads() {
 
 // Accepts connections on one listener (loop 0) and hands them out round-robin.
 class AgentCore::Acceptor final : public EventHandler {
-public:
+  public:
     Acceptor(AgentCore* core, Backend* backend, int fd) : core_(core), backend_(backend), fd_(fd) {}
     void OnEvents(uint32_t) override {
         for (int i = 0; i < 64; ++i) {
@@ -99,14 +99,16 @@ public:
         }
     }
 
-private:
+  private:
     AgentCore* core_;
     Backend* backend_;
     int fd_;
 };
 
 AgentCore::AgentCore(AgentConfig config)
-    : config_(std::move(config)), epoch_(SecureRandomU64() | 1), host_id_(LocalHostId()),
+    : config_(std::move(config)),
+      epoch_(SecureRandomU64() | 1),
+      host_id_(LocalHostId()),
       cma_probe_(std::make_unique<uint64_t>(SecureRandomU64())) {}
 
 Result<std::shared_ptr<AgentCore>> AgentCore::Create(AgentConfig config) {
@@ -121,9 +123,8 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(AgentConfig config) {
                                         "' (known: shm, tcp)");
         }
     }
-    if (!config.force_backend.empty() &&
-        std::find(config.backends.begin(), config.backends.end(), config.force_backend) ==
-            config.backends.end()) {
+    if (!config.force_backend.empty() && std::find(config.backends.begin(), config.backends.end(),
+                                                   config.force_backend) == config.backends.end()) {
         return InvalidArgumentError("AgentConfig.force_backend '" + config.force_backend +
                                     "' is not among the enabled backends");
     }
@@ -223,9 +224,7 @@ void AgentCore::Shutdown() {
     }
 }
 
-IoLoop* AgentCore::NextLoop() {
-    return loops_[next_loop_.fetch_add(1) % loops_.size()].get();
-}
+IoLoop* AgentCore::NextLoop() { return loops_[next_loop_.fetch_add(1) % loops_.size()].get(); }
 
 Backend* AgentCore::FindBackend(std::string_view name) const {
     auto it = backends_.find(name);
@@ -395,8 +394,8 @@ void AgentCore::TrackConnection(const std::shared_ptr<Connection>& c) {
 }
 
 Result<std::shared_ptr<Connection>> AgentCore::Dial(Backend& backend, std::string_view address,
-                                                    const std::string& label,
-                                                    wire::Purpose purpose, uint64_t expect_epoch) {
+                                                    const std::string& label, wire::Purpose purpose,
+                                                    uint64_t expect_epoch) {
     if (shut_down_.load()) {
         return CancelledError("agent " + config_.name + " is shutting down");
     }
@@ -428,9 +427,9 @@ void AgentCore::Accept(Backend* backend, ScopedFd fd) {
     hc.epoch = epoch_;
     hc.secret = config_.secret;
     hc.verify_cma = backend->verify_cma();
-    auto conn = Connection::Create(NextLoop(), std::move(fd), Connection::Role::kServer,
-                                   std::move(hc), this,
-                                   std::string(backend->name()) + " client", false);
+    auto conn =
+        Connection::Create(NextLoop(), std::move(fd), Connection::Role::kServer, std::move(hc),
+                           this, std::string(backend->name()) + " client", false);
     TrackConnection(conn);
     conn->Start();
 }
@@ -446,11 +445,10 @@ Result<std::vector<std::shared_ptr<Connection>>> AgentCore::Streams(Peer& peer, 
     v.resize(static_cast<size_t>(backend.streams()));
     for (size_t i = 0; i < v.size(); ++i) {
         if (!v[i] || v[i]->closed()) {
-            FERRY_ASSIGN_OR_RETURN(
-                v[i], Dial(backend, ep->address,
-                           peer.md.name + " (" + std::string(backend.name()) + " stream " +
-                               std::to_string(i) + ")",
-                           wire::Purpose::kData, peer.md.epoch));
+            FERRY_ASSIGN_OR_RETURN(v[i], Dial(backend, ep->address,
+                                              peer.md.name + " (" + std::string(backend.name()) +
+                                                  " stream " + std::to_string(i) + ")",
+                                              wire::Purpose::kData, peer.md.epoch));
         }
     }
     return v;
@@ -467,8 +465,9 @@ Result<std::string> AgentCore::Connect(std::string_view host_port,
         std::string blob;
     };
     auto fetch = std::make_shared<Fetch>();
-    FERRY_ASSIGN_OR_RETURN(auto conn, Dial(*tcp, host_port, "side channel " + std::string(host_port),
-                                           wire::Purpose::kSideChannel, 0));
+    FERRY_ASSIGN_OR_RETURN(auto conn,
+                           Dial(*tcp, host_port, "side channel " + std::string(host_port),
+                                wire::Purpose::kSideChannel, 0));
     OutFrame f;
     f.request_id = NextRequestId();
     f.head = wire::MakeFrame(wire::FrameType::kGetMetadata, f.request_id, {});
@@ -510,10 +509,9 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
                              " (AddPeer or Connect first)");
     }
     if (options.notification && options.notification->size() > wire::kMaxNotificationLen) {
-        return InvalidArgumentError("notification of " +
-                                    std::to_string(options.notification->size()) +
-                                    " bytes exceeds the limit of " +
-                                    std::to_string(wire::kMaxNotificationLen));
+        return InvalidArgumentError(
+            "notification of " + std::to_string(options.notification->size()) +
+            " bytes exceeds the limit of " + std::to_string(wire::kMaxNotificationLen));
     }
     std::string backend_name = options.backend.empty() ? peer->backend : options.backend;
     Backend* backend = FindBackend(backend_name);
@@ -725,9 +723,9 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
     Backend* backend = FindBackend(peer->backend);
     FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
     wire::DataMode mode = backend->data_mode();
-    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), TransferOp::Kind::kPull,
-                                           capacity, Clock::now() + timeout,
-                                           std::string(peer_name), mode);
+    auto op =
+        std::make_shared<TransferOp>(next_op_id_.fetch_add(1), TransferOp::Kind::kPull, capacity,
+                                     Clock::now() + timeout, std::string(peer_name), mode);
     std::vector<RegionPin> pins;
     pins.push_back(std::move(pin));
     op->Arm(1, std::move(pins), nullptr);
@@ -771,12 +769,13 @@ void AgentCore::Respond(Connection& conn, uint64_t request_id, const Status& s, 
     conn.SendNow(std::move(f));
 }
 
-Status AgentCore::PinSegments(const std::vector<wire::Segment>& segs,
-                              std::vector<RegionPin>* pins, std::vector<iovec>* iov) {
+Status AgentCore::PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
+                              std::vector<iovec>* iov) {
     iov->reserve(segs.size());
     RegionId last = 0;
     for (const wire::Segment& s : segs) {
-        FERRY_ASSIGN_OR_RETURN(RegionPin p, regions_.PinRemote(s.region, s.key, s.offset, s.length));
+        FERRY_ASSIGN_OR_RETURN(RegionPin p,
+                               regions_.PinRemote(s.region, s.key, s.offset, s.length));
         iov->push_back(iovec{p.entry()->base + s.offset, s.length});
         // One pin per distinct region is enough; consecutive segments usually share one.
         if (pins->empty() || last != s.region) {
@@ -796,8 +795,10 @@ void AgentCore::OnRequest(Connection& conn, const wire::FrameHeader& h, std::str
             }
             std::lock_guard<std::mutex> lock(notes_mu_);
             if (notes_bytes_ + body.size() > kMaxQueuedNotificationBytes) {
-                FERRY_LOG(kWarn, "dropping a notification from {}: {} bytes already queued "
-                          "(call TakeNotifications)", conn.peer_name(), notes_bytes_);
+                FERRY_LOG(kWarn,
+                          "dropping a notification from {}: {} bytes already queued "
+                          "(call TakeNotifications)",
+                          conn.peer_name(), notes_bytes_);
                 return;
             }
             notes_bytes_ += body.size();
@@ -835,10 +836,9 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
     bool inline_mode = req->mode == wire::DataMode::kInline;
     uint64_t expected_payload = write && inline_mode ? req->TotalLength() : 0;
     if (h.payload_len != expected_payload) {
-        conn.Close(InvalidArgumentError("request from " + conn.peer_name() + " carries " +
-                                        std::to_string(h.payload_len) +
-                                        " payload bytes for segments of " +
-                                        std::to_string(expected_payload)));
+        conn.Close(InvalidArgumentError(
+            "request from " + conn.peer_name() + " carries " + std::to_string(h.payload_len) +
+            " payload bytes for segments of " + std::to_string(expected_payload)));
         return;
     }
     std::vector<RegionPin> pins;
@@ -938,8 +938,7 @@ void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::str
         }
     }
     if (!s.ok()) {
-        Respond(conn, h.request_id,
-                s.code() == Code::kNotFound ? NotFoundError(s.message()) : s);
+        Respond(conn, h.request_id, s.code() == Code::kNotFound ? NotFoundError(s.message()) : s);
         return;
     }
     if (size > req->capacity) {

@@ -26,7 +26,7 @@
 namespace ferry::internal {
 
 class AgentCore final : public ConnectionOwner, public std::enable_shared_from_this<AgentCore> {
-public:
+  public:
     static Result<std::shared_ptr<AgentCore>> Create(AgentConfig config);
     ~AgentCore() override;
     void Shutdown();
@@ -63,7 +63,7 @@ public:
     void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) override;
     void OnClosed(Connection& conn, const Status& why) override;
 
-private:
+  private:
     struct Peer {
         AgentMetadata md;
         std::string backend;  // chosen for this peer
@@ -108,7 +108,8 @@ private:
     RegionTable regions_;
     std::vector<std::unique_ptr<IoLoop>> loops_;
     std::atomic<uint64_t> next_loop_{0};
-    std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;  // enabled + side channel
+    std::map<std::string, std::unique_ptr<Backend>, std::less<>>
+        backends_;                      // enabled + side channel
     std::vector<std::string> enabled_;  // offered and usable, in preference order
     std::map<std::string, std::string, std::less<>> endpoints_;  // backend -> published address
     std::vector<ScopedFd> listeners_;

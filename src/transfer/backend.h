@@ -24,7 +24,7 @@ struct BackendCapabilities {
 };
 
 class Backend {
-public:
+  public:
     virtual ~Backend() = default;
 
     virtual std::string_view name() const = 0;

@@ -52,8 +52,13 @@ std::shared_ptr<Connection> Connection::Create(IoLoop* loop, ScopedFd fd, Role r
 
 Connection::Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig config,
                        ConnectionOwner* owner, std::string label, bool connecting)
-    : loop_(loop), fd_(std::move(fd)), role_(role), config_(std::move(config)), owner_(owner),
-      label_(std::move(label)), created_(std::chrono::steady_clock::now()),
+    : loop_(loop),
+      fd_(std::move(fd)),
+      role_(role),
+      config_(std::move(config)),
+      owner_(owner),
+      label_(std::move(label)),
+      created_(std::chrono::steady_clock::now()),
       state_(role == Role::kServer ? State::kAwaitHello
                                    : (connecting ? State::kConnecting : State::kAwaitHelloAck)),
       rbuf_(kReadBufferSize) {
@@ -100,8 +105,8 @@ void Connection::Send(OutFrame f) {
         }
     }
     if (f.expects_response) {  // not queued: the connection is closed
-        f.expect.Fail(UnavailableError(config_.backend + ": connection to " + label_ +
-                                       " is closed"));
+        f.expect.Fail(
+            UnavailableError(config_.backend + ": connection to " + label_ + " is closed"));
         return;
     }
     if (post) {
@@ -147,8 +152,8 @@ void Connection::SendNow(OutFrame f) {
 void Connection::Enqueue(OutFrame f) {
     if (closed_.load()) {
         if (f.expects_response) {
-            f.expect.Fail(UnavailableError(config_.backend + ": connection to " + label_ +
-                                           " is closed"));
+            f.expect.Fail(
+                UnavailableError(config_.backend + ": connection to " + label_ + " is closed"));
         }
         return;
     }
@@ -523,8 +528,8 @@ bool Connection::ReadPayload() {
         size_t n_iov = 0;
         uint64_t want = payload_left_;
         if (discard) {
-            iov[n_iov++] = iovec{ScratchBuffer(), static_cast<size_t>(std::min<uint64_t>(
-                                                      want, kReadBufferSize))};
+            iov[n_iov++] = iovec{ScratchBuffer(),
+                                 static_cast<size_t>(std::min<uint64_t>(want, kReadBufferSize))};
         } else {
             size_t idx = sink_idx_;
             size_t off = sink_off_;
@@ -608,9 +613,9 @@ Status Connection::VerifyCmaProbe(const wire::Hello& hello) {
     iovec remote{reinterpret_cast<void*>(hello.probe_addr), sizeof(value)};
     ssize_t r = process_vm_readv(cred.pid, &local, 1, &remote, 1, 0);
     if (r != static_cast<ssize_t>(sizeof(value))) {
-        return PermissionDeniedError("shm: cross-memory attach to pid " +
-                                     std::to_string(cred.pid) + " refused: " +
-                                     std::strerror(errno) + " (use the tcp backend)");
+        return PermissionDeniedError("shm: cross-memory attach to pid " + std::to_string(cred.pid) +
+                                     " refused: " + std::strerror(errno) +
+                                     " (use the tcp backend)");
     }
     if (value != hello.probe_value) {
         return PermissionDeniedError("shm: probe of pid " + std::to_string(cred.pid) +
@@ -675,9 +680,9 @@ void Connection::HandleHandshake(const wire::FrameHeader& h, std::string_view bo
             purpose_ = hello->purpose;
             peer_nonce_ = hello->nonce;
             if (hello->wants_auth && config_.secret.empty()) {
-                RefuseAndClose(PermissionDeniedError(
-                    "agent " + config_.name + " has no deployment secret, but " + peer_name_ +
-                    " expects one"));
+                RefuseAndClose(PermissionDeniedError("agent " + config_.name +
+                                                     " has no deployment secret, but " +
+                                                     peer_name_ + " expects one"));
                 return;
             }
             if (config_.verify_cma && hello->purpose == wire::Purpose::kData) {
@@ -757,9 +762,9 @@ void Connection::HandleHandshake(const wire::FrameHeader& h, std::string_view bo
                     return;
                 }
                 Digest proof = wire::ClientProof(config_.secret, my_nonce_, peer_nonce_);
-                SendHandshakeFrame(wire::FrameType::kAuth,
-                                   std::string_view(reinterpret_cast<const char*>(proof.data()),
-                                                    proof.size()));
+                SendHandshakeFrame(
+                    wire::FrameType::kAuth,
+                    std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size()));
             }
             state_ = State::kAwaitReady;
             return;
@@ -812,9 +817,8 @@ void Connection::HandleResponse(const wire::FrameHeader& h, std::string_view bod
         bool fits = pull ? (r->value == h.payload_len && h.payload_len <= e.local_bytes)
                          : (h.payload_len == e.local_bytes);
         if (r->code != Code::kOk || e.cma || !fits) {
-            e.Fail(DataLossError("target " + label_ + " sent " +
-                                 std::to_string(h.payload_len) + " payload bytes, expected " +
-                                 std::to_string(e.local_bytes)));
+            e.Fail(DataLossError("target " + label_ + " sent " + std::to_string(h.payload_len) +
+                                 " payload bytes, expected " + std::to_string(e.local_bytes)));
             ProtocolError("payload length does not match the request");
             return;
         }

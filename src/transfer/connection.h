@@ -67,7 +67,7 @@ struct PayloadSink {
 };
 
 class ConnectionOwner {
-public:
+  public:
     virtual ~ConnectionOwner() = default;
     // A request frame (write, read, pull, get-metadata, notify) on a ready connection. May call
     // conn.SetPayloadSink (required for frames with a payload) and conn.SendNow.
@@ -88,7 +88,7 @@ struct HandshakeConfig {
 };
 
 class Connection final : public EventHandler, public std::enable_shared_from_this<Connection> {
-public:
+  public:
     enum class Role { kClient, kServer };
 
     // `connecting`: a client socket whose non-blocking connect is in progress.
@@ -127,11 +127,11 @@ public:
     // Health check before a cma copy: false if the peer has hung up.
     bool PeerStillThere() const;
 
-private:
+  private:
     enum class State { kConnecting, kAwaitHello, kAwaitHelloAck, kAwaitAuth, kAwaitReady, kReady };
 
-    Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig config,
-               ConnectionOwner* owner, std::string label, bool connecting);
+    Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig config, ConnectionOwner* owner,
+               std::string label, bool connecting);
 
     void CloseNow(const Status& why);
     void FlushIncoming();
@@ -179,7 +179,7 @@ private:
     Nonce peer_nonce_{};
     std::vector<OutFrame> held_;  // queued before the handshake completed
     std::deque<OutFrame> sendq_;
-    size_t front_sent_ = 0;   // bytes of sendq_.front() already written
+    size_t front_sent_ = 0;  // bytes of sendq_.front() already written
     bool front_started_ = false;
     bool want_write_ = false;
     std::unordered_map<uint64_t, Expectation> pending_;

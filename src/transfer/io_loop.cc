@@ -178,7 +178,8 @@ void IoLoop::Run() {
         if (tick_) {
             auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                 next_tick_ - std::chrono::steady_clock::now());
-            timeout_ms = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(100, left.count())));
+            timeout_ms =
+                static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(100, left.count())));
         }
         int n = epoll_wait(epoll_fd_.get(), events, kMaxEvents, timeout_ms);
         if (n < 0 && errno != EINTR) {

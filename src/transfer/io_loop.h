@@ -19,14 +19,14 @@
 namespace ferry {
 
 class EventHandler {
-public:
+  public:
     virtual ~EventHandler() = default;
     // `events` is a mask of EPOLLIN, EPOLLOUT, EPOLLERR, EPOLLHUP, EPOLLRDHUP.
     virtual void OnEvents(uint32_t events) = 0;
 };
 
 class IoLoop {
-public:
+  public:
     static Result<std::unique_ptr<IoLoop>> Create(std::string name);
     ~IoLoop();
 
@@ -48,7 +48,7 @@ public:
     // Runs `fn` on the loop thread every `period` (not more precisely than that).
     void SetTick(std::chrono::milliseconds period, std::function<void()> fn);
 
-private:
+  private:
     explicit IoLoop(std::string name) : name_(std::move(name)) {}
     void Run();
     void Wake();
@@ -69,7 +69,7 @@ private:
         uint64_t token;
         std::shared_ptr<EventHandler> handler;
     };
-    std::unordered_map<int, Watched> by_fd_;                               // loop thread
+    std::unordered_map<int, Watched> by_fd_;                                // loop thread
     std::unordered_map<uint64_t, std::shared_ptr<EventHandler>> by_token_;  // loop thread
     uint64_t next_token_ = 1;
 

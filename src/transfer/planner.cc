@@ -29,8 +29,8 @@ Status ExpandDescriptors(std::span<const Descriptor> descs,
         }
         if (d.count > 1 && d.stride < d.length) {
             return InvalidArgumentError(what() + ": stride " + std::to_string(d.stride) +
-                                        " is smaller than its length " +
-                                        std::to_string(d.length) + " (runs would overlap)");
+                                        " is smaller than its length " + std::to_string(d.length) +
+                                        " (runs would overlap)");
         }
         if (cached == nullptr || cached_id != d.region) {
             cached = find(d.region);
@@ -99,8 +99,7 @@ Result<std::vector<PlannedSegment>> PairRuns(const std::vector<Run>& local,
         uint64_t raddr = r.offset + roff;
         PlannedSegment* last = out.empty() ? nullptr : &out.back();
         if (last != nullptr && last->local + last->remote.length == laddr &&
-            last->remote.region == r.region &&
-            last->remote.offset + last->remote.length == raddr) {
+            last->remote.region == r.region && last->remote.offset + last->remote.length == raddr) {
             last->remote.length += n;
         } else {
             out.push_back(PlannedSegment{laddr, wire::Segment{r.region, r.key, raddr, n}});

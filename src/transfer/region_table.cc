@@ -168,9 +168,9 @@ Result<RegionPin> RegionTable::PinRemote(RegionId id, uint64_t key, uint64_t off
         return PermissionDeniedError("wrong access key for region " + std::to_string(id));
     }
     if (offset > e->length || length > e->length - offset) {
-        return OutOfRangeError("range [" + std::to_string(offset) + ", +" +
-                               std::to_string(length) + ") outside region " + std::to_string(id) +
-                               " of " + std::to_string(e->length) + " bytes");
+        return OutOfRangeError("range [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                               ") outside region " + std::to_string(id) + " of " +
+                               std::to_string(e->length) + " bytes");
     }
     return Pin(std::move(e));
 }

@@ -9,9 +9,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <functional>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -45,7 +45,7 @@ struct RegionEntry {
 class RegionTable;
 
 class RegionPin {
-public:
+  public:
     RegionPin() = default;
     RegionPin(RegionPin&& o) noexcept : entry_(std::move(o.entry_)) {}
     RegionPin& operator=(RegionPin&& o) noexcept;
@@ -57,14 +57,14 @@ public:
     bool revoked() const { return entry_ && entry_->revoked.load(); }
     void Release();
 
-private:
+  private:
     friend class RegionTable;
     explicit RegionPin(std::shared_ptr<RegionEntry> e) : entry_(std::move(e)) {}
     std::shared_ptr<RegionEntry> entry_;
 };
 
 class RegionTable {
-public:
+  public:
     Result<RegionInfo> Register(void* ptr, size_t length);
     Result<RegionInfo> Allocate(size_t length);
 
@@ -84,7 +84,7 @@ public:
     std::vector<RegionInfo> List() const;
     size_t size() const;
 
-private:
+  private:
     Result<RegionPin> Pin(std::shared_ptr<RegionEntry> e);
     RegionInfo Add(std::shared_ptr<RegionEntry> e);
 

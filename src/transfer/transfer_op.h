@@ -21,12 +21,16 @@ namespace ferry::internal {
 class Connection;
 
 class TransferOp {
-public:
+  public:
     enum class Kind { kRead, kWrite, kPull };
 
-    TransferOp(uint64_t id, Kind kind, uint64_t bytes, Clock::time_point deadline,
-               std::string peer, wire::DataMode mode)
-        : id_(id), kind_(kind), bytes_(bytes), deadline_(deadline), peer_(std::move(peer)),
+    TransferOp(uint64_t id, Kind kind, uint64_t bytes, Clock::time_point deadline, std::string peer,
+               wire::DataMode mode)
+        : id_(id),
+          kind_(kind),
+          bytes_(bytes),
+          deadline_(deadline),
+          peer_(std::move(peer)),
           mode_(mode) {}
 
     uint64_t id() const { return id_; }
@@ -61,7 +65,7 @@ public:
     std::mutex io_mu;
     bool io_closed = false;
 
-private:
+  private:
     void FinishLocked(const Status& s);  // under mu_: final status, visible at once
 
     const uint64_t id_;

@@ -66,18 +66,30 @@ bool SumIovecs(const std::vector<iovec>& iov, uint64_t* total) {
 
 std::string_view FrameTypeName(FrameType t) {
     switch (t) {
-        case FrameType::kHello: return "hello";
-        case FrameType::kHelloAck: return "hello-ack";
-        case FrameType::kAuth: return "auth";
-        case FrameType::kReady: return "ready";
-        case FrameType::kGetMetadata: return "get-metadata";
-        case FrameType::kMetadata: return "metadata";
-        case FrameType::kWrite: return "write";
-        case FrameType::kRead: return "read";
-        case FrameType::kResponse: return "response";
-        case FrameType::kNotify: return "notify";
-        case FrameType::kPull: return "pull";
-        case FrameType::kError: return "error";
+        case FrameType::kHello:
+            return "hello";
+        case FrameType::kHelloAck:
+            return "hello-ack";
+        case FrameType::kAuth:
+            return "auth";
+        case FrameType::kReady:
+            return "ready";
+        case FrameType::kGetMetadata:
+            return "get-metadata";
+        case FrameType::kMetadata:
+            return "metadata";
+        case FrameType::kWrite:
+            return "write";
+        case FrameType::kRead:
+            return "read";
+        case FrameType::kResponse:
+            return "response";
+        case FrameType::kNotify:
+            return "notify";
+        case FrameType::kPull:
+            return "pull";
+        case FrameType::kError:
+            return "error";
     }
     return "unknown";
 }
@@ -108,7 +120,8 @@ Result<FrameHeader> DecodeHeader(std::string_view bytes) {
         return r.error();
     }
     if (magic != kMagic) {
-        return InvalidArgumentError(fmt::format("frame header: bad magic 0x{:08x} (not a ferry peer?)", magic));
+        return InvalidArgumentError(
+            fmt::format("frame header: bad magic 0x{:08x} (not a ferry peer?)", magic));
     }
     if (version != kVersion) {
         return InvalidArgumentError("frame header: unsupported protocol version " +
@@ -249,9 +262,8 @@ Result<DataRequest> DecodeDataRequest(std::string_view body) {
             return r.error();
         }
         if (s.length == 0 || s.length > kMaxPayload) {
-            return InvalidArgumentError("data request: segment length " +
-                                        std::to_string(s.length) + " outside 1.." +
-                                        std::to_string(kMaxPayload));
+            return InvalidArgumentError("data request: segment length " + std::to_string(s.length) +
+                                        " outside 1.." + std::to_string(kMaxPayload));
         }
         total += s.length;
         if (total > kMaxPayload) {
@@ -299,8 +311,10 @@ Result<PullRequest> DecodePullRequest(std::string_view body) {
         }
         uint64_t itotal = 0;
         if (!SumIovecs(req.initiator_iov, &itotal) || itotal != req.capacity) {
-            return InvalidArgumentError("pull request: initiator buffers do not cover its "
-                                        "capacity of " + std::to_string(req.capacity) + " bytes");
+            return InvalidArgumentError(
+                "pull request: initiator buffers do not cover its "
+                "capacity of " +
+                std::to_string(req.capacity) + " bytes");
         }
     }
     FERRY_RETURN_IF_ERROR(r.Finish());

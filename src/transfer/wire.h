@@ -18,8 +18,8 @@ namespace ferry::wire {
 inline constexpr uint32_t kMagic = 0x31595246;  // "FRY1" in little-endian byte order
 inline constexpr uint8_t kVersion = 1;
 inline constexpr size_t kHeaderSize = 32;
-inline constexpr uint32_t kMaxBody = 4u << 20;             // 4 MiB
-inline constexpr uint64_t kMaxPayload = 64ull << 20;       // 64 MiB per frame
+inline constexpr uint32_t kMaxBody = 4u << 20;        // 4 MiB
+inline constexpr uint64_t kMaxPayload = 64ull << 20;  // 64 MiB per frame
 inline constexpr uint32_t kMaxSegmentsPerFrame = 8192;
 inline constexpr uint32_t kMaxNameLen = 128;
 inline constexpr uint32_t kMaxKeyLen = 4096;

@@ -26,7 +26,7 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 class TransferConformance : public ::testing::TestWithParam<std::string> {
-protected:
+  protected:
     void SetUp() override {
         pair_ = MakePair(GetParam());
         a_ = pair_.a.get();
@@ -105,7 +105,9 @@ TEST_P(TransferConformance, GatherScatterWithManyDescriptors) {
         FERRY_ASSERT_OK(Run(false, local, remote));
         for (size_t i = 0; i < n; ++i) {
             ASSERT_EQ(FirstMismatch(static_cast<uint8_t*>(rb.base) + (n - 1 - i) * block, block,
-                                    1000 + i), -1) << "block " << i;
+                                    1000 + i),
+                      -1)
+                << "block " << i;
         }
         // And back: read into a fresh region, gathering from b's blocks into one run.
         RegionInfo lc = ValueOrDie(a_->AllocateRegion(n * block));
@@ -114,7 +116,8 @@ TEST_P(TransferConformance, GatherScatterWithManyDescriptors) {
         FERRY_ASSERT_OK(Run(true, {{lc.id, 0, n * block}}, remote_fwd));
         for (size_t i = 0; i < n; ++i) {
             ASSERT_EQ(FirstMismatch(static_cast<uint8_t*>(lc.base) + i * block, block, 1000 + i),
-                      -1) << "block " << i;
+                      -1)
+                << "block " << i;
         }
         FERRY_ASSERT_OK(a_->Deregister(la.id));
         FERRY_ASSERT_OK(a_->Deregister(lc.id));
@@ -148,7 +151,9 @@ TEST_P(TransferConformance, StridedDescriptorNamesASliceOfEveryBlock) {
     FillPattern(expect.data(), expect.size(), 9);
     for (uint64_t i = 0; i < blocks; ++i) {
         ASSERT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + i * slice,
-                              expect.data() + i * block + 1024, slice), 0) << "block " << i;
+                              expect.data() + i * block + 1024, slice),
+                  0)
+            << "block " << i;
     }
 }
 
@@ -263,7 +268,8 @@ TEST_P(TransferConformance, PullByKey) {
     EXPECT_TRUE(r.copied);
     EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + 100, rb.base, 1000), 0);
     EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + 1100,
-                          static_cast<uint8_t*>(rb.base) + 5000, 3000), 0);
+                          static_cast<uint8_t*>(rb.base) + 5000, 3000),
+              0);
 
     // Too small: nothing copied, the size is reported.
     std::memset(la.base, 0xEE, 4096);
@@ -287,8 +293,8 @@ TEST_P(TransferConformance, PullByKey) {
 
 TEST_P(TransferConformance, StalledPeerHitsTheDeadlineAndCancelWorks) {
     Blackhole hole(GetParam());
-    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7))
-                    .ok());
+    ASSERT_TRUE(
+        a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7)).ok());
     RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
     TransferOptions opts;
     opts.timeout = milliseconds(300);
@@ -310,8 +316,8 @@ TEST_P(TransferConformance, StalledPeerHitsTheDeadlineAndCancelWorks) {
 
 TEST_P(TransferConformance, DeregisteringALocalRegionFailsItsPendingTransfers) {
     Blackhole hole(GetParam());
-    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7))
-                    .ok());
+    ASSERT_TRUE(
+        a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7)).ok());
     RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
     auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
                                      std::vector<Descriptor>{{1, 0, 1 << 20}}));
@@ -326,9 +332,9 @@ TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
     RefreshB();
     std::vector<Transfer> xs;
     for (int i = 0; i < 16; ++i) {
-        xs.push_back(ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 32u << 20}},
-                                              "agent-b",
-                                              std::vector<Descriptor>{{rb.id, 0, 32u << 20}})));
+        xs.push_back(
+            ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 32u << 20}}, "agent-b",
+                                     std::vector<Descriptor>{{rb.id, 0, 32u << 20}})));
     }
     auto t0 = Clock::now();
     pair_.b.reset();  // the target goes away mid-flight
@@ -358,9 +364,9 @@ TEST_P(TransferConformance, DestroyingTheInitiatorWithTransfersInFlightIsClean) 
     RefreshB();
     std::vector<Transfer> xs;
     for (int i = 0; i < 8; ++i) {
-        xs.push_back(ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 16u << 20}},
-                                             "agent-b",
-                                             std::vector<Descriptor>{{rb.id, 0, 16u << 20}})));
+        xs.push_back(
+            ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 16u << 20}}, "agent-b",
+                                    std::vector<Descriptor>{{rb.id, 0, 16u << 20}})));
     }
     pair_.a.reset();
     a_ = nullptr;
@@ -427,14 +433,20 @@ TEST_P(TransferConformance, ManyConcurrentTransfersFromSeveralThreads) {
             for (int i = 0; i < per_thread; ++i) {
                 uint8_t* mine = static_cast<uint8_t*>(la.base) + t * block;
                 FillPattern(mine, block, t * 1000 + i);
-                auto w = a_->PostWrite(std::vector<Descriptor>{{la.id, t * block, block}},
-                                       "agent-b",
-                                       std::vector<Descriptor>{{rb.id, t * block, block}});
-                if (!w.ok() || !w->Wait(seconds(30)).ok()) { ++errors; continue; }
+                auto w =
+                    a_->PostWrite(std::vector<Descriptor>{{la.id, t * block, block}}, "agent-b",
+                                  std::vector<Descriptor>{{rb.id, t * block, block}});
+                if (!w.ok() || !w->Wait(seconds(30)).ok()) {
+                    ++errors;
+                    continue;
+                }
                 std::memset(mine, 0, block);
                 auto r = a_->PostRead(std::vector<Descriptor>{{la.id, t * block, block}}, "agent-b",
                                       std::vector<Descriptor>{{rb.id, t * block, block}});
-                if (!r.ok() || !r->Wait(seconds(30)).ok()) { ++errors; continue; }
+                if (!r.ok() || !r->Wait(seconds(30)).ok()) {
+                    ++errors;
+                    continue;
+                }
                 if (FirstMismatch(mine, block, t * 1000 + i) != -1) ++errors;
             }
         });

@@ -74,8 +74,7 @@ Result<ScopedFd> ShmBackend::Dial(std::string_view address, bool* in_progress) c
     } else if (errno == EINPROGRESS) {
         *in_progress = true;
     } else {
-        return UnavailableError("shm: connect @" + std::string(name) + ": " +
-                                std::strerror(errno));
+        return UnavailableError("shm: connect @" + std::string(name) + ": " + std::strerror(errno));
     }
     return fd;
 }

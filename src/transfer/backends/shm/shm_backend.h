@@ -10,7 +10,7 @@
 namespace ferry {
 
 class ShmBackend final : public Backend {
-public:
+  public:
     ShmBackend(const AgentConfig& config, std::string host_id);
 
     std::string_view name() const override { return "shm"; }
@@ -22,7 +22,7 @@ public:
     Result<ScopedFd> Dial(std::string_view address, bool* in_progress) const override;
     bool verify_cma() const override { return true; }
 
-private:
+  private:
     std::string host_id_;
     int streams_;
 };

@@ -60,7 +60,8 @@ Result<addrinfo*> Resolve(const std::string& host, uint16_t port, bool passive) 
 }  // namespace
 
 TcpBackend::TcpBackend(const AgentConfig& config)
-    : host_(config.listen_host), port_(config.listen_port),
+    : host_(config.listen_host),
+      port_(config.listen_port),
       streams_(config.tcp_streams > 0 ? std::min(config.tcp_streams, 64) : DefaultStreams()) {}
 
 Result<std::string> TcpBackend::Listen(ScopedFd* listener) {
@@ -72,8 +73,8 @@ Result<std::string> TcpBackend::Listen(ScopedFd* listener) {
         int one = 1;
         setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
         if (bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0 || listen(fd.get(), 512) != 0) {
-            last = UnavailableError("tcp: listen on " + host_ + ":" + std::to_string(port_) +
-                                    ": " + std::strerror(errno));
+            last = UnavailableError("tcp: listen on " + host_ + ":" + std::to_string(port_) + ": " +
+                                    std::strerror(errno));
             continue;
         }
         sockaddr_storage ss{};

@@ -8,7 +8,7 @@
 namespace ferry {
 
 class TcpBackend final : public Backend {
-public:
+  public:
     explicit TcpBackend(const AgentConfig& config);
 
     std::string_view name() const override { return "tcp"; }
@@ -20,7 +20,7 @@ public:
     Result<ScopedFd> Dial(std::string_view address, bool* in_progress) const override;
     void Configure(int fd) const override;
 
-private:
+  private:
     std::string host_;
     uint16_t port_;
     int streams_;

@@ -1,0 +1,33 @@
+# The two commands a new user runs (README): `make demo` and `make test`. Both install what is
+# missing (Debian packages only), configure with CMake presets and build with Ninja.
+PRESET ?= release
+BUILD := build/$(PRESET)
+JOBS ?= $(shell nproc)
+
+.PHONY: demo test deps build format format-check bench clean
+
+deps:
+	@./scripts/install-deps
+
+build: deps
+	@cmake --preset $(PRESET) >/dev/null
+	@cmake --build --preset $(PRESET) -j $(JOBS)
+
+# The main job: a two-process transfer benchmark on every backend, with same-run references.
+demo: build
+	@$(BUILD)/ferry demo
+
+test: build format-check
+	@ctest --preset $(PRESET) -j $(JOBS)
+
+format-check: deps
+	@./scripts/check-format
+
+format:
+	@git ls-files '*.h' '*.cc' | xargs clang-format -i
+
+bench: build
+	@$(BUILD)/ferry bench transfer --block-size 64K,4M --batch 1,32
+
+clean:
+	rm -rf build
