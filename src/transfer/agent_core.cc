@@ -1,7 +1,10 @@
 #include "transfer/agent_core.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -255,7 +258,8 @@ Status AgentCore::Deregister(RegionId id) {
     for (auto& op : users) {
         op->Fail(CancelledError("local region " + std::to_string(id) + " was deregistered"));
     }
-    return regions_.Deregister(id, kDeregisterGrace, [this](RegionId rid) {
+    uint64_t share_id = regions_.Find(id) ? regions_.Find(id)->share_id : 0;
+    Status s = regions_.Deregister(id, kDeregisterGrace, [this](RegionId rid) {
         std::vector<std::shared_ptr<Connection>> conns;
         {
             std::lock_guard<std::mutex> lock(conns_mu_);
@@ -270,6 +274,10 @@ Status AgentCore::Deregister(RegionId id) {
             }
         }
     });
+    if (s.ok() && share_id != 0) {
+        BroadcastUnshare(share_id);  // peers drop their mappings of it
+    }
+    return s;
 }
 
 // --- Peers ----------------------------------------------------------------------------------
@@ -594,6 +602,7 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
         req.segments = std::move(c.remote);
         if (mode == wire::DataMode::kCma) {
             req.initiator_iov = c.local;
+            req.shares = SharesFor(c.local_regions);
         }
         OutFrame f;
         f.request_id = NextRequestId();
@@ -745,6 +754,7 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
     f.expect.cma = mode == wire::DataMode::kCma;
     if (mode == wire::DataMode::kCma) {
         req.initiator_iov = iov;
+        req.shares = SharesFor({local.region});
     } else {
         f.expect.local = iov;
         f.expect.local_bytes = capacity;
@@ -815,6 +825,17 @@ void AgentCore::OnRequest(Connection& conn, const wire::FrameHeader& h, std::str
         case wire::FrameType::kPull:
             ServePull(conn, h, body);
             return;
+        case wire::FrameType::kUnshare: {
+            uint64_t share_id = 0;
+            if (body.size() != sizeof(share_id) || conn.cma_pid() == 0) {
+                conn.Close(InvalidArgumentError("malformed unshare frame"));
+                return;
+            }
+            std::memcpy(&share_id, body.data(), sizeof(share_id));
+            std::lock_guard<std::mutex> lock(maps_mu_);
+            maps_.erase({conn.cma_pid(), share_id});
+            return;
+        }
         case wire::FrameType::kWrite:
         case wire::FrameType::kRead:
             ServeData(conn, h, body);
@@ -857,7 +878,7 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
             return;  // the initiator hung up (cancelled): do not touch its memory
         }
         if (s.ok()) {
-            s = CmaCopy(conn.cma_pid(), iov, req->initiator_iov, /*to_peer=*/!write);
+            s = CopyWithPeer(conn, iov, req->initiator_iov, req->shares, /*to_peer=*/!write);
         }
         pins.clear();
         Respond(conn, id, s);
@@ -951,7 +972,7 @@ void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::str
         } else if (!conn.PeerStillThere()) {
             return;
         } else {
-            s = CmaCopy(conn.cma_pid(), iov, req->initiator_iov, /*to_peer=*/true);
+            s = CopyWithPeer(conn, iov, req->initiator_iov, req->shares, /*to_peer=*/true);
         }
         Respond(conn, h.request_id, s, size);
         return;
@@ -969,8 +990,144 @@ void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::str
 
 void AgentCore::OnClosed(Connection& conn, const Status& /*why*/) {
     std::shared_ptr<Connection> self = conn.shared_from_this();
-    std::lock_guard<std::mutex> lock(conns_mu_);
-    conns_.erase(self);
+    pid_t pid = conn.role() == Connection::Role::kServer ? conn.cma_pid() : 0;
+    bool pid_still_connected = false;
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        conns_.erase(self);
+        for (const auto& c : conns_) {
+            pid_still_connected |= pid != 0 && c->cma_pid() == pid && !c->closed();
+        }
+    }
+    if (pid != 0 && !pid_still_connected) {
+        // The initiator process is gone (or idle): release what we mapped of it.
+        std::lock_guard<std::mutex> lock(maps_mu_);
+        for (auto it = maps_.lower_bound({pid, 0}); it != maps_.end() && it->first.first == pid;) {
+            it = maps_.erase(it);
+        }
+    }
+}
+
+AgentCore::Mapping::~Mapping() {
+    if (base != nullptr) {
+        munmap(base, length);
+    }
+}
+
+std::vector<wire::SharedRegion> AgentCore::SharesFor(const std::vector<RegionId>& regions) const {
+    std::vector<wire::SharedRegion> out;
+    for (RegionId id : regions) {
+        if (out.size() >= wire::kMaxSharesPerFrame) break;
+        std::shared_ptr<RegionEntry> e = regions_.Find(id);
+        if (e && e->memfd >= 0) {
+            out.push_back(wire::SharedRegion{e->share_id, static_cast<uint32_t>(e->memfd), e->inode,
+                                             reinterpret_cast<uint64_t>(e->base), e->length});
+        }
+    }
+    return out;
+}
+
+std::shared_ptr<AgentCore::Mapping> AgentCore::MapPeerRegion(pid_t pid,
+                                                             const wire::SharedRegion& share) {
+    std::lock_guard<std::mutex> lock(maps_mu_);
+    auto key = std::make_pair(pid, share.share_id);
+    auto it = maps_.find(key);
+    if (it != maps_.end()) {
+        return it->second->length == share.length ? it->second : nullptr;
+    }
+    // Opening another process's fd needs the same ptrace access the handshake probe proved.
+    std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(share.fd);
+    ScopedFd fd(open(path.c_str(), O_RDWR | O_CLOEXEC));
+    struct stat st {};
+    if (!fd.valid() || fstat(fd.get(), &st) != 0 || st.st_ino != share.inode ||
+        static_cast<uint64_t>(st.st_size) < share.length || share.length == 0) {
+        return nullptr;  // not what the initiator claims: fall back to cross-memory attach
+    }
+    void* p =
+        mmap(nullptr, share.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
+    if (p == MAP_FAILED) {
+        return nullptr;
+    }
+    auto m = std::make_shared<Mapping>();
+    m->base = static_cast<uint8_t*>(p);
+    m->length = share.length;
+    maps_[key] = m;
+    return m;
+}
+
+Status AgentCore::CopyWithPeer(Connection& conn, const std::vector<iovec>& ours,
+                               const std::vector<iovec>& theirs,
+                               const std::vector<wire::SharedRegion>& shares, bool to_peer) {
+    // Translate every initiator buffer into our mapping of its region.
+    std::vector<std::shared_ptr<Mapping>> maps;
+    std::vector<iovec> local_theirs;
+    bool mapped = !shares.empty();
+    if (mapped) {
+        for (const wire::SharedRegion& sh : shares) {
+            maps.push_back(MapPeerRegion(conn.cma_pid(), sh));
+        }
+        local_theirs.reserve(theirs.size());
+        for (const iovec& v : theirs) {
+            uint64_t addr = reinterpret_cast<uint64_t>(v.iov_base);
+            bool found = false;
+            for (size_t i = 0; i < shares.size() && !found; ++i) {
+                const wire::SharedRegion& sh = shares[i];
+                if (maps[i] && addr >= sh.base && v.iov_len <= sh.length &&
+                    addr - sh.base <= sh.length - v.iov_len) {
+                    local_theirs.push_back(iovec{maps[i]->base + (addr - sh.base), v.iov_len});
+                    found = true;
+                }
+            }
+            if (!found) {
+                mapped = false;
+                break;
+            }
+        }
+    }
+    if (!mapped) {
+        return CmaCopy(conn.cma_pid(), ours, theirs, to_peer);
+    }
+    size_t oi = 0, ooff = 0, ti = 0, toff = 0;
+    while (oi < ours.size() && ti < local_theirs.size()) {
+        size_t n = std::min(ours[oi].iov_len - ooff, local_theirs[ti].iov_len - toff);
+        char* o = static_cast<char*>(ours[oi].iov_base) + ooff;
+        char* t = static_cast<char*>(local_theirs[ti].iov_base) + toff;
+        if (to_peer) {
+            std::memcpy(t, o, n);
+        } else {
+            std::memcpy(o, t, n);
+        }
+        ooff += n;
+        toff += n;
+        if (ooff == ours[oi].iov_len) {
+            ++oi;
+            ooff = 0;
+        }
+        if (toff == local_theirs[ti].iov_len) {
+            ++ti;
+            toff = 0;
+        }
+    }
+    return Status::Ok();
+}
+
+void AgentCore::BroadcastUnshare(uint64_t share_id) {
+    std::vector<std::shared_ptr<Connection>> conns;
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        for (const auto& c : conns_) {
+            if (c->role() == Connection::Role::kClient && c->backend() == "shm" && !c->closed()) {
+                conns.push_back(c);
+            }
+        }
+    }
+    std::string body(sizeof(share_id), '\0');
+    std::memcpy(body.data(), &share_id, sizeof(share_id));
+    for (auto& c : conns) {
+        OutFrame f;
+        f.head = wire::MakeFrame(wire::FrameType::kUnshare, 0, body);
+        c->Send(std::move(f));
+    }
 }
 
 void AgentCore::Tick() {

@@ -98,6 +98,20 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     void Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value = 0);
     Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
                        std::vector<iovec>* iov);
+    // Copies between our memory and the initiator's over a cma stream: through mappings of the
+    // initiator's shared regions when every buffer lies in one, else by cross-memory attach.
+    Status CopyWithPeer(Connection& conn, const std::vector<iovec>& ours,
+                        const std::vector<iovec>& theirs,
+                        const std::vector<wire::SharedRegion>& shares, bool to_peer);
+    std::vector<wire::SharedRegion> SharesFor(const std::vector<RegionId>& regions) const;
+    void BroadcastUnshare(uint64_t share_id);
+
+    struct Mapping {
+        uint8_t* base = nullptr;
+        uint64_t length = 0;
+        ~Mapping();
+    };
+    std::shared_ptr<Mapping> MapPeerRegion(pid_t pid, const wire::SharedRegion& share);
 
     const AgentConfig config_;
     const uint64_t epoch_;
@@ -134,6 +148,10 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
 
     mutable std::mutex objects_mu_;
     std::map<std::string, std::vector<Descriptor>, std::less<>> objects_;
+
+    // Initiators' regions mapped here, by (pid, share id).
+    std::mutex maps_mu_;
+    std::map<std::pair<pid_t, uint64_t>, std::shared_ptr<Mapping>> maps_;
 
     std::atomic<bool> shut_down_{false};
 };

@@ -17,6 +17,7 @@ namespace ferry::internal {
 namespace {
 
 constexpr size_t kReadBufferSize = 256 * 1024;
+constexpr size_t kSmallRead = 4096;
 constexpr size_t kMaxIovPerCall = 256;
 constexpr size_t kMaxBytesPerEvent = 32u << 20;  // fairness between connections on one loop
 constexpr size_t kZeroBufSize = 1u << 20;
@@ -454,7 +455,17 @@ void Connection::ReadSome() {
                 rlen_ = avail;
             }
         }
-        // Need more bytes: compact and read.
+        // Need more bytes: compact and read. Read only what the current frame's header and body
+        // need (at least a few KiB for runs of small frames), so that a payload that follows is
+        // read straight into its destination instead of through this buffer.
+        size_t want = kSmallRead;
+        if (avail >= wire::kHeaderSize) {
+            Result<wire::FrameHeader> h =
+                wire::DecodeHeader(std::string_view(rbuf_.data() + rpos_, wire::kHeaderSize));
+            if (h.ok()) {
+                want = std::max(want, wire::kHeaderSize + h->body_len - avail);
+            }
+        }
         if (rpos_ > 0) {
             std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rlen_ - rpos_);
             rlen_ -= rpos_;
@@ -463,7 +474,8 @@ void Connection::ReadSome() {
         if (rlen_ == 0 && rbuf_.size() > kReadBufferSize) {
             std::vector<char>(kReadBufferSize).swap(rbuf_);
         }
-        ssize_t r = recv(fd_.get(), rbuf_.data() + rlen_, rbuf_.size() - rlen_, MSG_DONTWAIT);
+        ssize_t r = recv(fd_.get(), rbuf_.data() + rlen_, std::min(want, rbuf_.size() - rlen_),
+                         MSG_DONTWAIT);
         if (r == 0) {
             CloseNow(UnavailableError("peer closed the connection"));
             return;
@@ -653,6 +665,7 @@ void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
         case wire::FrameType::kPull:
         case wire::FrameType::kGetMetadata:
         case wire::FrameType::kNotify:
+        case wire::FrameType::kUnshare:
             owner_->OnRequest(*this, h, body);
             break;
         default:

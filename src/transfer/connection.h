@@ -120,6 +120,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     uint64_t peer_epoch() const { return peer_epoch_; }
     pid_t cma_pid() const { return cma_pid_; }
     const std::string& label() const { return label_; }
+    const std::string& backend() const { return config_.backend; }
     IoLoop* loop() const { return loop_; }
     std::chrono::steady_clock::time_point created() const { return created_; }
     Role role() const { return role_; }

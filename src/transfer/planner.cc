@@ -99,10 +99,12 @@ Result<std::vector<PlannedSegment>> PairRuns(const std::vector<Run>& local,
         uint64_t raddr = r.offset + roff;
         PlannedSegment* last = out.empty() ? nullptr : &out.back();
         if (last != nullptr && last->local + last->remote.length == laddr &&
-            last->remote.region == r.region && last->remote.offset + last->remote.length == raddr) {
+            last->local_region == l.region && last->remote.region == r.region &&
+            last->remote.offset + last->remote.length == raddr) {
             last->remote.length += n;
         } else {
-            out.push_back(PlannedSegment{laddr, wire::Segment{r.region, r.key, raddr, n}});
+            out.push_back(
+                PlannedSegment{laddr, wire::Segment{r.region, r.key, raddr, n}, l.region});
         }
         loff += n;
         roff += n;
@@ -140,6 +142,10 @@ std::vector<Chunk> MakeChunks(const std::vector<PlannedSegment>& segments, uint6
             seg.length = n;
             cur.remote.push_back(seg);
             cur.local.push_back(iovec{s.local + done, n});
+            if (std::find(cur.local_regions.begin(), cur.local_regions.end(), s.local_region) ==
+                cur.local_regions.end()) {
+                cur.local_regions.push_back(s.local_region);
+            }
             cur.bytes += n;
             done += n;
         }

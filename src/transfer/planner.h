@@ -47,6 +47,7 @@ Status ExpandDescriptors(std::span<const Descriptor> descs,
 struct PlannedSegment {
     uint8_t* local = nullptr;
     wire::Segment remote;
+    RegionId local_region = 0;
 };
 
 // InvalidArgument if the two sides do not cover the same number of bytes.
@@ -56,6 +57,7 @@ Result<std::vector<PlannedSegment>> PairRuns(const std::vector<Run>& local,
 struct Chunk {
     std::vector<wire::Segment> remote;
     std::vector<iovec> local;
+    std::vector<RegionId> local_regions;  // distinct, in order of first use
     uint64_t bytes = 0;
 };
 

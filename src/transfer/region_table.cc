@@ -1,6 +1,7 @@
 #include "transfer/region_table.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -44,6 +45,9 @@ void PrefaultMemory(void* p, size_t len) {
 RegionEntry::~RegionEntry() {
     if (owned && base != nullptr) {
         munmap(base, length);
+    }
+    if (memfd >= 0) {
+        close(memfd);
     }
 }
 
@@ -115,10 +119,15 @@ Result<RegionInfo> RegionTable::Allocate(size_t length) {
                                       " bytes: " + std::strerror(errno));
     }
     PrefaultMemory(p, length);
+    struct stat st {};
+    fstat(fd.get(), &st);
     auto e = std::make_shared<RegionEntry>();
     e->base = static_cast<uint8_t*>(p);
     e->length = length;
     e->owned = true;
+    e->inode = st.st_ino;
+    e->share_id = SecureRandomU64();
+    e->memfd = fd.Release();
     return Add(std::move(e));
 }
 

@@ -28,6 +28,10 @@ struct RegionEntry {
     uint64_t key = 0;
     MemoryKind kind = MemoryKind::kHost;
     bool owned = false;  // mapped by the agent, unmapped when the last reference goes
+    // Agent-allocated regions are memfd-backed: same-host peers may map them (shm backend).
+    int memfd = -1;
+    uint64_t inode = 0;
+    uint64_t share_id = 0;
 
     std::atomic<int64_t> pins{0};
     std::atomic<bool> revoked{false};

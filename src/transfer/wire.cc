@@ -7,7 +7,7 @@
 namespace ferry::wire {
 namespace {
 
-constexpr uint8_t kMaxFrameType = static_cast<uint8_t>(FrameType::kError);
+constexpr uint8_t kMaxFrameType = static_cast<uint8_t>(FrameType::kUnshare);
 constexpr uint32_t kMaxIovecs = kMaxSegmentsPerFrame;
 
 void PutIovecs(ByteWriter& w, const std::vector<iovec>& iov) {
@@ -32,6 +32,32 @@ bool GetIovecs(ByteReader& r, std::vector<iovec>* iov) {
         }
         v.iov_base = reinterpret_cast<void*>(addr);
         v.iov_len = len;
+    }
+    return true;
+}
+
+void PutShares(ByteWriter& w, const std::vector<SharedRegion>& shares) {
+    w.U32(static_cast<uint32_t>(shares.size()));
+    for (const SharedRegion& s : shares) {
+        w.U64(s.share_id);
+        w.U32(s.fd);
+        w.U64(s.inode);
+        w.U64(s.base);
+        w.U64(s.length);
+    }
+}
+
+bool GetShares(ByteReader& r, std::vector<SharedRegion>* shares) {
+    uint32_t n = 0;
+    if (!r.Count(&n, kMaxSharesPerFrame, 36)) {
+        return false;
+    }
+    shares->resize(n);
+    for (SharedRegion& s : *shares) {
+        if (!r.U64(&s.share_id) || !r.U32(&s.fd) || !r.U64(&s.inode) || !r.U64(&s.base) ||
+            !r.U64(&s.length)) {
+            return false;
+        }
     }
     return true;
 }
@@ -90,6 +116,8 @@ std::string_view FrameTypeName(FrameType t) {
             return "pull";
         case FrameType::kError:
             return "error";
+        case FrameType::kUnshare:
+            return "unshare";
     }
     return "unknown";
 }
@@ -244,6 +272,7 @@ std::string EncodeDataRequest(const DataRequest& r) {
     }
     if (r.mode == DataMode::kCma) {
         PutIovecs(w, r.initiator_iov);
+        PutShares(w, r.shares);
     }
     return w.Take();
 }
@@ -272,7 +301,7 @@ Result<DataRequest> DecodeDataRequest(std::string_view body) {
         }
     }
     if (req.mode == DataMode::kCma) {
-        if (!GetIovecs(r, &req.initiator_iov)) {
+        if (!GetIovecs(r, &req.initiator_iov) || !GetShares(r, &req.shares)) {
             return r.error();
         }
         uint64_t itotal = 0;
@@ -292,6 +321,7 @@ std::string EncodePullRequest(const PullRequest& r) {
     w.U8(static_cast<uint8_t>(r.mode));
     if (r.mode == DataMode::kCma) {
         PutIovecs(w, r.initiator_iov);
+        PutShares(w, r.shares);
     }
     return w.Take();
 }
@@ -306,7 +336,7 @@ Result<PullRequest> DecodePullRequest(std::string_view body) {
         return InvalidArgumentError("pull request: empty key");
     }
     if (req.mode == DataMode::kCma) {
-        if (!GetIovecs(r, &req.initiator_iov)) {
+        if (!GetIovecs(r, &req.initiator_iov) || !GetShares(r, &req.shares)) {
             return r.error();
         }
         uint64_t itotal = 0;

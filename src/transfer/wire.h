@@ -40,6 +40,7 @@ enum class FrameType : uint8_t {
     kNotify = 10,      // either direction: a notification
     kPull = 11,        // initiator -> target: named object by key
     kError = 12,       // either direction, then close: why
+    kUnshare = 13,     // initiator -> target (shm): drop your mapping of my region `share_id`
 };
 std::string_view FrameTypeName(FrameType t);
 
@@ -103,10 +104,22 @@ struct Segment {
 };
 inline constexpr size_t kSegmentWireSize = 32;
 
+// kCma: an agent-allocated (memfd) region of the initiator that the target may map instead of
+// attaching per call. The target opens /proc/<pid>/fd/<fd>, checks the inode, maps it once.
+struct SharedRegion {
+    uint64_t share_id = 0;  // random per region: the mapping cache key
+    uint32_t fd = 0;        // the memfd's number in the initiator
+    uint64_t inode = 0;
+    uint64_t base = 0;  // where the initiator has it mapped
+    uint64_t length = 0;
+};
+inline constexpr uint32_t kMaxSharesPerFrame = 64;
+
 struct DataRequest {
     DataMode mode = DataMode::kInline;
     std::vector<Segment> segments;
     std::vector<iovec> initiator_iov;  // kCma only: the initiator's memory, same total length
+    std::vector<SharedRegion> shares;  // kCma only: regions holding some of initiator_iov
     uint64_t TotalLength() const;
 };
 std::string EncodeDataRequest(const DataRequest& r);
@@ -117,6 +130,7 @@ struct PullRequest {
     uint64_t capacity = 0;
     DataMode mode = DataMode::kInline;
     std::vector<iovec> initiator_iov;  // kCma only, capacity bytes in all
+    std::vector<SharedRegion> shares;  // kCma only
 };
 std::string EncodePullRequest(const PullRequest& r);
 Result<PullRequest> DecodePullRequest(std::string_view body);
