@@ -106,8 +106,7 @@ void Connection::Send(OutFrame f) {
         }
     }
     if (f.expects_response) {  // not queued: the connection is closed
-        f.expect.Fail(
-            UnavailableError(config_.backend + ": connection to " + label_ + " is closed"));
+        f.expect.Fail(ClosedFailure());
         return;
     }
     if (post) {
@@ -153,8 +152,7 @@ void Connection::SendNow(OutFrame f) {
 void Connection::Enqueue(OutFrame f) {
     if (closed_.load()) {
         if (f.expects_response) {
-            f.expect.Fail(
-                UnavailableError(config_.backend + ": connection to " + label_ + " is closed"));
+            f.expect.Fail(ClosedFailure());
         }
         return;
     }
@@ -218,10 +216,12 @@ void Connection::CloseNow(const Status& why) {
     if (closed_.exchange(true)) {
         return;
     }
+    Status failure = FailureFor(why);
     std::vector<OutFrame> incoming;
     {
         std::lock_guard<std::mutex> lock(in_mu_);
         in_closed_ = true;
+        close_failure_ = failure;
         incoming.swap(incoming_);
     }
     if (why.code() == Code::kUnavailable || why.code() == Code::kCancelled) {
@@ -233,10 +233,6 @@ void Connection::CloseNow(const Status& why) {
         loop_->Unwatch(fd_.get());
         fd_.Reset();
     }
-    Status failure = why.code() == Code::kPermissionDenied || why.code() == Code::kDeadlineExceeded
-                         ? why
-                         : UnavailableError(config_.backend + ": connection to " + label_ +
-                                            " lost: " + why.message());
     auto pending = std::move(pending_);
     pending_.clear();
     for (auto& [id, e] : pending) {
@@ -258,6 +254,23 @@ void Connection::CloseNow(const Status& why) {
     sink_ = PayloadSink{};
     in_payload_ = false;
     owner_->OnClosed(*this, why);
+}
+
+Status Connection::FailureFor(const Status& why) const {
+    // Refusals and timeouts keep their code; everything else means the peer is unreachable.
+    if (why.code() == Code::kPermissionDenied || why.code() == Code::kDeadlineExceeded) {
+        return why;
+    }
+    return UnavailableError(config_.backend + ": connection to " + label_ +
+                            " lost: " + why.message());
+}
+
+Status Connection::ClosedFailure() {
+    std::lock_guard<std::mutex> lock(in_mu_);
+    if (!close_failure_.ok()) {
+        return close_failure_;
+    }
+    return UnavailableError(config_.backend + ": connection to " + label_ + " is closed");
 }
 
 void Connection::UpdateInterest() {

@@ -135,6 +135,9 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
                std::string label, bool connecting);
 
     void CloseNow(const Status& why);
+    // The status pending requests fail with when the connection closes for `why`.
+    Status FailureFor(const Status& why) const;
+    Status ClosedFailure();
     void FlushIncoming();
     void Enqueue(OutFrame f);
     void TryWrite();
@@ -173,6 +176,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     std::vector<OutFrame> incoming_;
     bool flush_posted_ = false;
     bool in_closed_ = false;
+    Status close_failure_;  // under in_mu_: what frames sent after the close fail with
 
     // Loop thread state.
     State state_;

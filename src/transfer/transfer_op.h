@@ -79,6 +79,7 @@ class TransferOp {
     mutable std::condition_variable cv_;
     bool finished_ = false;  // the status is decided; no chunk changes it any more
     bool reported_ = false;  // Poll/Wait see it (after a cma cut-off has completed)
+    std::atomic<bool> reported_flag_{false};  // reported_, readable without the lock
     Status status_;
     uint32_t chunks_left_ = 0;
     std::vector<RegionPin> pins_;

@@ -460,3 +460,52 @@ INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance, ::testing::Values("shm",
 
 }  // namespace
 }  // namespace ferry
+
+namespace ferry {
+namespace {
+
+using ::ferry::testing::StatusIs;
+using ::ferry::testing::TestConfig;
+using ::ferry::testing::ValueOrDie;
+
+class SecretConformance : public ::testing::TestWithParam<std::string> {
+  protected:
+    // a (secret sa) reads 4 KiB from b (secret sb).
+    Status ReadWithSecrets(const std::string& sa, const std::string& sb) {
+        AgentConfig ca = TestConfig("agent-a", GetParam());
+        AgentConfig cb = TestConfig("agent-b", GetParam());
+        ca.secret = sa;
+        cb.secret = sb;
+        auto a = ValueOrDie(Agent::Create(ca));
+        auto b = ValueOrDie(Agent::Create(cb));
+        RegionInfo la = ValueOrDie(a->AllocateRegion(4096));
+        RegionInfo rb = ValueOrDie(b->AllocateRegion(4096));
+        if (!a->AddPeer(b->Metadata()).ok()) return InternalError("AddPeer");
+        auto x = a->PostRead(std::vector<Descriptor>{{la.id, 0, 4096}}, "agent-b",
+                             std::vector<Descriptor>{{rb.id, 0, 4096}});
+        if (!x.ok()) return x.status();
+        Status s = x->Wait(std::chrono::seconds(10));
+        // The side channel is gated the same way.
+        auto c = a->Connect(b->ListenAddress());
+        if (s.ok() != c.ok())
+            return InternalError("side channel disagrees: " + c.status().ToString());
+        return s;
+    }
+};
+
+TEST_P(SecretConformance, MatchingSecretsConnect) {
+    FERRY_EXPECT_OK(ReadWithSecrets("s3cret", "s3cret"));
+}
+
+TEST_P(SecretConformance, WrongOrMissingSecretIsRefused) {
+    EXPECT_THAT(ReadWithSecrets("guess", "s3cret"), StatusIs(Code::kPermissionDenied));
+    EXPECT_THAT(ReadWithSecrets("", "s3cret"), StatusIs(Code::kPermissionDenied));
+    // An initiator with a secret refuses a target that cannot prove it (an impostor).
+    EXPECT_THAT(ReadWithSecrets("s3cret", ""), StatusIs(Code::kPermissionDenied));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SecretConformance, ::testing::Values("shm", "tcp"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ferry
