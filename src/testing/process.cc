@@ -1,0 +1,112 @@
+#include "testing/process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <utility>
+
+extern char** environ;
+
+namespace ferry::testing {
+
+ChildProcess::ChildProcess(ChildProcess&& o) noexcept
+    : pid_(o.pid_), stdin_fd_(o.stdin_fd_), stdout_fd_(o.stdout_fd_) {
+    o.pid_ = -1;
+    o.stdin_fd_ = -1;
+    o.stdout_fd_ = -1;
+}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
+    if (this != &o) {
+        this->~ChildProcess();
+        pid_ = std::exchange(o.pid_, -1);
+        stdin_fd_ = std::exchange(o.stdin_fd_, -1);
+        stdout_fd_ = std::exchange(o.stdout_fd_, -1);
+    }
+    return *this;
+}
+
+ChildProcess::~ChildProcess() {
+    if (stdin_fd_ >= 0) close(stdin_fd_);
+    if (pid_ > 0) {
+        // Give it a moment to exit on its own (stdin closed), then insist.
+        for (int i = 0; i < 40; ++i) {
+            if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+                pid_ = -1;
+                break;
+            }
+            usleep(25000);
+        }
+        if (pid_ > 0) Kill();
+    }
+    if (stdout_fd_ >= 0) close(stdout_fd_);
+    stdin_fd_ = -1;
+    stdout_fd_ = -1;
+}
+
+void ChildProcess::Signal(int sig) const {
+    if (pid_ > 0) kill(pid_, sig);
+}
+
+void ChildProcess::Kill() {
+    if (pid_ > 0) {
+        kill(pid_, SIGCONT);
+        kill(pid_, SIGKILL);
+        waitpid(pid_, nullptr, 0);
+        pid_ = -1;
+    }
+}
+
+Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
+                                         const std::string& ready_prefix, std::string* ready_line,
+                                         std::chrono::milliseconds timeout) {
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+        return InternalError(std::string("pipe: ") + std::strerror(errno));
+    }
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ChildProcess child;
+    int rc = posix_spawn(&child.pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    child.stdin_fd_ = in[1];
+    child.stdout_fd_ = out[0];
+    if (rc != 0) {
+        child.pid_ = -1;
+        return InternalError("spawn " + argv[0] + ": " + std::strerror(rc));
+    }
+    std::string buf;
+    auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+        pollfd p{child.stdout_fd_, POLLIN, 0};
+        if (poll(&p, 1, 50) <= 0) continue;
+        char c[256];
+        ssize_t n = read(child.stdout_fd_, c, sizeof(c));
+        if (n <= 0) return UnavailableError(argv[0] + " exited before it was ready");
+        buf.append(c, static_cast<size_t>(n));
+        size_t nl;
+        while ((nl = buf.find('\n')) != std::string::npos) {
+            std::string line = buf.substr(0, nl);
+            buf.erase(0, nl + 1);
+            if (line.rfind(ready_prefix, 0) == 0) {
+                *ready_line = line.substr(ready_prefix.size());
+                return child;
+            }
+        }
+    }
+    return DeadlineExceededError(argv[0] + " not ready within the timeout");
+}
+
+}  // namespace ferry::testing

@@ -1,0 +1,39 @@
+// A child process for integration tests: started with a pipe on stdin (closing it asks the
+// child to exit) and one on stdout (for its READY line); killed and reaped on destruction.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "ferry/status.h"
+
+namespace ferry::testing {
+
+class ChildProcess {
+  public:
+    ChildProcess() = default;
+    ChildProcess(ChildProcess&& o) noexcept;
+    ChildProcess& operator=(ChildProcess&& o) noexcept;
+    ~ChildProcess();
+
+    // Starts `argv` and waits up to `timeout` for a stdout line beginning with `ready_prefix`;
+    // returns the rest of that line in *ready_line.
+    static Result<ChildProcess> Start(const std::vector<std::string>& argv,
+                                      const std::string& ready_prefix, std::string* ready_line,
+                                      std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+    pid_t pid() const { return pid_; }
+    void Signal(int sig) const;
+    // Kills with SIGKILL and reaps.
+    void Kill();
+
+  private:
+    pid_t pid_ = -1;
+    int stdin_fd_ = -1;
+    int stdout_fd_ = -1;
+};
+
+}  // namespace ferry::testing

@@ -1,0 +1,192 @@
+// Several real processes on loopback: data verified byte for byte, three agents relaying,
+// SIGKILL and SIGSTOP mid-transfer, and the deployment secret across processes.
+#include <signal.h>
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+
+#include "testing/process.h"
+#include "testing/testing.h"
+
+namespace ferry {
+namespace {
+
+using ::ferry::testing::ChildProcess;
+using ::ferry::testing::StatusIs;
+using ::ferry::testing::TestConfig;
+using ::ferry::testing::ValueOrDie;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+uint8_t PeerByte(uint64_t i, uint64_t seed) { return static_cast<uint8_t>((i * seed + seed) >> 3); }
+
+uint64_t Fnv1a(const uint8_t* p, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+struct Peer {
+    ChildProcess process;
+    std::string address;
+    RegionId region = 0;
+};
+
+class MultiProcess : public ::testing::TestWithParam<std::string> {
+  protected:
+    Peer StartPeer(const std::string& name, uint64_t seed, uint64_t region_size = 1 << 20,
+                   const std::string& secret = "") {
+        std::vector<std::string> argv = {
+            FERRY_TEST_PEER,      "--name",        name,
+            "--backend",          GetParam(),      "--seed",
+            std::to_string(seed), "--region-size", std::to_string(region_size)};
+        if (!secret.empty()) argv.insert(argv.end(), {"--secret", secret});
+        std::string line;
+        Peer p;
+        p.process = ValueOrDie(ChildProcess::Start(argv, "READY ", &line), "start peer");
+        std::istringstream in(line);
+        in >> p.address >> p.region;
+        return p;
+    }
+
+    std::unique_ptr<Agent> Me(const std::string& secret = "") {
+        AgentConfig c = TestConfig("test-driver", GetParam());
+        c.secret = secret;
+        return ValueOrDie(Agent::Create(c));
+    }
+
+    // Sends a command to a peer process and waits for its reply.
+    std::string Command(Agent& me, const std::string& peer, const std::string& cmd) {
+        EXPECT_TRUE(me.Notify(peer, cmd).ok());
+        auto end = Clock::now() + seconds(30);
+        while (Clock::now() < end) {
+            for (auto& n : me.WaitNotifications(end)) {
+                if (n.peer == peer) return n.payload;
+            }
+        }
+        return "timeout";
+    }
+};
+
+TEST_P(MultiProcess, TwoProcessesReadAndWriteVerified) {
+    Peer p = StartPeer("peer-1", 3, 8u << 20);
+    auto me = Me();
+    ASSERT_EQ(ValueOrDie(me->Connect(p.address)), "peer-1");
+    EXPECT_EQ(ValueOrDie(me->PeerBackend("peer-1")), GetParam());
+    const uint64_t n = 8u << 20;
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(n));
+    auto x = ValueOrDie(me->PostRead(std::vector<Descriptor>{{mine.id, 0, n}}, "peer-1",
+                                     std::vector<Descriptor>{{p.region, 0, n}}));
+    FERRY_ASSERT_OK(x.Wait(seconds(30)));
+    auto* b = static_cast<uint8_t*>(mine.base);
+    for (uint64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(b[i], PeerByte(i, 3)) << "byte " << i;
+    }
+    // Write something else into the middle, read it all back.
+    for (uint64_t i = 0; i < 1000; ++i) b[i] = static_cast<uint8_t>(i * 7);
+    auto w = ValueOrDie(me->PostWrite(std::vector<Descriptor>{{mine.id, 0, 1000}}, "peer-1",
+                                      std::vector<Descriptor>{{p.region, 5000, 1000}}));
+    FERRY_ASSERT_OK(w.Wait(seconds(30)));
+    RegionInfo check = ValueOrDie(me->AllocateRegion(n));
+    auto r = ValueOrDie(me->PostRead(std::vector<Descriptor>{{check.id, 0, n}}, "peer-1",
+                                     std::vector<Descriptor>{{p.region, 0, n}}));
+    FERRY_ASSERT_OK(r.Wait(seconds(30)));
+    auto* c = static_cast<uint8_t*>(check.base);
+    for (uint64_t i = 0; i < n; ++i) {
+        uint8_t want =
+            (i >= 5000 && i < 6000) ? static_cast<uint8_t>((i - 5000) * 7) : PeerByte(i, 3);
+        ASSERT_EQ(c[i], want) << "byte " << i;
+    }
+}
+
+TEST_P(MultiProcess, ThreeProcessesRelay) {
+    Peer p1 = StartPeer("peer-1", 5);
+    Peer p2 = StartPeer("peer-2", 11);
+    auto me = Me();
+    ASSERT_TRUE(me->Connect(p1.address).ok());
+    ASSERT_TRUE(me->Connect(p2.address).ok());
+    // A process replies only to agents it knows: peer-1 first connects back to us (its reply
+    // arrives once it has), then to peer-2, and pulls peer-2's region into its own.
+    EXPECT_EQ(Command(*me, "peer-1", "connect " + me->ListenAddress()), "connected test-driver");
+    EXPECT_EQ(Command(*me, "peer-1", "connect " + p2.address), "connected peer-2");
+    std::string reply =
+        Command(*me, "peer-1", "copy-from peer-2 " + std::to_string(p2.region) + " 1048576");
+    std::vector<uint8_t> expect(1 << 20);
+    for (uint64_t i = 0; i < expect.size(); ++i) expect[i] = PeerByte(i, 11);
+    EXPECT_EQ(reply, "copied " + std::to_string(Fnv1a(expect.data(), expect.size())));
+    // And the bytes really are in peer-1 now.
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(1 << 20));
+    auto x = ValueOrDie(me->PostRead(std::vector<Descriptor>{{mine.id, 0, 1 << 20}}, "peer-1",
+                                     std::vector<Descriptor>{{p1.region, 0, 1 << 20}}));
+    FERRY_ASSERT_OK(x.Wait(seconds(30)));
+    EXPECT_EQ(std::memcmp(mine.base, expect.data(), expect.size()), 0);
+}
+
+TEST_P(MultiProcess, SigkillMidTransferFailsEveryPendingTransferWithin2s) {
+    const uint64_t n = 64u << 20;
+    Peer p = StartPeer("victim", 1, n);
+    auto me = Me();
+    ASSERT_TRUE(me->Connect(p.address).ok());
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(n));
+    std::vector<Transfer> xs;
+    for (int i = 0; i < 24; ++i) {
+        auto desc = std::vector<Descriptor>{{mine.id, 0, n}};
+        auto rdesc = std::vector<Descriptor>{{p.region, 0, n}};
+        xs.push_back(ValueOrDie(i % 2 ? me->PostRead(desc, "victim", rdesc)
+                                      : me->PostWrite(desc, "victim", rdesc)));
+    }
+    p.process.Signal(SIGKILL);
+    auto killed = Clock::now();
+    int failed = 0;
+    for (auto& x : xs) {
+        Status s = x.Wait(seconds(10));
+        if (!s.ok()) {
+            EXPECT_THAT(s, StatusIs(Code::kUnavailable));
+            ++failed;
+        }
+    }
+    EXPECT_LT(Clock::now() - killed, seconds(2));
+    EXPECT_GT(failed, 0) << "the peer finished all 1.5 GB before the kill landed";
+    p.process.Kill();
+}
+
+TEST_P(MultiProcess, SigstopHitsTheDeadlineAndTheAgentRecoversAfterSigcont) {
+    Peer p = StartPeer("sleeper", 1);
+    auto me = Me();
+    ASSERT_TRUE(me->Connect(p.address).ok());
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(1 << 20));
+    auto desc = std::vector<Descriptor>{{mine.id, 0, 1 << 20}};
+    auto rdesc = std::vector<Descriptor>{{p.region, 0, 1 << 20}};
+    // Warm the connections up first.
+    FERRY_ASSERT_OK(ValueOrDie(me->PostRead(desc, "sleeper", rdesc)).Wait(seconds(10)));
+    p.process.Signal(SIGSTOP);
+    TransferOptions opts;
+    opts.timeout = milliseconds(500);
+    auto t0 = Clock::now();
+    auto x = ValueOrDie(me->PostRead(desc, "sleeper", rdesc, opts));
+    EXPECT_THAT(x.Wait(seconds(10)), StatusIs(Code::kDeadlineExceeded));
+    EXPECT_LT(Clock::now() - t0, seconds(3));
+    p.process.Signal(SIGCONT);
+    auto y = ValueOrDie(me->PostRead(desc, "sleeper", rdesc));
+    FERRY_EXPECT_OK(y.Wait(seconds(10)));
+    EXPECT_EQ(static_cast<uint8_t*>(mine.base)[12345], PeerByte(12345, 1));
+}
+
+TEST_P(MultiProcess, DeploymentSecretAcrossProcesses) {
+    Peer p = StartPeer("guarded", 1, 1 << 20, "team-secret");
+    EXPECT_THAT(Me()->Connect(p.address), StatusIs(Code::kPermissionDenied));
+    EXPECT_THAT(Me("wrong")->Connect(p.address), StatusIs(Code::kPermissionDenied));
+    auto me = Me("team-secret");
+    ASSERT_TRUE(me->Connect(p.address).ok());
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(4096));
+    auto x = ValueOrDie(me->PostRead(std::vector<Descriptor>{{mine.id, 0, 4096}}, "guarded",
+                                     std::vector<Descriptor>{{p.region, 0, 4096}}));
+    FERRY_EXPECT_OK(x.Wait(seconds(10)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, MultiProcess, ::testing::Values("shm", "tcp"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ferry
