@@ -4,7 +4,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test deps build format format-check bench clean
+.PHONY: demo test check-sanitizers deps build format format-check bench clean
 
 deps:
 	@./scripts/install-deps
@@ -19,6 +19,13 @@ demo: build
 
 test: build format-check
 	@ctest --preset $(PRESET) -j $(JOBS)
+
+# The whole suite again under ASan+UBSan and under TSan; any report fails the run.
+check-sanitizers: deps
+	@for p in asan tsan; do \
+		cmake --preset $$p >/dev/null && cmake --build --preset $$p -j $(JOBS) && \
+		ctest --preset $$p -j $(JOBS) || exit 1; \
+	done
 
 format-check: deps
 	@./scripts/check-format

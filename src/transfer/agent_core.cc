@@ -592,7 +592,7 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
         std::lock_guard<std::mutex> lock(ops_mu_);
         ops_[op->id()] = op;
     }
-    size_t first = static_cast<size_t>(peer->next_stream++);
+    size_t first = static_cast<size_t>(peer->next_stream.fetch_add(1));
     for (size_t i = 0; i < chunks.size(); ++i) {
         Chunk& c = chunks[i];
         const auto& conn = streams[(first + i) % streams.size()];
@@ -871,6 +871,9 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
                   s.ToString());
     }
     if (!inline_mode) {
+        if (shut_down_.load()) {
+            return;  // the stream is about to close; the initiator sees Unavailable
+        }
         if (s.ok() && conn.cma_pid() == 0) {
             s = FailedPreconditionError("cma transfer on a stream without a verified peer");
         }

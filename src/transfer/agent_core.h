@@ -69,7 +69,7 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
         std::string backend;  // chosen for this peer
         std::mutex mu;
         std::map<std::string, std::vector<std::shared_ptr<Connection>>> streams;
-        uint64_t next_stream = 0;
+        std::atomic<uint64_t> next_stream{0};
     };
 
     class Acceptor;

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/log.h"
+#include "core/tsan.h"
 
 namespace ferry::internal {
 
@@ -18,6 +19,7 @@ namespace {
 
 constexpr size_t kReadBufferSize = 256 * 1024;
 constexpr size_t kSmallRead = 4096;
+constexpr int kMaxFramesPerEvent = 64;
 constexpr size_t kMaxIovPerCall = 256;
 constexpr size_t kMaxBytesPerEvent = 32u << 20;  // fairness between connections on one loop
 constexpr size_t kZeroBufSize = 1u << 20;
@@ -354,7 +356,10 @@ void Connection::TryWrite() {
         msghdr msg{};
         msg.msg_iov = iov;
         msg.msg_iovlen = n_iov;
+        FERRY_TSAN_SOCKET_SENT();  // the receiver may act the moment bytes land
+        FERRY_TSAN_IGNORE_READS_BEGIN();
         ssize_t w = sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        FERRY_TSAN_IGNORE_READS_END();
         if (op_lock.owns_lock()) {
             op_lock.unlock();
         }
@@ -429,7 +434,17 @@ void Connection::OnEvents(uint32_t events) {
 
 void Connection::ReadSome() {
     size_t budget = kMaxBytesPerEvent;
+    int frames = 0;
     while (!closed_.load() && budget > 0) {
+        if (++frames > kMaxFramesPerEvent) {
+            // Let the loop run its other work (closes, other connections), then continue: the
+            // rest may already sit in rbuf_, where epoll would not report it.
+            auto self = shared_from_this();
+            loop_->Post([self] {
+                if (!self->closed_.load()) self->ReadSome();
+            });
+            return;
+        }
         if (in_payload_) {
             if (!ReadPayload()) {
                 return;
@@ -499,6 +514,7 @@ void Connection::ReadSome() {
             CloseNow(UnavailableError(std::string("recv: ") + std::strerror(errno)));
             return;
         }
+        FERRY_TSAN_SOCKET_RECEIVED();
         rlen_ += static_cast<size_t>(r);
         budget -= std::min(budget, static_cast<size_t>(r));
     }
@@ -581,6 +597,7 @@ bool Connection::ReadPayload() {
             CloseNow(UnavailableError(std::string("recv payload: ") + std::strerror(errno)));
             return false;
         }
+        FERRY_TSAN_SOCKET_RECEIVED();
         size_t got = static_cast<size_t>(r);
         payload_left_ -= got;
         while (got > 0 && sink_idx_ < sink_.iov.size()) {

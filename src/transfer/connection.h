@@ -118,7 +118,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     bool closed() const { return closed_.load(); }
     const std::string& peer_name() const { return peer_name_; }
     uint64_t peer_epoch() const { return peer_epoch_; }
-    pid_t cma_pid() const { return cma_pid_; }
+    pid_t cma_pid() const { return cma_pid_.load(std::memory_order_acquire); }
     const std::string& label() const { return label_; }
     const std::string& backend() const { return config_.backend; }
     IoLoop* loop() const { return loop_; }
@@ -168,7 +168,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     // Written before ready_ is set, constant afterwards.
     std::string peer_name_;
     uint64_t peer_epoch_ = 0;
-    pid_t cma_pid_ = 0;
+    std::atomic<pid_t> cma_pid_{0};
     wire::Purpose purpose_ = wire::Purpose::kData;
 
     // Frames from other threads.

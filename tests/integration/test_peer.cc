@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
     auto* base = static_cast<uint8_t*>(region->base);
     for (uint64_t i = 0; i < region_size; ++i)
         base[i] = static_cast<uint8_t>((i * seed + seed) >> 3);
+    // Publish the pattern to the I/O threads (they take the region table's lock before serving a
+    // request; so does this call). Peers learn of it through READY, an edge no tool can see.
+    (void)(*agent)->Regions();
     std::printf("READY %s %llu\n", (*agent)->ListenAddress().c_str(),
                 static_cast<unsigned long long>(region->id));
     std::fflush(stdout);
