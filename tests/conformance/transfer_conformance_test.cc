@@ -509,3 +509,113 @@ INSTANTIATE_TEST_SUITE_P(Backends, SecretConformance, ::testing::Values("shm", "
 
 }  // namespace
 }  // namespace ferry
+
+namespace ferry {
+namespace {
+
+using ::ferry::testing::FillPattern;
+using ::ferry::testing::FirstMismatch;
+using ::ferry::testing::StatusIs;
+using ::ferry::testing::TestConfig;
+using ::ferry::testing::ValueOrDie;
+
+class LargeBatchConformance : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LargeBatchConformance, HundredThousandDescriptorsPerSide) {
+    auto p = ::ferry::testing::MakePair(GetParam());
+    const size_t n = 100000;
+    const uint64_t len = 64, stride = 128;  // not adjacent: nothing coalesces
+    RegionInfo la = ValueOrDie(p.a->AllocateRegion(n * stride));
+    RegionInfo rb = ValueOrDie(p.b->AllocateRegion(n * stride));
+    ASSERT_TRUE(p.a->AddPeer(p.b->Metadata()).ok());
+    FillPattern(la.base, n * stride, 31);
+    std::vector<Descriptor> local, remote;
+    for (size_t i = 0; i < n; ++i) {
+        local.push_back({la.id, i * stride, len});
+        remote.push_back({rb.id, (n - 1 - i) * stride, len});
+    }
+    auto x = ValueOrDie(p.a->PostWrite(local, "agent-b", remote));
+    FERRY_ASSERT_OK(x.Wait(std::chrono::seconds(60)));
+    std::vector<uint8_t> expect(n * stride);
+    FillPattern(expect.data(), expect.size(), 31);
+    auto* got = static_cast<uint8_t*>(rb.base);
+    for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::memcmp(got + (n - 1 - i) * stride, expect.data() + i * stride, len), 0)
+            << "descriptor " << i;
+        ASSERT_EQ(got[(n - 1 - i) * stride + len], 0) << "wrote past descriptor " << i;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LargeBatchConformance, ::testing::Values("shm", "tcp"),
+                         [](const auto& info) { return info.param; });
+
+TEST(BackendSelection, SameHostPrefersShmAndEitherCanBeForced) {
+    AgentConfig ca = TestConfig("agent-a", "shm");
+    ca.backends = {"shm", "tcp"};
+    AgentConfig cb = ca;
+    cb.name = "agent-b";
+    auto a = ValueOrDie(Agent::Create(ca));
+    auto b = ValueOrDie(Agent::Create(cb));
+    ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
+    EXPECT_EQ(ValueOrDie(a->PeerBackend("agent-b")), "shm");
+
+    // Per transfer.
+    RegionInfo la = ValueOrDie(a->AllocateRegion(1 << 20));
+    RegionInfo rb = ValueOrDie(b->AllocateRegion(1 << 20));
+    ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
+    for (const char* backend : {"tcp", "shm"}) {
+        FillPattern(la.base, 1 << 20, backend[0]);
+        TransferOptions opts;
+        opts.backend = backend;
+        auto x = ValueOrDie(a->PostWrite(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "agent-b",
+                                         std::vector<Descriptor>{{rb.id, 0, 1 << 20}}, opts));
+        FERRY_ASSERT_OK(x.Wait(std::chrono::seconds(10)));
+        EXPECT_EQ(FirstMismatch(rb.base, 1 << 20, backend[0]), -1) << backend;
+    }
+    TransferOptions bad;
+    bad.backend = "ucx";
+    EXPECT_THAT(a->PostWrite(std::vector<Descriptor>{{la.id, 0, 1}}, "agent-b",
+                             std::vector<Descriptor>{{rb.id, 0, 1}}, bad),
+                StatusIs(Code::kInvalidArgument));
+
+    // Per agent.
+    AgentConfig cc = ca;
+    cc.name = "agent-c";
+    cc.force_backend = "tcp";
+    auto c = ValueOrDie(Agent::Create(cc));
+    ASSERT_TRUE(c->AddPeer(b->Metadata()).ok());
+    EXPECT_EQ(ValueOrDie(c->PeerBackend("agent-b")), "tcp");
+
+    // A peer on another "host" (different host id) is reached over tcp.
+    AgentConfig cd = ca;
+    cd.name = "agent-d";
+    cd.backends = {"tcp"};
+    auto d = ValueOrDie(Agent::Create(cd));
+    ASSERT_TRUE(a->AddPeer(d->Metadata()).ok());
+    EXPECT_EQ(ValueOrDie(a->PeerBackend("agent-d")), "tcp");
+    // shm only on both sides but no shared host: no common backend.
+    AgentConfig ce = TestConfig("agent-e", "shm");
+    auto e = ValueOrDie(Agent::Create(ce));
+    EXPECT_THAT(e->AddPeer(d->Metadata()), StatusIs(Code::kFailedPrecondition));
+}
+
+TEST(AgentConfigValidation, BadConfigsAreRefusedWithAMessage) {
+    AgentConfig c;
+    EXPECT_THAT(Agent::Create(c), StatusIs(Code::kInvalidArgument));  // no name
+    c.name = "ok";
+    c.backends = {"carrier-pigeon"};
+    EXPECT_THAT(Agent::Create(c), StatusIs(Code::kInvalidArgument));
+    c.backends = {"tcp"};
+    c.force_backend = "shm";
+    EXPECT_THAT(Agent::Create(c), StatusIs(Code::kInvalidArgument));
+    c.force_backend = "";
+    c.listen_host = "256.1.1.1";
+    EXPECT_THAT(Agent::Create(c), StatusIs(Code::kUnavailable));
+    auto a = ValueOrDie(Agent::Create(TestConfig("same", "tcp")));
+    EXPECT_THAT(a->AddPeer(a->Metadata()), StatusIs(Code::kAlreadyExists));
+    EXPECT_THAT(a->AddPeer("not metadata"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(a->RemovePeer("nobody"), StatusIs(Code::kNotFound));
+}
+
+}  // namespace
+}  // namespace ferry
