@@ -87,6 +87,8 @@ int main(int argc, char** argv) {
     transfer->add_option("--batch", batches, "descriptors per transfer; a comma list sweeps");
     transfer->add_option("--streams", o.streams, "parallel connections per peer (0 = default)")
         ->check(CLI::Range(0, 64));
+    transfer->add_option("--io-threads", o.io_threads, "I/O threads per agent (0 = default)")
+        ->check(CLI::Range(0, 64));
     transfer->add_option("--inflight", o.inflight, "transfers in flight at once")
         ->check(CLI::Range(1, 64));
     transfer->add_option("--duration", o.duration, "seconds per row")

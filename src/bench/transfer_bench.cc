@@ -177,6 +177,9 @@ bool SpawnTarget(const TransferBenchOptions& o, const std::string& backend, Chil
     for (uint64_t b : o.batches) batches += (batches.empty() ? "" : ",") + std::to_string(b);
     args.insert(args.end(), {"--block-size", blocks, "--batch", batches});
     if (o.streams > 0) args.insert(args.end(), {"--streams", std::to_string(o.streams)});
+    if (o.io_threads > 0) {
+        args.insert(args.end(), {"--io-threads", std::to_string(o.io_threads)});
+    }
     if (!o.secret.empty()) args.insert(args.end(), {"--secret", o.secret});
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -217,6 +220,7 @@ AgentConfig BenchConfig(const std::string& name, const std::string& backend,
     c.secret = o.secret;
     c.tcp_streams = o.streams;
     c.shm_streams = o.streams;
+    c.io_threads = o.io_threads;
     c.default_timeout = std::chrono::seconds(60);
     std::string host;
     uint16_t port = 0;

@@ -19,6 +19,7 @@ struct TransferBenchOptions {
     std::vector<uint64_t> batches = {1};
     int streams = 0;        // 0 = the backend's default
     int inflight = 1;       // batches in flight at once
+    int io_threads = 0;     // 0 = the agent's default
     double duration = 2.0;  // seconds per row
     double warmup = 0.3;
     bool json = false;

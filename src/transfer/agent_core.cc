@@ -574,6 +574,7 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     std::vector<Chunk> chunks = MakeChunks(segments, chunk_bytes, wire::kMaxSegmentsPerFrame);
 
     wire::DataMode mode = backend->data_mode();
+
     auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
     auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total,
                                            Clock::now() + timeout, std::string(peer_name), mode);
