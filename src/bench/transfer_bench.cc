@@ -265,6 +265,7 @@ struct Row {
     std::string backend, op;
     uint64_t block = 0, batch = 0;
     double gbps = 0, descs_per_s = 0, p50_us = 0, p99_us = 0, reference_gbps = 0;
+    int inflight = 1;
     std::string error;
 };
 
@@ -276,6 +277,7 @@ Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remot
     row.op = op;
     row.block = block;
     row.batch = batch;
+    row.inflight = std::max(1, o.inflight);
     std::vector<Descriptor> ldesc, rdesc;
     for (uint64_t i = 0; i < batch; ++i) {
         ldesc.push_back({local, i * block, block});
@@ -337,9 +339,9 @@ void PrintRow(const Row& r, bool json) {
         fmt::print(
             "{{\"backend\":\"{}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},"
             "\"gbps\":{:.3f},\"descs_per_s\":{:.0f},\"p50_us\":{:.1f},\"p99_us\":{:.1f},"
-            "\"reference_gbps\":{:.3f}}}\n",
+            "\"reference_gbps\":{:.3f},\"inflight\":{}}}\n",
             r.backend, r.op, r.block, r.batch, r.gbps, r.descs_per_s, r.p50_us, r.p99_us,
-            r.reference_gbps);
+            r.reference_gbps, r.inflight);
         std::fflush(stdout);
         return;
     }
