@@ -15,6 +15,7 @@
 
 #include "core/crypto.h"
 #include "core/log.h"
+#include "transfer/iov_cursor.h"
 #include "transfer/planner.h"
 
 namespace ferry::internal {
@@ -33,17 +34,17 @@ constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
 Status CmaCopy(pid_t pid, const std::vector<iovec>& ours, const std::vector<iovec>& theirs,
                bool to_peer) {
     constexpr size_t kIovMax = IOV_MAX;
-    size_t oi = 0, ooff = 0, ti = 0, toff = 0;
+    IovCursor o, t;
     iovec lw[kIovMax];
     iovec rw[kIovMax];
-    while (oi < ours.size() && ti < theirs.size()) {
+    while (!o.AtEnd(ours) && !t.AtEnd(theirs)) {
         size_t ln = 0, rn = 0;
         uint64_t lbytes = 0, rbytes = 0;
-        for (size_t i = oi, off = ooff; i < ours.size() && ln < kIovMax; ++i, off = 0) {
+        for (size_t i = o.index, off = o.offset; i < ours.size() && ln < kIovMax; ++i, off = 0) {
             lw[ln++] = iovec{static_cast<char*>(ours[i].iov_base) + off, ours[i].iov_len - off};
             lbytes += ours[i].iov_len - off;
         }
-        for (size_t i = ti, off = toff; i < theirs.size() && rn < kIovMax; ++i, off = 0) {
+        for (size_t i = t.index, off = t.offset; i < theirs.size() && rn < kIovMax; ++i, off = 0) {
             rw[rn++] = iovec{static_cast<char*>(theirs[i].iov_base) + off, theirs[i].iov_len - off};
             rbytes += theirs[i].iov_len - off;
         }
@@ -61,20 +62,8 @@ Status CmaCopy(pid_t pid, const std::vector<iovec>& ours, const std::vector<iove
                                         std::to_string(want) +
                                         " bytes): the initiator's buffer is not mapped");
         }
-        // Advance both sides by r bytes.
-        auto advance = [](const std::vector<iovec>& v, size_t& i, size_t& off, uint64_t n) {
-            while (n > 0 && i < v.size()) {
-                uint64_t k = std::min<uint64_t>(n, v[i].iov_len - off);
-                n -= k;
-                off += k;
-                if (off == v[i].iov_len) {
-                    ++i;
-                    off = 0;
-                }
-            }
-        };
-        advance(ours, oi, ooff, want);
-        advance(theirs, ti, toff, want);
+        o.Advance(ours, want);
+        t.Advance(theirs, want);
     }
     return Status::Ok();
 }
@@ -1091,26 +1080,16 @@ Status AgentCore::CopyWithPeer(Connection& conn, const std::vector<iovec>& ours,
     if (!mapped) {
         return CmaCopy(conn.cma_pid(), ours, theirs, to_peer);
     }
-    size_t oi = 0, ooff = 0, ti = 0, toff = 0;
-    while (oi < ours.size() && ti < local_theirs.size()) {
-        size_t n = std::min(ours[oi].iov_len - ooff, local_theirs[ti].iov_len - toff);
-        char* o = static_cast<char*>(ours[oi].iov_base) + ooff;
-        char* t = static_cast<char*>(local_theirs[ti].iov_base) + toff;
+    IovCursor o, t;
+    while (!o.AtEnd(ours) && !t.AtEnd(local_theirs)) {
+        size_t n = std::min(o.Contiguous(ours), t.Contiguous(local_theirs));
         if (to_peer) {
-            std::memcpy(t, o, n);
+            std::memcpy(t.Pointer(local_theirs), o.Pointer(ours), n);
         } else {
-            std::memcpy(o, t, n);
+            std::memcpy(o.Pointer(ours), t.Pointer(local_theirs), n);
         }
-        ooff += n;
-        toff += n;
-        if (ooff == ours[oi].iov_len) {
-            ++oi;
-            ooff = 0;
-        }
-        if (toff == local_theirs[ti].iov_len) {
-            ++ti;
-            toff = 0;
-        }
+        o.Advance(ours, n);
+        t.Advance(local_theirs, n);
     }
     return Status::Ok();
 }

@@ -189,8 +189,7 @@ void Connection::BecomeReady() {
 
 void Connection::SetPayloadSink(PayloadSink sink) {
     sink_ = std::move(sink);
-    sink_idx_ = 0;
-    sink_off_ = 0;
+    sink_pos_ = IovCursor{};
 }
 
 bool Connection::HoldsRegion(RegionId id) const {
@@ -468,8 +467,7 @@ void Connection::ReadSome() {
                     in_payload_ = true;
                     payload_left_ = h->payload_len;
                     sink_ = PayloadSink{};
-                    sink_idx_ = 0;
-                    sink_off_ = 0;
+                    sink_pos_ = IovCursor{};
                 }
                 Dispatch(*h, body);
                 continue;
@@ -532,36 +530,17 @@ bool Connection::ReadPayload() {
     size_t buffered = rlen_ - rpos_;
     if (buffered > 0) {
         size_t n = static_cast<size_t>(std::min<uint64_t>(buffered, payload_left_));
-        size_t copied = 0;
-        while (copied < n) {
-            if (discard) {
-                copied = n;
-                break;
-            }
-            iovec& v = sink_.iov[sink_idx_];
-            size_t k = std::min(n - copied, v.iov_len - sink_off_);
-            std::memcpy(static_cast<char*>(v.iov_base) + sink_off_, rbuf_.data() + rpos_ + copied,
-                        k);
-            copied += k;
-            sink_off_ += k;
-            if (sink_off_ == v.iov_len) {
-                ++sink_idx_;
-                sink_off_ = 0;
+        if (!discard) {
+            IovCursor c = sink_pos_;
+            for (size_t copied = 0; copied < n && !c.AtEnd(sink_.iov);) {
+                size_t k = std::min(n - copied, c.Contiguous(sink_.iov));
+                std::memcpy(c.Pointer(sink_.iov), rbuf_.data() + rpos_ + copied, k);
+                copied += k;
+                c.Advance(sink_.iov, k);
             }
         }
-        if (discard) {
-            // Keep the sink position consistent in case the payload continues below.
-            size_t left = n;
-            while (left > 0 && sink_idx_ < sink_.iov.size()) {
-                size_t k = std::min(left, sink_.iov[sink_idx_].iov_len - sink_off_);
-                left -= k;
-                sink_off_ += k;
-                if (sink_off_ == sink_.iov[sink_idx_].iov_len) {
-                    ++sink_idx_;
-                    sink_off_ = 0;
-                }
-            }
-        }
+        // Dropped bytes still move the position, in case the payload continues below.
+        sink_pos_.Advance(sink_.iov, n);
         rpos_ += n;
         payload_left_ -= n;
     } else {
@@ -572,8 +551,8 @@ bool Connection::ReadPayload() {
             iov[n_iov++] = iovec{ScratchBuffer(),
                                  static_cast<size_t>(std::min<uint64_t>(want, kReadBufferSize))};
         } else {
-            size_t idx = sink_idx_;
-            size_t off = sink_off_;
+            size_t idx = sink_pos_.index;
+            size_t off = sink_pos_.offset;
             while (idx < sink_.iov.size() && n_iov < kMaxIovPerCall && want > 0) {
                 const iovec& v = sink_.iov[idx];
                 size_t k = static_cast<size_t>(std::min<uint64_t>(v.iov_len - off, want));
@@ -598,17 +577,8 @@ bool Connection::ReadPayload() {
             return false;
         }
         FERRY_TSAN_SOCKET_RECEIVED();
-        size_t got = static_cast<size_t>(r);
-        payload_left_ -= got;
-        while (got > 0 && sink_idx_ < sink_.iov.size()) {
-            size_t k = std::min(got, sink_.iov[sink_idx_].iov_len - sink_off_);
-            got -= k;
-            sink_off_ += k;
-            if (sink_off_ == sink_.iov[sink_idx_].iov_len) {
-                ++sink_idx_;
-                sink_off_ = 0;
-            }
-        }
+        payload_left_ -= static_cast<size_t>(r);
+        sink_pos_.Advance(sink_.iov, static_cast<size_t>(r));
     }
     if (op_lock.owns_lock()) {
         op_lock.unlock();

@@ -24,6 +24,7 @@
 #include "core/crypto.h"
 #include "core/fd.h"
 #include "transfer/io_loop.h"
+#include "transfer/iov_cursor.h"
 #include "transfer/region_table.h"
 #include "transfer/transfer_op.h"
 #include "transfer/wire.h"
@@ -195,8 +196,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     bool in_payload_ = false;
     uint64_t payload_left_ = 0;
     PayloadSink sink_;
-    size_t sink_idx_ = 0;
-    size_t sink_off_ = 0;
+    IovCursor sink_pos_;
 };
 
 }  // namespace ferry::internal
