@@ -60,9 +60,11 @@ struct RegionInfo {
     MemoryKind kind = MemoryKind::kHost;
 };
 
+// Every member has a default, so designated initializers may name any subset:
+// `Agent::Create({.name = "decode-0", .secret = key})`.
 struct AgentConfig {
     // Unique within the deployment; 1..128 bytes of [A-Za-z0-9._:-].
-    std::string name;
+    std::string name{};
     // Address of the side-channel / tcp listener. Loopback by default: binding another
     // interface is an explicit choice (docs/security.md).
     std::string listen_host = "127.0.0.1";
@@ -70,10 +72,10 @@ struct AgentConfig {
     // Backends this agent offers and may use: any of "shm", "tcp".
     std::vector<std::string> backends = {"shm", "tcp"};
     // Use this backend for every peer instead of choosing by locality ("" = choose).
-    std::string force_backend;
+    std::string force_backend{};
     // Deployment secret. When set, every connection in either direction must prove knowledge of
     // it (HMAC-SHA256 challenge-response); the secret itself never crosses the wire.
-    std::string secret;
+    std::string secret{};
     // Deadline applied to a transfer that does not set its own.
     std::chrono::milliseconds default_timeout{30000};
     // Parallel connections per tcp peer; 0 = sized to the machine (number of cores, 2..8).
@@ -87,11 +89,11 @@ struct AgentConfig {
 struct TransferOptions {
     // Delivered to the peer (TakeNotifications) only after every byte of the transfer is in
     // place there. Not sent if the transfer fails.
-    std::optional<std::string> notification;
+    std::optional<std::string> notification{};
     // 0 = the agent's default_timeout.
     std::chrono::milliseconds timeout{0};
     // Force a backend for this transfer ("" = the one chosen for the peer).
-    std::string backend;
+    std::string backend{};
 };
 
 enum class TransferState { kPending, kDone };
