@@ -168,7 +168,6 @@ Status AgentCore::Start() {
     for (const char* n : {"shm", "tcp"}) {
         if (endpoints_.count(n) != 0) enabled_.push_back(n);
     }
-    std::weak_ptr<AgentCore> weak = weak_from_this();
     loops_[0]->SetTick(kTickPeriod, [this] { Tick(); });
     FERRY_LOG(kInfo, "agent {} epoch {:016x} listening on {}", config_.name, epoch_,
               side_channel_address_);
@@ -232,9 +231,12 @@ Result<RegionInfo> AgentCore::RegisterMemory(void* ptr, size_t length) {
 Result<RegionInfo> AgentCore::AllocateRegion(size_t length) { return regions_.Allocate(length); }
 
 Status AgentCore::Deregister(RegionId id) {
-    if (!regions_.Find(id)) {
+    std::shared_ptr<RegionEntry> entry = regions_.Find(id);
+    if (!entry) {
         return NotFoundError("Deregister: no region " + std::to_string(id));
     }
+    const uint64_t share_id = entry->share_id;
+    entry.reset();  // our reference must not keep an owned mapping alive past Deregister
     // Local transfers using it fail first, so their pins drop.
     std::vector<std::shared_ptr<TransferOp>> users;
     {
@@ -247,7 +249,6 @@ Status AgentCore::Deregister(RegionId id) {
     for (auto& op : users) {
         op->Fail(CancelledError("local region " + std::to_string(id) + " was deregistered"));
     }
-    uint64_t share_id = regions_.Find(id) ? regions_.Find(id)->share_id : 0;
     Status s = regions_.Deregister(id, kDeregisterGrace, [this](RegionId rid) {
         std::vector<std::shared_ptr<Connection>> conns;
         {

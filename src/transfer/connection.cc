@@ -292,7 +292,6 @@ void Connection::TryWrite() {
         size_t batch_bytes = 0;
         std::unique_lock<std::mutex> op_lock;
         bool zero_fill = false;
-        size_t frames_in_batch = 0;
         for (auto it = sendq_.begin(); it != sendq_.end() && n_iov + 2 < kMaxIovPerCall; ++it) {
             OutFrame& f = *it;
             bool first = (it == sendq_.begin());
@@ -340,7 +339,6 @@ void Connection::TryWrite() {
                 skip = 0;
                 if (zero_fill) break;
             }
-            ++frames_in_batch;
             if (f.op || !f.pins.empty() || batch_bytes >= (8u << 20)) {
                 break;
             }
@@ -389,7 +387,6 @@ void Connection::TryWrite() {
                 written = 0;
             }
         }
-        (void)frames_in_batch;
     }
     UpdateInterest();
 }
