@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "core/fd.h"
 #include "testing/testing.h"
@@ -185,6 +186,34 @@ TEST_F(WireAbuse, AWriteWithTheWrongKeyIsRefusedAndTheStreamStaysUsable) {
     EXPECT_EQ(frames[3].first.payload_len, 8u);
     // The refused write did not touch the region.
     EXPECT_EQ(FirstMismatch(region_.base, 1 << 20, 5), -1);
+}
+
+TEST_F(WireAbuse, DeregisterClosesAStreamStalledOnTheRegion) {
+    const uint64_t big = wire::kMaxPayload;
+    RegionInfo victim = ValueOrDie(target_->AllocateRegion(big));
+    // A reader that asks for 64 MiB and never reads: the target's send stalls holding the region.
+    ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    int small = 4096;
+    setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    std::string host;
+    uint16_t port = 0;
+    ASSERT_TRUE(SplitHostPort(target_->ListenAddress(), &host, &port).ok());
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    inet_pton(AF_INET, host.c_str(), &sa.sin_addr);
+    ASSERT_EQ(connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    SendAll(fd.get(), Hello());
+    wire::DataRequest req;
+    req.segments = {{victim.id, victim.key, 0, big}};
+    SendAll(fd.get(), wire::MakeFrame(wire::FrameType::kRead, 1, wire::EncodeDataRequest(req)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the send start and stall
+
+    auto t0 = Clock::now();
+    FERRY_ASSERT_OK(target_->Deregister(victim.id));
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
+    EXPECT_TRUE(ClosedWithin(fd.get(), std::chrono::seconds(5)));
+    ExpectStillServing();
 }
 
 TEST_F(WireAbuse, ASilentClientIsDroppedAfterTheHandshakeTimeout) {
