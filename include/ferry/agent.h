@@ -207,6 +207,9 @@ class Agent {
     // length mismatch) are returned here; the rest through the handle, with the code the target
     // gave (PermissionDenied for a wrong key, OutOfRange for bounds, NotFound for an unknown
     // region), Unavailable if the peer died, DeadlineExceeded past the deadline.
+    // Transfers in flight at the same time must not write overlapping bytes (nor write bytes
+    // another reads): like two memcpy calls on two threads, the result is unspecified, and
+    // ThreadSanitizer reports it when both ends live in one process.
     Result<Transfer> PostRead(std::span<const Descriptor> local, std::string_view peer,
                               std::span<const Descriptor> remote, TransferOptions options = {});
     Result<Transfer> PostWrite(std::span<const Descriptor> local, std::string_view peer,

@@ -327,14 +327,15 @@ TEST_P(TransferConformance, DeregisteringALocalRegionFailsItsPendingTransfers) {
 }
 
 TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
-    RegionInfo la = ValueOrDie(a_->AllocateRegion(32u << 20));
-    RegionInfo rb = ValueOrDie(b_->AllocateRegion(32u << 20));
+    // Sixteen writes into disjoint slices: overlapping destinations would race by contract.
+    const uint64_t slice = 8u << 20;
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(slice));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(16 * slice));
     RefreshB();
     std::vector<Transfer> xs;
-    for (int i = 0; i < 16; ++i) {
-        xs.push_back(
-            ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 32u << 20}}, "agent-b",
-                                     std::vector<Descriptor>{{rb.id, 0, 32u << 20}})));
+    for (uint64_t i = 0; i < 16; ++i) {
+        xs.push_back(ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, slice}}, "agent-b",
+                                              std::vector<Descriptor>{{rb.id, i * slice, slice}})));
     }
     auto t0 = Clock::now();
     pair_.b.reset();  // the target goes away mid-flight
@@ -359,14 +360,16 @@ TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
 }
 
 TEST_P(TransferConformance, DestroyingTheInitiatorWithTransfersInFlightIsClean) {
-    RegionInfo la = ValueOrDie(a_->AllocateRegion(16u << 20));
-    RegionInfo rb = ValueOrDie(b_->AllocateRegion(16u << 20));
+    // Eight reads into disjoint local slices (overlapping destinations would race by contract).
+    const uint64_t slice = 16u << 20;
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(8 * slice));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(slice));
     RefreshB();
     std::vector<Transfer> xs;
-    for (int i = 0; i < 8; ++i) {
+    for (uint64_t i = 0; i < 8; ++i) {
         xs.push_back(
-            ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 16u << 20}}, "agent-b",
-                                    std::vector<Descriptor>{{rb.id, 0, 16u << 20}})));
+            ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, i * slice, slice}}, "agent-b",
+                                    std::vector<Descriptor>{{rb.id, 0, slice}})));
     }
     pair_.a.reset();
     a_ = nullptr;
