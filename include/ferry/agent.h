@@ -84,6 +84,18 @@ struct AgentConfig {
     int shm_streams = 0;
     // Network I/O threads; 0 = sized to the machine (cores, 1..8).
     int io_threads = 0;
+    // shm: map a peer's agent-allocated regions (after the peer checked the region key) and copy
+    // in and out of them in this process, one-sided, with no round trip per transfer. false: the
+    // peer copies every transfer after checking it. Either way the peer's registered (not
+    // allocated) memory is copied by the peer.
+    bool shm_map_peer_regions = true;
+};
+
+// Counters since the agent started (Agent::Stats).
+struct AgentStats {
+    uint64_t transfers_posted = 0;     // READs and WRITEs accepted by PostRead/PostWrite
+    uint64_t one_sided_transfers = 0;  // of those, copied in this process (shm mapping)
+    uint64_t bytes_posted = 0;
 };
 
 struct TransferOptions {
@@ -198,6 +210,7 @@ class Agent {
     Status RemovePeer(std::string_view name);
     // The backend chosen for the peer ("shm" or "tcp"), NotFound for an unknown peer.
     Result<std::string> PeerBackend(std::string_view name) const;
+    AgentStats Stats() const;
 
     // --- Transfers ----------------------------------------------------------------------------
     // One-sided READ (remote -> local) or WRITE (local -> remote). `local` descriptors name this

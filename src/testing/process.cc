@@ -8,6 +8,9 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <utility>
 
 extern char** environ;
@@ -51,6 +54,31 @@ ChildProcess::~ChildProcess() {
 
 void ChildProcess::Signal(int sig) const {
     if (pid_ > 0) kill(pid_, sig);
+}
+
+bool ChildProcess::Stop(std::chrono::milliseconds timeout) const {
+    if (pid_ <= 0) return false;
+    kill(pid_, SIGSTOP);
+    auto end = std::chrono::steady_clock::now() + timeout;
+    std::string dir = "/proc/" + std::to_string(pid_) + "/task";
+    while (std::chrono::steady_clock::now() < end) {
+        bool all = true;
+        std::error_code ec;
+        for (const auto& task : std::filesystem::directory_iterator(dir, ec)) {
+            std::ifstream in(task.path() / "stat");
+            std::string line;
+            std::getline(in, line);
+            // "pid (comm) S ...": the state follows the last ')'.
+            size_t paren = line.rfind(')');
+            if (paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'T') {
+                all = false;
+                break;
+            }
+        }
+        if (all && !ec) return true;
+        usleep(1000);
+    }
+    return false;
 }
 
 void ChildProcess::Kill() {

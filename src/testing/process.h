@@ -27,6 +27,10 @@ class ChildProcess {
 
     pid_t pid() const { return pid_; }
     void Signal(int sig) const;
+    // SIGSTOP, then waits until every thread of the process has stopped (kill() returns before
+    // the group stop has reached the other threads, which may still run for a while on a loaded
+    // machine). False if that did not happen within `timeout`.
+    bool Stop(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
     // Kills with SIGKILL and reaps.
     void Kill();
 

@@ -32,10 +32,15 @@ int64_t FirstMismatch(const void* p, size_t len, uint64_t seed) {
     return -1;
 }
 
+std::string BackendName(const std::string& variant) {
+    return variant == "shm_copy" ? "shm" : variant;
+}
+
 AgentConfig TestConfig(const std::string& name, const std::string& backend) {
     AgentConfig c;
     c.name = name;
-    c.backends = {backend};
+    c.backends = {BackendName(backend)};
+    c.shm_map_peer_regions = backend != "shm_copy";
     c.default_timeout = std::chrono::seconds(20);
     return c;
 }

@@ -55,7 +55,10 @@ void FillPattern(void* p, size_t len, uint64_t seed);
 // Index of the first byte that differs from the pattern, or -1.
 int64_t FirstMismatch(const void* p, size_t len, uint64_t seed);
 
-AgentConfig TestConfig(const std::string& name, const std::string& backend);
+// Backend variants of the conformance suites: "tcp", "shm" (one-sided copies through mapped
+// peer regions where possible), "shm_copy" (shm with the peer copying every transfer).
+std::string BackendName(const std::string& variant);
+AgentConfig TestConfig(const std::string& name, const std::string& variant);
 
 // Two agents that know each other.
 struct AgentPair {

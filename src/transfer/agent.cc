@@ -77,6 +77,7 @@ Status Agent::RemovePeer(std::string_view name) { return core_->RemovePeer(name)
 Result<std::string> Agent::PeerBackend(std::string_view name) const {
     return core_->PeerBackend(name);
 }
+AgentStats Agent::Stats() const { return core_->Stats(); }
 
 Result<Transfer> Agent::PostRead(std::span<const Descriptor> local, std::string_view peer,
                                  std::span<const Descriptor> remote, TransferOptions options) {

@@ -25,6 +25,9 @@ namespace {
 constexpr auto kTickPeriod = std::chrono::milliseconds(10);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
 constexpr auto kDeregisterGrace = std::chrono::seconds(2);
+// How long the first one-sided transfer to a region waits for the peer to grant its mapping
+// before the peer copies it instead.
+constexpr auto kMapWait = std::chrono::seconds(1);
 constexpr uint64_t kMinChunk = 64 * 1024;
 constexpr uint64_t kMaxChunk = 4u << 20;
 constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
@@ -265,7 +268,8 @@ Status AgentCore::Deregister(RegionId id) {
         }
     });
     if (s.ok() && share_id != 0) {
-        BroadcastUnshare(share_id);  // peers drop their mappings of it
+        RevokeGrants(share_id, id);  // initiators copying one-sided stop before we return
+        BroadcastUnshare(share_id);  // targets drop their mappings of it
     }
     return s;
 }
@@ -368,6 +372,10 @@ Status AgentCore::RemovePeer(std::string_view name) {
     }
     ClosePeerStreams(*peer, UnavailableError("peer " + std::string(name) + " was removed"));
     return Status::Ok();
+}
+
+AgentStats AgentCore::Stats() const {
+    return AgentStats{transfers_posted_.load(), one_sided_transfers_.load(), bytes_posted_.load()};
 }
 
 Result<std::string> AgentCore::PeerBackend(std::string_view name) const {
@@ -564,10 +572,42 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     std::vector<Chunk> chunks = MakeChunks(segments, chunk_bytes, wire::kMaxSegmentsPerFrame);
 
     wire::DataMode mode = backend->data_mode();
+    transfers_posted_.fetch_add(1, std::memory_order_relaxed);
+    bytes_posted_.fetch_add(total, std::memory_order_relaxed);
 
     auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
-    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total,
-                                           Clock::now() + timeout, std::string(peer_name), mode);
+    const Clock::time_point deadline = Clock::now() + timeout;
+
+    // One-sided shm: every remote byte lies in a region of the peer mapped here. The first
+    // transfer to a region waits (one round trip, at most kMapWait) for the peer's grant.
+    std::vector<TransferOp::LocalCopy> work;
+    std::vector<std::shared_ptr<void>> keep;
+    bool one_sided = false;
+    if (mode == wire::DataMode::kCma && config_.shm_map_peer_regions) {
+        std::vector<RegionId> pending;
+        LocalPlan plan = PlanLocalCopies(peer, chunks, streams[0], &work, &keep, &pending);
+        if (plan == LocalPlan::kPending) {
+            {
+                std::unique_lock<std::mutex> lock(peer->mu);
+                peer->mapped_cv.wait_until(lock, std::min(deadline, Clock::now() + kMapWait), [&] {
+                    return std::none_of(pending.begin(), pending.end(), [&](RegionId r) {
+                        auto it = peer->mapped.find(r);
+                        return it != peer->mapped.end() &&
+                               it->second.state == RemoteMapping::State::kPending;
+                    });
+                });
+            }
+            pending.clear();
+            plan = PlanLocalCopies(peer, chunks, streams[0], &work, &keep, &pending);
+        }
+        one_sided = plan == LocalPlan::kReady;
+    }
+    if (one_sided) {
+        mode = wire::DataMode::kInline;  // nothing of ours is exposed to the peer
+    }
+
+    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total, deadline,
+                                           std::string(peer_name), mode);
     std::function<void()> on_success;
     if (options.notification) {
         std::shared_ptr<Connection> control = streams[0];
@@ -582,6 +622,20 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     {
         std::lock_guard<std::mutex> lock(ops_mu_);
         ops_[op->id()] = op;
+    }
+    if (one_sided) {
+        one_sided_transfers_.fetch_add(1, std::memory_order_relaxed);
+        size_t runners = std::min(work.size(), loops_.size());
+        uint64_t epoch = 0;
+        {
+            std::lock_guard<std::mutex> lock(peer->mu);
+            epoch = peer->md.epoch;
+        }
+        op->SetLocalWork(std::move(work), kind == TransferOp::Kind::kWrite, std::move(keep), epoch);
+        for (size_t i = 0; i < runners; ++i) {
+            NextLoop()->Post([op] { op->RunLocalWork(); });
+        }
+        return Transfer(op);
     }
     size_t first = static_cast<size_t>(peer->next_stream.fetch_add(1));
     for (size_t i = 0; i < chunks.size(); ++i) {
@@ -816,17 +870,12 @@ void AgentCore::OnRequest(Connection& conn, const wire::FrameHeader& h, std::str
         case wire::FrameType::kPull:
             ServePull(conn, h, body);
             return;
-        case wire::FrameType::kUnshare: {
-            uint64_t share_id = 0;
-            if (body.size() != sizeof(share_id) || conn.cma_pid() == 0) {
-                conn.Close(InvalidArgumentError("malformed unshare frame"));
-                return;
-            }
-            std::memcpy(&share_id, body.data(), sizeof(share_id));
-            std::lock_guard<std::mutex> lock(maps_mu_);
-            maps_.erase({conn.cma_pid(), share_id});
+        case wire::FrameType::kUnshare:
+            HandleUnshare(conn, h, body);
             return;
-        }
+        case wire::FrameType::kMapRegion:
+            ServeMapRegion(conn, h, body);
+            return;
         case wire::FrameType::kWrite:
         case wire::FrameType::kRead:
             ServeData(conn, h, body);
@@ -982,22 +1031,54 @@ void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::str
     conn.SendNow(std::move(f));
 }
 
-void AgentCore::OnClosed(Connection& conn, const Status& /*why*/) {
+void AgentCore::OnClosed(Connection& conn, const Status& why) {
     std::shared_ptr<Connection> self = conn.shared_from_this();
-    pid_t pid = conn.role() == Connection::Role::kServer ? conn.cma_pid() : 0;
+    pid_t pid = conn.peer_pid();
     bool pid_still_connected = false;
     {
         std::lock_guard<std::mutex> lock(conns_mu_);
         conns_.erase(self);
         for (const auto& c : conns_) {
-            pid_still_connected |= pid != 0 && c->cma_pid() == pid && !c->closed();
+            pid_still_connected |= pid != 0 && c->peer_pid() == pid && !c->closed();
+        }
+    }
+    if (pid != 0 && !pid_still_connected && conn.role() == Connection::Role::kClient) {
+        // The last stream to the peer process closed. One-sided transfers have no request on it
+        // to fail with it: the process they copy into may be gone, so they fail as its other
+        // transfers do.
+        std::vector<std::shared_ptr<TransferOp>> orphans;
+        {
+            std::lock_guard<std::mutex> lock(ops_mu_);
+            for (auto& [id, w] : ops_) {
+                auto op = w.lock();
+                if (op && op->peer() == conn.peer_name() &&
+                    op->one_sided_epoch() == conn.peer_epoch() && !op->finished()) {
+                    orphans.push_back(std::move(op));
+                }
+            }
+        }
+        for (auto& op : orphans) {
+            op->Fail(
+                UnavailableError("streams to " + conn.peer_name() + " closed: " + why.message()));
         }
     }
     if (pid != 0 && !pid_still_connected) {
-        // The initiator process is gone (or idle): release what we mapped of it.
-        std::lock_guard<std::mutex> lock(maps_mu_);
-        for (auto it = maps_.lower_bound({pid, 0}); it != maps_.end() && it->first.first == pid;) {
-            it = maps_.erase(it);
+        // The peer process is gone (or idle): release what we mapped of it, so that a dead
+        // peer's memory is not kept alive here.
+        {
+            std::lock_guard<std::mutex> lock(maps_mu_);
+            for (auto it = maps_.lower_bound({pid, 0});
+                 it != maps_.end() && it->first.first == pid;) {
+                it = maps_.erase(it);
+            }
+        }
+        if (conn.role() == Connection::Role::kClient) {
+            if (std::shared_ptr<Peer> peer = FindPeer(conn.peer_name())) {
+                std::lock_guard<std::mutex> lock(peer->mu);
+                if (peer->md.epoch == conn.peer_epoch()) {
+                    peer->mapped.clear();
+                }
+            }
         }
     }
 }
@@ -1111,6 +1192,255 @@ void AgentCore::BroadcastUnshare(uint64_t share_id) {
         OutFrame f;
         f.head = wire::MakeFrame(wire::FrameType::kUnshare, 0, body);
         c->Send(std::move(f));
+    }
+}
+
+// --- One-sided shm ----------------------------------------------------------------------------
+
+AgentCore::LocalPlan AgentCore::PlanLocalCopies(const std::shared_ptr<Peer>& peer,
+                                                const std::vector<Chunk>& chunks,
+                                                const std::shared_ptr<Connection>& control,
+                                                std::vector<TransferOp::LocalCopy>* work,
+                                                std::vector<std::shared_ptr<void>>* keep,
+                                                std::vector<RegionId>* pending) {
+    std::vector<std::pair<RegionId, uint64_t>> request;
+    bool ok = true;
+    {
+        std::lock_guard<std::mutex> lock(peer->mu);
+        work->reserve(chunks.size());
+        const RemoteMapping* last = nullptr;
+        RegionId last_id = 0;
+        for (const Chunk& c : chunks) {
+            TransferOp::LocalCopy copy;
+            copy.local = c.local;
+            copy.remote.reserve(c.remote.size());
+            for (const wire::Segment& seg : c.remote) {
+                if (last == nullptr || last_id != seg.region) {
+                    auto it = peer->mapped.find(seg.region);
+                    if (it == peer->mapped.end()) {
+                        peer->mapped[seg.region] =
+                            RemoteMapping{RemoteMapping::State::kPending, seg.key, 0, nullptr};
+                        request.emplace_back(seg.region, seg.key);
+                        pending->push_back(seg.region);
+                        ok = false;
+                        break;
+                    }
+                    last = &it->second;
+                    last_id = seg.region;
+                    if (last->state == RemoteMapping::State::kPending) {
+                        pending->push_back(seg.region);
+                    }
+                    if (last->state != RemoteMapping::State::kGranted) {
+                        ok = false;
+                        break;
+                    }
+                    keep->push_back(last->map);
+                }
+                // The key the peer checked, and the bounds of what it granted: never our copy of
+                // its metadata (which a stale or forged blob could have changed). Anything else
+                // goes to the peer, which refuses it with the right code.
+                if (seg.key != last->key || seg.offset > last->map->length ||
+                    seg.length > last->map->length - seg.offset) {
+                    ok = false;
+                    break;
+                }
+                copy.remote.push_back(iovec{last->map->base + seg.offset, seg.length});
+            }
+            if (!ok) {
+                break;
+            }
+            work->push_back(std::move(copy));
+        }
+    }
+    for (const auto& [region, key] : request) {
+        RequestMapping(peer, control, region, key);
+    }
+    if (!ok) {
+        work->clear();
+        keep->clear();
+        return pending->empty() ? LocalPlan::kRefused : LocalPlan::kPending;
+    }
+    return LocalPlan::kReady;
+}
+
+void AgentCore::RequestMapping(const std::shared_ptr<Peer>& peer,
+                               const std::shared_ptr<Connection>& control, RegionId region,
+                               uint64_t key) {
+    OutFrame f;
+    f.request_id = NextRequestId();
+    f.head = wire::MakeFrame(wire::FrameType::kMapRegion, f.request_id,
+                             wire::EncodeMapRequest({region, key}));
+    f.expects_response = true;
+    std::weak_ptr<Peer> weak_peer = peer;
+    std::weak_ptr<Connection> weak_conn = control;
+    f.expect.callback = [this, weak_peer, weak_conn, region](const Status& s,
+                                                             std::string_view body) {
+        std::shared_ptr<Peer> p = weak_peer.lock();
+        if (!p) {
+            return;
+        }
+        std::shared_ptr<Mapping> map;
+        uint64_t share_id = 0;
+        Status why = s;
+        if (s.ok()) {
+            Result<wire::SharedRegion> grant = wire::DecodeRegionGrant(body);
+            std::shared_ptr<Connection> c = weak_conn.lock();
+            if (!grant.ok()) {
+                why = grant.status();
+            } else if (!c || c->peer_pid() == 0) {
+                why = UnavailableError("stream closed");
+            } else {
+                share_id = grant->share_id;
+                map = MapPeerRegion(c->peer_pid(), *grant);
+                if (!map) {
+                    why = FailedPreconditionError("cannot map the granted memfd");
+                }
+            }
+        }
+        std::lock_guard<std::mutex> lock(p->mu);
+        p->mapped_cv.notify_all();
+        auto it = p->mapped.find(region);
+        if (it == p->mapped.end() || it->second.state != RemoteMapping::State::kPending) {
+            return;
+        }
+        if (map) {
+            it->second.state = RemoteMapping::State::kGranted;
+            it->second.share_id = share_id;
+            it->second.map = std::move(map);
+        } else if (why.code() == Code::kUnavailable || why.code() == Code::kCancelled) {
+            p->mapped.erase(it);  // the stream went away: ask again next time
+        } else {
+            // Not mappable (registered user memory, a wrong key, ...): the peer copies.
+            FERRY_LOG(kDebug, "peer {} region {}: copied by the peer ({})", p->md.name, region,
+                      why.ToString());
+            it->second.state = RemoteMapping::State::kRefused;
+        }
+    };
+    control->Send(std::move(f));
+}
+
+void AgentCore::ServeMapRegion(Connection& conn, const wire::FrameHeader& h,
+                               std::string_view body) {
+    Result<wire::MapRequest> req = wire::DecodeMapRequest(body);
+    if (!req.ok()) {
+        conn.Close(InvalidArgumentError("malformed map-region request from " + conn.peer_name() +
+                                        ": " + req.status().message()));
+        return;
+    }
+    if (conn.cma_pid() == 0) {
+        Respond(conn, h.request_id,
+                FailedPreconditionError("map-region needs a verified shm stream"));
+        return;
+    }
+    Result<RegionPin> pin = regions_.PinRemote(req->region, req->key, 0, 0);
+    if (!pin.ok()) {
+        Respond(conn, h.request_id, pin.status());
+        return;
+    }
+    const RegionEntry& e = *pin->entry();
+    if (e.memfd < 0) {
+        Respond(conn, h.request_id,
+                FailedPreconditionError("region " + std::to_string(e.id) +
+                                        " is registered memory, not shareable: the target copies"));
+        return;
+    }
+    {
+        // Recorded while pinned: a Deregister waits for the pin, then revokes this grant too.
+        std::lock_guard<std::mutex> lock(maps_mu_);
+        auto& conns = grants_[e.share_id];
+        std::erase_if(conns, [](const std::weak_ptr<Connection>& w) { return w.expired(); });
+        conns.push_back(conn.shared_from_this());
+    }
+    OutFrame f;
+    f.head = wire::MakeFrame(wire::FrameType::kRegionGrant, h.request_id,
+                             wire::EncodeRegionGrant(wire::SharedRegion{
+                                 e.share_id, static_cast<uint32_t>(e.memfd), e.inode,
+                                 reinterpret_cast<uint64_t>(e.base), e.length}));
+    conn.SendNow(std::move(f));
+}
+
+void AgentCore::HandleUnshare(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
+    uint64_t share_id = 0;
+    if (body.size() != sizeof(share_id) || conn.peer_pid() == 0) {
+        conn.Close(InvalidArgumentError("malformed unshare frame"));
+        return;
+    }
+    std::memcpy(&share_id, body.data(), sizeof(share_id));
+    {
+        std::lock_guard<std::mutex> lock(maps_mu_);
+        maps_.erase({conn.peer_pid(), share_id});
+    }
+    if (conn.role() == Connection::Role::kClient) {
+        // A target deregistered a region we may copy into ourselves: forget the mapping and the
+        // region, so that later transfers to it fail here with NotFound.
+        if (std::shared_ptr<Peer> peer = FindPeer(conn.peer_name())) {
+            std::lock_guard<std::mutex> lock(peer->mu);
+            if (peer->md.epoch == conn.peer_epoch()) {
+                for (auto it = peer->mapped.begin(); it != peer->mapped.end();) {
+                    if (it->second.share_id == share_id) {
+                        RegionId gone = it->first;
+                        std::erase_if(peer->md.regions,
+                                      [gone](const RemoteRegion& r) { return r.id == gone; });
+                        it = peer->mapped.erase(it);
+                    } else {
+                        ++it;
+                    }
+                }
+            }
+        }
+    }
+    if (h.request_id != 0) {
+        Respond(conn, h.request_id, Status::Ok());
+    }
+}
+
+void AgentCore::RevokeGrants(uint64_t share_id, RegionId id) {
+    std::vector<std::shared_ptr<Connection>> conns;
+    {
+        std::lock_guard<std::mutex> lock(maps_mu_);
+        auto it = grants_.find(share_id);
+        if (it == grants_.end()) {
+            return;
+        }
+        for (const auto& w : it->second) {
+            if (auto c = w.lock(); c && !c->closed()) conns.push_back(std::move(c));
+        }
+        grants_.erase(it);
+    }
+    struct Acks {
+        std::mutex mu;
+        std::condition_variable cv;
+        size_t left = 0;
+    };
+    auto acks = std::make_shared<Acks>();
+    acks->left = conns.size();
+    std::string body(sizeof(share_id), '\0');
+    std::memcpy(body.data(), &share_id, sizeof(share_id));
+    std::vector<std::shared_ptr<bool>> answered;
+    for (auto& c : conns) {
+        auto done = std::make_shared<bool>(false);
+        answered.push_back(done);
+        OutFrame f;
+        f.request_id = NextRequestId();
+        f.head = wire::MakeFrame(wire::FrameType::kUnshare, f.request_id, body);
+        f.expects_response = true;
+        f.expect.callback = [acks, done](const Status&, std::string_view) {
+            std::lock_guard<std::mutex> lock(acks->mu);
+            *done = true;  // an answer, or the stream closed: either way the peer stopped
+            --acks->left;
+            acks->cv.notify_all();
+        };
+        c->Send(std::move(f));
+    }
+    std::unique_lock<std::mutex> lock(acks->mu);
+    acks->cv.wait_for(lock, kDeregisterGrace, [&] { return acks->left == 0; });
+    for (size_t i = 0; i < conns.size(); ++i) {
+        if (!*answered[i]) {
+            lock.unlock();
+            conns[i]->CloseAndWait(UnavailableError("peer did not release its mapping of region " +
+                                                    std::to_string(id) + " in time"));
+            lock.lock();
+        }
     }
 }
 

@@ -20,6 +20,7 @@
 #include "transfer/connection.h"
 #include "transfer/io_loop.h"
 #include "transfer/metadata.h"
+#include "transfer/planner.h"
 #include "transfer/region_table.h"
 #include "transfer/transfer_op.h"
 
@@ -45,6 +46,7 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     Result<std::string> Connect(std::string_view host_port, std::chrono::milliseconds timeout);
     Status RemovePeer(std::string_view name);
     Result<std::string> PeerBackend(std::string_view name) const;
+    AgentStats Stats() const;
 
     Result<Transfer> Post(TransferOp::Kind kind, std::span<const Descriptor> local,
                           std::string_view peer, std::span<const Descriptor> remote,
@@ -64,12 +66,29 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     void OnClosed(Connection& conn, const Status& why) override;
 
   private:
+    struct Mapping {
+        uint8_t* base = nullptr;
+        uint64_t length = 0;
+        ~Mapping();
+    };
+
+    // One of the peer's regions as this process maps it (shm, one-sided copies).
+    struct RemoteMapping {
+        enum class State { kPending, kGranted, kRefused };
+        State state = State::kPending;
+        uint64_t key = 0;  // the key the peer checked when it granted the mapping
+        uint64_t share_id = 0;
+        std::shared_ptr<Mapping> map;
+    };
+
     struct Peer {
         AgentMetadata md;
         std::string backend;  // chosen for this peer
         std::mutex mu;
         std::map<std::string, std::vector<std::shared_ptr<Connection>>> streams;
         std::atomic<uint64_t> next_stream{0};
+        std::unordered_map<RegionId, RemoteMapping> mapped;  // under mu
+        std::condition_variable mapped_cv;                   // a mapping left kPending
     };
 
     class Acceptor;
@@ -105,12 +124,24 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
                         const std::vector<wire::SharedRegion>& shares, bool to_peer);
     std::vector<wire::SharedRegion> SharesFor(const std::vector<RegionId>& regions) const;
     void BroadcastUnshare(uint64_t share_id);
+    // Tells every initiator granted a mapping of our region `share_id` to drop it and waits for
+    // their answers (up to the deregistration grace; a peer that stays silent is disconnected).
+    void RevokeGrants(uint64_t share_id, RegionId id);
+    void ServeMapRegion(Connection& conn, const wire::FrameHeader& h, std::string_view body);
+    void HandleUnshare(Connection& conn, const wire::FrameHeader& h, std::string_view body);
 
-    struct Mapping {
-        uint8_t* base = nullptr;
-        uint64_t length = 0;
-        ~Mapping();
-    };
+    // Initiator side of one-sided shm: the copies of `chunks` through our mappings of the
+    // peer's regions. kPending: some region's mapping is being requested (on `control`, now if
+    // it was never asked for) and its region is in `pending`; kRefused: the peer copies.
+    enum class LocalPlan { kReady, kPending, kRefused };
+    LocalPlan PlanLocalCopies(const std::shared_ptr<Peer>& peer, const std::vector<Chunk>& chunks,
+                              const std::shared_ptr<Connection>& control,
+                              std::vector<TransferOp::LocalCopy>* work,
+                              std::vector<std::shared_ptr<void>>* keep,
+                              std::vector<RegionId>* pending);
+    void RequestMapping(const std::shared_ptr<Peer>& peer,
+                        const std::shared_ptr<Connection>& control, RegionId region, uint64_t key);
+
     std::shared_ptr<Mapping> MapPeerRegion(pid_t pid, const wire::SharedRegion& share);
 
     const AgentConfig config_;
@@ -149,9 +180,16 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     mutable std::mutex objects_mu_;
     std::map<std::string, std::vector<Descriptor>, std::less<>> objects_;
 
-    // Initiators' regions mapped here, by (pid, share id).
+    // Peers' regions mapped here, by (pid, share id): initiators' (target side) and targets'
+    // (one-sided initiator side).
     std::mutex maps_mu_;
     std::map<std::pair<pid_t, uint64_t>, std::shared_ptr<Mapping>> maps_;
+    // Our regions' mappings granted to initiators: share id -> the streams that asked.
+    std::map<uint64_t, std::vector<std::weak_ptr<Connection>>> grants_;  // under maps_mu_
+
+    std::atomic<uint64_t> transfers_posted_{0};
+    std::atomic<uint64_t> one_sided_transfers_{0};
+    std::atomic<uint64_t> bytes_posted_{0};
 
     std::atomic<bool> shut_down_{false};
 };

@@ -177,6 +177,15 @@ void Connection::SendHandshakeFrame(wire::FrameType type, std::string_view body)
 }
 
 void Connection::BecomeReady() {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    sockaddr_storage addr{};
+    socklen_t alen = sizeof(addr);
+    if (getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&addr), &alen) == 0 &&
+        addr.ss_family == AF_UNIX &&
+        getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0) {
+        peer_pid_.store(cred.pid, std::memory_order_release);
+    }
     state_ = State::kReady;
     ready_.store(true);
     std::vector<OutFrame> held;
@@ -655,6 +664,7 @@ void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
     switch (h.type) {
         case wire::FrameType::kResponse:
         case wire::FrameType::kMetadata:
+        case wire::FrameType::kRegionGrant:
             HandleResponse(h, body);
             break;
         case wire::FrameType::kWrite:
@@ -663,6 +673,7 @@ void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
         case wire::FrameType::kGetMetadata:
         case wire::FrameType::kNotify:
         case wire::FrameType::kUnshare:
+        case wire::FrameType::kMapRegion:
             owner_->OnRequest(*this, h, body);
             break;
         default:
@@ -806,12 +817,17 @@ void Connection::HandleResponse(const wire::FrameHeader& h, std::string_view bod
             e.callback(UnavailableError("protocol error"), {});
             return;
         }
-        if (h.type == wire::FrameType::kMetadata) {
+        if (h.type == wire::FrameType::kMetadata || h.type == wire::FrameType::kRegionGrant) {
             e.callback(Status::Ok(), body);
         } else {
             Result<wire::Response> r = wire::DecodeResponse(body);
             e.callback(r.ok() ? Status(r->code, r->message) : r.status(), {});
         }
+        return;
+    }
+    if (h.type != wire::FrameType::kResponse) {
+        e.Fail(UnavailableError("protocol error"));
+        ProtocolError(std::string(wire::FrameTypeName(h.type)) + " frame answering a transfer");
         return;
     }
     Result<wire::Response> r = wire::DecodeResponse(body);

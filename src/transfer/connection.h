@@ -70,7 +70,8 @@ struct PayloadSink {
 class ConnectionOwner {
   public:
     virtual ~ConnectionOwner() = default;
-    // A request frame (write, read, pull, get-metadata, notify) on a ready connection. May call
+    // A request frame (write, read, pull, get-metadata, notify, unshare, map-region) on a ready
+    // connection. May call
     // conn.SetPayloadSink (required for frames with a payload) and conn.SendNow.
     virtual void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) = 0;
     virtual void OnClosed(Connection& conn, const Status& why) = 0;
@@ -120,6 +121,10 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     const std::string& peer_name() const { return peer_name_; }
     uint64_t peer_epoch() const { return peer_epoch_; }
     pid_t cma_pid() const { return cma_pid_.load(std::memory_order_acquire); }
+    // The process at the other end of a Unix socket (SO_PEERCRED), 0 for tcp; set when ready.
+    // Unlike cma_pid() it proves nothing: opening that process's files still needs the kernel's
+    // ptrace access check.
+    pid_t peer_pid() const { return peer_pid_.load(std::memory_order_acquire); }
     const std::string& label() const { return label_; }
     const std::string& backend() const { return config_.backend; }
     IoLoop* loop() const { return loop_; }
@@ -170,6 +175,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     std::string peer_name_;
     uint64_t peer_epoch_ = 0;
     std::atomic<pid_t> cma_pid_{0};
+    std::atomic<pid_t> peer_pid_{0};
     wire::Purpose purpose_ = wire::Purpose::kData;
 
     // Frames from other threads.

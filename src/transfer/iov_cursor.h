@@ -31,6 +31,9 @@ struct IovCursor {
                 offset = 0;
             }
         }
+        while (index < v.size() && v[index].iov_len == 0) {
+            ++index;  // empty buffers hold no position
+        }
     }
 };
 

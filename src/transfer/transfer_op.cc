@@ -1,6 +1,10 @@
 #include "transfer/transfer_op.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "transfer/connection.h"
+#include "transfer/iov_cursor.h"
 
 namespace ferry::internal {
 
@@ -61,8 +65,7 @@ void TransferOp::ChunkDone(const Status& s, uint64_t value) {
         }
     }
     if (failed_now || success_now) {
-        std::lock_guard<std::mutex> io(io_mu);
-        io_closed = true;
+        CloseIo();
     }
     if (success_now) {
         if (on_success) {
@@ -75,11 +78,64 @@ void TransferOp::ChunkDone(const Status& s, uint64_t value) {
     }
 }
 
-void TransferOp::Fail(const Status& s, bool close_streams) {
+void TransferOp::CloseIo() {
+    std::unique_lock<std::mutex> io(io_mu);
+    io_closed = true;
+    io_cv_.wait(io, [&] { return local_active_ == 0; });
+}
+
+std::optional<uint64_t> TransferOp::one_sided_epoch() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return one_sided_epoch_;
+}
+
+void TransferOp::SetLocalWork(std::vector<LocalCopy> work, bool to_remote,
+                              std::vector<std::shared_ptr<void>> keep, uint64_t peer_epoch) {
     {
-        std::lock_guard<std::mutex> io(io_mu);
-        io_closed = true;
+        std::lock_guard<std::mutex> lock(mu_);
+        one_sided_epoch_ = peer_epoch;
     }
+    std::lock_guard<std::mutex> io(io_mu);
+    work_ = std::move(work);
+    work_to_remote_ = to_remote;
+    keep_ = std::move(keep);
+}
+
+void TransferOp::RunLocalWork() {
+    for (;;) {
+        size_t i = 0;
+        {
+            std::lock_guard<std::mutex> io(io_mu);
+            if (io_closed || next_work_ >= work_.size()) {
+                return;
+            }
+            i = next_work_++;
+            ++local_active_;
+        }
+        const LocalCopy& w = work_[i];
+        IovCursor l, r;
+        while (!l.AtEnd(w.local) && !r.AtEnd(w.remote)) {
+            size_t n = std::min(l.Contiguous(w.local), r.Contiguous(w.remote));
+            if (work_to_remote_) {
+                std::memcpy(r.Pointer(w.remote), l.Pointer(w.local), n);
+            } else {
+                std::memcpy(l.Pointer(w.local), r.Pointer(w.remote), n);
+            }
+            l.Advance(w.local, n);
+            r.Advance(w.remote, n);
+        }
+        {
+            std::lock_guard<std::mutex> io(io_mu);
+            if (--local_active_ == 0) {
+                io_cv_.notify_all();
+            }
+        }
+        ChunkDone(Status::Ok());
+    }
+}
+
+void TransferOp::Fail(const Status& s, bool close_streams) {
+    CloseIo();
     std::vector<std::shared_ptr<Connection>> close;
     std::vector<RegionPin> release;
     {
@@ -128,7 +184,8 @@ Result<TransferState> TransferOp::Poll() const {
     return TransferState::kDone;
 }
 
-Status TransferOp::Wait(Clock::time_point deadline) const {
+Status TransferOp::Wait(Clock::time_point deadline) {
+    RunLocalWork();  // one-sided chunks nobody has started yet: copy them here
     // Most transfers finish within microseconds of being waited on: spin briefly before paying
     // for a sleep and a wake-up.
     auto spin_until = std::min(deadline, Clock::now() + std::chrono::microseconds(30));

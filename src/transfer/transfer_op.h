@@ -2,6 +2,8 @@
 // connections carrying its chunks.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -55,18 +57,45 @@ class TransferOp {
     // marking every op, so that no op sees another's stream closure first).
     void Fail(const Status& s, bool close_streams = true);
 
+    // One-sided shm: chunks this process copies itself, between its memory and its mapping of
+    // the peer's region. `keep` holds those mappings until the op is destroyed. Set after Arm,
+    // before the first RunLocalWork.
+    struct LocalCopy {
+        std::vector<iovec> local;
+        std::vector<iovec> remote;
+    };
+    void SetLocalWork(std::vector<LocalCopy> work, bool to_remote,
+                      std::vector<std::shared_ptr<void>> keep, uint64_t peer_epoch);
+    // Set for one-sided ops: the peer process they copy into. Its streams closing fails them.
+    std::optional<uint64_t> one_sided_epoch() const;
+    // Copies chunks until none is left or the op has ended (any thread: the I/O loops run it, and
+    // Wait does, so a waiting caller never waits for a wake-up).
+    void RunLocalWork();
+
     Result<TransferState> Poll() const;
-    Status Wait(Clock::time_point deadline) const;
+    Status Wait(Clock::time_point deadline);
     bool finished() const;
     bool UsesLocalRegion(RegionId id) const;
     std::optional<uint64_t> pull_size() const;
 
     // Guards every access to the op's local memory by a backend: take io_mu, check io_closed.
+    // Local copies run outside it, counted in local_active_: closing waits for them to end.
     std::mutex io_mu;
     bool io_closed = false;
 
   private:
     void FinishLocked(const Status& s);  // under mu_: final status, visible at once
+    // Sets io_closed and waits until no local copy runs.
+    void CloseIo();
+
+    // One-sided local work (SetLocalWork), claimed chunk by chunk under io_mu.
+    std::vector<LocalCopy> work_;
+    bool work_to_remote_ = false;
+    std::vector<std::shared_ptr<void>> keep_;
+    std::optional<uint64_t> one_sided_epoch_;  // under mu_
+    size_t next_work_ = 0;                     // under io_mu
+    uint32_t local_active_ = 0;                // under io_mu
+    std::condition_variable io_cv_;
 
     const uint64_t id_;
     const Kind kind_;

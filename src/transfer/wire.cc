@@ -7,7 +7,7 @@
 namespace ferry::wire {
 namespace {
 
-constexpr uint8_t kMaxFrameType = static_cast<uint8_t>(FrameType::kUnshare);
+constexpr uint8_t kMaxFrameType = static_cast<uint8_t>(FrameType::kRegionGrant);
 constexpr uint32_t kMaxIovecs = kMaxSegmentsPerFrame;
 
 void PutIovecs(ByteWriter& w, const std::vector<iovec>& iov) {
@@ -118,6 +118,10 @@ std::string_view FrameTypeName(FrameType t) {
             return "error";
         case FrameType::kUnshare:
             return "unshare";
+        case FrameType::kMapRegion:
+            return "map-region";
+        case FrameType::kRegionGrant:
+            return "region-grant";
     }
     return "unknown";
 }
@@ -357,6 +361,42 @@ std::string EncodeResponse(const Response& r) {
     w.Str(r.message.size() > kMaxMessageLen ? r.message.substr(0, kMaxMessageLen) : r.message);
     w.U64(r.value);
     return w.Take();
+}
+
+std::string EncodeMapRequest(const MapRequest& m) {
+    ByteWriter w;
+    w.U64(m.region);
+    w.U64(m.key);
+    return w.Take();
+}
+
+Result<MapRequest> DecodeMapRequest(std::string_view body) {
+    ByteReader r(body, "map-region request");
+    MapRequest m;
+    if (!r.U64(&m.region) || !r.U64(&m.key)) {
+        return r.error();
+    }
+    FERRY_RETURN_IF_ERROR(r.Finish());
+    return m;
+}
+
+std::string EncodeRegionGrant(const SharedRegion& g) {
+    ByteWriter w;
+    PutShares(w, {g});
+    return w.Take();
+}
+
+Result<SharedRegion> DecodeRegionGrant(std::string_view body) {
+    ByteReader r(body, "region grant");
+    std::vector<SharedRegion> shares;
+    if (!GetShares(r, &shares)) {
+        return r.error();
+    }
+    FERRY_RETURN_IF_ERROR(r.Finish());
+    if (shares.size() != 1 || shares[0].length == 0) {
+        return InvalidArgumentError("region grant: expected one region of nonzero length");
+    }
+    return shares[0];
 }
 
 Result<Response> DecodeResponse(std::string_view body) {

@@ -28,19 +28,21 @@ inline constexpr uint32_t kMaxNotificationLen = 1u << 20;  // 1 MiB
 inline constexpr uint32_t kMaxMetadataLen = 16u << 20;
 
 enum class FrameType : uint8_t {
-    kHello = 1,        // client -> server: who I am, my nonce
-    kHelloAck = 2,     // server -> client: who I am, my nonce, my proof
-    kAuth = 3,         // client -> server: my proof
-    kReady = 4,        // server -> client: handshake done
-    kGetMetadata = 5,  // client -> server: send me your metadata
-    kMetadata = 6,     // server -> client: metadata blob
-    kWrite = 7,        // initiator -> target: segments (+ payload, or initiator iovecs for cma)
-    kRead = 8,         // initiator -> target: segments (+ initiator iovecs for cma)
-    kResponse = 9,     // target -> initiator: status (+ payload for an inline read or pull)
-    kNotify = 10,      // either direction: a notification
-    kPull = 11,        // initiator -> target: named object by key
-    kError = 12,       // either direction, then close: why
-    kUnshare = 13,     // initiator -> target (shm): drop your mapping of my region `share_id`
+    kHello = 1,         // client -> server: who I am, my nonce
+    kHelloAck = 2,      // server -> client: who I am, my nonce, my proof
+    kAuth = 3,          // client -> server: my proof
+    kReady = 4,         // server -> client: handshake done
+    kGetMetadata = 5,   // client -> server: send me your metadata
+    kMetadata = 6,      // server -> client: metadata blob
+    kWrite = 7,         // initiator -> target: segments (+ payload, or initiator iovecs for cma)
+    kRead = 8,          // initiator -> target: segments (+ initiator iovecs for cma)
+    kResponse = 9,      // target -> initiator: status (+ payload for an inline read or pull)
+    kNotify = 10,       // either direction: a notification
+    kPull = 11,         // initiator -> target: named object by key
+    kError = 12,        // either direction, then close: why
+    kUnshare = 13,      // either direction (shm): my region `share_id` is gone, unmap it
+    kMapRegion = 14,    // initiator -> target (shm): may I map your region {id, key}?
+    kRegionGrant = 15,  // target -> initiator: yes, here is its memfd (a SharedRegion)
 };
 std::string_view FrameTypeName(FrameType t);
 
@@ -134,6 +136,17 @@ struct PullRequest {
 };
 std::string EncodePullRequest(const PullRequest& r);
 Result<PullRequest> DecodePullRequest(std::string_view body);
+
+// kMapRegion: the initiator asks to map a target region and copy in and out of it itself.
+struct MapRequest {
+    uint64_t region = 0;
+    uint64_t key = 0;
+};
+std::string EncodeMapRequest(const MapRequest& r);
+Result<MapRequest> DecodeMapRequest(std::string_view body);
+// kRegionGrant body: the target's region as a SharedRegion (base is the target's address).
+std::string EncodeRegionGrant(const SharedRegion& r);
+Result<SharedRegion> DecodeRegionGrant(std::string_view body);
 
 struct Response {
     Code code = Code::kOk;

@@ -33,7 +33,7 @@ class TransferConformance : public ::testing::TestWithParam<std::string> {
         b_ = pair_.b.get();
         ASSERT_EQ(ValueOrDie(a_->AddPeer(b_->Metadata())), "agent-b");
         ASSERT_EQ(ValueOrDie(b_->AddPeer(a_->Metadata())), "agent-a");
-        ASSERT_EQ(ValueOrDie(a_->PeerBackend("agent-b")), GetParam());
+        ASSERT_EQ(ValueOrDie(a_->PeerBackend("agent-b")), testing::BackendName(GetParam()));
     }
 
     // Re-sends b's metadata to a (after b registered more regions).
@@ -181,6 +181,10 @@ TEST_P(TransferConformance, TargetRefusesWrongKeyBoundsAndUnknownRegionAndKeepsS
     RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
     RegionInfo rb = ValueOrDie(b_->AllocateRegion(4096));
     std::string honest = b_->Metadata();
+    // An honest transfer first: on shm the region is then mapped here, and the checks below must
+    // hold on that one-sided path too (against what the target granted, not what a blob says).
+    ASSERT_TRUE(a_->AddPeer(honest).ok());
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 64}}, {{rb.id, 0, 64}}));
 
     // Wrong key: the initiator believes a lie; the target says no.
     ASSERT_TRUE(a_->AddPeer(TamperRegion(honest, rb.id, 4096, rb.key ^ 1)).ok());
@@ -201,6 +205,53 @@ TEST_P(TransferConformance, TargetRefusesWrongKeyBoundsAndUnknownRegionAndKeepsS
     FillPattern(la.base, 4096, 3);
     FERRY_ASSERT_OK(Run(false, {{la.id, 0, 4096}}, {{rb.id, 0, 4096}}));
     EXPECT_EQ(FirstMismatch(rb.base, 4096, 3), -1);
+}
+
+TEST_P(TransferConformance, TransfersToARegionTheTargetDeregisteredFailWithNotFound) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(1 << 20));
+    RefreshB();
+    FillPattern(la.base, 1 << 20, 9);
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 1 << 20}}, {{rb.id, 0, 1 << 20}}));
+    EXPECT_EQ(FirstMismatch(rb.base, 1 << 20, 9), -1);
+    FERRY_ASSERT_OK(b_->Deregister(rb.id));
+    // At once: once Deregister has returned, no initiator reaches the region any more.
+    EXPECT_THAT(Run(false, {{la.id, 0, 4096}}, {{rb.id, 0, 4096}}), StatusIs(Code::kNotFound));
+    EXPECT_THAT(Run(true, {{la.id, 0, 4096}}, {{rb.id, 0, 4096}}), StatusIs(Code::kNotFound));
+    // Other regions still work.
+    RegionInfo rc = ValueOrDie(b_->AllocateRegion(4096));
+    RefreshB();
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 4096}}, {{rc.id, 0, 4096}}));
+    EXPECT_EQ(FirstMismatch(rc.base, 4096, 9), -1);
+}
+
+TEST_P(TransferConformance, OneSidedCopiesOnlyWhereTheVariantAllows) {
+    // shm maps the target's allocated regions and copies here; registered memory, shm_copy and
+    // tcp are copied by the target. The bytes are right either way.
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(2 << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(1 << 20));
+    std::vector<uint8_t> user(1 << 20);
+    RegionInfo ru = ValueOrDie(b_->RegisterMemory(user.data(), user.size()));
+    RefreshB();
+    FillPattern(la.base, 1 << 20, 4);
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 1 << 20}}, {{rb.id, 0, 1 << 20}}));
+    EXPECT_EQ(FirstMismatch(rb.base, 1 << 20, 4), -1);
+    uint64_t expected = GetParam() == "shm" ? 1 : 0;
+    EXPECT_EQ(a_->Stats().one_sided_transfers, expected);
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, 1 << 20}}, {{ru.id, 0, 1 << 20}}));
+    EXPECT_EQ(FirstMismatch(user.data(), 1 << 20, 4), -1);
+    EXPECT_EQ(a_->Stats().one_sided_transfers, expected);
+    // A read back through the mapping, scattered over two local pieces.
+    std::memset(la.base, 0, 1 << 20);
+    FERRY_ASSERT_OK(
+        Run(true, {{la.id, 0, 4096}, {la.id, 8192, (1 << 20) - 4096}}, {{rb.id, 0, 1 << 20}}));
+    EXPECT_EQ(FirstMismatch(la.base, 4096, 4), -1);
+    EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(la.base) + 8192,
+                          static_cast<uint8_t*>(rb.base) + 4096, (1 << 20) - 4096),
+              0);
+    EXPECT_EQ(a_->Stats().one_sided_transfers, 2 * expected);
+    EXPECT_EQ(a_->Stats().transfers_posted, 3u);
+    FERRY_ASSERT_OK(b_->Deregister(ru.id));
 }
 
 TEST_P(TransferConformance, TiedNotificationArrivesAfterEveryByte) {
@@ -292,9 +343,10 @@ TEST_P(TransferConformance, PullByKey) {
 }
 
 TEST_P(TransferConformance, StalledPeerHitsTheDeadlineAndCancelWorks) {
-    Blackhole hole(GetParam());
-    ASSERT_TRUE(
-        a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7)).ok());
+    Blackhole hole(testing::BackendName(GetParam()));
+    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", testing::BackendName(GetParam()),
+                                              hole.address(), 1, 1 << 20, 7))
+                    .ok());
     RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
     TransferOptions opts;
     opts.timeout = milliseconds(300);
@@ -315,9 +367,10 @@ TEST_P(TransferConformance, StalledPeerHitsTheDeadlineAndCancelWorks) {
 }
 
 TEST_P(TransferConformance, DeregisteringALocalRegionFailsItsPendingTransfers) {
-    Blackhole hole(GetParam());
-    ASSERT_TRUE(
-        a_->AddPeer(BlackholeMetadata("stalled", GetParam(), hole.address(), 1, 1 << 20, 7)).ok());
+    Blackhole hole(testing::BackendName(GetParam()));
+    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", testing::BackendName(GetParam()),
+                                              hole.address(), 1, 1 << 20, 7))
+                    .ok());
     RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
     auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
                                      std::vector<Descriptor>{{1, 0, 1 << 20}}));
@@ -458,7 +511,7 @@ TEST_P(TransferConformance, ManyConcurrentTransfersFromSeveralThreads) {
     EXPECT_EQ(errors.load(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance, ::testing::Values("shm", "shm_copy", "tcp"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
@@ -549,7 +602,8 @@ TEST_P(LargeBatchConformance, HundredThousandDescriptorsPerSide) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, LargeBatchConformance, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Backends, LargeBatchConformance,
+                         ::testing::Values("shm", "shm_copy", "tcp"),
                          [](const auto& info) { return info.param; });
 
 TEST(BackendSelection, SameHostPrefersShmAndEitherCanBeForced) {

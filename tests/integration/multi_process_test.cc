@@ -130,7 +130,11 @@ TEST_P(MultiProcess, SigkillMidTransferFailsEveryPendingTransferWithin2s) {
     const uint64_t slice = 8u << 20;
     const uint64_t n = 24 * slice;
     Peer p = StartPeer("victim", 1, n);
-    auto me = Me();
+    // The peer copies (on shm, one-sided copies into a dead peer's memory would just complete:
+    // OneSidedShmCopiesWhileThePeerIsStopped covers that path).
+    AgentConfig c = TestConfig("test-driver", GetParam());
+    c.shm_map_peer_regions = false;
+    auto me = ValueOrDie(Agent::Create(c));
     ASSERT_TRUE(me->Connect(p.address).ok());
     RegionInfo mine = ValueOrDie(me->AllocateRegion(n));
     std::vector<Transfer> xs;
@@ -157,14 +161,16 @@ TEST_P(MultiProcess, SigkillMidTransferFailsEveryPendingTransferWithin2s) {
 
 TEST_P(MultiProcess, SigstopHitsTheDeadlineAndTheAgentRecoversAfterSigcont) {
     Peer p = StartPeer("sleeper", 1);
-    auto me = Me();
+    AgentConfig c = TestConfig("test-driver", GetParam());
+    c.shm_map_peer_regions = false;  // the peer copies, so a stopped peer stalls the transfer
+    auto me = ValueOrDie(Agent::Create(c));
     ASSERT_TRUE(me->Connect(p.address).ok());
     RegionInfo mine = ValueOrDie(me->AllocateRegion(1 << 20));
     auto desc = std::vector<Descriptor>{{mine.id, 0, 1 << 20}};
     auto rdesc = std::vector<Descriptor>{{p.region, 0, 1 << 20}};
     // Warm the connections up first.
     FERRY_ASSERT_OK(ValueOrDie(me->PostRead(desc, "sleeper", rdesc)).Wait(seconds(10)));
-    p.process.Signal(SIGSTOP);
+    ASSERT_TRUE(p.process.Stop());
     TransferOptions opts;
     opts.timeout = milliseconds(500);
     auto t0 = Clock::now();
@@ -175,6 +181,45 @@ TEST_P(MultiProcess, SigstopHitsTheDeadlineAndTheAgentRecoversAfterSigcont) {
     auto y = ValueOrDie(me->PostRead(desc, "sleeper", rdesc));
     FERRY_EXPECT_OK(y.Wait(seconds(10)));
     EXPECT_EQ(static_cast<uint8_t*>(mine.base)[12345], PeerByte(12345, 1));
+}
+
+TEST_P(MultiProcess, OneSidedShmCopiesWhileThePeerIsStopped) {
+    if (GetParam() != "shm") {
+        GTEST_SKIP() << "one-sided copies are a shm property";
+    }
+    Peer p = StartPeer("sleeper", 7, 4 << 20);
+    auto me = Me();
+    ASSERT_TRUE(me->Connect(p.address).ok());
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(4 << 20));
+    auto desc = std::vector<Descriptor>{{mine.id, 0, 4 << 20}};
+    auto rdesc = std::vector<Descriptor>{{p.region, 0, 4 << 20}};
+    // The first transfer is copied by the peer and asks for the mapping; once it is granted,
+    // transfers are one-sided.
+    auto end = Clock::now() + seconds(10);
+    while (me->Stats().one_sided_transfers == 0 && Clock::now() < end) {
+        FERRY_ASSERT_OK(ValueOrDie(me->PostRead(desc, "sleeper", rdesc)).Wait(seconds(10)));
+    }
+    ASSERT_GT(me->Stats().one_sided_transfers, 0u);
+    std::memset(mine.base, 0, 4 << 20);
+    ASSERT_TRUE(p.process.Stop());
+    TransferOptions opts;
+    opts.timeout = milliseconds(2000);
+    Status s = ValueOrDie(me->PostRead(desc, "sleeper", rdesc, opts)).Wait(seconds(10));
+    p.process.Signal(SIGCONT);
+    FERRY_ASSERT_OK(s);
+    for (size_t i : {size_t{0}, size_t{12345}, size_t{(4 << 20) - 1}}) {
+        EXPECT_EQ(static_cast<uint8_t*>(mine.base)[i], PeerByte(i, 7)) << i;
+    }
+    // Once the peer is dead and its streams have closed, its mappings are dropped here and
+    // transfers to it fail.
+    p.process.Kill();
+    auto t0 = Clock::now();
+    Status after;
+    do {
+        auto x = me->PostRead(desc, "sleeper", rdesc);
+        after = x.ok() ? x->Wait(seconds(10)) : x.status();
+    } while (after.ok() && Clock::now() - t0 < seconds(2));
+    EXPECT_THAT(after, StatusIs(Code::kUnavailable));
 }
 
 TEST_P(MultiProcess, DeploymentSecretAcrossProcesses) {
