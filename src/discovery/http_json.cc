@@ -1,0 +1,398 @@
+#include "discovery/http_json.h"
+
+#include <httplib.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "core/crypto.h"
+#include "core/fd.h"
+
+namespace ferry::discovery {
+namespace {
+
+constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+std::string Hex(const uint8_t* p, size_t n) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out(2 * n, '0');
+    for (size_t i = 0; i < n; ++i) {
+        out[2 * i] = kHex[p[i] >> 4];
+        out[2 * i + 1] = kHex[p[i] & 15];
+    }
+    return out;
+}
+
+bool Unhex(std::string_view s, uint8_t* out, size_t n) {
+    if (s.size() != 2 * n) return false;
+    auto val = [](char c) -> int {
+        if (c >= '0' && c <= '9') return c - '0';
+        if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+        return -1;
+    };
+    for (size_t i = 0; i < n; ++i) {
+        int hi = val(s[2 * i]), lo = val(s[2 * i + 1]);
+        if (hi < 0 || lo < 0) return false;
+        out[i] = static_cast<uint8_t>(hi << 4 | lo);
+    }
+    return true;
+}
+
+std::string SignedText(std::string_view method, std::string_view path, std::string_view t,
+                       std::string_view n, std::string_view body) {
+    std::string s = "ferry-store-v1\n";
+    s.append(method).append("\n").append(path).append("\n").append(t).append("\n").append(n);
+    s.append("\n").append(body);
+    return s;
+}
+
+int64_t NowMs() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
+
+}  // namespace
+
+std::string Base64Encode(std::string_view in) {
+    std::string out;
+    out.reserve((in.size() + 2) / 3 * 4);
+    size_t i = 0;
+    for (; i + 2 < in.size(); i += 3) {
+        uint32_t v =
+            uint32_t(uint8_t(in[i])) << 16 | uint32_t(uint8_t(in[i + 1])) << 8 | uint8_t(in[i + 2]);
+        out += kB64[v >> 18];
+        out += kB64[(v >> 12) & 63];
+        out += kB64[(v >> 6) & 63];
+        out += kB64[v & 63];
+    }
+    if (i + 1 == in.size()) {
+        uint32_t v = uint32_t(uint8_t(in[i])) << 16;
+        out += kB64[v >> 18];
+        out += kB64[(v >> 12) & 63];
+        out += "==";
+    } else if (i + 2 == in.size()) {
+        uint32_t v = uint32_t(uint8_t(in[i])) << 16 | uint32_t(uint8_t(in[i + 1])) << 8;
+        out += kB64[v >> 18];
+        out += kB64[(v >> 12) & 63];
+        out += kB64[(v >> 6) & 63];
+        out += '=';
+    }
+    return out;
+}
+
+Result<std::string> Base64Decode(std::string_view in) {
+    if (in.size() % 4 != 0) {
+        return InvalidArgumentError("base64: length " + std::to_string(in.size()) +
+                                    " is not a multiple of 4");
+    }
+    auto val = [](char c) -> int {
+        if (c >= 'A' && c <= 'Z') return c - 'A';
+        if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+        if (c >= '0' && c <= '9') return c - '0' + 52;
+        if (c == '+') return 62;
+        if (c == '/') return 63;
+        return -1;
+    };
+    std::string out;
+    out.reserve(in.size() / 4 * 3);
+    for (size_t i = 0; i < in.size(); i += 4) {
+        int v[4];
+        int pad = 0;
+        for (int k = 0; k < 4; ++k) {
+            char c = in[i + k];
+            if (c == '=' && i + 4 == in.size() && k >= 2) {
+                v[k] = 0;
+                ++pad;
+            } else if (pad > 0 || (v[k] = val(c)) < 0) {
+                return InvalidArgumentError("base64: invalid character at " +
+                                            std::to_string(i + k));
+            }
+        }
+        uint32_t x = uint32_t(v[0]) << 18 | uint32_t(v[1]) << 12 | uint32_t(v[2]) << 6 | v[3];
+        out += char(x >> 16);
+        if (pad < 2) out += char((x >> 8) & 255);
+        if (pad < 1) out += char(x & 255);
+    }
+    return out;
+}
+
+std::string SignRequest(std::string_view secret, std::string_view method, std::string_view path,
+                        std::string_view body) {
+    std::string t = std::to_string(NowMs());
+    uint8_t nonce[16];
+    SecureRandom(nonce, sizeof(nonce));
+    std::string n = Hex(nonce, sizeof(nonce));
+    Digest mac = HmacSha256(secret, SignedText(method, path, t, n, body));
+    return "Ferry-HMAC t=" + t + ",n=" + n + ",m=" + Hex(mac.data(), mac.size());
+}
+
+Result<std::string> VerifyRequest(std::string_view secret, std::string_view header,
+                                  std::string_view method, std::string_view path,
+                                  std::string_view body, std::chrono::milliseconds skew) {
+    constexpr std::string_view kScheme = "Ferry-HMAC ";
+    if (header.empty()) {
+        return PermissionDeniedError(
+            "this store requires the deployment secret: no "
+            "Authorization header");
+    }
+    if (header.substr(0, kScheme.size()) != kScheme) {
+        return PermissionDeniedError("Authorization: expected the Ferry-HMAC scheme");
+    }
+    std::string_view rest = header.substr(kScheme.size());
+    std::string_view t, n, m;
+    while (!rest.empty()) {
+        size_t comma = rest.find(',');
+        std::string_view part = rest.substr(0, comma);
+        rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+        if (part.size() < 2 || part[1] != '=') {
+            return PermissionDeniedError("Authorization: malformed Ferry-HMAC parameters");
+        }
+        std::string_view v = part.substr(2);
+        switch (part[0]) {
+            case 't':
+                t = v;
+                break;
+            case 'n':
+                n = v;
+                break;
+            case 'm':
+                m = v;
+                break;
+            default:
+                return PermissionDeniedError("Authorization: unknown Ferry-HMAC parameter");
+        }
+    }
+    Digest got{};
+    if (t.empty() || t.size() > 19 || n.size() != 32 || !Unhex(m, got.data(), got.size()) ||
+        !std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+        return PermissionDeniedError("Authorization: malformed Ferry-HMAC parameters");
+    }
+    uint8_t nonce_bytes[16];
+    if (!Unhex(n, nonce_bytes, sizeof(nonce_bytes))) {
+        return PermissionDeniedError("Authorization: malformed Ferry-HMAC nonce");
+    }
+    Digest want = HmacSha256(secret, SignedText(method, path, t, n, body));
+    if (!DigestEqual(got, want)) {
+        return PermissionDeniedError("Authorization: wrong deployment secret (HMAC mismatch)");
+    }
+    int64_t ts = std::stoll(std::string(t));
+    if (std::abs(NowMs() - ts) > skew.count()) {
+        return PermissionDeniedError("Authorization: timestamp outside the allowed clock skew");
+    }
+    return std::string(n);
+}
+
+Result<Endpoint> ParseHostPort(std::string_view s) {
+    Endpoint ep;
+    std::string_view port;
+    if (!s.empty() && s.front() == '[') {
+        size_t close = s.find(']');
+        if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') {
+            return InvalidArgumentError("'" + std::string(s) + "': expected [ipv6]:port");
+        }
+        ep.host = std::string(s.substr(1, close - 1));
+        port = s.substr(close + 2);
+    } else {
+        size_t colon = s.rfind(':');
+        if (colon == std::string_view::npos || colon == 0) {
+            return InvalidArgumentError("'" + std::string(s) + "': expected host:port");
+        }
+        ep.host = std::string(s.substr(0, colon));
+        port = s.substr(colon + 1);
+    }
+    unsigned v = 0;
+    if (port.empty() || port.size() > 5 ||
+        !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+        (v = static_cast<unsigned>(std::stoul(std::string(port)))) == 0 || v > 65535) {
+        return InvalidArgumentError("'" + std::string(s) + "': port must be 1..65535");
+    }
+    ep.port = static_cast<uint16_t>(v);
+    return ep;
+}
+
+Result<HttpReply> PostJson(const Endpoint& ep, const std::string& path, const Json& body,
+                           const std::string& secret, std::chrono::milliseconds timeout,
+                           std::chrono::milliseconds read_timeout) {
+    const std::string text = body.dump();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto backoff = std::chrono::milliseconds(20);
+    std::string last_error;
+    for (;;) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        httplib::Client client(ep.host, ep.port);
+        auto connect =
+            std::clamp(left, std::chrono::milliseconds(50), std::chrono::milliseconds(2000));
+        client.set_connection_timeout(connect);
+        client.set_read_timeout(read_timeout);
+        client.set_write_timeout(std::max(read_timeout, std::chrono::milliseconds(1000)));
+        client.set_keep_alive(false);
+        httplib::Headers headers;
+        if (!secret.empty()) {
+            headers.emplace("Authorization", SignRequest(secret, "POST", path, text));
+        }
+        httplib::Result r = client.Post(path, headers, text, "application/json");
+        if (r) {
+            if (r->status < 500) {
+                HttpReply reply;
+                reply.status = r->status;
+                if (!r->body.empty()) {
+                    reply.body = Json::parse(r->body, nullptr, /*allow_exceptions=*/false);
+                    if (reply.body.is_discarded()) {
+                        return UnavailableError("store at " + ep.host + ":" +
+                                                std::to_string(ep.port) + path + " answered HTTP " +
+                                                std::to_string(r->status) +
+                                                " with a body that is not JSON");
+                    }
+                }
+                return reply;
+            }
+            last_error = "HTTP " + std::to_string(r->status);
+        } else {
+            last_error = httplib::to_string(r.error());
+        }
+        if (std::chrono::steady_clock::now() + backoff >= deadline) {
+            return UnavailableError("store at " + ep.host + ":" + std::to_string(ep.port) +
+                                    " unreachable for " + path + ": " + last_error);
+        }
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    }
+}
+
+Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std::string& body,
+                         std::chrono::milliseconds connect_timeout,
+                         std::chrono::milliseconds read_timeout,
+                         const std::function<bool(std::string_view)>& on_data) {
+    const std::string where = ep.host + ":" + std::to_string(ep.port) + path;
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (getaddrinfo(ep.host.c_str(), std::to_string(ep.port).c_str(), &hints, &res) != 0 || !res) {
+        return UnavailableError(where + ": cannot resolve " + ep.host);
+    }
+    ScopedFd fd(socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    int rc = fd.valid() ? connect(fd.get(), res->ai_addr, res->ai_addrlen) : -1;
+    freeaddrinfo(res);
+    if (rc != 0 && errno != EINPROGRESS) {
+        return UnavailableError(where + ": connect: " + std::strerror(errno));
+    }
+    auto wait = [&](short events, std::chrono::milliseconds t) {
+        pollfd p{fd.get(), events, 0};
+        int n = poll(&p, 1, static_cast<int>(t.count()));
+        return n > 0 ? p.revents : 0;
+    };
+    if (rc != 0) {
+        if (!(wait(POLLOUT, connect_timeout) & POLLOUT)) {
+            return UnavailableError(where + ": connect timed out");
+        }
+        int err = 0;
+        socklen_t len = sizeof(err);
+        getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) return UnavailableError(where + ": connect: " + std::strerror(err));
+    }
+    std::string req =
+        "POST " + path + " HTTP/1.0\r\nHost: " + ep.host +
+        "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+        "\r\n\r\n" + body;
+    for (size_t sent = 0; sent < req.size();) {
+        ssize_t n = send(fd.get(), req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
+        if (n > 0) {
+            sent += static_cast<size_t>(n);
+        } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+            if (!(wait(POLLOUT, read_timeout) & POLLOUT)) {
+                return UnavailableError(where + ": send timed out");
+            }
+        } else {
+            return UnavailableError(where + ": send: " + std::strerror(errno));
+        }
+    }
+    RawReply reply;
+    std::string head;
+    bool have_head = false;
+    char buf[16384];
+    for (;;) {
+        short ev = wait(POLLIN, read_timeout);
+        if (!(ev & (POLLIN | POLLHUP | POLLERR))) {
+            if (have_head) return reply;  // silence after the headers: the poll's end
+            return UnavailableError(where + ": no answer within " +
+                                    std::to_string(read_timeout.count()) + " ms");
+        }
+        ssize_t n = recv(fd.get(), buf, sizeof(buf), 0);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        if (n < 0) return UnavailableError(where + ": recv: " + std::strerror(errno));
+        if (n == 0) break;
+        std::string_view data(buf, static_cast<size_t>(n));
+        if (!have_head) {
+            head.append(data);
+            if (head.size() > (64u << 10)) return UnavailableError(where + ": oversized headers");
+            size_t end = head.find("\r\n\r\n");
+            if (end == std::string::npos) continue;
+            have_head = true;
+            // "HTTP/1.x NNN reason"
+            if (head.size() < 12 || head.compare(0, 5, "HTTP/") != 0) {
+                return UnavailableError(where + ": not an HTTP reply");
+            }
+            size_t sp = head.find(' ');
+            reply.status = std::atoi(head.c_str() + sp + 1);
+            std::string rest = head.substr(end + 4);
+            head.clear();
+            data = {};
+            if (!rest.empty()) {
+                if (on_data) {
+                    if (!on_data(rest)) return reply;
+                } else {
+                    reply.body.append(rest);
+                }
+            }
+            continue;
+        }
+        if (on_data) {
+            if (!on_data(data)) return reply;
+        } else {
+            reply.body.append(data);
+            if (reply.body.size() > (64u << 20))
+                return UnavailableError(where + ": oversized reply");
+        }
+    }
+    if (!have_head) return UnavailableError(where + ": connection closed before a reply");
+    return reply;
+}
+
+Status ReplyError(const HttpReply& r, std::string_view what) {
+    std::string msg;
+    if (r.body.is_object()) {
+        const Json& e = r.body.contains("error") ? r.body["error"] : r.body;
+        if (e.is_object() && e.contains("message") && e["message"].is_string()) {
+            msg = e["message"].get<std::string>();
+        } else if (e.is_string()) {
+            msg = e.get<std::string>();
+        } else if (r.body.contains("message") && r.body["message"].is_string()) {
+            msg = r.body["message"].get<std::string>();
+        }
+    }
+    std::string text =
+        std::string(what) + ": HTTP " + std::to_string(r.status) + (msg.empty() ? "" : ": " + msg);
+    switch (r.status) {
+        case 400:
+            return InvalidArgumentError(text);
+        case 401:
+        case 403:
+            return PermissionDeniedError(text);
+        case 404:
+            return NotFoundError(text);
+        case 413:
+            return ResourceExhaustedError(text);
+        default:
+            return UnavailableError(text);
+    }
+}
+
+}  // namespace ferry::discovery

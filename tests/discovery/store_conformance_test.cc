@@ -1,0 +1,313 @@
+// One suite for every MetadataStore: the embedded store (in this process) and a private etcd
+// server that the suite starts on a free loopback port and stops afterwards.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "ferry/discovery.h"
+#include "testing/process.h"
+#include "testing/testing.h"
+
+namespace ferry {
+namespace {
+
+using ::ferry::testing::ChildProcess;
+using ::ferry::testing::StatusIs;
+using ::ferry::testing::ValueOrDie;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using Clock = std::chrono::steady_clock;
+
+uint16_t FreePort() {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    socklen_t len = sizeof(a);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+// A private etcd: its own data directory and ports, gone with the object.
+class PrivateEtcd {
+  public:
+    static std::unique_ptr<PrivateEtcd> Start() {
+        auto e = std::unique_ptr<PrivateEtcd>(new PrivateEtcd);
+        if (!e->Launch()) return nullptr;
+        return e;
+    }
+    ~PrivateEtcd() {
+        process_.Kill();
+        std::error_code ec;
+        std::filesystem::remove_all(dir_, ec);
+    }
+    std::string url() const { return "etcd://127.0.0.1:" + std::to_string(client_port_); }
+    // Kills it and starts it again on the same ports and data (an operator's restart).
+    bool Restart() {
+        process_.Kill();
+        return Launch();
+    }
+
+  private:
+    PrivateEtcd() {
+        char tmpl[] = "/tmp/ferry-etcd-XXXXXX";
+        dir_ = mkdtemp(tmpl);
+        client_port_ = FreePort();
+        peer_port_ = FreePort();
+    }
+    bool Launch() {
+        std::string client = "http://127.0.0.1:" + std::to_string(client_port_);
+        std::string peer = "http://127.0.0.1:" + std::to_string(peer_port_);
+        std::string cmd =
+            "echo READY; exec etcd --name ferry-test --data-dir '" + dir_ +
+            "/data' --listen-client-urls " + client + " --advertise-client-urls " + client +
+            " --listen-peer-urls " + peer + " --initial-advertise-peer-urls " + peer +
+            " --initial-cluster ferry-test=" + peer + " > '" + dir_ + "/etcd.log' 2>&1";
+        std::string line;
+        auto p = ChildProcess::Start({"/bin/sh", "-c", cmd}, "READY", &line);
+        if (!p.ok()) return false;
+        process_ = std::move(*p);
+        httplib::Client c("127.0.0.1", client_port_);
+        c.set_connection_timeout(milliseconds(200));
+        auto end = Clock::now() + seconds(20);
+        while (Clock::now() < end) {
+            auto r = c.Get("/health");
+            if (r && r->status == 200) return true;
+            std::this_thread::sleep_for(milliseconds(100));
+        }
+        return false;
+    }
+
+    std::string dir_;
+    uint16_t client_port_ = 0;
+    uint16_t peer_port_ = 0;
+    ChildProcess process_;
+};
+
+bool HaveEtcd() { return std::system("command -v etcd > /dev/null 2>&1") == 0; }
+
+class StoreConformance : public ::testing::TestWithParam<std::string> {
+  protected:
+    static void SetUpTestSuite() {
+        if (HaveEtcd()) etcd_ = PrivateEtcd::Start().release();
+    }
+    static void TearDownTestSuite() {
+        delete etcd_;
+        etcd_ = nullptr;
+    }
+
+    void SetUp() override {
+        if (GetParam() == "etcd") {
+            ASSERT_TRUE(HaveEtcd()) << "etcd is not installed: run scripts/install-deps";
+            ASSERT_NE(etcd_, nullptr) << "the private etcd did not start";
+            url_ = etcd_->url();
+        } else {
+            server_ = ValueOrDie(StoreServer::Start({}));
+            url_ = server_->url();
+        }
+        // Each test its own key space (etcd outlives tests).
+        prefix_ = "t/" +
+                  std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
+                  "/";
+        for (char& c : prefix_)
+            if (c == '/' && &c != &prefix_.back() && &c != &prefix_[1]) c = '_';
+        store_ = ValueOrDie(MetadataStore::Open(url_, {}));
+    }
+
+    std::unique_ptr<StoreServer> server_;
+    std::string url_;
+    std::string prefix_;
+    std::unique_ptr<MetadataStore> store_;
+    static PrivateEtcd* etcd_;
+};
+PrivateEtcd* StoreConformance::etcd_ = nullptr;
+
+TEST_P(StoreConformance, PutGetListDelete) {
+    std::string binary("a\0b\xff\x01", 5);
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "x", binary));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "y", "second"));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "x", binary + "!"));  // overwrite
+    StoreEntry e = ValueOrDie(store_->Get(prefix_ + "x"));
+    EXPECT_EQ(e.key, prefix_ + "x");
+    EXPECT_EQ(e.value, binary + "!");
+    EXPECT_GT(e.revision, 0u);
+    uint64_t rev = 0;
+    auto all = ValueOrDie(store_->List(prefix_, &rev));
+    ASSERT_EQ(all.size(), 2u);
+    EXPECT_EQ(all[0].key, prefix_ + "x");
+    EXPECT_EQ(all[1].value, "second");
+    EXPECT_GE(rev, e.revision);
+    EXPECT_TRUE(ValueOrDie(store_->List(prefix_ + "zzz")).empty());
+    FERRY_ASSERT_OK(store_->Delete(prefix_ + "x"));
+    EXPECT_THAT(store_->Get(prefix_ + "x"), StatusIs(Code::kNotFound));
+    EXPECT_THAT(store_->Delete(prefix_ + "x"), StatusIs(Code::kNotFound));
+    EXPECT_EQ(ValueOrDie(store_->List(prefix_)).size(), 1u);
+}
+
+TEST_P(StoreConformance, LeaseKeepsEntriesAliveAndTheyGoWhenItLapses) {
+    const auto ttl = seconds(2);  // etcd's minimum is about 2 s with default timings
+    LeaseId lease = ValueOrDie(store_->GrantLease(ttl));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "a", "1", lease));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "b", "2", lease));
+    EXPECT_EQ(ValueOrDie(store_->Get(prefix_ + "a")).lease, lease);
+    // Renewed past its TTL, it stays.
+    auto until = Clock::now() + seconds(3);
+    while (Clock::now() < until) {
+        FERRY_ASSERT_OK(store_->KeepAlive(lease));
+        std::this_thread::sleep_for(milliseconds(500));
+    }
+    FERRY_ASSERT_OK(store_->Get(prefix_ + "a").status());
+    EXPECT_GT(ValueOrDie(store_->LeaseTimeLeft(lease)).count(), 0);
+    // Left alone, its entries are gone within TTL + 1 s.
+    auto t0 = Clock::now();
+    while (store_->Get(prefix_ + "a").ok() && Clock::now() - t0 < seconds(10)) {
+        std::this_thread::sleep_for(milliseconds(100));
+    }
+    EXPECT_LT(Clock::now() - t0, ttl + seconds(1) + milliseconds(500));
+    EXPECT_THAT(store_->Get(prefix_ + "b"), StatusIs(Code::kNotFound));
+    EXPECT_THAT(store_->KeepAlive(lease), StatusIs(Code::kNotFound));
+    EXPECT_THAT(store_->Put(prefix_ + "c", "3", lease), StatusIs(Code::kNotFound));
+}
+
+TEST_P(StoreConformance, RevokingALeaseDeletesItsEntries) {
+    LeaseId lease = ValueOrDie(store_->GrantLease(seconds(30)));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "a", "1", lease));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "keep", "2"));
+    FERRY_ASSERT_OK(store_->RevokeLease(lease));
+    EXPECT_THAT(store_->Get(prefix_ + "a"), StatusIs(Code::kNotFound));
+    FERRY_ASSERT_OK(store_->Get(prefix_ + "keep").status());
+    EXPECT_THAT(store_->RevokeLease(lease), StatusIs(Code::kNotFound));
+}
+
+TEST_P(StoreConformance, WatchSeesPutsAndDeletesAfterARevision) {
+    uint64_t rev = 0;
+    ValueOrDie(store_->List(prefix_, &rev));
+    // Nothing yet: the long poll returns empty after its timeout.
+    auto t0 = Clock::now();
+    WatchResult none = ValueOrDie(store_->Watch(prefix_, rev, milliseconds(300)));
+    EXPECT_TRUE(none.events.empty());
+    EXPECT_GE(Clock::now() - t0, milliseconds(250));
+    // A put from another thread wakes it.
+    std::thread writer([&] {
+        std::this_thread::sleep_for(milliseconds(200));
+        auto other = ValueOrDie(MetadataStore::Open(url_, {}));
+        FERRY_EXPECT_OK(other->Put(prefix_ + "k", "v1"));
+        FERRY_EXPECT_OK(other->Put("elsewhere/" + prefix_, "not watched"));
+        FERRY_EXPECT_OK(other->Delete(prefix_ + "k"));
+    });
+    std::vector<StoreEvent> seen;
+    uint64_t after = rev;
+    auto end = Clock::now() + seconds(10);
+    while (seen.size() < 2 && Clock::now() < end) {
+        WatchResult w = ValueOrDie(store_->Watch(prefix_, after, seconds(5)));
+        ASSERT_FALSE(w.compacted);
+        for (auto& e : w.events) seen.push_back(e);
+        after = std::max(after, w.revision);
+    }
+    writer.join();
+    ASSERT_EQ(seen.size(), 2u);
+    EXPECT_EQ(seen[0].type, StoreEvent::Type::kPut);
+    EXPECT_EQ(seen[0].key, prefix_ + "k");
+    EXPECT_EQ(seen[0].value, "v1");
+    EXPECT_EQ(seen[1].type, StoreEvent::Type::kDelete);
+    EXPECT_LT(seen[0].revision, seen[1].revision);
+}
+
+TEST_P(StoreConformance, ASecretIsRequiredAndNeverForged) {
+    if (GetParam() == "embedded") {
+        StoreServerConfig c;
+        c.secret = "s3cret";
+        server_ = ValueOrDie(StoreServer::Start(c));
+        url_ = server_->url();
+        auto none = ValueOrDie(MetadataStore::Open(url_, {}));
+        EXPECT_THAT(none->Put("k", "v"), StatusIs(Code::kPermissionDenied));
+        EXPECT_THAT(none->List(""), StatusIs(Code::kPermissionDenied));
+        auto wrong = ValueOrDie(MetadataStore::Open(url_, {.secret = "guess"}));
+        EXPECT_THAT(wrong->Get("k"), StatusIs(Code::kPermissionDenied));
+        auto right = ValueOrDie(MetadataStore::Open(url_, {.secret = "s3cret"}));
+        FERRY_ASSERT_OK(right->Put("k", "v"));
+        EXPECT_EQ(ValueOrDie(right->Get("k")).value, "v");
+        return;
+    }
+    // etcd: values are sealed; one written without (or with another) secret is refused.
+    auto right = ValueOrDie(MetadataStore::Open(url_, {.secret = "s3cret"}));
+    auto wrong = ValueOrDie(MetadataStore::Open(url_, {.secret = "guess"}));
+    FERRY_ASSERT_OK(right->Put(prefix_ + "good", "v"));
+    FERRY_ASSERT_OK(wrong->Put(prefix_ + "forged", "evil"));
+    FERRY_ASSERT_OK(store_->Put(prefix_ + "plain", "evil"));
+    EXPECT_EQ(ValueOrDie(right->Get(prefix_ + "good")).value, "v");
+    EXPECT_THAT(right->Get(prefix_ + "forged"), StatusIs(Code::kPermissionDenied));
+    EXPECT_THAT(right->Get(prefix_ + "plain"), StatusIs(Code::kPermissionDenied));
+    auto listed = ValueOrDie(right->List(prefix_));
+    ASSERT_EQ(listed.size(), 1u);
+    EXPECT_EQ(listed[0].key, prefix_ + "good");
+}
+
+TEST_P(StoreConformance, UnreachableStoreFailsWithUnavailableWithinTheTimeout) {
+    std::string url = GetParam() == "etcd" ? "etcd://127.0.0.1:" : "http://127.0.0.1:";
+    auto dead = ValueOrDie(
+        MetadataStore::Open(url + std::to_string(FreePort()), {.timeout = milliseconds(500)}));
+    auto t0 = Clock::now();
+    EXPECT_THAT(dead->Put("k", "v"), StatusIs(Code::kUnavailable));
+    EXPECT_LT(Clock::now() - t0, seconds(3));
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, StoreConformance, ::testing::Values("embedded", "etcd"),
+                         [](const auto& info) { return info.param; });
+
+TEST(StoreUrl, BadUrlsAreRefusedWithAMessage) {
+    EXPECT_THAT(MetadataStore::Open("localhost:2379"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(MetadataStore::Open("ftp://a:1"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(MetadataStore::Open("http://a"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(MetadataStore::Open("http://a:99999"), StatusIs(Code::kInvalidArgument));
+    FERRY_EXPECT_OK(MetadataStore::Open("etcd://[::1]:2379").status());
+}
+
+// Raw HTTP against the embedded store: bad input gets a 4xx with a message; it keeps serving.
+TEST(EmbeddedStore, MalformedRequestsGetClearErrorsAndTheStoreStaysUp) {
+    StoreServerConfig cfg;
+    cfg.max_value_bytes = 1024;
+    auto server = ValueOrDie(StoreServer::Start(cfg));
+    httplib::Client c("127.0.0.1", server->port());
+    auto post = [&](const std::string& path, const std::string& body) {
+        auto r = c.Post(path, body, "application/json");
+        EXPECT_TRUE(r) << path;
+        return r ? std::make_pair(r->status, r->body) : std::make_pair(0, std::string());
+    };
+    auto [s1, b1] = post("/v1/kv/put", "{not json");
+    EXPECT_EQ(s1, 400);
+    EXPECT_NE(b1.find("not a JSON object"), std::string::npos) << b1;
+    auto [s2, b2] = post("/v1/kv/put", R"({"key": 5, "value": "dg=="})");
+    EXPECT_EQ(s2, 400);
+    EXPECT_NE(b2.find("'key' must be a string"), std::string::npos) << b2;
+    auto [s3, b3] = post("/v1/kv/put", R"({"key": "k", "value": "!!!!"})");
+    EXPECT_EQ(s3, 400);
+    EXPECT_NE(b3.find("base64"), std::string::npos) << b3;
+    std::string big(2000, 'A');
+    auto [s4, b4] = post("/v1/kv/put", R"({"key": "k", "value": ")" + big + "\"}");
+    EXPECT_EQ(s4, 413) << b4;
+    auto [s5, b5] = post("/v1/nope", "{}");
+    EXPECT_EQ(s5, 404);
+    EXPECT_NE(b5.find("no such endpoint"), std::string::npos) << b5;
+    auto [s6, b6] = post("/v1/lease/grant", R"({"ttl_ms": -1})");
+    EXPECT_EQ(s6, 400) << b6;
+    auto [s7, b7] = post("/v1/kv/put", R"({"key": "k", "value": "dg==", "lease": 12345})");
+    EXPECT_EQ(s7, 404) << b7;
+    auto [s8, b8] = post("/v1/watch", R"({"prefix": "", "after": 0, "timeout_ms": 999999999})");
+    EXPECT_EQ(s8, 400) << b8;
+    auto store = ValueOrDie(MetadataStore::Open(server->url()));
+    FERRY_ASSERT_OK(store->Put("still", "up"));
+    EXPECT_EQ(ValueOrDie(store->Get("still")).value, "up");
+}
+
+}  // namespace
+}  // namespace ferry
