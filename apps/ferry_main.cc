@@ -7,6 +7,7 @@
 
 #include "bench/transfer_bench.h"
 #include "core/log.h"
+#include "discovery_cmd.h"
 
 namespace {
 
@@ -67,6 +68,8 @@ int main(int argc, char** argv) {
             fmt::print("\n");
         }
     });
+
+    ferry::cli::AddDiscoveryCommand(app, &rc);
 
     CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
     bench->require_subcommand(1);

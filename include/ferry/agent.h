@@ -89,6 +89,14 @@ struct AgentConfig {
     // peer copies every transfer after checking it. Either way the peer's registered (not
     // allocated) memory is copied by the peer.
     bool shm_map_peer_regions = true;
+    // Discovery store ("" = none): "http://host:port" (the embedded store, `ferry discovery`) or
+    // "etcd://host:port". The agent registers its metadata there under its name (key
+    // "ferry/agents/<name>") with a lease of `store_ttl`, renews it, registers again if the store
+    // lost it, keeps it current as regions change, and removes it on clean shutdown: a killed
+    // agent's entry is gone within `store_ttl`. Peers that re-register under a new epoch or leave
+    // are noticed through a watch. The deployment secret, when set, authenticates every call.
+    std::string store{};
+    std::chrono::milliseconds store_ttl{5000};
 };
 
 // Counters since the agent started (Agent::Stats).
@@ -206,6 +214,9 @@ class Agent {
     // `timeout`. Unavailable if unreachable, PermissionDenied on a secret mismatch.
     Result<std::string> Connect(std::string_view host_port,
                                 std::chrono::milliseconds timeout = std::chrono::seconds(5));
+    // Looks `name` up in the discovery store (AgentConfig.store) and adds it as a peer. NotFound
+    // if it is not registered, FailedPrecondition without a store.
+    Result<std::string> ConnectByName(std::string_view name);
     // Drops a peer: its connections close, pending transfers to it fail with Unavailable.
     Status RemovePeer(std::string_view name);
     // The backend chosen for the peer ("shm" or "tcp"), NotFound for an unknown peer.

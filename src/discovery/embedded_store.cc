@@ -88,6 +88,12 @@ class StoreServer::Impl {
 
     Status Start() {
         server_.new_task_queue = [] { return new httplib::ThreadPool(32); };
+        // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, which would let a second
+        // store bind the same port and silently take half the requests.
+        server_.set_socket_options([](socket_t sock) {
+            int yes = 1;
+            setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+        });
         server_.set_read_timeout(std::chrono::seconds(5));  // a slow client cannot hold a thread
         server_.set_write_timeout(std::chrono::seconds(5));
         server_.set_keep_alive_max_count(100);

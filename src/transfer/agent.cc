@@ -74,6 +74,9 @@ Result<std::string> Agent::Connect(std::string_view host_port, std::chrono::mill
     return core_->Connect(host_port, timeout);
 }
 Status Agent::RemovePeer(std::string_view name) { return core_->RemovePeer(name); }
+Result<std::string> Agent::ConnectByName(std::string_view name) {
+    return core_->ConnectByName(name);
+}
 Result<std::string> Agent::PeerBackend(std::string_view name) const {
     return core_->PeerBackend(name);
 }

@@ -174,7 +174,184 @@ Status AgentCore::Start() {
     loops_[0]->SetTick(kTickPeriod, [this] { Tick(); });
     FERRY_LOG(kInfo, "agent {} epoch {:016x} listening on {}", config_.name, epoch_,
               side_channel_address_);
+    if (!config_.store.empty()) {
+        FERRY_RETURN_IF_ERROR(Register().WithContext("AgentConfig.store " + config_.store));
+        registry_ = std::thread([this] { RegistryLoop(); });
+    }
     return Status::Ok();
+}
+
+// --- Discovery --------------------------------------------------------------------------------
+
+Status AgentCore::Register() {
+    if (!store_) {
+        StoreOptions options;
+        options.secret = config_.secret;
+        options.timeout = std::chrono::seconds(5);
+        FERRY_ASSIGN_OR_RETURN(store_, MetadataStore::Open(config_.store, options));
+    }
+    FERRY_ASSIGN_OR_RETURN(LeaseId lease, store_->GrantLease(config_.store_ttl));
+    Status s = store_->Put(AgentKey(config_.name), Metadata(), lease);
+    if (!s.ok()) {
+        (void)store_->RevokeLease(lease);
+        return s;
+    }
+    lease_ = lease;
+    FERRY_LOG(kInfo, "agent {} registered at {} (lease {}, ttl {} ms)", config_.name, config_.store,
+              lease, config_.store_ttl.count());
+    return Status::Ok();
+}
+
+void AgentCore::MarkMetadataChanged() {
+    if (config_.store.empty()) return;
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    metadata_changed_ = true;
+    registry_cv_.notify_all();
+}
+
+void AgentCore::RegistryLoop() {
+    const auto renew_every = std::max(config_.store_ttl / 3, std::chrono::milliseconds(100));
+    const auto poll = std::min(renew_every, std::chrono::milliseconds(500));
+    auto next_renew = Clock::now() + renew_every;
+    uint64_t after = 0;
+    bool listed = false;
+    bool warned = false;
+    for (;;) {
+        bool changed = false;
+        {
+            std::unique_lock<std::mutex> lock(registry_mu_);
+            if (registry_stop_) return;
+            changed = std::exchange(metadata_changed_, false);
+        }
+        Status s;
+        if (lease_ == 0) {
+            s = Register();  // the store lost us (or never had us since it came back)
+        } else if (changed) {
+            s = store_->Put(AgentKey(config_.name), Metadata(), lease_);
+            if (s.code() == Code::kNotFound) {
+                lease_ = 0;  // lease gone: register afresh
+                s = Register();
+            }
+        }
+        if (s.ok() && lease_ != 0 && Clock::now() >= next_renew) {
+            s = store_->KeepAlive(lease_);
+            if (s.code() == Code::kNotFound) {
+                FERRY_LOG(kWarn, "agent {}: the store lost lease {}; registering again",
+                          config_.name, lease_);
+                lease_ = 0;
+                s = Register();
+            }
+            next_renew = Clock::now() + renew_every;
+        }
+        if (!s.ok()) {
+            if (!warned) {
+                FERRY_LOG(kWarn, "agent {}: discovery store {}: {} (retrying)", config_.name,
+                          config_.store, s.ToString());
+                warned = true;
+            }
+            std::unique_lock<std::mutex> lock(registry_mu_);
+            registry_cv_.wait_for(lock, poll, [&] { return registry_stop_; });
+            continue;
+        }
+        if (warned) {
+            FERRY_LOG(kInfo, "agent {}: discovery store {} reachable again", config_.name,
+                      config_.store);
+            warned = false;
+        }
+        // Watch the other agents until the next renewal is due.
+        if (!listed) {
+            uint64_t rev = 0;
+            if (store_->List(kAgentPrefix, &rev).ok()) {
+                after = rev;
+                listed = true;
+            }
+            continue;
+        }
+        auto wait = std::clamp(
+            std::chrono::duration_cast<std::chrono::milliseconds>(next_renew - Clock::now()),
+            std::chrono::milliseconds(1), poll);
+        Result<WatchResult> w = store_->Watch(kAgentPrefix, after, wait);
+        if (!w.ok()) {
+            continue;  // logged on the next store call that fails
+        }
+        if (w->compacted || w->revision < after) {
+            listed = false;  // history gone, or a new store: start over from a listing
+            continue;
+        }
+        for (const StoreEvent& e : w->events) {
+            OnStoreEvent(e);
+        }
+        after = std::max(after, w->revision);
+    }
+}
+
+void AgentCore::OnStoreEvent(const StoreEvent& e) {
+    std::string name = e.key.substr(kAgentPrefix.size());
+    if (name == config_.name) {
+        if (e.type == StoreEvent::Type::kDelete && !shut_down_.load()) {
+            MarkMetadataChanged();  // someone removed us: put the entry back
+        } else if (e.type == StoreEvent::Type::kPut) {
+            Result<AgentMetadata> md = DecodeMetadata(e.value);
+            if (md.ok() && md->epoch != epoch_) {
+                FERRY_LOG(kWarn,
+                          "agent {}: another process registered under this name "
+                          "(epoch {:016x}); names must be unique",
+                          config_.name, md->epoch);
+            }
+        }
+        return;
+    }
+    std::shared_ptr<Peer> peer = FindPeer(name);
+    if (!peer) {
+        return;  // only peers this agent uses are followed
+    }
+    if (e.type == StoreEvent::Type::kDelete) {
+        // Its lease lapsed (dead or cut off) or it shut down: fail what is pending on it now
+        // rather than at each transfer's deadline. It stays a peer, in case it comes back.
+        ClosePeerStreams(*peer, UnavailableError("peer " + name + " left discovery"));
+        return;
+    }
+    Result<std::string> added = AddPeer(e.value);  // a new epoch replaces the old process
+    if (!added.ok()) {
+        FERRY_LOG(kWarn, "agent {}: ignoring the discovery entry of {}: {}", config_.name, name,
+                  added.status().ToString());
+    }
+}
+
+Result<std::string> AgentCore::ConnectByName(std::string_view name) {
+    if (!store_) {
+        return FailedPreconditionError("ConnectByName: agent " + config_.name +
+                                       " has no discovery store (AgentConfig.store)");
+    }
+    Result<StoreEntry> e = store_->Get(AgentKey(name));
+    if (!e.ok()) {
+        if (e.status().code() == Code::kNotFound) {
+            return NotFoundError("ConnectByName: no agent '" + std::string(name) +
+                                 "' registered at " + config_.store);
+        }
+        return e.status().WithContext("ConnectByName " + std::string(name));
+    }
+    // The entry says where the agent listens; its side channel says what it holds right now
+    // (the entry follows region changes, but a moment behind).
+    Result<AgentMetadata> md = DecodeMetadata(e->value);
+    if (!md.ok()) {
+        return md.status().WithContext("ConnectByName " + std::string(name) + ": store entry");
+    }
+    Result<std::string> r = InvalidArgumentError("no tcp endpoint");
+    if (const EndpointInfo* side = md->FindEndpoint("tcp")) {
+        r = Connect(side->address, std::chrono::seconds(5));
+    } else {
+        r = AddPeer(e->value);
+    }
+    if (!r.ok()) {
+        return r.status().WithContext("ConnectByName " + std::string(name));
+    }
+    std::string added = *r;
+    if (added != name) {
+        return InvalidArgumentError("ConnectByName: the entry for '" + std::string(name) +
+                                    "' holds the metadata of '" + added + "'");
+    }
+    return added;
 }
 
 AgentCore::~AgentCore() { Shutdown(); }
@@ -182,6 +359,24 @@ AgentCore::~AgentCore() { Shutdown(); }
 void AgentCore::Shutdown() {
     if (shut_down_.exchange(true)) {
         return;
+    }
+    if (registry_.joinable()) {
+        {
+            std::lock_guard<std::mutex> lock(registry_mu_);
+            registry_stop_ = true;
+            registry_cv_.notify_all();
+        }
+        registry_.join();
+    }
+    if (store_ && lease_ != 0) {
+        // Clean shutdown: leave at once instead of at the end of the lease.
+        Status s = store_->Delete(AgentKey(config_.name));
+        Status r = store_->RevokeLease(lease_);
+        if (!s.ok() && s.code() != Code::kNotFound) {
+            FERRY_LOG(kWarn, "agent {}: could not remove its discovery entry: {}", config_.name,
+                      s.ToString());
+        }
+        (void)r;
     }
     std::vector<std::shared_ptr<TransferOp>> ops;
     {
@@ -228,10 +423,16 @@ Backend* AgentCore::FindBackend(std::string_view name) const {
 // --- Memory ---------------------------------------------------------------------------------
 
 Result<RegionInfo> AgentCore::RegisterMemory(void* ptr, size_t length) {
-    return regions_.Register(ptr, length);
+    Result<RegionInfo> r = regions_.Register(ptr, length);
+    if (r.ok()) MarkMetadataChanged();
+    return r;
 }
 
-Result<RegionInfo> AgentCore::AllocateRegion(size_t length) { return regions_.Allocate(length); }
+Result<RegionInfo> AgentCore::AllocateRegion(size_t length) {
+    Result<RegionInfo> r = regions_.Allocate(length);
+    if (r.ok()) MarkMetadataChanged();
+    return r;
+}
 
 Status AgentCore::Deregister(RegionId id) {
     std::shared_ptr<RegionEntry> entry = regions_.Find(id);
@@ -267,6 +468,9 @@ Status AgentCore::Deregister(RegionId id) {
             }
         }
     });
+    if (s.ok()) {
+        MarkMetadataChanged();
+    }
     if (s.ok() && share_id != 0) {
         RevokeGrants(share_id, id);  // initiators copying one-sided stop before we return
         BroadcastUnshare(share_id);  // targets drop their mappings of it

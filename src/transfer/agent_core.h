@@ -12,10 +12,12 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "ferry/agent.h"
+#include "ferry/discovery.h"
 #include "transfer/backend.h"
 #include "transfer/connection.h"
 #include "transfer/io_loop.h"
@@ -45,6 +47,7 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     Result<std::string> AddPeer(std::string_view blob);
     Result<std::string> Connect(std::string_view host_port, std::chrono::milliseconds timeout);
     Status RemovePeer(std::string_view name);
+    Result<std::string> ConnectByName(std::string_view name);
     Result<std::string> PeerBackend(std::string_view name) const;
     AgentStats Stats() const;
 
@@ -108,6 +111,13 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     void TrackConnection(const std::shared_ptr<Connection>& c);
     IoLoop* NextLoop();
     void Tick();
+
+    // Discovery (AgentConfig.store): register with a lease, then keep it alive, keep the entry
+    // current and watch the other agents, on one thread.
+    Status Register();
+    void RegistryLoop();
+    void OnStoreEvent(const StoreEvent& e);
+    void MarkMetadataChanged();
     void ClosePeerStreams(Peer& peer, const Status& why);
     uint64_t NextRequestId() { return next_request_id_.fetch_add(1); }
 
@@ -190,6 +200,14 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     std::atomic<uint64_t> transfers_posted_{0};
     std::atomic<uint64_t> one_sided_transfers_{0};
     std::atomic<uint64_t> bytes_posted_{0};
+
+    std::unique_ptr<MetadataStore> store_;
+    LeaseId lease_ = 0;  // registry thread (and Start, before it runs)
+    std::thread registry_;
+    std::mutex registry_mu_;
+    std::condition_variable registry_cv_;
+    bool registry_stop_ = false;     // under registry_mu_
+    bool metadata_changed_ = false;  // under registry_mu_
 
     std::atomic<bool> shut_down_{false};
 };

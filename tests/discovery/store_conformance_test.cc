@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "discovery/private_etcd.h"
 #include "ferry/discovery.h"
 #include "testing/process.h"
 #include "testing/testing.h"
@@ -18,82 +19,14 @@
 namespace ferry {
 namespace {
 
-using ::ferry::testing::ChildProcess;
+using ::ferry::testing::FreePort;
+using ::ferry::testing::HaveEtcd;
+using ::ferry::testing::PrivateEtcd;
 using ::ferry::testing::StatusIs;
 using ::ferry::testing::ValueOrDie;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 using Clock = std::chrono::steady_clock;
-
-uint16_t FreePort() {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    socklen_t len = sizeof(a);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
-// A private etcd: its own data directory and ports, gone with the object.
-class PrivateEtcd {
-  public:
-    static std::unique_ptr<PrivateEtcd> Start() {
-        auto e = std::unique_ptr<PrivateEtcd>(new PrivateEtcd);
-        if (!e->Launch()) return nullptr;
-        return e;
-    }
-    ~PrivateEtcd() {
-        process_.Kill();
-        std::error_code ec;
-        std::filesystem::remove_all(dir_, ec);
-    }
-    std::string url() const { return "etcd://127.0.0.1:" + std::to_string(client_port_); }
-    // Kills it and starts it again on the same ports and data (an operator's restart).
-    bool Restart() {
-        process_.Kill();
-        return Launch();
-    }
-
-  private:
-    PrivateEtcd() {
-        char tmpl[] = "/tmp/ferry-etcd-XXXXXX";
-        dir_ = mkdtemp(tmpl);
-        client_port_ = FreePort();
-        peer_port_ = FreePort();
-    }
-    bool Launch() {
-        std::string client = "http://127.0.0.1:" + std::to_string(client_port_);
-        std::string peer = "http://127.0.0.1:" + std::to_string(peer_port_);
-        std::string cmd =
-            "echo READY; exec etcd --name ferry-test --data-dir '" + dir_ +
-            "/data' --listen-client-urls " + client + " --advertise-client-urls " + client +
-            " --listen-peer-urls " + peer + " --initial-advertise-peer-urls " + peer +
-            " --initial-cluster ferry-test=" + peer + " > '" + dir_ + "/etcd.log' 2>&1";
-        std::string line;
-        auto p = ChildProcess::Start({"/bin/sh", "-c", cmd}, "READY", &line);
-        if (!p.ok()) return false;
-        process_ = std::move(*p);
-        httplib::Client c("127.0.0.1", client_port_);
-        c.set_connection_timeout(milliseconds(200));
-        auto end = Clock::now() + seconds(20);
-        while (Clock::now() < end) {
-            auto r = c.Get("/health");
-            if (r && r->status == 200) return true;
-            std::this_thread::sleep_for(milliseconds(100));
-        }
-        return false;
-    }
-
-    std::string dir_;
-    uint16_t client_port_ = 0;
-    uint16_t peer_port_ = 0;
-    ChildProcess process_;
-};
-
-bool HaveEtcd() { return std::system("command -v etcd > /dev/null 2>&1") == 0; }
 
 class StoreConformance : public ::testing::TestWithParam<std::string> {
   protected:

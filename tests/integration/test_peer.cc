@@ -32,8 +32,12 @@ int main(int argc, char** argv) {
     app.add_option("--secret", config.secret);
     app.add_option("--region-size", region_size);
     app.add_option("--seed", seed);
+    int64_t store_ttl_ms = 0;
+    app.add_option("--store", config.store);
+    app.add_option("--store-ttl-ms", store_ttl_ms);
     CLI11_PARSE(app, argc, argv);
     config.backends = {backend};
+    if (store_ttl_ms > 0) config.store_ttl = std::chrono::milliseconds(store_ttl_ms);
     auto agent = ferry::Agent::Create(config);
     if (!agent.ok()) {
         std::fprintf(stderr, "test peer: %s\n", agent.status().ToString().c_str());

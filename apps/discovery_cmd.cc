@@ -1,0 +1,124 @@
+#include "discovery_cmd.h"
+
+#include <fmt/core.h>
+#include <signal.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "ferry/discovery.h"
+#include "transfer/metadata.h"
+
+namespace ferry::cli {
+namespace {
+
+// --secret-file, else $FERRY_SECRET: never on the command line, where `ps` shows it.
+std::string LoadSecret(const std::string& file) {
+    if (file.empty()) {
+        const char* env = std::getenv("FERRY_SECRET");
+        return env ? env : "";
+    }
+    std::ifstream in(file);
+    if (!in) throw CLI::ValidationError("--secret-file", "cannot read '" + file + "'");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string s = ss.str();
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    if (s.empty()) throw CLI::ValidationError("--secret-file", "'" + file + "' is empty");
+    return s;
+}
+
+}  // namespace
+
+void AddDiscoveryCommand(CLI::App& app, int* rc) {
+    CLI::App* cmd = app.add_subcommand(
+        "discovery",
+        "Run the embedded discovery store (agents register and find each other there), or "
+        "`ferry discovery ls` to list the agents in a store");
+    static std::string listen = "127.0.0.1:0";
+    static std::string secret_file;
+    cmd->add_option("--listen", listen,
+                    "host:port to serve on (loopback by default; port 0 = any)");
+    cmd->add_option("--secret-file", secret_file,
+                    "file holding the deployment secret (default: $FERRY_SECRET, or none)");
+
+    CLI::App* ls = cmd->add_subcommand("ls", "List the registered agents");
+    static std::string store_url;
+    ls->add_option("--store", store_url, "http://host:port or etcd://host:port")->required();
+    ls->add_option("--secret-file", secret_file, "file holding the deployment secret");
+    ls->callback([rc] {
+        StoreOptions options;
+        options.secret = LoadSecret(secret_file);
+        auto store = MetadataStore::Open(store_url, options);
+        if (!store.ok()) throw CLI::ValidationError("--store", store.status().message());
+        uint64_t revision = 0;
+        auto entries = (*store)->List(kAgentPrefix, &revision);
+        if (!entries.ok()) {
+            fmt::print(stderr, "ferry discovery ls: {}\n", entries.status().ToString());
+            *rc = 1;
+            return;
+        }
+        fmt::print("{:<24} {:<18} {:>8} {:>10}  {}\n", "name", "epoch", "regions", "lease left",
+                   "endpoints");
+        for (const StoreEntry& e : *entries) {
+            std::string name = e.key.substr(kAgentPrefix.size());
+            auto md = DecodeMetadata(e.value);
+            std::string left = "-";
+            if (e.lease != 0) {
+                auto t = (*store)->LeaseTimeLeft(e.lease);
+                left = t.ok() ? fmt::format("{:.1f} s", t->count() / 1000.0) : "expired";
+            }
+            if (!md.ok()) {
+                fmt::print("{:<24} (unreadable entry: {})\n", name, md.status().message());
+                continue;
+            }
+            std::string eps;
+            for (const auto& ep : md->endpoints) {
+                eps += (eps.empty() ? "" : " ") + ep.backend + "=" + ep.address;
+            }
+            fmt::print("{:<24} {:016x}   {:>8} {:>10}  {}\n", name, md->epoch, md->regions.size(),
+                       left, eps);
+        }
+        fmt::print("({} agents at revision {} of {})\n", entries->size(), revision, store_url);
+    });
+
+    cmd->callback([cmd, rc] {
+        if (!cmd->get_subcommands().empty()) return;  // `ls` ran
+        StoreServerConfig config;
+        auto colon = listen.rfind(':');
+        if (colon == std::string::npos) {
+            throw CLI::ValidationError("--listen", "'" + listen + "': expected host:port");
+        }
+        config.listen_host = listen.substr(0, colon);
+        try {
+            int port = std::stoi(listen.substr(colon + 1));
+            if (port < 0 || port > 65535) throw std::out_of_range("port");
+            config.listen_port = static_cast<uint16_t>(port);
+        } catch (const std::exception&) {
+            throw CLI::ValidationError("--listen", "'" + listen + "': port must be 0..65535");
+        }
+        config.secret = LoadSecret(secret_file);
+        // Block the stop signals before any thread starts, then wait for one.
+        sigset_t stop;
+        sigemptyset(&stop);
+        sigaddset(&stop, SIGINT);
+        sigaddset(&stop, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+        auto server = StoreServer::Start(config);
+        if (!server.ok()) {
+            fmt::print(stderr, "ferry discovery: {}\n", server.status().ToString());
+            *rc = 1;
+            return;
+        }
+        fmt::print("ferry discovery: store at {}{} (Ctrl-C stops it)\n", (*server)->url(),
+                   config.secret.empty() ? "" : ", deployment secret required");
+        std::fflush(stdout);
+        int sig = 0;
+        sigwait(&stop, &sig);
+        (*server)->Stop();
+        fmt::print("ferry discovery: stopped\n");
+    });
+}
+
+}  // namespace ferry::cli
