@@ -272,7 +272,10 @@ void AgentCore::RegistryLoop() {
             std::chrono::milliseconds(1), poll);
         Result<WatchResult> w = store_->Watch(kAgentPrefix, after, wait);
         if (!w.ok()) {
-            continue;  // logged on the next store call that fails
+            // Logged by the next store call that fails; no busy loop while the store is down.
+            std::unique_lock<std::mutex> lock(registry_mu_);
+            registry_cv_.wait_for(lock, wait, [&] { return registry_stop_; });
+            continue;
         }
         if (w->compacted || w->revision < after) {
             listed = false;  // history gone, or a new store: start over from a listing
