@@ -83,6 +83,40 @@ void AddDiscoveryCommand(CLI::App& app, int* rc) {
         fmt::print("({} agents at revision {} of {})\n", entries->size(), revision, store_url);
     });
 
+    CLI::App* setup = cmd->add_subcommand(
+        "etcd-setup",
+        "Turn on etcd authentication for this deployment: a root user, and a user 'ferry' whose "
+        "password derives from the deployment secret, limited to the keys under ferry/");
+    static std::string etcd_url, root_password_file;
+    setup->add_option("--store", etcd_url, "etcd://host:port")->required();
+    setup->add_option("--secret-file", secret_file, "file holding the deployment secret");
+    setup
+        ->add_option("--root-password-file", root_password_file,
+                     "file holding the password to give etcd's root user")
+        ->required();
+    setup->callback([rc] {
+        std::string secret = LoadSecret(secret_file);
+        if (secret.empty()) {
+            throw CLI::ValidationError("--secret-file", "a deployment secret is required");
+        }
+        std::ifstream in(root_password_file);
+        std::string root;
+        if (!in || !std::getline(in, root) || root.empty()) {
+            throw CLI::ValidationError("--root-password-file",
+                                       "cannot read a password from '" + root_password_file + "'");
+        }
+        Status s = SetUpEtcdAuth(etcd_url, secret, root);
+        if (!s.ok()) {
+            fmt::print(stderr, "ferry discovery etcd-setup: {}\n", s.ToString());
+            *rc = 1;
+            return;
+        }
+        fmt::print(
+            "etcd at {}: authentication on; agents with the deployment secret sign in as "
+            "'ferry'\n",
+            etcd_url);
+    });
+
     cmd->callback([cmd, rc] {
         if (!cmd->get_subcommands().empty()) return;  // `ls` ran
         StoreServerConfig config;
@@ -99,6 +133,16 @@ void AddDiscoveryCommand(CLI::App& app, int* rc) {
             throw CLI::ValidationError("--listen", "'" + listen + "': port must be 0..65535");
         }
         config.secret = LoadSecret(secret_file);
+        config.validate = [](std::string_view key, std::string_view value) -> Status {
+            if (key.substr(0, kAgentPrefix.size()) != kAgentPrefix) return Status::Ok();
+            auto md = DecodeMetadata(value);
+            if (!md.ok()) return md.status();
+            if (md->name != key.substr(kAgentPrefix.size())) {
+                return InvalidArgumentError("metadata of agent '" + md->name +
+                                            "' under another agent's name");
+            }
+            return Status::Ok();
+        };
         // Block the stop signals before any thread starts, then wait for one.
         sigset_t stop;
         sigemptyset(&stop);

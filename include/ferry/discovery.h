@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -100,6 +101,9 @@ struct StoreServerConfig {
     size_t max_value_bytes = 16u << 20;
     size_t max_keys = 100000;
     size_t history = 10000;  // events kept for Watch
+    // Checks a value before it is stored (400 with its message if not OK). `ferry discovery`
+    // checks that entries under "ferry/agents/" are metadata blobs of the agent they name.
+    std::function<Status(std::string_view key, std::string_view value)> validate{};
 };
 
 class StoreServer {
@@ -121,6 +125,13 @@ class StoreServer {
     explicit StoreServer(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };
+
+// Turns on etcd's authentication for a ferry deployment (run once, by an operator): a root user
+// with `root_password`, and a user "ferry" whose password is derived from the deployment secret
+// (HMAC-SHA256, so the secret never reaches etcd), allowed to read and write "ferry/" only. From
+// then on every call of a MetadataStore opened with that secret carries an etcd token, and calls
+// without one are refused. Idempotent. `ferry discovery etcd-setup` runs it.
+Status SetUpEtcdAuth(std::string_view url, std::string_view secret, std::string_view root_password);
 
 // Where agents register: "ferry/agents/<name>".
 std::string AgentKey(std::string_view name);

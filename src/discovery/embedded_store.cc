@@ -2,6 +2,7 @@
 // served over HTTP+JSON (StoreServer), and its client (HttpStore). Protocol: docs/discovery.md.
 #include <httplib.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -101,15 +102,16 @@ class StoreServer::Impl {
         server_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
             Reply(res, 200, Json{{"status", "ok"}});
         });
-        Route("/v1/lease/grant", [this](const Json& b) { return Grant(b); });
-        Route("/v1/lease/keepalive", [this](const Json& b) { return KeepAlive(b); });
-        Route("/v1/lease/revoke", [this](const Json& b) { return Revoke(b); });
-        Route("/v1/lease/ttl", [this](const Json& b) { return TimeLeft(b); });
-        Route("/v1/kv/put", [this](const Json& b) { return Put(b); });
-        Route("/v1/kv/get", [this](const Json& b) { return Get(b); });
-        Route("/v1/kv/list", [this](const Json& b) { return List(b); });
-        Route("/v1/kv/delete", [this](const Json& b) { return Delete(b); });
-        Route("/v1/watch", [this](const Json& b) { return Watch(b); });
+        Route("/v1/lease/grant", {"ttl_ms"}, [this](const Json& b) { return Grant(b); });
+        Route("/v1/lease/keepalive", {"lease"}, [this](const Json& b) { return KeepAlive(b); });
+        Route("/v1/lease/revoke", {"lease"}, [this](const Json& b) { return Revoke(b); });
+        Route("/v1/lease/ttl", {"lease"}, [this](const Json& b) { return TimeLeft(b); });
+        Route("/v1/kv/put", {"key", "value", "lease"}, [this](const Json& b) { return Put(b); });
+        Route("/v1/kv/get", {"key"}, [this](const Json& b) { return Get(b); });
+        Route("/v1/kv/list", {"prefix"}, [this](const Json& b) { return List(b); });
+        Route("/v1/kv/delete", {"key"}, [this](const Json& b) { return Delete(b); });
+        Route("/v1/watch", {"prefix", "after", "timeout_ms"},
+              [this](const Json& b) { return Watch(b); });
         server_.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
             if (res.body.empty()) {
                 std::string why = res.status == 404   ? "no such endpoint: " + req.path
@@ -168,8 +170,9 @@ class StoreServer::Impl {
     };
 
     template <typename F>
-    void Route(const std::string& path, F handler) {
-        server_.Post(path, [this, handler](const httplib::Request& req, httplib::Response& res) {
+    void Route(const std::string& path, std::vector<std::string> fields, F handler) {
+        server_.Post(path, [this, handler, fields](const httplib::Request& req,
+                                                   httplib::Response& res) {
             // Here, not in a pre-routing handler: the MAC covers the body, read only by now.
             if (!Authorize(req, res)) {
                 return;
@@ -178,6 +181,12 @@ class StoreServer::Impl {
             if (body.is_discarded() || !body.is_object()) {
                 ReplyError(res, HttpError{400, "request body is not a JSON object"});
                 return;
+            }
+            for (const auto& [name, value] : body.items()) {
+                if (std::find(fields.begin(), fields.end(), name) == fields.end()) {
+                    ReplyError(res, HttpError{400, "unknown field '" + name.substr(0, 64) + "'"});
+                    return;
+                }
             }
             try {
                 Reply(res, 200, handler(body));
@@ -324,6 +333,12 @@ class StoreServer::Impl {
                                      std::to_string(config_.max_value_bytes)};
         }
         LeaseId lease = IntField(b, "lease", /*required=*/false);
+        if (config_.validate) {
+            Status ok = config_.validate(key, *value);
+            if (!ok.ok()) {
+                throw HttpError{400, "value of '" + key + "': " + ok.message()};
+            }
+        }
         std::lock_guard<std::mutex> lock(mu_);
         if (lease != 0) {
             auto l = leases_.find(lease);

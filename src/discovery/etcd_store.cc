@@ -4,6 +4,7 @@
 // entries that do not verify are ignored (etcd's own access control is users and TLS).
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "core/crypto.h"
@@ -14,6 +15,18 @@ namespace ferry::discovery {
 namespace {
 
 constexpr std::string_view kSealMagic = "FSV1";
+constexpr std::string_view kEtcdUser = "ferry";
+
+std::string EtcdPassword(std::string_view secret) {
+    Digest d = HmacSha256(secret, "ferry-etcd-password-v1");
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out;
+    for (uint8_t b : d) {
+        out += kHex[b >> 4];
+        out += kHex[b & 15];
+    }
+    return out;
+}
 
 int64_t Int(const Json& j, const char* name, int64_t dflt = 0) {
     if (!j.is_object() || !j.contains(name)) return dflt;
@@ -171,8 +184,14 @@ class EtcdStore final : public MetadataStore {
             buf.erase(0, start);
             return !done;
         };
-        Result<RawReply> r = RawPost(ep_, "/v3/watch", body, options_.timeout,
-                                     std::max(timeout, std::chrono::milliseconds(1)), on_data);
+        if (!options_.secret.empty()) {
+            FERRY_RETURN_IF_ERROR(
+                Call("/v3/kv/range", {{"key", Base64Encode("ferry/")}, {"limit", 1}})
+                    .status());  // authenticated, with a fresh token if needed
+        }
+        Result<RawReply> r =
+            RawPost(ep_, "/v3/watch", body, options_.timeout,
+                    std::max(timeout, std::chrono::milliseconds(1)), on_data, Token());
         if (!r.ok()) return r.status();
         if (!failure.ok()) return failure;
         if (r->status != 200) {
@@ -304,7 +323,61 @@ class EtcdStore final : public MetadataStore {
         return e;
     }
 
+    // With a secret: etcd's own authentication as user "ferry" with a password derived from
+    // the secret (never the secret itself). An etcd without authentication enabled answers
+    // that it is off; then only the sealing protects the entries.
+    Status Authenticate() {
+        Json b{{"name", kEtcdUser}, {"password", EtcdPassword(options_.secret)}};
+        Result<Json> r = CallOnce("/v3/auth/authenticate", b, "");
+        std::lock_guard<std::mutex> lock(auth_mu_);
+        if (r.ok()) {
+            token_ = r->value("token", std::string());
+            auth_off_ = false;
+            return token_.empty() ? UnavailableError("etcd " + url_ + ": no token") : Status::Ok();
+        }
+        if (r.status().message().find("authentication is not enabled") != std::string::npos) {
+            auth_off_ = true;
+            return Status::Ok();
+        }
+        return r.status().code() == Code::kUnavailable
+                   ? r.status()
+                   : PermissionDeniedError("etcd " + url_ + ": authentication as '" +
+                                           std::string(kEtcdUser) +
+                                           "' refused (wrong deployment "
+                                           "secret, or etcd not set up: ferry discovery "
+                                           "etcd-setup): " +
+                                           r.status().message());
+    }
+
+    std::string Token() {
+        std::lock_guard<std::mutex> lock(auth_mu_);
+        return token_;
+    }
+
     Result<Json> Call(const std::string& path, const Json& body) {
+        if (options_.secret.empty()) {
+            return CallOnce(path, body, "");
+        }
+        bool need_auth = false;
+        {
+            std::lock_guard<std::mutex> lock(auth_mu_);
+            need_auth = token_.empty() && !auth_off_;
+        }
+        if (need_auth) {
+            FERRY_RETURN_IF_ERROR(Authenticate());
+        }
+        Result<Json> r = CallOnce(path, body, Token());
+        if (!r.ok() && r.status().code() == Code::kPermissionDenied &&
+            (r.status().message().find("token") != std::string::npos ||
+             r.status().message().find("user name is empty") != std::string::npos)) {
+            // The token expired (etcd's simple tokens live 5 minutes) or etcd restarted.
+            FERRY_RETURN_IF_ERROR(Authenticate());
+            r = CallOnce(path, body, Token());
+        }
+        return r;
+    }
+
+    Result<Json> CallOnce(const std::string& path, const Json& body, const std::string& token) {
         const std::string text = body.dump();
         const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
         auto backoff = std::chrono::milliseconds(20);
@@ -315,7 +388,7 @@ class EtcdStore final : public MetadataStore {
             Result<RawReply> raw = RawPost(
                 ep_, path, text,
                 std::clamp(left, std::chrono::milliseconds(50), std::chrono::milliseconds(2000)),
-                std::max(left, std::chrono::milliseconds(50)));
+                std::max(left, std::chrono::milliseconds(50)), nullptr, token);
             Status why;
             if (raw.ok() && raw->status < 500) {
                 r.status = raw->status;
@@ -335,7 +408,18 @@ class EtcdStore final : public MetadataStore {
             backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
         }
         if (r.status != 200) {
-            return ReplyError(r, "etcd " + url_ + path);
+            Status e = ReplyError(r, "etcd " + url_ + path);
+            // etcd's authentication errors come back as 400s and 500s with these texts.
+            for (const char* auth : {"user name is empty", "permission denied",
+                                     "invalid auth token", "authentication failed"}) {
+                if (e.message().find(auth) != std::string::npos) {
+                    return PermissionDeniedError(
+                        e.message() + (options_.secret.empty()
+                                           ? " (this etcd requires the deployment secret)"
+                                           : ""));
+                }
+            }
+            return e;
         }
         if (!r.body.is_object()) {
             return UnavailableError("etcd " + url_ + path + ": reply is not a JSON object");
@@ -346,9 +430,56 @@ class EtcdStore final : public MetadataStore {
     const std::string url_;
     const Endpoint ep_;
     const StoreOptions options_;
+    std::mutex auth_mu_;
+    std::string token_;      // under auth_mu_
+    bool auth_off_ = false;  // under auth_mu_: etcd runs without authentication
 };
 
 }  // namespace
+
+Status SetUpEtcdAuthAt(const Endpoint& ep, const std::string& url, std::string_view secret,
+                       std::string_view root_password) {
+    auto call = [&](const std::string& path, const Json& body,
+                    const std::string& token) -> Result<Json> {
+        FERRY_ASSIGN_OR_RETURN(RawReply raw, RawPost(ep, path, body.dump(), std::chrono::seconds(2),
+                                                     std::chrono::seconds(5), nullptr, token));
+        HttpReply r{raw.status, Json::parse(raw.body, nullptr, false)};
+        if (r.status != 200) return ReplyError(r, "etcd " + url + path);
+        return r.body;
+    };
+    auto tolerate = [](const Result<Json>& r) {
+        return r.ok() || r.status().message().find("already exists") != std::string::npos;
+    };
+    const std::string prefix(kAgentPrefix.substr(0, kAgentPrefix.find('/') + 1));  // "ferry/"
+    std::vector<std::pair<std::string, Json>> steps = {
+        {"/v3/auth/user/add", {{"name", "root"}, {"password", std::string(root_password)}}},
+        {"/v3/auth/user/grant", {{"user", "root"}, {"role", "root"}}},
+        {"/v3/auth/role/add", {{"name", "ferry"}}},
+        {"/v3/auth/role/grant",
+         {{"name", "ferry"},
+          {"perm",
+           {{"permType", "READWRITE"},
+            {"key", Base64Encode(prefix)},
+            {"range_end", Base64Encode(RangeEnd(prefix))}}}}},
+        {"/v3/auth/user/add",
+         {{"name", std::string(kEtcdUser)}, {"password", EtcdPassword(secret)}}},
+        {"/v3/auth/user/grant", {{"user", std::string(kEtcdUser)}, {"role", "ferry"}}},
+    };
+    // Steps after auth is on need root's token; before, none.
+    std::string token;
+    Result<Json> enabled = call("/v3/auth/authenticate",
+                                {{"name", "root"}, {"password", std::string(root_password)}}, "");
+    if (enabled.ok()) token = enabled->value("token", std::string());
+    for (const auto& [path, body] : steps) {
+        Result<Json> r = call(path, body, token);
+        if (!tolerate(r)) return r.status();
+    }
+    if (token.empty()) {
+        Result<Json> r = call("/v3/auth/enable", Json::object(), "");
+        if (!r.ok()) return r.status();
+    }
+    return Status::Ok();
+}
 
 std::unique_ptr<MetadataStore> MakeEtcdStore(std::string url, Endpoint ep, StoreOptions options) {
     return std::make_unique<EtcdStore>(std::move(url), std::move(ep), std::move(options));

@@ -270,7 +270,8 @@ Result<HttpReply> PostJson(const Endpoint& ep, const std::string& path, const Js
 Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std::string& body,
                          std::chrono::milliseconds connect_timeout,
                          std::chrono::milliseconds read_timeout,
-                         const std::function<bool(std::string_view)>& on_data) {
+                         const std::function<bool(std::string_view)>& on_data,
+                         const std::string& authorization) {
     const std::string where = ep.host + ":" + std::to_string(ep.port) + path;
     addrinfo hints{};
     hints.ai_socktype = SOCK_STREAM;
@@ -301,7 +302,8 @@ Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std:
     std::string req =
         "POST " + path + " HTTP/1.0\r\nHost: " + ep.host +
         "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-        "\r\n\r\n" + body;
+        "\r\n" + (authorization.empty() ? "" : "Authorization: " + authorization + "\r\n") +
+        "\r\n" + body;
     for (size_t sent = 0; sent < req.size();) {
         ssize_t n = send(fd.get(), req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
         if (n > 0) {

@@ -59,7 +59,8 @@ struct RawReply {
 Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std::string& body,
                          std::chrono::milliseconds connect_timeout,
                          std::chrono::milliseconds read_timeout,
-                         const std::function<bool(std::string_view)>& on_data = nullptr);
+                         const std::function<bool(std::string_view)>& on_data = nullptr,
+                         const std::string& authorization = "");
 
 // An error reply ({"error": {"message": ...}} or etcd's {"error": ..., "message": ...}) as a
 // Status: 400 InvalidArgument, 401/403 PermissionDenied, 404 NotFound, 413 ResourceExhausted or

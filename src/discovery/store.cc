@@ -30,6 +30,22 @@ Result<std::unique_ptr<MetadataStore>> MetadataStore::Open(std::string_view url,
                                 std::string(scheme) + "' (http or etcd)");
 }
 
+Status SetUpEtcdAuth(std::string_view url, std::string_view secret,
+                     std::string_view root_password) {
+    constexpr std::string_view kScheme = "etcd://";
+    if (url.substr(0, kScheme.size()) != kScheme) {
+        return InvalidArgumentError("SetUpEtcdAuth: '" + std::string(url) +
+                                    "' is not an etcd:// URL");
+    }
+    if (secret.empty() || root_password.empty()) {
+        return InvalidArgumentError("SetUpEtcdAuth: the secret and the root password must be set");
+    }
+    std::string_view rest = url.substr(kScheme.size());
+    if (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
+    FERRY_ASSIGN_OR_RETURN(discovery::Endpoint ep, discovery::ParseHostPort(rest));
+    return discovery::SetUpEtcdAuthAt(ep, std::string(url), secret, root_password);
+}
+
 std::string AgentKey(std::string_view name) {
     return std::string(kAgentPrefix) + std::string(name);
 }

@@ -11,5 +11,7 @@ namespace ferry::discovery {
 
 std::unique_ptr<MetadataStore> MakeHttpStore(std::string url, Endpoint ep, StoreOptions options);
 std::unique_ptr<MetadataStore> MakeEtcdStore(std::string url, Endpoint ep, StoreOptions options);
+Status SetUpEtcdAuthAt(const Endpoint& ep, const std::string& url, std::string_view secret,
+                       std::string_view root_password);
 
 }  // namespace ferry::discovery

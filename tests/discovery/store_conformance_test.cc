@@ -194,6 +194,42 @@ TEST_P(StoreConformance, UnreachableStoreFailsWithUnavailableWithinTheTimeout) {
     EXPECT_LT(Clock::now() - t0, seconds(3));
 }
 
+// etcd with its authentication turned on for the deployment: every call carries a token won
+// with a password derived from the secret; calls without one are refused by etcd itself.
+TEST(EtcdAuth, EveryCallCarriesProofOfTheSecret) {
+    if (!HaveEtcd()) GTEST_SKIP() << "etcd is not installed: run scripts/install-deps";
+    auto etcd = PrivateEtcd::Start();
+    ASSERT_NE(etcd, nullptr);
+    FERRY_ASSERT_OK(SetUpEtcdAuth(etcd->url(), "team", "root-pw"));
+    FERRY_ASSERT_OK(SetUpEtcdAuth(etcd->url(), "team", "root-pw"));  // idempotent
+    auto right = ValueOrDie(MetadataStore::Open(etcd->url(), {.secret = "team"}));
+    LeaseId lease = ValueOrDie(right->GrantLease(seconds(5)));
+    FERRY_ASSERT_OK(right->Put("ferry/agents/a", "v", lease));
+    EXPECT_EQ(ValueOrDie(right->Get("ferry/agents/a")).value, "v");
+    uint64_t rev = 0;
+    EXPECT_EQ(ValueOrDie(right->List("ferry/", &rev)).size(), 1u);
+    std::thread writer([&] {
+        std::this_thread::sleep_for(milliseconds(200));
+        FERRY_EXPECT_OK(right->Put("ferry/agents/b", "w"));
+    });
+    WatchResult w = ValueOrDie(right->Watch("ferry/", rev, seconds(5)));
+    writer.join();
+    ASSERT_EQ(w.events.size(), 1u);
+    EXPECT_EQ(w.events[0].key, "ferry/agents/b");
+    FERRY_ASSERT_OK(right->KeepAlive(lease));
+    // Outside ferry/ even the right secret has no rights.
+    EXPECT_THAT(right->Put("other/x", "v"), StatusIs(Code::kPermissionDenied));
+
+    auto none = ValueOrDie(MetadataStore::Open(etcd->url(), {}));
+    EXPECT_THAT(none->Get("ferry/agents/a"), StatusIs(Code::kPermissionDenied));
+    EXPECT_THAT(none->Put("ferry/agents/evil", "x"), StatusIs(Code::kPermissionDenied));
+    auto wrong = ValueOrDie(MetadataStore::Open(etcd->url(), {.secret = "guess"}));
+    Status s = wrong->Put("ferry/agents/evil", "x");
+    EXPECT_THAT(s, StatusIs(Code::kPermissionDenied));
+    EXPECT_NE(s.message().find("wrong deployment secret"), std::string::npos) << s.ToString();
+    EXPECT_THAT(right->Get("ferry/agents/evil"), StatusIs(Code::kNotFound));
+}
+
 INSTANTIATE_TEST_SUITE_P(Stores, StoreConformance, ::testing::Values("embedded", "etcd"),
                          [](const auto& info) { return info.param; });
 
@@ -237,9 +273,29 @@ TEST(EmbeddedStore, MalformedRequestsGetClearErrorsAndTheStoreStaysUp) {
     EXPECT_EQ(s7, 404) << b7;
     auto [s8, b8] = post("/v1/watch", R"({"prefix": "", "after": 0, "timeout_ms": 999999999})");
     EXPECT_EQ(s8, 400) << b8;
+    auto [s9, b9] = post("/v1/kv/get", R"({"key": "k", "revison": 3})");
+    EXPECT_EQ(s9, 400);
+    EXPECT_NE(b9.find("unknown field 'revison'"), std::string::npos) << b9;
+    auto [s10, b10] = post("/v1/kv/put", "[1, 2]");
+    EXPECT_EQ(s10, 400) << b10;
     auto store = ValueOrDie(MetadataStore::Open(server->url()));
     FERRY_ASSERT_OK(store->Put("still", "up"));
     EXPECT_EQ(ValueOrDie(store->Get("still")).value, "up");
+}
+
+TEST(EmbeddedStore, AValidatorRefusesBadValuesWithItsMessage) {
+    StoreServerConfig cfg;
+    cfg.validate = [](std::string_view key, std::string_view value) -> Status {
+        if (value.substr(0, 4) != "FRMD") return InvalidArgumentError("not a metadata blob");
+        return Status::Ok();
+    };
+    auto server = ValueOrDie(StoreServer::Start(cfg));
+    auto store = ValueOrDie(MetadataStore::Open(server->url()));
+    Status s = store->Put("ferry/agents/x", "garbage");
+    EXPECT_THAT(s, StatusIs(Code::kInvalidArgument));
+    EXPECT_NE(s.message().find("not a metadata blob"), std::string::npos) << s.ToString();
+    EXPECT_THAT(store->Get("ferry/agents/x"), StatusIs(Code::kNotFound));
+    FERRY_ASSERT_OK(store->Put("ferry/agents/x", "FRMD..."));
 }
 
 }  // namespace
