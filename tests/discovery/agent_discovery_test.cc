@@ -262,6 +262,14 @@ TEST(DiscoveryCommand, ServeRegisterAndList) {
     EXPECT_NE(out.find("listed-agent"), std::string::npos) << out;
     EXPECT_NE(out.find("tcp=127.0.0.1:"), std::string::npos) << out;
     EXPECT_NE(out.find("(1 agents"), std::string::npos) << out;
+    // The store checks agent entries: a blob that is not metadata, or another agent's, is refused.
+    auto direct = ::ferry::testing::ValueOrDie(MetadataStore::Open(url));
+    Status bad = direct->Put(AgentKey("bogus"), "garbage");
+    EXPECT_THAT(bad, ::ferry::testing::StatusIs(Code::kInvalidArgument));
+    EXPECT_NE(bad.message().find("metadata"), std::string::npos) << bad.ToString();
+    EXPECT_THAT(direct->Put(AgentKey("bogus"), agent->Metadata()),
+                ::ferry::testing::StatusIs(Code::kInvalidArgument));
+    FERRY_EXPECT_OK(direct->Put("elsewhere/anything", "garbage"));
     // A bad flag is refused with a message naming it.
     f = popen((std::string(FERRY_BIN) + " discovery ls --store nowhere 2>&1").c_str(), "r");
     out.clear();
