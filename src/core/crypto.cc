@@ -51,4 +51,14 @@ bool DigestEqual(const Digest& a, const Digest& b) {
     return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
+std::string HexEncode(const uint8_t* p, size_t n) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out(2 * n, '0');
+    for (size_t i = 0; i < n; ++i) {
+        out[2 * i] = kHex[p[i] >> 4];
+        out[2 * i + 1] = kHex[p[i] & 15];
+    }
+    return out;
+}
+
 }  // namespace ferry

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace ferry {
@@ -17,6 +18,9 @@ Nonce RandomNonce();
 
 // HMAC-SHA256(key, data).
 Digest HmacSha256(std::string_view key, std::string_view data);
+
+// Lower-case hexadecimal of `n` bytes.
+std::string HexEncode(const uint8_t* p, size_t n);
 
 // Constant-time comparison, so a wrong proof leaks nothing through timing.
 bool DigestEqual(const Digest& a, const Digest& b);

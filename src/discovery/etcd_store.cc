@@ -19,13 +19,7 @@ constexpr std::string_view kEtcdUser = "ferry";
 
 std::string EtcdPassword(std::string_view secret) {
     Digest d = HmacSha256(secret, "ferry-etcd-password-v1");
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out;
-    for (uint8_t b : d) {
-        out += kHex[b >> 4];
-        out += kHex[b & 15];
-    }
-    return out;
+    return HexEncode(d.data(), d.size());
 }
 
 int64_t Int(const Json& j, const char* name, int64_t dflt = 0) {

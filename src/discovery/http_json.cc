@@ -19,16 +19,6 @@ namespace {
 
 constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
-std::string Hex(const uint8_t* p, size_t n) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out(2 * n, '0');
-    for (size_t i = 0; i < n; ++i) {
-        out[2 * i] = kHex[p[i] >> 4];
-        out[2 * i + 1] = kHex[p[i] & 15];
-    }
-    return out;
-}
-
 bool Unhex(std::string_view s, uint8_t* out, size_t n) {
     if (s.size() != 2 * n) return false;
     auto val = [](char c) -> int {
@@ -128,9 +118,9 @@ std::string SignRequest(std::string_view secret, std::string_view method, std::s
     std::string t = std::to_string(NowMs());
     uint8_t nonce[16];
     SecureRandom(nonce, sizeof(nonce));
-    std::string n = Hex(nonce, sizeof(nonce));
+    std::string n = HexEncode(nonce, sizeof(nonce));
     Digest mac = HmacSha256(secret, SignedText(method, path, t, n, body));
-    return "Ferry-HMAC t=" + t + ",n=" + n + ",m=" + Hex(mac.data(), mac.size());
+    return "Ferry-HMAC t=" + t + ",n=" + n + ",m=" + HexEncode(mac.data(), mac.size());
 }
 
 Result<std::string> VerifyRequest(std::string_view secret, std::string_view header,

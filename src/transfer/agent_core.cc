@@ -1296,14 +1296,19 @@ AgentCore::Mapping::~Mapping() {
     }
 }
 
+// How a peer finds an agent-allocated (memfd) region of ours to map it.
+static wire::SharedRegion ShareOf(const RegionEntry& e) {
+    return wire::SharedRegion{e.share_id, static_cast<uint32_t>(e.memfd), e.inode,
+                              reinterpret_cast<uint64_t>(e.base), e.length};
+}
+
 std::vector<wire::SharedRegion> AgentCore::SharesFor(const std::vector<RegionId>& regions) const {
     std::vector<wire::SharedRegion> out;
     for (RegionId id : regions) {
         if (out.size() >= wire::kMaxSharesPerFrame) break;
         std::shared_ptr<RegionEntry> e = regions_.Find(id);
         if (e && e->memfd >= 0) {
-            out.push_back(wire::SharedRegion{e->share_id, static_cast<uint32_t>(e->memfd), e->inode,
-                                             reinterpret_cast<uint64_t>(e->base), e->length});
+            out.push_back(ShareOf(*e));
         }
     }
     return out;
@@ -1560,9 +1565,7 @@ void AgentCore::ServeMapRegion(Connection& conn, const wire::FrameHeader& h,
     }
     OutFrame f;
     f.head = wire::MakeFrame(wire::FrameType::kRegionGrant, h.request_id,
-                             wire::EncodeRegionGrant(wire::SharedRegion{
-                                 e.share_id, static_cast<uint32_t>(e.memfd), e.inode,
-                                 reinterpret_cast<uint64_t>(e.base), e.length}));
+                             wire::EncodeRegionGrant(ShareOf(e)));
     conn.SendNow(std::move(f));
 }
 
