@@ -29,6 +29,21 @@ MATCHER_P(StatusIs, code, "has status code " + std::string(::ferry::CodeName(cod
     return s.code() == code;
 }
 
+// The code and a substring of the message: StatusHas(Code::kInvalidArgument, "token id 7").
+MATCHER_P2(StatusHas, code, text,
+           "has status code " + std::string(::ferry::CodeName(code)) + " and a message with \"" +
+               std::string(text) + "\"") {
+    const auto& s = [&]() -> const ::ferry::Status& {
+        if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, ::ferry::Status>) {
+            return arg;
+        } else {
+            return arg.status();
+        }
+    }();
+    *result_listener << "status is " << s.ToString();
+    return s.code() == code && s.message().find(text) != std::string::npos;
+}
+
 #define FERRY_ASSERT_OK(expr)                              \
     do {                                                   \
         const ::ferry::Status ferry_s_ = (expr);           \

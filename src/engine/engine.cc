@@ -1,0 +1,491 @@
+#include "engine/engine.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <random>
+
+#include "core/log.h"
+
+namespace ferry::engine {
+
+namespace {
+
+// Moves the complete UTF-8 characters at the front of `pending` to `out`; an incomplete
+// character at the end stays. Bytes that can never form a character become U+FFFD.
+void TakeCompleteUtf8(std::string* pending, std::string* out, bool flush) {
+    size_t i = 0;
+    const std::string& p = *pending;
+    while (i < p.size()) {
+        auto c = static_cast<unsigned char>(p[i]);
+        size_t n = c < 0x80             ? 1
+                   : (c & 0xe0) == 0xc0 ? 2
+                   : (c & 0xf0) == 0xe0 ? 3
+                   : (c & 0xf8) == 0xf0 ? 4
+                                        : 0;
+        if (n == 0) {
+            out->append("\xef\xbf\xbd");
+            ++i;
+            continue;
+        }
+        size_t k = 1;
+        while (k < n && i + k < p.size() && (static_cast<unsigned char>(p[i + k]) & 0xc0) == 0x80) {
+            ++k;
+        }
+        if (k == n) {
+            out->append(p, i, n);
+            i += n;
+        } else if (i + k == p.size() && !flush) {
+            break;  // wait for the rest of the character
+        } else {
+            out->append("\xef\xbf\xbd");
+            i += k;
+        }
+    }
+    pending->erase(0, i);
+}
+
+}  // namespace
+
+const char* FinishReasonName(FinishReason r) {
+    switch (r) {
+        case FinishReason::kNone:
+            return "";
+        case FinishReason::kStop:
+            return "stop";
+        case FinishReason::kLength:
+            return "length";
+        case FinishReason::kAbort:
+            return "abort";
+        case FinishReason::kError:
+            return "error";
+    }
+    return "";
+}
+
+struct Engine::Sequence {
+    Request req;
+    std::vector<int32_t> tokens;  // prompt, then output
+    int prompt_len = 0;
+    int num_computed = 0;  // tokens whose KV is in the cache
+    std::vector<kv::BlockId> blocks;
+    std::vector<uint64_t> hashes;  // of the leading full blocks recorded in the prefix cache
+    int cached_tokens = 0;
+    int num_output = 0;
+    model::Sampler sampler;
+    std::string pending_bytes;  // an incomplete UTF-8 character
+    std::string held;           // text held back while a stop string may be forming
+    size_t max_stop = 0;
+    bool aborted = false;
+
+    Sequence(Request r, uint64_t seed) : req(std::move(r)), sampler(req.sampling, seed) {
+        tokens = req.prompt;
+        prompt_len = static_cast<int>(tokens.size());
+        for (const std::string& s : req.sampling.stop) max_stop = std::max(max_stop, s.size());
+    }
+};
+
+Engine::Engine(std::shared_ptr<model::Model> model, const EngineConfig& config)
+    : model_(std::move(model)), config_(config) {}
+
+Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Model> model,
+                                               const EngineConfig& config) {
+    if (!model) return InvalidArgumentError("engine: no model");
+    EngineConfig c = config;
+    const model::ModelConfig& mc = model->config();
+    if (c.max_model_len <= 0 || c.max_model_len > mc.context_length) {
+        c.max_model_len = mc.context_length;
+    }
+    if (c.block_tokens <= 0 || c.block_tokens > 1024 || c.max_num_seqs <= 0 ||
+        c.max_batched_tokens <= 0 || c.max_prefill_chunk < 0) {
+        return InvalidArgumentError(fmt::format(
+            "engine: block size {}, max seqs {}, max batched tokens {} must be positive",
+            c.block_tokens, c.max_num_seqs, c.max_batched_tokens));
+    }
+    if (!c.chunked_prefill && c.max_batched_tokens < c.max_model_len) {
+        return InvalidArgumentError(fmt::format(
+            "engine: without chunked prefill, max batched tokens ({}) must be at least the max "
+            "model length ({})",
+            c.max_batched_tokens, c.max_model_len));
+    }
+    if (c.num_blocks <= 0) {
+        kv::KvCacheSpec one = model->CacheSpec(c.block_tokens, 1, c.kv_dtype);
+        uint64_t per_block = one.TotalBytes() * model->tp();
+        c.num_blocks = static_cast<int>(std::min<uint64_t>(c.kv_cache_bytes / per_block, 1u << 24));
+        if (c.num_blocks <= 0) {
+            return InvalidArgumentError(
+                fmt::format("engine: a kv cache of {} bytes holds no block of {} bytes",
+                            c.kv_cache_bytes, per_block));
+        }
+    }
+    std::unique_ptr<Engine> e(new Engine(std::move(model), c));
+    for (int r = 0; r < e->model_->tp(); ++r) {
+        FERRY_ASSIGN_OR_RETURN(
+            auto cache,
+            kv::KvCache::Create(e->model_->CacheSpec(c.block_tokens, c.num_blocks, c.kv_dtype),
+                                c.allocator));
+        e->cache_ptrs_.push_back(cache.get());
+        e->caches_.push_back(std::move(cache));
+    }
+    e->pool_ = std::make_unique<kv::KvBlockPool>(c.num_blocks, c.block_tokens, c.prefix_caching);
+    e->counters_.kv_blocks_total = c.num_blocks;
+    e->PublishStats();
+    if (!c.manual_steps) e->thread_ = std::thread([p = e.get()] { p->Loop(); });
+    return e;
+}
+
+Engine::~Engine() {
+    {
+        std::lock_guard lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    // Whatever is left gets its final callback.
+    DrainInbox();
+    RequestOutput out;
+    for (auto* list : {&running_}) {
+        for (auto& s : *list) Finish(s.get(), FinishReason::kAbort, &out);
+        list->clear();
+    }
+    for (auto& s : waiting_) Finish(s.get(), FinishReason::kAbort, &out);
+    waiting_.clear();
+}
+
+Status Engine::Submit(Request request) {
+    const model::ModelConfig& mc = model_->config();
+    FERRY_RETURN_IF_ERROR(request.sampling.Validate());
+    if (request.prompt.empty()) return InvalidArgumentError("the prompt is empty");
+    for (int32_t t : request.prompt) {
+        if (t < 0 || t >= mc.vocab_size) {
+            return InvalidArgumentError(fmt::format(
+                "prompt token id {} is outside the vocabulary (0..{})", t, mc.vocab_size - 1));
+        }
+    }
+    const int64_t want = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
+    if (want > config_.max_model_len) {
+        return InvalidArgumentError(fmt::format(
+            "This model's maximum context length is {} tokens. However, you requested {} tokens "
+            "({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+            config_.max_model_len, want, request.prompt.size(), request.sampling.max_tokens));
+    }
+    const int64_t cache_tokens = int64_t(config_.num_blocks) * config_.block_tokens;
+    if (want > cache_tokens) {
+        return InvalidArgumentError(
+            fmt::format("the request needs {} tokens of KV cache but the whole cache holds {}",
+                        want, cache_tokens));
+    }
+    static std::atomic<uint64_t> seed_counter{std::random_device{}()};
+    auto seq = std::make_unique<Sequence>(std::move(request), seed_counter.fetch_add(0x9e3779b9));
+    {
+        std::lock_guard lock(mu_);
+        if (stop_) return UnavailableError("engine: shutting down");
+        if (!live_ids_.emplace(seq->req.id, true).second) {
+            return AlreadyExistsError(fmt::format("request id '{}' is in use", seq->req.id));
+        }
+        inbox_.push_back(std::move(seq));
+        ++stats_.waiting;
+    }
+    cv_.notify_one();
+    return Status::Ok();
+}
+
+void Engine::Abort(const std::string& id) {
+    {
+        std::lock_guard lock(mu_);
+        if (!live_ids_.count(id)) return;
+        aborts_.push_back(id);
+    }
+    cv_.notify_one();
+}
+
+void Engine::DrainInbox() {
+    std::vector<std::unique_ptr<Sequence>> inbox;
+    std::vector<std::string> aborts;
+    {
+        std::lock_guard lock(mu_);
+        inbox.swap(inbox_);
+        aborts.swap(aborts_);
+    }
+    for (auto& s : inbox) waiting_.push_back(std::move(s));
+    RequestOutput out;
+    for (const std::string& id : aborts) {
+        auto it = std::find_if(running_.begin(), running_.end(),
+                               [&](const auto& s) { return s->req.id == id; });
+        if (it != running_.end()) {
+            Finish(it->get(), FinishReason::kAbort, &out);
+            running_.erase(it);
+            continue;
+        }
+        auto wt = std::find_if(waiting_.begin(), waiting_.end(),
+                               [&](const auto& s) { return s->req.id == id; });
+        if (wt != waiting_.end()) {
+            Finish(wt->get(), FinishReason::kAbort, &out);
+            waiting_.erase(wt);
+        }
+    }
+}
+
+void Engine::Loop() {
+    for (;;) {
+        {
+            std::unique_lock lock(mu_);
+            cv_.wait(lock, [&] {
+                return stop_ || !inbox_.empty() || !aborts_.empty() || !running_.empty() ||
+                       !waiting_.empty();
+            });
+            if (stop_) return;
+        }
+        Step();
+    }
+}
+
+void Engine::RunUntilIdle() {
+    while (Step()) {
+    }
+}
+
+void Engine::Preempt(Sequence* s) {
+    pool_->Free(s->blocks);
+    s->blocks.clear();
+    s->hashes.clear();
+    s->num_computed = 0;
+    ++counters_.preemptions;
+}
+
+void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
+    const int bt = config_.block_tokens;
+    int budget = config_.max_batched_tokens;
+    auto limit_chunk = [&](int n) {
+        if (config_.max_prefill_chunk > 0 && n > 1) n = std::min(n, config_.max_prefill_chunk);
+        return std::min(n, budget);
+    };
+    auto blocks_needed = [&](const Sequence& s, int n) {
+        int total = (s.num_computed + n + bt - 1) / bt;
+        return std::max(0, total - static_cast<int>(s.blocks.size()));
+    };
+
+    // Running sequences first, oldest first; when blocks run out, the newest one goes back to
+    // waiting (recomputed later).
+    bool preempted = false;
+    size_t i = 0;
+    while (i < running_.size() && budget > 0) {
+        Sequence* s = running_[i].get();
+        int n = limit_chunk(static_cast<int>(s->tokens.size()) - s->num_computed);
+        int need = blocks_needed(*s, n);
+        bool self_preempted = false;
+        while (pool_->num_free() < need) {
+            std::unique_ptr<Sequence> victim = std::move(running_.back());
+            running_.pop_back();
+            Preempt(victim.get());
+            preempted = true;
+            bool self = victim.get() == s;
+            waiting_.push_front(std::move(victim));
+            if (self) {
+                self_preempted = true;
+                break;
+            }
+        }
+        if (self_preempted) break;
+        auto fresh = pool_->Allocate(need);
+        s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
+        plan->emplace_back(s, n);
+        budget -= n;
+        ++i;
+    }
+    if (preempted) return;
+
+    // Then waiting ones, first come first served.
+    while (!waiting_.empty() && budget > 0 &&
+           static_cast<int>(running_.size()) < config_.max_num_seqs) {
+        Sequence* s = waiting_.front().get();
+        const int len = static_cast<int>(s->tokens.size());
+        // Start from the longest cached prefix; at least the last token is computed, to have
+        // its logits. Waiting sequences hold no blocks: on failure the prefix goes back.
+        std::vector<uint64_t> hashes;
+        s->blocks =
+            pool_->AcquireCachedPrefix(std::span(s->tokens).first(len - 1), SIZE_MAX, &hashes);
+        s->hashes = std::move(hashes);
+        s->num_computed = static_cast<int>(s->blocks.size()) * bt;
+        int remaining = len - s->num_computed;
+        int n = limit_chunk(remaining);
+        int need = blocks_needed(*s, n);
+        if ((!config_.chunked_prefill && remaining > budget) || pool_->num_free() < need) {
+            pool_->Free(s->blocks);
+            s->blocks.clear();
+            s->hashes.clear();
+            s->num_computed = 0;
+            break;
+        }
+        if (s->num_output == 0) s->cached_tokens = s->num_computed;
+        counters_.prefix_query_tokens += len;
+        counters_.prefix_hit_tokens += s->num_computed;
+        auto fresh = pool_->Allocate(need);
+        s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
+        plan->emplace_back(s, n);
+        budget -= n;
+        running_.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+    }
+}
+
+bool Engine::Step() {
+    DrainInbox();
+    if (running_.empty() && waiting_.empty()) {
+        PublishStats();
+        return false;
+    }
+    std::vector<std::pair<Sequence*, int>> plan;
+    Schedule(&plan);
+    if (plan.empty()) {  // only after preempting everything; the next step admits again
+        PublishStats();
+        return true;
+    }
+
+    std::vector<model::SeqChunk> chunks;
+    chunks.reserve(plan.size());
+    int num_logits = 0;
+    for (auto [s, n] : plan) {
+        model::SeqChunk c;
+        c.tokens = std::span(s->tokens).subspan(s->num_computed, n);
+        c.start_pos = s->num_computed;
+        c.block_table = s->blocks;
+        c.want_logits = s->num_computed + n == static_cast<int>(s->tokens.size());
+        num_logits += c.want_logits;
+        chunks.push_back(c);
+    }
+    logits_.resize(size_t(std::max(num_logits, 1)) * model_->config().vocab_size);
+    Status st = model_->Forward(chunks, cache_ptrs_, logits_.data());
+    ++counters_.steps;
+
+    std::vector<Sequence*> finished;
+    int li = 0;
+    for (size_t k = 0; k < plan.size(); ++k) {
+        auto [s, n] = plan[k];
+        RequestOutput out;
+        if (!st.ok()) {
+            out.error = st;
+            Finish(s, FinishReason::kError, &out);
+            finished.push_back(s);
+            continue;
+        }
+        s->num_computed += n;
+        if (s->num_output == 0) counters_.prompt_tokens += n;
+        CommitFullBlocks(s);
+        if (!chunks[k].want_logits) continue;
+        const float* row = &logits_[size_t(li++) * model_->config().vocab_size];
+        model::SampledToken tok = s->sampler.Sample(row, model_->config().vocab_size);
+        ProcessToken(s, tok, &out);
+        if (out.finish != FinishReason::kNone) finished.push_back(s);
+    }
+    for (Sequence* s : finished) {
+        auto it = std::find_if(running_.begin(), running_.end(),
+                               [&](const auto& p) { return p.get() == s; });
+        if (it != running_.end()) running_.erase(it);
+    }
+    PublishStats();
+    return true;
+}
+
+void Engine::CommitFullBlocks(Sequence* s) {
+    if (!config_.prefix_caching) return;
+    const int bt = config_.block_tokens;
+    while (static_cast<int>(s->hashes.size() + 1) * bt <= s->num_computed) {
+        size_t b = s->hashes.size();
+        uint64_t parent = b == 0 ? 0 : s->hashes.back();
+        auto toks = std::span(s->tokens).subspan(b * bt, bt);
+        uint64_t h = kv::HashBlock(parent, toks);
+        pool_->Cache(s->blocks[b], h, parent, toks);
+        s->hashes.push_back(h);
+    }
+}
+
+void Engine::ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOutput* out) {
+    const model::Tokenizer& tk = model_->tokenizer();
+    const model::SamplingParams& sp = s->req.sampling;
+    s->tokens.push_back(tok.token);
+    ++s->num_output;
+    ++counters_.generation_tokens;
+    out->tokens.push_back(tok.token);
+    if (sp.logprobs >= 0) {
+        out->logprobs.push_back(tok.logprob);
+        out->top_logprobs.push_back(tok.top);
+    }
+    bool stop_token = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok.token) !=
+                      sp.stop_token_ids.end();
+    if (!sp.ignore_eos) {
+        const auto& ids = tk.stop_ids();
+        stop_token = stop_token || std::find(ids.begin(), ids.end(), tok.token) != ids.end();
+    }
+    if (stop_token) {
+        Finish(s, FinishReason::kStop, out);
+        return;
+    }
+    std::string text;
+    s->pending_bytes += tk.TokenBytes(tok.token);
+    TakeCompleteUtf8(&s->pending_bytes, &text, false);
+    s->held += text;
+    for (const std::string& stop : sp.stop) {
+        size_t at = s->held.find(stop);
+        if (at != std::string::npos) {
+            s->held.resize(at);
+            s->pending_bytes.clear();
+            Finish(s, FinishReason::kStop, out);
+            return;
+        }
+    }
+    if (s->num_output >= sp.max_tokens ||
+        static_cast<int>(s->tokens.size()) >= config_.max_model_len) {
+        Finish(s, FinishReason::kLength, out);
+        return;
+    }
+    // Emit all but what could still be the start of a stop string (whole characters only).
+    size_t keep = s->max_stop > 0 ? s->max_stop - 1 : 0;
+    if (s->held.size() > keep) {
+        size_t cut = s->held.size() - keep;
+        while (cut > 0 && (static_cast<unsigned char>(s->held[cut]) & 0xc0) == 0x80 &&
+               cut < s->held.size()) {
+            --cut;
+        }
+        out->text = s->held.substr(0, cut);
+        s->held.erase(0, cut);
+    }
+    out->prompt_tokens = s->prompt_len;
+    out->completion_tokens = s->num_output;
+    out->cached_tokens = s->cached_tokens;
+    s->req.on_output(*out);
+}
+
+void Engine::Finish(Sequence* s, FinishReason reason, RequestOutput* out) {
+    TakeCompleteUtf8(&s->pending_bytes, &s->held, true);
+    out->text += s->held;
+    s->held.clear();
+    out->finish = reason;
+    out->prompt_tokens = s->prompt_len;
+    out->completion_tokens = s->num_output;
+    out->cached_tokens = s->cached_tokens;
+    pool_->Free(s->blocks);
+    s->blocks.clear();
+    ++counters_.requests_finished;
+    {
+        std::lock_guard lock(mu_);
+        live_ids_.erase(s->req.id);
+    }
+    if (s->req.on_output) s->req.on_output(*out);
+}
+
+void Engine::PublishStats() {
+    counters_.running = static_cast<int>(running_.size());
+    counters_.kv_blocks_used = pool_->num_used();
+    std::lock_guard lock(mu_);
+    int waiting = static_cast<int>(waiting_.size() + inbox_.size());
+    stats_ = counters_;
+    stats_.waiting = waiting;
+}
+
+EngineStats Engine::Stats() const {
+    std::lock_guard lock(mu_);
+    return stats_;
+}
+
+}  // namespace ferry::engine

@@ -1,0 +1,154 @@
+// The inference engine: requests in, tokens out. One step loop runs continuous batching over the
+// paged KV cache (vLLM v1's scheduler): every step it gives running sequences their next token or
+// prefill chunk, then admits waiting ones while the token budget (max_batched_tokens), the
+// sequence limit and free blocks last; prompt chunks and decode tokens share one forward pass.
+// Prompts start from the longest cached prefix (automatic prefix caching). When blocks run out,
+// the most recently admitted sequence is preempted: its blocks are freed and it is recomputed
+// later from its prompt and the tokens it already produced.
+//
+// Thread-safety: Submit, Abort and Stats may be called from any thread. Output callbacks run on
+// the step thread and must not block.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "ferry/status.h"
+#include "kv/block_pool.h"
+#include "kv/kv_cache.h"
+#include "model/model.h"
+#include "model/sampler.h"
+
+namespace ferry::engine {
+
+struct EngineConfig {
+    int block_tokens = 16;
+    int num_blocks = 0;                      // 0: as many as kv_cache_bytes holds
+    uint64_t kv_cache_bytes = 256ull << 20;  // all ranks together
+    kv::KvDtype kv_dtype = kv::KvDtype::kF32;
+    int max_num_seqs = 64;
+    int max_batched_tokens = 2048;
+    bool chunked_prefill = true;
+    int max_prefill_chunk = 0;  // > 0: at most this many prompt tokens of one sequence per step
+    bool prefix_caching = true;
+    int max_model_len = 0;  // 0: the model's context length
+    // No step thread: the owner calls Step() (deterministic batching for tests and benchmarks).
+    bool manual_steps = false;
+    // Where the KV tensors live (one allocation per rank); default anonymous memory.
+    kv::KvAllocator allocator;
+};
+
+enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort, kError };
+const char* FinishReasonName(FinishReason r);  // "stop" | "length" | "abort" | "error"
+
+// What one step produced for one request.
+struct RequestOutput {
+    std::vector<int32_t> tokens;  // newly sampled
+    std::vector<float> logprobs;  // of each token (when asked)
+    std::vector<std::vector<std::pair<int32_t, float>>> top_logprobs;
+    std::string text;  // new text; complete UTF-8, held back while a stop string may be forming
+    FinishReason finish = FinishReason::kNone;
+    Status error;  // when finish == kError
+    int prompt_tokens = 0;
+    int completion_tokens = 0;  // so far
+    int cached_tokens = 0;      // prompt tokens served from the prefix cache
+};
+using OutputCallback = std::function<void(const RequestOutput&)>;
+
+struct Request {
+    std::string id;
+    std::vector<int32_t> prompt;
+    model::SamplingParams sampling;
+    OutputCallback on_output;
+};
+
+struct EngineStats {
+    int running = 0;
+    int waiting = 0;
+    int kv_blocks_total = 0;
+    int kv_blocks_used = 0;
+    uint64_t prefix_query_tokens = 0;
+    uint64_t prefix_hit_tokens = 0;
+    uint64_t prompt_tokens = 0;  // computed, excluding prefix hits
+    uint64_t generation_tokens = 0;
+    uint64_t preemptions = 0;
+    uint64_t steps = 0;
+    uint64_t requests_finished = 0;
+};
+
+class Engine {
+  public:
+    // Sizes and allocates the KV cache of every rank and starts the step thread.
+    // InvalidArgument for an inconsistent config; ResourceExhausted if the cache cannot be had.
+    static Result<std::unique_ptr<Engine>> Create(std::shared_ptr<model::Model> model,
+                                                  const EngineConfig& config);
+    // Aborts what is in flight (callbacks get kAbort) and stops the step thread.
+    ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    // Queues a request. InvalidArgument for an empty prompt, a token outside the vocabulary, bad
+    // sampling parameters, or a prompt plus max_tokens that exceeds max_model_len or the whole
+    // cache; AlreadyExists for an id in use. Never blocks on the step loop.
+    Status Submit(Request request);
+    // Ends a request (client gone): its blocks are freed at the next step and its callback gets
+    // kAbort. Unknown or finished ids are ignored.
+    void Abort(const std::string& id);
+
+    // Manual mode: runs one step; returns false when there was nothing to do.
+    bool Step();
+    // Manual mode: steps until no request is left.
+    void RunUntilIdle();
+
+    EngineStats Stats() const;
+    const EngineConfig& config() const { return config_; }
+    const model::Model& model() const { return *model_; }
+    int max_model_len() const { return config_.max_model_len; }
+    // The KV caches (one per rank), e.g. to register them with a transfer Agent.
+    const std::vector<std::unique_ptr<kv::KvCache>>& caches() const { return caches_; }
+
+  private:
+    struct Sequence;
+    Engine(std::shared_ptr<model::Model> model, const EngineConfig& config);
+    void Loop();
+    void DrainInbox();
+    void Schedule(std::vector<std::pair<Sequence*, int>>* plan);
+    void Preempt(Sequence* s);
+    void Finish(Sequence* s, FinishReason reason, RequestOutput* out);
+    void ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOutput* out);
+    void CommitFullBlocks(Sequence* s);
+    void PublishStats();
+
+    std::shared_ptr<model::Model> model_;
+    EngineConfig config_;
+    std::vector<std::unique_ptr<kv::KvCache>> caches_;
+    std::vector<kv::KvCache*> cache_ptrs_;
+    std::unique_ptr<kv::KvBlockPool> pool_;
+
+    // Step-thread state.
+    std::deque<std::unique_ptr<Sequence>> waiting_;
+    std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
+    std::vector<float> logits_;
+    EngineStats counters_;
+
+    // Shared with submitters.
+    mutable std::mutex mu_;
+    std::condition_variable cv_;
+    std::vector<std::unique_ptr<Sequence>> inbox_;
+    std::vector<std::string> aborts_;
+    std::unordered_map<std::string, bool> live_ids_;
+    EngineStats stats_;
+    bool stop_ = false;
+    std::thread thread_;
+};
+
+}  // namespace ferry::engine

@@ -1,0 +1,122 @@
+#include "kv/block_pool.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cassert>
+
+namespace ferry::kv {
+
+namespace {
+
+uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t HashBlock(uint64_t parent, std::span<const int32_t> tokens) {
+    uint64_t h = Mix(parent ^ 0x66657272796b7621ull);
+    for (int32_t t : tokens) h = Mix(h ^ static_cast<uint32_t>(t));
+    h = Mix(h ^ tokens.size());
+    return h == 0 ? 1 : h;  // 0 means "no parent"
+}
+
+KvBlockPool::KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching)
+    : block_tokens_(block_tokens), prefix_caching_(prefix_caching), blocks_(num_blocks) {
+    for (BlockId b = 0; b < num_blocks; ++b) {
+        blocks_[b].free_it = free_.insert(free_.end(), b);
+        blocks_[b].in_free = true;
+    }
+}
+
+std::vector<BlockId> KvBlockPool::AcquireCachedPrefix(std::span<const int32_t> tokens,
+                                                      size_t max_blocks,
+                                                      std::vector<uint64_t>* hashes) {
+    std::vector<BlockId> out;
+    hashes->clear();
+    if (!prefix_caching_) return out;
+    uint64_t parent = 0;
+    size_t full = std::min(tokens.size() / block_tokens_, max_blocks);
+    for (size_t i = 0; i < full; ++i) {
+        auto chunk = tokens.subspan(i * block_tokens_, block_tokens_);
+        uint64_t h = HashBlock(parent, chunk);
+        auto it = by_hash_.find(h);
+        if (it == by_hash_.end()) break;
+        Block& b = blocks_[it->second];
+        if (b.parent != parent ||
+            !std::equal(chunk.begin(), chunk.end(), b.tokens.begin(), b.tokens.end())) {
+            break;
+        }
+        if (b.refs++ == 0 && b.in_free) {
+            free_.erase(b.free_it);
+            b.in_free = false;
+        }
+        out.push_back(it->second);
+        hashes->push_back(h);
+        parent = h;
+    }
+    return out;
+}
+
+Result<std::vector<BlockId>> KvBlockPool::Allocate(int n) {
+    if (n < 0 || n > num_free()) {
+        return ResourceExhaustedError(
+            fmt::format("kv cache: {} blocks wanted, {} free of {}", n, num_free(), num_blocks()));
+    }
+    std::vector<BlockId> out;
+    out.reserve(n);
+    for (int i = 0; i < n; ++i) {
+        BlockId b = free_.front();
+        free_.pop_front();
+        Block& blk = blocks_[b];
+        blk.in_free = false;
+        if (blk.cached) Uncache(b);
+        blk.refs = 1;
+        out.push_back(b);
+    }
+    return out;
+}
+
+void KvBlockPool::Free(std::span<const BlockId> blocks) {
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+        Block& b = blocks_[*it];
+        assert(b.refs > 0);
+        if (--b.refs == 0) {
+            // Uncached blocks are reused first; cached ones queue behind them in LRU order.
+            b.free_it =
+                b.cached ? free_.insert(free_.end(), *it) : free_.insert(free_.begin(), *it);
+            b.in_free = true;
+        }
+    }
+}
+
+void KvBlockPool::Cache(BlockId block, uint64_t hash, uint64_t parent,
+                        std::span<const int32_t> tokens) {
+    if (!prefix_caching_) return;
+    Block& b = blocks_[block];
+    if (b.cached || by_hash_.count(hash)) return;
+    b.cached = true;
+    b.hash = hash;
+    b.parent = parent;
+    b.tokens.assign(tokens.begin(), tokens.end());
+    by_hash_[hash] = block;
+}
+
+void KvBlockPool::Uncache(BlockId b) {
+    Block& blk = blocks_[b];
+    by_hash_.erase(blk.hash);
+    blk.cached = false;
+    blk.tokens.clear();
+}
+
+void KvBlockPool::ResetCache() {
+    for (BlockId b = 0; b < num_blocks(); ++b) {
+        if (blocks_[b].cached) Uncache(b);
+    }
+}
+
+}  // namespace ferry::kv

@@ -1,0 +1,583 @@
+#include "model/model.h"
+
+#include <cblas.h>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "core/half.h"
+
+namespace ferry::model {
+
+namespace {
+
+Result<uint64_t> Key(const GgufFile& f, const std::string& key) { return f.GetUint(key); }
+
+Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
+                                     std::vector<uint64_t> dims) {
+    const GgufTensor* t = f.FindTensor(name);
+    if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
+    if (t->dims != dims) {
+        auto show = [](const std::vector<uint64_t>& d) {
+            std::string s;
+            for (uint64_t v : d) s += (s.empty() ? "" : ", ") + std::to_string(v);
+            return "[" + s + "]";
+        };
+        return InvalidArgumentError(fmt::format("{}: tensor {} has dims {}, expected {}", f.path(),
+                                                name, show(t->dims), show(dims)));
+    }
+    std::vector<float> out(t->elements());
+    switch (t->type) {
+        case TensorType::kF32:
+            std::memcpy(out.data(), t->data, out.size() * 4);
+            break;
+        case TensorType::kF16:
+            for (size_t i = 0; i < out.size(); ++i) {
+                uint16_t h;
+                std::memcpy(&h, t->data + 2 * i, 2);
+                out[i] = F16ToFloat(h);
+            }
+            break;
+        case TensorType::kBF16:
+            for (size_t i = 0; i < out.size(); ++i) {
+                uint16_t h;
+                std::memcpy(&h, t->data + 2 * i, 2);
+                out[i] = Bf16ToFloat(h);
+            }
+            break;
+    }
+    return out;
+}
+
+// Rows [r0, r1) of a row-major [rows][cols] matrix.
+std::vector<float> Rows(const std::vector<float>& m, size_t cols, size_t r0, size_t r1) {
+    return std::vector<float>(m.begin() + static_cast<std::ptrdiff_t>(r0 * cols),
+                              m.begin() + static_cast<std::ptrdiff_t>(r1 * cols));
+}
+
+// Columns [c0, c1) of a row-major [rows][cols] matrix.
+std::vector<float> Cols(const std::vector<float>& m, size_t rows, size_t cols, size_t c0,
+                        size_t c1) {
+    std::vector<float> out(rows * (c1 - c0));
+    for (size_t r = 0; r < rows; ++r) {
+        std::memcpy(&out[r * (c1 - c0)], &m[r * cols + c0], (c1 - c0) * 4);
+    }
+    return out;
+}
+
+void Append(std::vector<float>* dst, const std::vector<float>& src) {
+    dst->insert(dst->end(), src.begin(), src.end());
+}
+
+void RmsNorm(const float* x, const float* w, int dim, float eps, float* out) {
+    double ss = 0;
+    for (int i = 0; i < dim; ++i) ss += double(x[i]) * x[i];
+    float scale = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+    for (int i = 0; i < dim; ++i) out[i] = x[i] * scale * w[i];
+}
+
+// C[m][n] = A[m][k] * B[n][k]^T (B row-major [n][k]: a weight stored [out][in]).
+void MatMulT(int m, int n, int k, const float* a, int lda, const float* b, float* c, int ldc) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, k, 0.0f, c, ldc);
+}
+
+}  // namespace
+
+// --- config ------------------------------------------------------------------------------------
+
+Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
+    auto arch = f.GetString("general.architecture");
+    if (!arch.ok()) return InvalidArgumentError(f.path() + ": general.architecture is missing");
+    if (*arch != "llama") {
+        return InvalidArgumentError(
+            fmt::format("{}: architecture '{}' is not supported (llama only)", f.path(), *arch));
+    }
+    ModelConfig c;
+    auto name = f.GetString("general.name");
+    c.name = name.ok() ? *name : f.path().substr(f.path().find_last_of('/') + 1);
+    auto get = [&](const char* key, int* out, bool required, int fallback) -> Status {
+        auto v = Key(f, key);
+        if (!v.ok()) {
+            if (required || v.status().code() != Code::kNotFound) {
+                return InvalidArgumentError(fmt::format("{}: {}", f.path(), v.status().message()));
+            }
+            *out = fallback;
+            return Status::Ok();
+        }
+        if (*v == 0 || *v > (1u << 24)) {
+            return InvalidArgumentError(
+                fmt::format("{}: {} = {} is out of range", f.path(), key, *v));
+        }
+        *out = static_cast<int>(*v);
+        return Status::Ok();
+    };
+    FERRY_RETURN_IF_ERROR(get("llama.embedding_length", &c.dim, true, 0));
+    FERRY_RETURN_IF_ERROR(get("llama.block_count", &c.num_layers, true, 0));
+    FERRY_RETURN_IF_ERROR(get("llama.attention.head_count", &c.num_heads, true, 0));
+    FERRY_RETURN_IF_ERROR(
+        get("llama.attention.head_count_kv", &c.num_kv_heads, false, c.num_heads));
+    FERRY_RETURN_IF_ERROR(get("llama.feed_forward_length", &c.ffn_dim, true, 0));
+    FERRY_RETURN_IF_ERROR(get("llama.context_length", &c.context_length, false, 2048));
+    FERRY_RETURN_IF_ERROR(get("llama.attention.key_length", &c.head_dim, false,
+                              c.num_heads ? c.dim / c.num_heads : 0));
+    auto theta = f.GetFloat("llama.rope.freq_base");
+    if (theta.ok()) c.rope_theta = static_cast<float>(*theta);
+    auto eps = f.GetFloat("llama.attention.layer_norm_rms_epsilon");
+    if (eps.ok()) c.norm_eps = static_cast<float>(*eps);
+    const GgufTensor* emb = f.FindTensor("token_embd.weight");
+    if (!emb || emb->dims.size() != 2) {
+        return InvalidArgumentError(f.path() + ": tensor token_embd.weight is missing or not 2-D");
+    }
+    c.vocab_size = static_cast<int>(std::min<uint64_t>(emb->dims[1], 1u << 24));
+    c.tied_embeddings = f.FindTensor("output.weight") == nullptr;
+    FERRY_RETURN_IF_ERROR(c.Validate().WithContext(f.path()));
+    return c;
+}
+
+Status ModelConfig::Validate() const {
+    if (dim <= 0 || num_layers <= 0 || num_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0 ||
+        ffn_dim <= 0 || vocab_size <= 0 || context_length <= 0) {
+        return InvalidArgumentError("model config: every dimension must be positive");
+    }
+    if (num_heads % num_kv_heads != 0) {
+        return InvalidArgumentError(fmt::format(
+            "model config: {} heads are not a multiple of {} kv heads", num_heads, num_kv_heads));
+    }
+    if (head_dim % 2 != 0) {
+        return InvalidArgumentError(fmt::format("model config: head dim {} is odd", head_dim));
+    }
+    if (!(rope_theta > 0) || !(norm_eps > 0)) {
+        return InvalidArgumentError("model config: rope theta and norm eps must be positive");
+    }
+    return Status::Ok();
+}
+
+uint64_t ModelConfig::ParamCount() const {
+    uint64_t per_layer = uint64_t(dim) * head_dim * (2 * num_heads + 2 * num_kv_heads) +
+                         3ull * dim * ffn_dim + 2ull * dim;
+    return per_layer * num_layers + uint64_t(vocab_size) * dim * (tied_embeddings ? 1 : 2) + dim;
+}
+
+// --- ranks -------------------------------------------------------------------------------------
+
+struct Model::Layer {
+    std::vector<float> wqkv;   // [(q + 2 kv) * head_dim][dim]
+    std::vector<float> wo;     // [dim][q * head_dim]
+    std::vector<float> wgu;    // [2 ffn][dim]: gate rows, then up rows
+    std::vector<float> wdown;  // [dim][ffn]
+};
+
+struct Model::Rank {
+    int q_heads = 0, kv_heads = 0, ffn = 0;
+    int vocab_begin = 0, vocab_end = 0;
+    std::vector<Layer> layers;
+    std::vector<float> attn_norm, ffn_norm;  // [layers][dim], shared values
+    std::vector<float> wout;                 // [vocab_end - vocab_begin][dim]
+    // Workspace, grown as needed.
+    std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, sel;
+};
+
+class Model::RankPool {
+  public:
+    explicit RankPool(int n) : n_(n), barrier_(n) {
+        for (int r = 1; r < n; ++r) threads_.emplace_back([this, r] { Loop(r); });
+    }
+    ~RankPool() {
+        {
+            std::lock_guard lock(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto& t : threads_) t.join();
+    }
+    // Runs fn(r) for every rank, rank 0 on the caller, and returns when all are done.
+    void Run(const std::function<void(int)>& fn) {
+        if (n_ == 1) {
+            fn(0);
+            return;
+        }
+        {
+            std::lock_guard lock(mu_);
+            fn_ = &fn;
+            pending_ = n_ - 1;
+            ++generation_;
+        }
+        cv_.notify_all();
+        fn(0);
+        std::unique_lock lock(mu_);
+        done_cv_.wait(lock, [&] { return pending_ == 0; });
+        fn_ = nullptr;
+    }
+    void Sync() {
+        if (n_ > 1) barrier_.arrive_and_wait();
+    }
+
+  private:
+    void Loop(int r) {
+        uint64_t seen = 0;
+        for (;;) {
+            const std::function<void(int)>* fn;
+            {
+                std::unique_lock lock(mu_);
+                cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+                if (stop_) return;
+                seen = generation_;
+                fn = fn_;
+            }
+            (*fn)(r);
+            {
+                std::lock_guard lock(mu_);
+                if (--pending_ == 0) done_cv_.notify_one();
+            }
+        }
+    }
+
+    int n_;
+    std::barrier<> barrier_;
+    std::mutex mu_;
+    std::condition_variable cv_, done_cv_;
+    const std::function<void(int)>* fn_ = nullptr;
+    uint64_t generation_ = 0;
+    int pending_ = 0;
+    bool stop_ = false;
+    std::vector<std::thread> threads_;
+};
+
+// --- loading -----------------------------------------------------------------------------------
+
+Model::~Model() = default;
+
+Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelOptions& options) {
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> file, GgufFile::Open(path));
+    std::unique_ptr<Model> m(new Model());
+    FERRY_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromGguf(*file));
+    FERRY_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*file));
+    if (m->tokenizer_->vocab_size() > m->config_.vocab_size) {
+        return InvalidArgumentError(
+            fmt::format("{}: the tokenizer has {} tokens but the embedding only {} rows", path,
+                        m->tokenizer_->vocab_size(), m->config_.vocab_size));
+    }
+    const ModelConfig& c = m->config_;
+    const int tp = options.tp;
+    if (tp < 1 || tp > 64 || c.num_heads % tp || c.num_kv_heads % tp || c.ffn_dim % tp) {
+        return InvalidArgumentError(
+            fmt::format("tp {} must divide the {} heads, {} kv heads and MLP width {} of {}", tp,
+                        c.num_heads, c.num_kv_heads, c.ffn_dim, path));
+    }
+    m->tp_ = tp;
+    FERRY_RETURN_IF_ERROR(m->LoadWeights(*file));
+    m->pool_ = std::make_unique<RankPool>(tp);
+    if (tp > 1) {
+        // Each rank calls sgemm on its own thread: share the cores out instead of oversubscribing.
+        int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+        openblas_set_num_threads(std::max(1, cores / tp));
+    }
+    return m;
+}
+
+Status Model::LoadWeights(const GgufFile& f) {
+    const ModelConfig& c = config_;
+    const auto dim = static_cast<uint64_t>(c.dim);
+    const auto hd = static_cast<uint64_t>(c.head_dim);
+    const auto vocab = static_cast<uint64_t>(c.vocab_size);
+    FERRY_ASSIGN_OR_RETURN(embedding_, TensorF32(f, "token_embd.weight", {dim, vocab}));
+    FERRY_ASSIGN_OR_RETURN(output_norm_, TensorF32(f, "output_norm.weight", {dim}));
+    std::vector<float> out_w;
+    if (!c.tied_embeddings) {
+        FERRY_ASSIGN_OR_RETURN(out_w, TensorF32(f, "output.weight", {dim, vocab}));
+    }
+    const std::vector<float>& head = c.tied_embeddings ? embedding_ : out_w;
+
+    rope_freq_.resize(hd / 2);
+    std::vector<float> factors;
+    if (f.FindTensor("rope_freqs.weight")) {
+        FERRY_ASSIGN_OR_RETURN(factors, TensorF32(f, "rope_freqs.weight", {hd / 2}));
+    }
+    for (uint64_t i = 0; i < hd / 2; ++i) {
+        double inv = std::pow(double(c.rope_theta), -2.0 * double(i) / double(hd));
+        if (!factors.empty() && factors[i] > 0) inv /= factors[i];
+        rope_freq_[i] = static_cast<float>(inv);
+    }
+
+    ranks_.clear();
+    for (int r = 0; r < tp_; ++r) {
+        auto rank = std::make_unique<Rank>();
+        rank->q_heads = c.num_heads / tp_;
+        rank->kv_heads = c.num_kv_heads / tp_;
+        rank->ffn = c.ffn_dim / tp_;
+        rank->vocab_begin = static_cast<int>(vocab * r / tp_);
+        rank->vocab_end = static_cast<int>(vocab * (r + 1) / tp_);
+        rank->wout = Rows(head, dim, rank->vocab_begin, rank->vocab_end);
+        rank->layers.resize(c.num_layers);
+        ranks_.push_back(std::move(rank));
+    }
+    out_w.clear();
+    out_w.shrink_to_fit();
+
+    const uint64_t q_rows = uint64_t(c.num_heads) * hd, kv_rows = uint64_t(c.num_kv_heads) * hd;
+    const auto ffn = static_cast<uint64_t>(c.ffn_dim);
+    for (int l = 0; l < c.num_layers; ++l) {
+        std::string p = fmt::format("blk.{}.", l);
+        FERRY_ASSIGN_OR_RETURN(auto an, TensorF32(f, p + "attn_norm.weight", {dim}));
+        FERRY_ASSIGN_OR_RETURN(auto fn, TensorF32(f, p + "ffn_norm.weight", {dim}));
+        FERRY_ASSIGN_OR_RETURN(auto wq, TensorF32(f, p + "attn_q.weight", {dim, q_rows}));
+        FERRY_ASSIGN_OR_RETURN(auto wk, TensorF32(f, p + "attn_k.weight", {dim, kv_rows}));
+        FERRY_ASSIGN_OR_RETURN(auto wv, TensorF32(f, p + "attn_v.weight", {dim, kv_rows}));
+        FERRY_ASSIGN_OR_RETURN(auto wo, TensorF32(f, p + "attn_output.weight", {q_rows, dim}));
+        FERRY_ASSIGN_OR_RETURN(auto wg, TensorF32(f, p + "ffn_gate.weight", {dim, ffn}));
+        FERRY_ASSIGN_OR_RETURN(auto wu, TensorF32(f, p + "ffn_up.weight", {dim, ffn}));
+        FERRY_ASSIGN_OR_RETURN(auto wd, TensorF32(f, p + "ffn_down.weight", {ffn, dim}));
+        for (int r = 0; r < tp_; ++r) {
+            Rank& rk = *ranks_[r];
+            Layer& L = rk.layers[l];
+            const uint64_t q0 = uint64_t(r) * rk.q_heads * hd, q1 = q0 + rk.q_heads * hd;
+            const uint64_t k0 = uint64_t(r) * rk.kv_heads * hd, k1 = k0 + rk.kv_heads * hd;
+            const uint64_t f0 = uint64_t(r) * rk.ffn, f1 = f0 + rk.ffn;
+            L.wqkv = Rows(wq, dim, q0, q1);
+            Append(&L.wqkv, Rows(wk, dim, k0, k1));
+            Append(&L.wqkv, Rows(wv, dim, k0, k1));
+            L.wo = Cols(wo, dim, q_rows, q0, q1);
+            L.wgu = Rows(wg, dim, f0, f1);
+            Append(&L.wgu, Rows(wu, dim, f0, f1));
+            L.wdown = Cols(wd, dim, ffn, f0, f1);
+            Append(&rk.attn_norm, an);
+            Append(&rk.ffn_norm, fn);
+        }
+    }
+    return Status::Ok();
+}
+
+kv::KvCacheSpec Model::CacheSpec(int block_tokens, int num_blocks, kv::KvDtype dtype) const {
+    kv::KvCacheSpec s;
+    s.num_layers = config_.num_layers;
+    s.kv_heads = config_.num_kv_heads / tp_;
+    s.head_dim = config_.head_dim;
+    s.block_tokens = block_tokens;
+    s.num_blocks = num_blocks;
+    s.dtype = dtype;
+    return s;
+}
+
+// --- forward -----------------------------------------------------------------------------------
+
+Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* const> caches,
+                      float* logits) {
+    const ModelConfig& c = config_;
+    if (static_cast<int>(caches.size()) != tp_) {
+        return InvalidArgumentError(
+            fmt::format("forward: {} caches for tp {}", caches.size(), tp_));
+    }
+    const kv::KvCacheSpec& spec = caches[0]->spec();
+    for (kv::KvCache* cache : caches) {
+        const kv::KvCacheSpec& s = cache->spec();
+        if (s.num_layers != c.num_layers || s.kv_heads != c.num_kv_heads / tp_ ||
+            s.head_dim != c.head_dim || s.block_tokens != spec.block_tokens ||
+            s.num_blocks != spec.num_blocks) {
+            return InvalidArgumentError("forward: a kv cache does not match the model");
+        }
+    }
+    int total = 0;
+    for (const SeqChunk& ch : batch) {
+        if (ch.tokens.empty()) return InvalidArgumentError("forward: a chunk has no tokens");
+        if (ch.start_pos < 0 ||
+            ch.start_pos + static_cast<int>(ch.tokens.size()) > c.context_length) {
+            return InvalidArgumentError(
+                fmt::format("forward: positions {}..{} exceed the context length {}", ch.start_pos,
+                            ch.start_pos + ch.tokens.size(), c.context_length));
+        }
+        size_t need = (ch.start_pos + ch.tokens.size() + spec.block_tokens - 1) / spec.block_tokens;
+        if (ch.block_table.size() < need) {
+            return InvalidArgumentError(fmt::format("forward: {} blocks for {} tokens",
+                                                    ch.block_table.size(),
+                                                    ch.start_pos + ch.tokens.size()));
+        }
+        for (size_t i = 0; i < need; ++i) {
+            if (ch.block_table[i] < 0 || ch.block_table[i] >= spec.num_blocks) {
+                return InvalidArgumentError(
+                    fmt::format("forward: block id {} out of range", ch.block_table[i]));
+            }
+        }
+        for (int32_t t : ch.tokens) {
+            if (t < 0 || t >= c.vocab_size) {
+                return InvalidArgumentError(
+                    fmt::format("forward: token id {} outside the vocabulary", t));
+            }
+        }
+        total += static_cast<int>(ch.tokens.size());
+    }
+    if (total == 0) return Status::Ok();
+
+    num_tokens_ = total;
+    x_.resize(size_t(total) * c.dim);
+    positions_.resize(total);
+    logit_rows_.clear();
+    int row = 0;
+    for (const SeqChunk& ch : batch) {
+        for (size_t i = 0; i < ch.tokens.size(); ++i, ++row) {
+            std::memcpy(&x_[size_t(row) * c.dim], &embedding_[size_t(ch.tokens[i]) * c.dim],
+                        size_t(c.dim) * 4);
+            positions_[row] = ch.start_pos + static_cast<int>(i);
+        }
+        if (ch.want_logits) logit_rows_.push_back(row - 1);
+    }
+    pool_->Run([&](int r) { RankForward(r, batch, caches[r], logits); });
+    return Status::Ok();
+}
+
+void Model::AllReduceAdd(int r, float* x, int rows) {
+    // Every rank's partial is ready after the first barrier; each rank then adds a slice of the
+    // rows (the same order of ranks for every row, so results do not depend on who sums).
+    pool_->Sync();
+    const int dim = config_.dim;
+    int r0 = rows * r / tp_, r1 = rows * (r + 1) / tp_;
+    for (int t = r0; t < r1; ++t) {
+        float* dst = x + size_t(t) * dim;
+        if (tp_ == 1) {
+            const float* p = &ranks_[0]->partial[size_t(t) * dim];
+            for (int i = 0; i < dim; ++i) dst[i] += p[i];
+            continue;
+        }
+        for (int i = 0; i < dim; ++i) {
+            float sum = 0;
+            for (int k = 0; k < tp_; ++k) sum += ranks_[k]->partial[size_t(t) * dim + i];
+            dst[i] += sum;
+        }
+    }
+    pool_->Sync();
+}
+
+void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits) {
+    const ModelConfig& c = config_;
+    Rank& rk = *ranks_[r];
+    const int T = num_tokens_, dim = c.dim, hd = c.head_dim;
+    const int qw = rk.q_heads * hd, kvw = rk.kv_heads * hd, W = qw + 2 * kvw;
+    const int group = rk.q_heads / rk.kv_heads;
+    const int bt = cache->spec().block_tokens;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    rk.xn.resize(size_t(T) * dim);
+    rk.qkv.resize(size_t(T) * W);
+    rk.attn.resize(size_t(T) * qw);
+    rk.partial.resize(size_t(T) * dim);
+    rk.gu.resize(size_t(T) * 2 * rk.ffn);
+    rk.act.resize(size_t(T) * rk.ffn);
+    int max_ctx = 0;
+    for (const SeqChunk& ch : batch) {
+        max_ctx = std::max(max_ctx, ch.start_pos + static_cast<int>(ch.tokens.size()));
+    }
+    const int max_blocks = (max_ctx + bt - 1) / bt;
+    rk.kbuf.resize(size_t(max_blocks) * bt * hd);
+    rk.vbuf.resize(size_t(max_blocks) * bt * hd);
+
+    for (int l = 0; l < c.num_layers; ++l) {
+        const Layer& L = rk.layers[l];
+        // Attention.
+        for (int t = 0; t < T; ++t) {
+            RmsNorm(&x_[size_t(t) * dim], &rk.attn_norm[size_t(l) * dim], dim, c.norm_eps,
+                    &rk.xn[size_t(t) * dim]);
+        }
+        MatMulT(T, W, dim, rk.xn.data(), dim, L.wqkv.data(), rk.qkv.data(), W);
+        for (int t = 0; t < T; ++t) {  // RoPE on q and k heads: pairs (2i, 2i+1)
+            float* row = &rk.qkv[size_t(t) * W];
+            const auto pos = static_cast<float>(positions_[t]);
+            for (int i = 0; i < hd / 2; ++i) {
+                float theta = pos * rope_freq_[i];
+                float cs = std::cos(theta), sn = std::sin(theta);
+                for (int h = 0; h < rk.q_heads + rk.kv_heads; ++h) {
+                    float* v = row + h * hd + 2 * i;
+                    float a = v[0], b = v[1];
+                    v[0] = a * cs - b * sn;
+                    v[1] = a * sn + b * cs;
+                }
+            }
+        }
+        int t0 = 0;
+        for (const SeqChunk& ch : batch) {
+            const int n = static_cast<int>(ch.tokens.size());
+            const int p0 = ch.start_pos, ctx = p0 + n;
+            // Store this chunk's K and V, one run of slots per block.
+            for (int i = 0; i < n;) {
+                int pos = p0 + i;
+                int block = ch.block_table[pos / bt], slot = pos % bt;
+                int cnt = std::min(n - i, bt - slot);
+                const float* krow = &rk.qkv[size_t(t0 + i) * W + qw];
+                for (int h = 0; h < rk.kv_heads; ++h) {
+                    cache->Store(l, false, block, h, slot, cnt, krow + h * hd, W);
+                    cache->Store(l, true, block, h, slot, cnt, krow + kvw + h * hd, W);
+                }
+                i += cnt;
+            }
+            rk.scores.resize(size_t(n) * ctx);
+            for (int h = 0; h < rk.kv_heads; ++h) {
+                for (int j = 0; j * bt < ctx; ++j) {
+                    int cnt = std::min(bt, ctx - j * bt);
+                    cache->Load(l, false, ch.block_table[j], h, cnt, &rk.kbuf[size_t(j) * bt * hd]);
+                    cache->Load(l, true, ch.block_table[j], h, cnt, &rk.vbuf[size_t(j) * bt * hd]);
+                }
+                for (int g = 0; g < group; ++g) {
+                    const int qh = h * group + g;
+                    float* s = rk.scores.data();
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, ctx, hd, scale,
+                                &rk.qkv[size_t(t0) * W + qh * hd], W, rk.kbuf.data(), hd, 0.0f, s,
+                                ctx);
+                    for (int i = 0; i < n; ++i) {
+                        float* srow = s + size_t(i) * ctx;
+                        const int valid = p0 + i + 1;
+                        float mx = srow[0];
+                        for (int k = 1; k < valid; ++k) mx = std::max(mx, srow[k]);
+                        float sum = 0;
+                        for (int k = 0; k < valid; ++k) {
+                            srow[k] = std::exp(srow[k] - mx);
+                            sum += srow[k];
+                        }
+                        const float inv = 1.0f / sum;
+                        for (int k = 0; k < valid; ++k) srow[k] *= inv;
+                        std::fill(srow + valid, srow + ctx, 0.0f);
+                    }
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, hd, ctx, 1.0f, s, ctx,
+                                rk.vbuf.data(), hd, 0.0f, &rk.attn[size_t(t0) * qw + qh * hd], qw);
+                }
+            }
+            t0 += n;
+        }
+        MatMulT(T, dim, qw, rk.attn.data(), qw, L.wo.data(), rk.partial.data(), dim);
+        AllReduceAdd(r, x_.data(), T);
+
+        // MLP.
+        for (int t = 0; t < T; ++t) {
+            RmsNorm(&x_[size_t(t) * dim], &rk.ffn_norm[size_t(l) * dim], dim, c.norm_eps,
+                    &rk.xn[size_t(t) * dim]);
+        }
+        const int F = rk.ffn;
+        MatMulT(T, 2 * F, dim, rk.xn.data(), dim, L.wgu.data(), rk.gu.data(), 2 * F);
+        for (int t = 0; t < T; ++t) {
+            const float* gu = &rk.gu[size_t(t) * 2 * F];
+            float* a = &rk.act[size_t(t) * F];
+            for (int i = 0; i < F; ++i) {
+                float g = gu[i];
+                a[i] = g / (1.0f + std::exp(-g)) * gu[F + i];
+            }
+        }
+        MatMulT(T, dim, F, rk.act.data(), F, L.wdown.data(), rk.partial.data(), dim);
+        AllReduceAdd(r, x_.data(), T);
+    }
+
+    // Output head: this rank's slice of the vocabulary for the rows that want logits.
+    const int nl = static_cast<int>(logit_rows_.size());
+    if (nl == 0) return;
+    rk.sel.resize(size_t(nl) * dim);
+    for (int i = 0; i < nl; ++i) {
+        RmsNorm(&x_[size_t(logit_rows_[i]) * dim], output_norm_.data(), dim, c.norm_eps,
+                &rk.sel[size_t(i) * dim]);
+    }
+    MatMulT(nl, rk.vocab_end - rk.vocab_begin, dim, rk.sel.data(), dim, rk.wout.data(),
+            logits + rk.vocab_begin, c.vocab_size);
+}
+
+}  // namespace ferry::model

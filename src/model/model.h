@@ -1,0 +1,133 @@
+// A llama-style decoder-only transformer over the paged KV cache: token embedding, RMSNorm, RoPE,
+// grouped-query attention, SwiGLU MLP, tied or separate output head. Weights come from a GGUF
+// file (architecture "llama"; F32, F16 or BF16 tensors, converted to f32 at load). Compute is
+// fp32 with matrix products through OpenBLAS.
+//
+// Tensor parallelism: with tp = N the query and KV heads and the MLP columns are split into N
+// contiguous shards, one per rank; each rank has its own KV cache (its kv heads only) and runs on
+// its own thread; partial outputs are summed after the attention output and MLP down projections
+// (an all-reduce inside the process).
+//
+// Forward() is not thread-safe (one caller at a time: the engine's step loop); the config and
+// tokenizer are immutable.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/status.h"
+#include "kv/block_pool.h"
+#include "kv/kv_cache.h"
+#include "model/gguf.h"
+#include "model/tokenizer.h"
+
+namespace ferry::model {
+
+struct ModelConfig {
+    std::string name;  // general.name, or the file name
+    int vocab_size = 0;
+    int dim = 0;
+    int num_layers = 0;
+    int num_heads = 0;
+    int num_kv_heads = 0;
+    int head_dim = 0;
+    int ffn_dim = 0;
+    int context_length = 0;
+    float rope_theta = 10000.0f;
+    float norm_eps = 1e-5f;
+    bool tied_embeddings = false;
+
+    // Reads llama.* keys; InvalidArgument naming the key that is missing or inconsistent.
+    static Result<ModelConfig> FromGguf(const GgufFile& file);
+    Status Validate() const;
+    uint64_t ParamCount() const;
+};
+
+struct ModelOptions {
+    int tp = 1;  // tensor-parallel ranks (threads)
+};
+
+// One sequence's share of a forward pass: `num_tokens` new tokens at positions
+// [start_pos, start_pos + num_tokens); the KV of positions [0, start_pos) is already in the
+// blocks of `block_table`, which must cover start_pos + num_tokens tokens.
+struct SeqChunk {
+    std::span<const int32_t> tokens;
+    int start_pos = 0;
+    std::span<const kv::BlockId> block_table;
+    bool want_logits = false;  // logits of the chunk's last token
+};
+
+class Model {
+  public:
+    // Maps and loads `path`. InvalidArgument for a file that is not a usable llama GGUF (the
+    // message names the tensor or key), NotFound if missing, and for tp that does not divide the
+    // heads or the MLP.
+    static Result<std::unique_ptr<Model>> Load(const std::string& path,
+                                               const ModelOptions& options = {});
+    ~Model();
+    Model(const Model&) = delete;
+    Model& operator=(const Model&) = delete;
+
+    const ModelConfig& config() const { return config_; }
+    const Tokenizer& tokenizer() const { return *tokenizer_; }
+    Tokenizer& mutable_tokenizer() { return *tokenizer_; }
+    int tp() const { return tp_; }
+    // The KV cache spec of each rank for the given pool geometry.
+    kv::KvCacheSpec CacheSpec(int block_tokens, int num_blocks, kv::KvDtype dtype) const;
+
+    // Runs one step over `batch` (chunks of different sequences; their tokens are processed
+    // together), writes each chunk's K and V into `caches` (one per rank) and the logits of every
+    // chunk with want_logits, in batch order, into `logits` ([n][vocab_size]).
+    // InvalidArgument for a token id outside the vocabulary, a position past the context or a
+    // block table too short; nothing is written then.
+    Status Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* const> caches,
+                   float* logits);
+
+  private:
+    struct Rank;
+    struct Layer;
+    class RankPool;
+    Model() = default;
+    Status LoadWeights(const GgufFile& file);
+    void RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits);
+    void AllReduceAdd(int r, float* x, int rows);
+
+    ModelConfig config_;
+    int tp_ = 1;
+    std::unique_ptr<Tokenizer> tokenizer_;
+    std::vector<float> embedding_;    // [vocab][dim]
+    std::vector<float> output_norm_;  // [dim]
+    std::vector<float> rope_freq_;    // [head_dim / 2] inverse frequencies
+    std::vector<std::unique_ptr<Rank>> ranks_;
+    std::unique_ptr<RankPool> pool_;
+
+    // Per-call state shared by the ranks.
+    std::vector<float> x_;  // residual stream [T][dim]
+    std::vector<int32_t> positions_;
+    std::vector<int> logit_rows_;  // token row of each requested logit
+    int num_tokens_ = 0;
+};
+
+// Deterministic random-weight models for tests, demos and benchmarks (`ferry model init`).
+struct RandomModelSpec {
+    std::string name = "ferry-tiny";
+    int dim = 256;
+    int num_layers = 4;
+    int num_heads = 8;
+    int num_kv_heads = 4;
+    int ffn_dim = 688;
+    int context_length = 4096;
+    float rope_theta = 10000.0f;
+    bool tied_embeddings = false;
+    TensorType dtype = TensorType::kF32;
+};
+// "tiny" (4 layers, dim 256) or "small" (12 layers, dim 768, GQA 12/4, head_dim 64).
+Result<RandomModelSpec> PresetSpec(std::string_view preset);
+// Writes a llama GGUF with a byte-level vocabulary (256 byte tokens plus <|endoftext|>,
+// <|im_start|>, <|im_end|>; gpt2 tokenizer, ChatML template) and weights drawn from `seed`.
+Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::string& path);
+
+}  // namespace ferry::model

@@ -1,0 +1,339 @@
+// The model against a naive reference written here (whole sequence, no paging, no batching,
+// double accumulation), read straight from the GGUF file.
+#include "model/model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "core/half.h"
+#include "testing/testing.h"
+
+namespace ferry::model {
+namespace {
+
+using ::ferry::testing::StatusHas;
+using ::ferry::testing::StatusIs;
+
+RandomModelSpec TestSpec() {
+    RandomModelSpec s;
+    s.name = "test";
+    s.dim = 64;
+    s.num_layers = 2;
+    s.num_heads = 4;
+    s.num_kv_heads = 2;
+    s.ffn_dim = 96;
+    s.context_length = 256;
+    return s;
+}
+
+std::string TempPath(const std::string& name) {
+    return (std::filesystem::temp_directory_path() /
+            (name + "-" + std::to_string(getpid()) + ".gguf"))
+        .string();
+}
+
+// The reference: logits at every position of `tokens`.
+class Reference {
+  public:
+    explicit Reference(const std::string& path) : file_(std::move(GgufFile::Open(path)).value()) {
+        cfg_ = ModelConfig::FromGguf(*file_).value();
+    }
+
+    std::vector<std::vector<double>> Logits(const std::vector<int32_t>& tokens) {
+        const int n = static_cast<int>(tokens.size()), d = cfg_.dim, hd = cfg_.head_dim;
+        const int H = cfg_.num_heads, KV = cfg_.num_kv_heads, F = cfg_.ffn_dim;
+        auto emb = W("token_embd.weight");
+        std::vector<std::vector<double>> x(n, std::vector<double>(d));
+        for (int t = 0; t < n; ++t) {
+            for (int i = 0; i < d; ++i) x[t][i] = emb[size_t(tokens[t]) * d + i];
+        }
+        for (int l = 0; l < cfg_.num_layers; ++l) {
+            std::string p = "blk." + std::to_string(l) + ".";
+            auto an = W(p + "attn_norm.weight"), fn = W(p + "ffn_norm.weight");
+            auto wq = W(p + "attn_q.weight"), wk = W(p + "attn_k.weight");
+            auto wv = W(p + "attn_v.weight"), wo = W(p + "attn_output.weight");
+            auto wg = W(p + "ffn_gate.weight"), wu = W(p + "ffn_up.weight");
+            auto wd = W(p + "ffn_down.weight");
+            std::vector<std::vector<double>> q(n), k(n), v(n);
+            for (int t = 0; t < n; ++t) {
+                auto h = Norm(x[t], an);
+                q[t] = MatVec(wq, h, H * hd);
+                k[t] = MatVec(wk, h, KV * hd);
+                v[t] = MatVec(wv, h, KV * hd);
+                Rope(&q[t], H, t);
+                Rope(&k[t], KV, t);
+            }
+            for (int t = 0; t < n; ++t) {
+                std::vector<double> att(H * hd, 0.0);
+                for (int h = 0; h < H; ++h) {
+                    int kh = h / (H / KV);
+                    std::vector<double> s(t + 1);
+                    double mx = -1e300;
+                    for (int u = 0; u <= t; ++u) {
+                        double dot = 0;
+                        for (int i = 0; i < hd; ++i) dot += q[t][h * hd + i] * k[u][kh * hd + i];
+                        s[u] = dot / std::sqrt(double(hd));
+                        mx = std::max(mx, s[u]);
+                    }
+                    double sum = 0;
+                    for (double& e : s) sum += (e = std::exp(e - mx));
+                    for (int u = 0; u <= t; ++u) {
+                        for (int i = 0; i < hd; ++i) {
+                            att[h * hd + i] += s[u] / sum * v[u][kh * hd + i];
+                        }
+                    }
+                }
+                auto o = MatVec(wo, att, d);
+                for (int i = 0; i < d; ++i) x[t][i] += o[i];
+            }
+            for (int t = 0; t < n; ++t) {
+                auto h = Norm(x[t], fn);
+                auto g = MatVec(wg, h, F), u = MatVec(wu, h, F);
+                for (int i = 0; i < F; ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
+                auto o = MatVec(wd, g, d);
+                for (int i = 0; i < d; ++i) x[t][i] += o[i];
+            }
+        }
+        auto on = W("output_norm.weight");
+        auto head = file_->FindTensor("output.weight") ? W("output.weight") : emb;
+        std::vector<std::vector<double>> out;
+        for (int t = 0; t < n; ++t) out.push_back(MatVec(head, Norm(x[t], on), cfg_.vocab_size));
+        return out;
+    }
+
+    const ModelConfig& config() const { return cfg_; }
+
+  private:
+    std::vector<double> W(const std::string& name) {
+        const GgufTensor* t = file_->FindTensor(name);
+        std::vector<double> out(t->elements());
+        for (size_t i = 0; i < out.size(); ++i) {
+            if (t->type == TensorType::kF32) {
+                float f;
+                std::memcpy(&f, t->data + 4 * i, 4);
+                out[i] = f;
+            } else {
+                uint16_t h;
+                std::memcpy(&h, t->data + 2 * i, 2);
+                out[i] = t->type == TensorType::kF16 ? F16ToFloat(h) : Bf16ToFloat(h);
+            }
+        }
+        return out;
+    }
+    // w is [rows][in] (ggml dims [in, rows]).
+    static std::vector<double> MatVec(const std::vector<double>& w, const std::vector<double>& x,
+                                      int rows) {
+        std::vector<double> y(rows, 0.0);
+        const size_t in = x.size();
+        for (int r = 0; r < rows; ++r) {
+            for (size_t i = 0; i < in; ++i) y[r] += w[r * in + i] * x[i];
+        }
+        return y;
+    }
+    std::vector<double> Norm(const std::vector<double>& x, const std::vector<double>& w) const {
+        double ss = 0;
+        for (double v : x) ss += v * v;
+        double s = 1 / std::sqrt(ss / x.size() + cfg_.norm_eps);
+        std::vector<double> y(x.size());
+        for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * s * w[i];
+        return y;
+    }
+    void Rope(std::vector<double>* v, int heads, int pos) const {
+        const int hd = cfg_.head_dim;
+        for (int h = 0; h < heads; ++h) {
+            for (int i = 0; i < hd / 2; ++i) {
+                double theta = pos * std::pow(double(cfg_.rope_theta), -2.0 * i / hd);
+                double a = (*v)[h * hd + 2 * i], b = (*v)[h * hd + 2 * i + 1];
+                (*v)[h * hd + 2 * i] = a * std::cos(theta) - b * std::sin(theta);
+                (*v)[h * hd + 2 * i + 1] = a * std::sin(theta) + b * std::cos(theta);
+            }
+        }
+    }
+
+    std::unique_ptr<GgufFile> file_;
+    ModelConfig cfg_;
+};
+
+struct Paged {
+    std::vector<std::unique_ptr<kv::KvCache>> caches;
+    std::vector<kv::KvCache*> ptrs;
+};
+
+Paged MakeCaches(const Model& m, int blocks, int block_tokens, kv::KvDtype dtype) {
+    Paged p;
+    for (int r = 0; r < m.tp(); ++r) {
+        p.caches.push_back(
+            std::move(kv::KvCache::Create(m.CacheSpec(block_tokens, blocks, dtype))).value());
+        p.ptrs.push_back(p.caches.back().get());
+    }
+    return p;
+}
+
+std::vector<int32_t> Tokens(int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back((i * 37 + salt * 11 + 5) % 256);
+    return t;
+}
+
+double MaxDiff(const float* got, const std::vector<double>& want) {
+    double d = 0;
+    for (size_t i = 0; i < want.size(); ++i) d = std::max(d, std::abs(got[i] - want[i]));
+    return d;
+}
+
+class ModelTest : public ::testing::TestWithParam<int> {};  // tp
+
+TEST_P(ModelTest, PrefillThenDecodeMatchesReference) {
+    const int tp = GetParam();
+    std::string path = TempPath("model-ref");
+    FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 7, path));
+    Reference ref(path);
+    auto m = std::move(Model::Load(path, {.tp = tp})).value();
+    const int V = m->config().vocab_size;
+    auto tokens = Tokens(40, 1);
+    auto want = ref.Logits(tokens);
+
+    // Blocks deliberately out of order, so paging is exercised.
+    std::vector<kv::BlockId> table = {5, 2, 7, 0, 3, 6};
+    Paged p = MakeCaches(*m, 8, 8, kv::KvDtype::kF32);
+    std::vector<float> logits(V);
+    SeqChunk prefill{std::span(tokens).first(30), 0, table, true};
+    FERRY_ASSERT_OK(m->Forward(std::span(&prefill, 1), p.ptrs, logits.data()));
+    EXPECT_LT(MaxDiff(logits.data(), want[29]), 1e-4);
+    for (int pos = 30; pos < 40; ++pos) {
+        SeqChunk step{std::span(tokens).subspan(pos, 1), pos, table, true};
+        FERRY_ASSERT_OK(m->Forward(std::span(&step, 1), p.ptrs, logits.data()));
+        EXPECT_LT(MaxDiff(logits.data(), want[pos]), 1e-4) << "position " << pos;
+    }
+    std::remove(path.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, ModelTest, ::testing::Values(1, 2),
+                         [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+TEST(Model, BatchOfChunksMatchesReferencePerSequence) {
+    std::string path = TempPath("model-batch");
+    FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 3, path));
+    Reference ref(path);
+    auto m = std::move(Model::Load(path)).value();
+    const int V = m->config().vocab_size;
+    auto a = Tokens(21, 2), b = Tokens(9, 3), c = Tokens(17, 4);
+    auto wa = ref.Logits(a), wb = ref.Logits(b), wc = ref.Logits(c);
+    Paged p = MakeCaches(*m, 16, 4, kv::KvDtype::kF32);
+    std::vector<kv::BlockId> ta = {0, 1, 2, 3, 4, 5}, tb = {6, 7, 8}, tc = {9, 10, 11, 12, 13};
+    // Step 1: a's first 12 tokens (no logits), b whole, c's first 16.
+    std::vector<SeqChunk> s1 = {{std::span(a).first(12), 0, ta, false},
+                                {std::span(b), 0, tb, true},
+                                {std::span(c).first(16), 0, tc, true}};
+    std::vector<float> logits(3 * V);
+    FERRY_ASSERT_OK(m->Forward(s1, p.ptrs, logits.data()));
+    EXPECT_LT(MaxDiff(&logits[0], wb[8]), 1e-4);
+    EXPECT_LT(MaxDiff(&logits[V], wc[15]), 1e-4);
+    // Step 2: the rest of a, and c's last token.
+    std::vector<SeqChunk> s2 = {{std::span(a).subspan(12), 12, ta, true},
+                                {std::span(c).subspan(16), 16, tc, true}};
+    FERRY_ASSERT_OK(m->Forward(s2, p.ptrs, logits.data()));
+    EXPECT_LT(MaxDiff(&logits[0], wa[20]), 1e-4);
+    EXPECT_LT(MaxDiff(&logits[V], wc[16]), 1e-4);
+    std::remove(path.c_str());
+}
+
+TEST(Model, HalfPrecisionWeightsAndCaches) {
+    for (TensorType wt : {TensorType::kF16, TensorType::kBF16}) {
+        for (kv::KvDtype kt : {kv::KvDtype::kF16, kv::KvDtype::kBF16}) {
+            RandomModelSpec spec = TestSpec();
+            spec.dtype = wt;
+            spec.tied_embeddings = true;
+            std::string path = TempPath("model-half");
+            FERRY_ASSERT_OK(WriteRandomModel(spec, 9, path));
+            Reference ref(path);  // reads the same rounded weights
+            auto m = std::move(Model::Load(path)).value();
+            EXPECT_TRUE(m->config().tied_embeddings);
+            auto tokens = Tokens(24, 5);
+            auto want = ref.Logits(tokens);
+            Paged p = MakeCaches(*m, 4, 8, kt);
+            std::vector<kv::BlockId> table = {3, 1, 2};
+            std::vector<float> logits(m->config().vocab_size);
+            SeqChunk ch{tokens, 0, table, true};
+            FERRY_ASSERT_OK(m->Forward(std::span(&ch, 1), p.ptrs, logits.data()));
+            // Only the KV rounding differs from the reference.
+            EXPECT_LT(MaxDiff(logits.data(), want[23]), kt == kv::KvDtype::kF16 ? 2e-2 : 1e-1)
+                << TensorTypeName(wt) << " weights, " << kv::KvDtypeName(kt) << " cache";
+            std::remove(path.c_str());
+        }
+    }
+}
+
+TEST(Model, RefusesBadInputToForward) {
+    std::string path = TempPath("model-bad");
+    FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 1, path));
+    auto m = std::move(Model::Load(path)).value();
+    Paged p = MakeCaches(*m, 4, 8, kv::KvDtype::kF32);
+    std::vector<float> logits(m->config().vocab_size);
+    std::vector<int32_t> bad = {1, 2, 99999};
+    std::vector<kv::BlockId> table = {0};
+    SeqChunk ch{bad, 0, table, true};
+    EXPECT_THAT(m->Forward(std::span(&ch, 1), p.ptrs, logits.data()),
+                StatusHas(Code::kInvalidArgument, "token id 99999"));
+    std::vector<int32_t> many(20, 1);
+    SeqChunk ch2{many, 0, table, true};
+    EXPECT_THAT(m->Forward(std::span(&ch2, 1), p.ptrs, logits.data()),
+                StatusHas(Code::kInvalidArgument, "1 blocks for 20 tokens"));
+    std::vector<kv::BlockId> far = {0, 9};
+    SeqChunk ch3{std::span(many).first(10), 0, far, true};
+    EXPECT_THAT(m->Forward(std::span(&ch3, 1), p.ptrs, logits.data()),
+                StatusHas(Code::kInvalidArgument, "block id 9"));
+    SeqChunk ch4{std::span(many).first(1), 256, table, true};
+    EXPECT_THAT(m->Forward(std::span(&ch4, 1), p.ptrs, logits.data()),
+                StatusHas(Code::kInvalidArgument, "context length 256"));
+    std::remove(path.c_str());
+}
+
+TEST(Model, RefusesUnusableFiles) {
+    std::string path = TempPath("model-unusable");
+    EXPECT_THAT(Model::Load(path).status(), StatusIs(Code::kNotFound));
+    FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 1, path));
+    EXPECT_THAT(Model::Load(path, {.tp = 3}).status(),
+                StatusHas(Code::kInvalidArgument, "tp 3 must divide"));
+    // A file with a tensor of the wrong shape.
+    GgufWriter w;
+    w.SetString("general.architecture", "llama");
+    w.SetUint32("llama.embedding_length", 8);
+    w.SetUint32("llama.block_count", 1);
+    w.SetUint32("llama.attention.head_count", 2);
+    w.SetUint32("llama.feed_forward_length", 16);
+    w.SetString("tokenizer.ggml.model", "gpt2");
+    w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
+    FERRY_ASSERT_OK(
+        w.AddTensor("token_embd.weight", {8, 2}, TensorType::kF32, std::string(64, '\0')));
+    FERRY_ASSERT_OK(
+        w.AddTensor("output_norm.weight", {7}, TensorType::kF32, std::string(28, '\0')));
+    FERRY_ASSERT_OK(w.Write(path));
+    EXPECT_THAT(
+        Model::Load(path).status(),
+        StatusHas(Code::kInvalidArgument, "tensor output_norm.weight has dims [7], expected [8]"));
+    GgufWriter other;
+    other.SetString("general.architecture", "gpt-neox");
+    FERRY_ASSERT_OK(other.Write(path));
+    EXPECT_THAT(Model::Load(path).status(),
+                StatusHas(Code::kInvalidArgument, "architecture 'gpt-neox'"));
+    std::remove(path.c_str());
+}
+
+TEST(Half, ConversionsRoundToNearestEven) {
+    for (float f : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 5.9604645e-08f, 0.33325195f}) {
+        EXPECT_EQ(F16ToFloat(FloatToF16(f)), f) << f;
+    }
+    EXPECT_EQ(FloatToF16(65520.0f), 0x7c00);            // rounds to infinity
+    EXPECT_EQ(FloatToF16(1.0f + 1.0f / 2048), 0x3c00);  // tie to even
+    EXPECT_TRUE(std::isnan(F16ToFloat(FloatToF16(NAN))));
+    EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f)), 1.0f);
+    EXPECT_EQ(FloatToBf16(1.0f + 1.0f / 256), 0x3f80);  // tie to even
+}
+
+}  // namespace
+}  // namespace ferry::model

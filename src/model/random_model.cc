@@ -1,0 +1,164 @@
+// Deterministic random-weight llama models (`ferry model init`, tests, benchmarks).
+#include <fmt/core.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "core/half.h"
+#include "model/model.h"
+
+namespace ferry::model {
+
+namespace {
+
+constexpr const char* kChatMlTemplate =
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+class Rng {
+  public:
+    explicit Rng(uint64_t seed) : s_(seed) {}
+    uint64_t Next() {
+        uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        return z ^ (z >> 31);
+    }
+    // Uniform in [-a, a).
+    float Uniform(float a) {
+        return static_cast<float>((double(Next() >> 11) * 0x1.0p-53 * 2.0 - 1.0) * a);
+    }
+
+  private:
+    uint64_t s_;
+};
+
+uint64_t NameSeed(uint64_t seed, const std::string& name) {
+    uint64_t h = 1469598103934665603ull;
+    for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    return seed * 0x2545f4914f6cdd1dull ^ h;
+}
+
+std::string Encode(const std::vector<float>& v, TensorType type) {
+    std::string out;
+    if (type == TensorType::kF32) {
+        out.resize(v.size() * 4);
+        std::memcpy(out.data(), v.data(), out.size());
+        return out;
+    }
+    out.resize(v.size() * 2);
+    for (size_t i = 0; i < v.size(); ++i) {
+        uint16_t h = type == TensorType::kF16 ? FloatToF16(v[i]) : FloatToBf16(v[i]);
+        std::memcpy(&out[2 * i], &h, 2);
+    }
+    return out;
+}
+
+}  // namespace
+
+Result<RandomModelSpec> PresetSpec(std::string_view preset) {
+    RandomModelSpec s;
+    if (preset == "tiny") {
+        return s;
+    }
+    if (preset == "small") {
+        s.name = "ferry-small";
+        s.dim = 768;
+        s.num_layers = 12;
+        s.num_heads = 12;
+        s.num_kv_heads = 4;
+        s.ffn_dim = 2048;
+        return s;
+    }
+    return InvalidArgumentError(fmt::format("preset '{}' is not one of tiny, small", preset));
+}
+
+Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::string& path) {
+    if (spec.dim <= 0 || spec.num_layers <= 0 || spec.num_heads <= 0 || spec.num_kv_heads <= 0 ||
+        spec.ffn_dim <= 0 || spec.dim % spec.num_heads || spec.num_heads % spec.num_kv_heads) {
+        return InvalidArgumentError("random model: inconsistent dimensions");
+    }
+    GgufWriter w;
+    w.SetString("general.architecture", "llama");
+    w.SetString("general.name", spec.name);
+    w.SetUint32("llama.context_length", spec.context_length);
+    w.SetUint32("llama.embedding_length", spec.dim);
+    w.SetUint32("llama.block_count", spec.num_layers);
+    w.SetUint32("llama.feed_forward_length", spec.ffn_dim);
+    w.SetUint32("llama.attention.head_count", spec.num_heads);
+    w.SetUint32("llama.attention.head_count_kv", spec.num_kv_heads);
+    w.SetFloat32("llama.rope.freq_base", spec.rope_theta);
+    w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+
+    // Byte-level vocabulary: the 256 bytes in GPT-2's printable mapping, then three specials.
+    std::vector<std::string> tokens;
+    std::vector<int32_t> types;
+    uint32_t extra = 0;
+    for (uint32_t b = 0; b < 256; ++b) {
+        bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+        uint32_t cp = printable ? b : 256 + extra++;
+        std::string s;
+        if (cp < 0x80) {
+            s.push_back(static_cast<char>(cp));
+        } else {
+            s.push_back(static_cast<char>(0xc0 | (cp >> 6)));
+            s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+        }
+        tokens.push_back(s);
+        types.push_back(1);
+    }
+    for (const char* s : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
+        tokens.emplace_back(s);
+        types.push_back(3);
+    }
+    const int vocab = static_cast<int>(tokens.size());
+    w.SetString("tokenizer.ggml.model", "gpt2");
+    w.SetString("tokenizer.ggml.pre", "default");
+    w.SetStringArray("tokenizer.ggml.tokens", tokens);
+    w.SetInt32Array("tokenizer.ggml.token_type", types);
+    w.SetStringArray("tokenizer.ggml.merges", {});
+    w.SetUint32("tokenizer.ggml.bos_token_id", 256);
+    w.SetUint32("tokenizer.ggml.eos_token_id", 256);
+    w.SetBool("tokenizer.ggml.add_bos_token", false);
+    w.SetString("tokenizer.chat_template", kChatMlTemplate);
+
+    const auto dim = static_cast<uint64_t>(spec.dim);
+    const uint64_t hd = dim / spec.num_heads;
+    auto add = [&](const std::string& name, std::vector<uint64_t> dims, float amplitude,
+                   float center) -> Status {
+        uint64_t n = 1;
+        for (uint64_t d : dims) n *= d;
+        std::vector<float> v(n);
+        Rng rng(NameSeed(seed, name));
+        for (float& x : v) x = center + rng.Uniform(amplitude);
+        return w.AddTensor(name, std::move(dims), spec.dtype, Encode(v, spec.dtype));
+    };
+    // Uniform(-a, a) has standard deviation a / sqrt(3): unit-variance embeddings, projections
+    // that keep the variance (1 / sqrt(fan_in)), and an output head with logits of std ~2 so
+    // greedy choices are clear-cut rather than near-ties.
+    const float s3 = std::sqrt(3.0f);
+    auto fan = [&](uint64_t in) { return s3 / std::sqrt(static_cast<float>(in)); };
+    FERRY_RETURN_IF_ERROR(add("token_embd.weight", {dim, uint64_t(vocab)}, s3, 0));
+    FERRY_RETURN_IF_ERROR(add("output_norm.weight", {dim}, 0.1f, 1.0f));
+    if (!spec.tied_embeddings) {
+        FERRY_RETURN_IF_ERROR(add("output.weight", {dim, uint64_t(vocab)}, 2 * fan(dim), 0));
+    }
+    const uint64_t q = hd * spec.num_heads, kv = hd * spec.num_kv_heads;
+    const auto ffn = static_cast<uint64_t>(spec.ffn_dim);
+    for (int l = 0; l < spec.num_layers; ++l) {
+        std::string p = fmt::format("blk.{}.", l);
+        FERRY_RETURN_IF_ERROR(add(p + "attn_norm.weight", {dim}, 0.1f, 1.0f));
+        FERRY_RETURN_IF_ERROR(add(p + "ffn_norm.weight", {dim}, 0.1f, 1.0f));
+        FERRY_RETURN_IF_ERROR(add(p + "attn_q.weight", {dim, q}, fan(dim), 0));
+        FERRY_RETURN_IF_ERROR(add(p + "attn_k.weight", {dim, kv}, fan(dim), 0));
+        FERRY_RETURN_IF_ERROR(add(p + "attn_v.weight", {dim, kv}, fan(dim), 0));
+        FERRY_RETURN_IF_ERROR(add(p + "attn_output.weight", {q, dim}, fan(q), 0));
+        FERRY_RETURN_IF_ERROR(add(p + "ffn_gate.weight", {dim, ffn}, fan(dim), 0));
+        FERRY_RETURN_IF_ERROR(add(p + "ffn_up.weight", {dim, ffn}, fan(dim), 0));
+        FERRY_RETURN_IF_ERROR(add(p + "ffn_down.weight", {ffn, dim}, fan(ffn), 0));
+    }
+    return w.Write(path);
+}
+
+}  // namespace ferry::model
