@@ -8,6 +8,7 @@
 #include "bench/transfer_bench.h"
 #include "core/log.h"
 #include "discovery_cmd.h"
+#include "model_cmd.h"
 
 namespace {
 
@@ -70,9 +71,12 @@ int main(int argc, char** argv) {
     });
 
     ferry::cli::AddDiscoveryCommand(app, &rc);
+    ferry::cli::AddModelCommand(app, &rc);
+    ferry::cli::AddServeCommand(app, &rc);
 
     CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
     bench->require_subcommand(1);
+    ferry::cli::AddModelBenchCommand(*bench, &rc);
     CLI::App* transfer = bench->add_subcommand(
         "transfer",
         "Move batches of blocks between two processes through the transfer engine; print GB/s, "

@@ -88,6 +88,56 @@ void MatMulT(int m, int n, int k, const float* a, int lda, const float* b, float
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, k, 0.0f, c, ldc);
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' single-precision
+// polynomial, within 2 ulp, written so the compiler can vectorize the loops that call it.
+inline float ExpNonPositive(float x) {
+    x = std::max(x, -87.0f);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r -= n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+// Softmax of s[0, valid) in place; s[valid, len) set to 0.
+void Softmax(float* s, int valid, int len) {
+    float mx = s[0];
+    for (int k = 1; k < valid; ++k) mx = std::max(mx, s[k]);
+    float sum = 0;
+    for (int k = 0; k < valid; ++k) {
+        s[k] = ExpNonPositive(s[k] - mx);
+        sum += s[k];
+    }
+    const float inv = 1.0f / sum;
+    for (int k = 0; k < valid; ++k) s[k] *= inv;
+    std::fill(s + valid, s + len, 0.0f);
+}
+
+float Dot(const float* a, const float* b, int n) {
+    float acc[8] = {};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+    }
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+// Chunks up to this many tokens (decode steps) attend with dot products read straight from the
+// blocks; longer ones gather K and V and use sgemm over tiles of query rows.
+constexpr int kSmallChunk = 8;
+constexpr int kQueryTile = 128;
+
 }  // namespace
 
 // --- config ------------------------------------------------------------------------------------
@@ -453,12 +503,96 @@ void Model::AllReduceAdd(int r, float* x, int rows) {
     pool_->Sync();
 }
 
+void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int t0,
+                   int W, int qw, float scale) {
+    const int hd = config_.head_dim, bt = cache.spec().block_tokens;
+    const int group = rk.q_heads / rk.kv_heads;
+    const int n = static_cast<int>(ch.tokens.size()), p0 = ch.start_pos, ctx = p0 + n;
+    const int blocks = (ctx + bt - 1) / bt;
+    const bool f32 = cache.spec().dtype == kv::KvDtype::kF32;
+    auto block_rows = [&](bool v, int j, float* tmp) -> const float* {
+        int cnt = std::min(bt, ctx - j * bt);
+        if (f32) {
+            return reinterpret_cast<const float*>(cache.memory().data() +
+                                                  cache.Offset(l, v, ch.block_table[j], h));
+        }
+        cache.Load(l, v, ch.block_table[j], h, cnt, tmp);
+        return tmp;
+    };
+
+    if (n <= kSmallChunk) {
+        // scores[(g * n + i)][ctx]
+        rk.scores.resize(size_t(group) * n * ctx);
+        rk.kbuf.resize(size_t(bt) * hd);
+        for (int j = 0; j < blocks; ++j) {
+            const float* kb = block_rows(false, j, rk.kbuf.data());
+            const int cnt = std::min(bt, ctx - j * bt);
+            for (int g = 0; g < group; ++g) {
+                for (int i = 0; i < n; ++i) {
+                    const float* q = &rk.qkv[size_t(t0 + i) * W + (h * group + g) * hd];
+                    float* srow = &rk.scores[(size_t(g) * n + i) * ctx + size_t(j) * bt];
+                    const int valid = std::min(cnt, p0 + i + 1 - j * bt);
+                    for (int k = 0; k < valid; ++k)
+                        srow[k] = Dot(q, kb + size_t(k) * hd, hd) * scale;
+                }
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            for (int i = 0; i < n; ++i) {
+                float* srow = &rk.scores[(size_t(g) * n + i) * ctx];
+                Softmax(srow, p0 + i + 1, ctx);
+                float* out = &rk.attn[size_t(t0 + i) * qw + (h * group + g) * hd];
+                std::fill(out, out + hd, 0.0f);
+            }
+        }
+        for (int j = 0; j < blocks; ++j) {
+            const float* vb = block_rows(true, j, rk.kbuf.data());
+            const int cnt = std::min(bt, ctx - j * bt);
+            for (int g = 0; g < group; ++g) {
+                for (int i = 0; i < n; ++i) {
+                    const float* srow = &rk.scores[(size_t(g) * n + i) * ctx + size_t(j) * bt];
+                    float* out = &rk.attn[size_t(t0 + i) * qw + (h * group + g) * hd];
+                    for (int k = 0; k < cnt; ++k) {
+                        const float p = srow[k];
+                        const float* vr = vb + size_t(k) * hd;
+                        for (int d = 0; d < hd; ++d) out[d] += p * vr[d];
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // Long chunks: gather this head's K and V, then per tile of query rows two sgemms over the
+    // keys that tile can see (causal: rows [i0, i1) see keys [0, p0 + i1)).
+    rk.kbuf.resize(size_t(blocks) * bt * hd);
+    rk.vbuf.resize(size_t(blocks) * bt * hd);
+    for (int j = 0; j < blocks; ++j) {
+        int cnt = std::min(bt, ctx - j * bt);
+        cache.Load(l, false, ch.block_table[j], h, cnt, &rk.kbuf[size_t(j) * bt * hd]);
+        cache.Load(l, true, ch.block_table[j], h, cnt, &rk.vbuf[size_t(j) * bt * hd]);
+    }
+    rk.scores.resize(size_t(std::min(n, kQueryTile)) * ctx);
+    for (int g = 0; g < group; ++g) {
+        const int qh = h * group + g;
+        for (int i0 = 0; i0 < n; i0 += kQueryTile) {
+            const int rows = std::min(kQueryTile, n - i0), keys = p0 + i0 + rows;
+            float* s = rk.scores.data();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, scale,
+                        &rk.qkv[size_t(t0 + i0) * W + qh * hd], W, rk.kbuf.data(), hd, 0.0f, s,
+                        keys);
+            for (int i = 0; i < rows; ++i) Softmax(s + size_t(i) * keys, p0 + i0 + i + 1, keys);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, s, keys,
+                        rk.vbuf.data(), hd, 0.0f, &rk.attn[size_t(t0 + i0) * qw + qh * hd], qw);
+        }
+    }
+}
+
 void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits) {
     const ModelConfig& c = config_;
     Rank& rk = *ranks_[r];
     const int T = num_tokens_, dim = c.dim, hd = c.head_dim;
     const int qw = rk.q_heads * hd, kvw = rk.kv_heads * hd, W = qw + 2 * kvw;
-    const int group = rk.q_heads / rk.kv_heads;
     const int bt = cache->spec().block_tokens;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     rk.xn.resize(size_t(T) * dim);
@@ -467,13 +601,6 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
     rk.partial.resize(size_t(T) * dim);
     rk.gu.resize(size_t(T) * 2 * rk.ffn);
     rk.act.resize(size_t(T) * rk.ffn);
-    int max_ctx = 0;
-    for (const SeqChunk& ch : batch) {
-        max_ctx = std::max(max_ctx, ch.start_pos + static_cast<int>(ch.tokens.size()));
-    }
-    const int max_blocks = (max_ctx + bt - 1) / bt;
-    rk.kbuf.resize(size_t(max_blocks) * bt * hd);
-    rk.vbuf.resize(size_t(max_blocks) * bt * hd);
 
     for (int l = 0; l < c.num_layers; ++l) {
         const Layer& L = rk.layers[l];
@@ -500,7 +627,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
         int t0 = 0;
         for (const SeqChunk& ch : batch) {
             const int n = static_cast<int>(ch.tokens.size());
-            const int p0 = ch.start_pos, ctx = p0 + n;
+            const int p0 = ch.start_pos;
             // Store this chunk's K and V, one run of slots per block.
             for (int i = 0; i < n;) {
                 int pos = p0 + i;
@@ -513,36 +640,8 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
                 }
                 i += cnt;
             }
-            rk.scores.resize(size_t(n) * ctx);
             for (int h = 0; h < rk.kv_heads; ++h) {
-                for (int j = 0; j * bt < ctx; ++j) {
-                    int cnt = std::min(bt, ctx - j * bt);
-                    cache->Load(l, false, ch.block_table[j], h, cnt, &rk.kbuf[size_t(j) * bt * hd]);
-                    cache->Load(l, true, ch.block_table[j], h, cnt, &rk.vbuf[size_t(j) * bt * hd]);
-                }
-                for (int g = 0; g < group; ++g) {
-                    const int qh = h * group + g;
-                    float* s = rk.scores.data();
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, ctx, hd, scale,
-                                &rk.qkv[size_t(t0) * W + qh * hd], W, rk.kbuf.data(), hd, 0.0f, s,
-                                ctx);
-                    for (int i = 0; i < n; ++i) {
-                        float* srow = s + size_t(i) * ctx;
-                        const int valid = p0 + i + 1;
-                        float mx = srow[0];
-                        for (int k = 1; k < valid; ++k) mx = std::max(mx, srow[k]);
-                        float sum = 0;
-                        for (int k = 0; k < valid; ++k) {
-                            srow[k] = std::exp(srow[k] - mx);
-                            sum += srow[k];
-                        }
-                        const float inv = 1.0f / sum;
-                        for (int k = 0; k < valid; ++k) srow[k] *= inv;
-                        std::fill(srow + valid, srow + ctx, 0.0f);
-                    }
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, hd, ctx, 1.0f, s, ctx,
-                                rk.vbuf.data(), hd, 0.0f, &rk.attn[size_t(t0) * qw + qh * hd], qw);
-                }
+                Attend(rk, *cache, l, h, ch, t0, W, qw, scale);
             }
             t0 += n;
         }

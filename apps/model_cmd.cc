@@ -1,0 +1,210 @@
+#include "model_cmd.h"
+
+#include <fmt/core.h>
+#include <signal.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "bench/model_bench.h"
+#include "engine/engine.h"
+#include "model/model.h"
+#include "serve/openai_server.h"
+
+namespace ferry::cli {
+
+namespace {
+
+std::vector<int> ParseIntList(const std::string& flag, const std::string& text, int lo, int hi) {
+    std::vector<int> out;
+    size_t start = 0;
+    while (true) {
+        size_t comma = text.find(',', start);
+        std::string item =
+            text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        char* end = nullptr;
+        long v = std::strtol(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || v < lo || v > hi) {
+            throw CLI::ValidationError(
+                flag, fmt::format("'{}' is not an integer in {}..{}", item, lo, hi));
+        }
+        out.push_back(static_cast<int>(v));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+    }
+    return out;
+}
+
+}  // namespace
+
+void AddModelCommand(CLI::App& app, int* rc) {
+    CLI::App* model = app.add_subcommand("model", "Make or inspect model files");
+    model->require_subcommand(1);
+
+    CLI::App* init = model->add_subcommand(
+        "init", "Write a deterministic random-weight llama model (GGUF) with a byte vocabulary");
+    static std::string preset = "tiny", out, dtype = "f32";
+    static uint64_t seed = 1;
+    init->add_option("--preset", preset, "tiny (4 layers, dim 256) or small (12 layers, dim 768)")
+        ->check(CLI::IsMember({"tiny", "small"}));
+    init->add_option("--seed", seed, "weights seed");
+    init->add_option("--out", out, "output .gguf file")->required();
+    init->add_option("--dtype", dtype, "weight type: f32, f16 or bf16")
+        ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+    init->callback([rc] {
+        auto spec = model::PresetSpec(preset);
+        spec->dtype = dtype == "f16"    ? model::TensorType::kF16
+                      : dtype == "bf16" ? model::TensorType::kBF16
+                                        : model::TensorType::kF32;
+        Status st = model::WriteRandomModel(*spec, seed, out);
+        if (!st.ok()) {
+            fmt::print(stderr, "ferry model init: {}\n", st.ToString());
+            *rc = 1;
+            return;
+        }
+        fmt::print("wrote {} ({} preset, seed {}, {} weights)\n", out, preset, seed, dtype);
+    });
+
+    CLI::App* info = model->add_subcommand("info", "Print a GGUF model's configuration");
+    static std::string info_path;
+    info->add_option("path", info_path, "a .gguf file")->required();
+    info->callback([rc] {
+        auto m = model::Model::Load(info_path);
+        if (!m.ok()) {
+            fmt::print(stderr, "ferry model info: {}\n", m.status().ToString());
+            *rc = 1;
+            return;
+        }
+        const model::ModelConfig& c = (*m)->config();
+        const model::Tokenizer& t = (*m)->tokenizer();
+        fmt::print(
+            "name {}\nparameters {:.1f} M\nlayers {}\ndim {}\nheads {} (kv {}), head dim {}\n"
+            "ffn {}\nvocab {} ({} tokenizer, chat template {})\ncontext {}\nrope theta {}\n"
+            "tied embeddings {}\n",
+            c.name, c.ParamCount() / 1e6, c.num_layers, c.dim, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.ffn_dim, c.vocab_size,
+            t.kind() == model::Tokenizer::Kind::kSentencePiece ? "sentencepiece" : "byte-bpe",
+            model::ChatTemplateName(t.chat_template()), c.context_length, c.rope_theta,
+            c.tied_embeddings);
+    });
+}
+
+void AddServeCommand(CLI::App& app, int* rc) {
+    CLI::App* serve = app.add_subcommand(
+        "serve", "Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)");
+    static std::string model_path, kv_dtype = "f32", chat_template;
+    static serve::ServerConfig sc;
+    static engine::EngineConfig ec;
+    static int tp = 1, kv_mib = 512;
+    static bool no_chunked = false, no_prefix = false;
+    serve->add_option("--model", model_path, "GGUF model file")->required();
+    serve->add_option("--host", sc.host, "address to listen on")->capture_default_str();
+    serve->add_option("--port", sc.port, "port (0: any free port, printed)")
+        ->check(CLI::Range(0, 65535))
+        ->capture_default_str();
+    serve->add_option("--served-model-name", sc.served_model_name,
+                      "model name in the API (default: the model's name)");
+    serve->add_option("--tp", tp, "tensor-parallel ranks (threads)")->check(CLI::Range(1, 64));
+    serve->add_option("--block-size", ec.block_tokens, "tokens per KV block")
+        ->check(CLI::Range(1, 1024))
+        ->capture_default_str();
+    serve->add_option("--kv-cache-mib", kv_mib, "KV cache size, all ranks")
+        ->check(CLI::Range(1, 1 << 20))
+        ->capture_default_str();
+    serve->add_option("--num-kv-blocks", ec.num_blocks, "KV blocks (overrides --kv-cache-mib)")
+        ->check(CLI::Range(0, 1 << 24));
+    serve->add_option("--kv-dtype", kv_dtype, "KV cache type: f32, f16, bf16")
+        ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+    serve->add_option("--max-num-seqs", ec.max_num_seqs, "sequences per step")
+        ->check(CLI::Range(1, 1 << 16))
+        ->capture_default_str();
+    serve->add_option("--max-num-batched-tokens", ec.max_batched_tokens, "tokens per step")
+        ->check(CLI::Range(1, 1 << 20))
+        ->capture_default_str();
+    serve
+        ->add_option("--max-prefill-chunk", ec.max_prefill_chunk,
+                     "most prompt tokens of one sequence per step (0: no limit)")
+        ->check(CLI::Range(0, 1 << 20));
+    serve->add_flag("--no-chunked-prefill", no_chunked, "prefill each prompt in one step");
+    serve->add_flag("--no-prefix-caching", no_prefix, "disable automatic prefix caching");
+    serve->add_option("--max-model-len", ec.max_model_len, "context limit (0: the model's)")
+        ->check(CLI::Range(0, 1 << 24));
+    serve
+        ->add_option("--chat-template", chat_template,
+                     "chatml, llama3 or llama2 (default: from the model file)")
+        ->check(CLI::IsMember({"chatml", "llama3", "llama2"}));
+    serve->add_option("--max-connections", sc.max_connections, "concurrent HTTP connections")
+        ->check(CLI::Range(1, 65536))
+        ->capture_default_str();
+    serve->callback([rc] {
+        // SIGINT/SIGTERM are taken by sigwait below, in every thread started from here.
+        sigset_t signals;
+        sigemptyset(&signals);
+        sigaddset(&signals, SIGINT);
+        sigaddset(&signals, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+        auto fail = [rc](const Status& st) {
+            fmt::print(stderr, "ferry serve: {}\n", st.ToString());
+            *rc = 1;
+        };
+        auto loaded = model::Model::Load(model_path, {.tp = tp});
+        if (!loaded.ok()) return fail(loaded.status());
+        std::shared_ptr<model::Model> m(std::move(loaded).value());
+        if (!chat_template.empty()) {
+            m->mutable_tokenizer().set_chat_template(*model::ParseChatTemplate(chat_template));
+        }
+        ec.kv_dtype = *kv::ParseKvDtype(kv_dtype);
+        ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
+        ec.chunked_prefill = !no_chunked;
+        ec.prefix_caching = !no_prefix;
+        auto created = engine::Engine::Create(m, ec);
+        if (!created.ok()) return fail(created.status());
+        std::shared_ptr<engine::Engine> e(std::move(created).value());
+        auto server = serve::OpenAiServer::Start(e, sc);
+        if (!server.ok()) return fail(server.status());
+        const model::ModelConfig& c = m->config();
+        const engine::EngineConfig& got = e->config();
+        fmt::print(
+            "ferry serve: model {} ({:.1f} M parameters, {} layers), tp {}, kv cache {} blocks x "
+            "{} tokens ({}), max model len {}\n",
+            (*server)->model_name(), c.ParamCount() / 1e6, c.num_layers, tp, got.num_blocks,
+            got.block_tokens, kv_dtype, got.max_model_len);
+        fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, (*server)->port());
+        std::fflush(stdout);
+        int sig = 0;
+        sigwait(&signals, &sig);
+        fmt::print("ferry serve: signal {}, stopping\n", sig);
+        (*server)->Stop();
+    });
+}
+
+void AddModelBenchCommand(CLI::App& bench, int* rc) {
+    CLI::App* mb = bench.add_subcommand(
+        "model",
+        "Prefill and decode tokens/s of the inference engine beside this machine's sgemm "
+        "GFLOP/s");
+    static bench::ModelBenchOptions o;
+    static std::string prompts = "512,2048", batches = "1,8,32";
+    mb->add_option("--preset", o.preset, "random-weight model: tiny or small")
+        ->check(CLI::IsMember({"tiny", "small"}))
+        ->capture_default_str();
+    mb->add_option("--model", o.model, "a GGUF file instead of a preset");
+    mb->add_option("--tp", o.tp, "tensor-parallel ranks")->check(CLI::Range(1, 64));
+    mb->add_option("--prompt-lens", prompts, "prefill prompt lengths")->capture_default_str();
+    mb->add_option("--batches", batches, "decode batch sizes")->capture_default_str();
+    mb->add_option("--decode-context", o.decode_context, "prompt tokens per decoding sequence")
+        ->check(CLI::Range(1, 1 << 20));
+    mb->add_option("--decode-steps", o.decode_steps, "decode steps timed")
+        ->check(CLI::Range(1, 1 << 20));
+    mb->add_option("--repeats", o.repeats, "runs per row (median)")->check(CLI::Range(1, 100));
+    mb->add_option("--kv-dtype", o.kv_dtype, "f32, f16, bf16")
+        ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+    mb->callback([rc] {
+        o.prompt_lens = ParseIntList("--prompt-lens", prompts, 1, 1 << 20);
+        o.batches = ParseIntList("--batches", batches, 1, 4096);
+        *rc = bench::RunModelBench(o);
+    });
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,248 @@
+// Tokenizers built from small hand-made GGUF vocabularies with known answers.
+#include "model/tokenizer.h"
+
+#include <fmt/core.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "model/model.h"
+#include "testing/testing.h"
+
+namespace ferry::model {
+namespace {
+
+using ::ferry::testing::StatusHas;
+using ::testing::ElementsAre;
+
+std::string TempPath(const std::string& name) {
+    return (std::filesystem::temp_directory_path() /
+            (name + "-" + std::to_string(getpid()) + ".gguf"))
+        .string();
+}
+
+std::unique_ptr<Tokenizer> Load(const GgufWriter& w, const std::string& name) {
+    std::string path = TempPath(name);
+    EXPECT_TRUE(w.Write(path).ok());
+    auto file = std::move(GgufFile::Open(path)).value();
+    auto t = Tokenizer::FromGguf(*file);
+    std::remove(path.c_str());
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return std::move(t).value();
+}
+
+// A SentencePiece vocabulary: <unk> <s> </s>, the 256 byte tokens, then pieces with scores.
+std::unique_ptr<Tokenizer> SpmTokenizer(std::vector<std::string>* tokens_out = nullptr) {
+    std::vector<std::string> tokens = {"<unk>", "<s>", "</s>"};
+    std::vector<int32_t> types = {2, 3, 3};
+    std::vector<float> scores = {0, 0, 0};
+    for (int b = 0; b < 256; ++b) {
+        tokens.push_back(fmt::format("<0x{:02X}>", b));
+        types.push_back(6);
+        scores.push_back(0);
+    }
+    // Higher score merges first.
+    const std::vector<std::pair<std::string, float>> pieces = {{"\xe2\x96\x81", -1},
+                                                               {"h", -2},
+                                                               {"e", -2},
+                                                               {"l", -2},
+                                                               {"o", -2},
+                                                               {"w", -2},
+                                                               {"r", -2},
+                                                               {"d", -2},
+                                                               {"ll", -3},
+                                                               {"he", -4},
+                                                               {"\xe2\x96\x81h", -5},
+                                                               {"llo", -6},
+                                                               {"\xe2\x96\x81he", -7},
+                                                               {"\xe2\x96\x81hello", -8},
+                                                               {"\xe2\x96\x81w", -9},
+                                                               {"or", -10},
+                                                               {"ld", -11},
+                                                               {"\xe2\x96\x81wor", -12},
+                                                               {"\xe2\x96\x81world", -13}};
+    for (const auto& [p, s] : pieces) {
+        tokens.push_back(p);
+        types.push_back(1);
+        scores.push_back(s);
+    }
+    GgufWriter w;
+    w.SetString("tokenizer.ggml.model", "llama");
+    w.SetStringArray("tokenizer.ggml.tokens", tokens);
+    w.SetInt32Array("tokenizer.ggml.token_type", types);
+    w.SetFloat32Array("tokenizer.ggml.scores", scores);
+    w.SetUint32("tokenizer.ggml.bos_token_id", 1);
+    w.SetUint32("tokenizer.ggml.eos_token_id", 2);
+    w.SetUint32("tokenizer.ggml.unknown_token_id", 0);
+    if (tokens_out) *tokens_out = tokens;
+    return Load(w, "spm");
+}
+
+std::vector<std::string> Pieces(const Tokenizer& t, const std::vector<int32_t>& ids) {
+    std::vector<std::string> out;
+    for (int32_t id : ids) out.push_back(t.token_text(id));
+    return out;
+}
+
+TEST(SentencePiece, MergesByScoreWithSpacePrefixAndByteFallback) {
+    auto t = SpmTokenizer();
+    EXPECT_EQ(t->kind(), Tokenizer::Kind::kSentencePiece);
+    EXPECT_TRUE(t->add_bos());
+    auto ids = t->Encode("hello world", true);
+    EXPECT_THAT(Pieces(*t, ids), ElementsAre("<s>", "\xe2\x96\x81hello", "\xe2\x96\x81world"));
+    EXPECT_EQ(t->Decode(ids), " hello world");  // the space prefix decodes as a space
+    // 'é' (C3 A9) is not a piece: byte fallback.
+    ids = t->Encode("h\xc3\xa9", false);
+    EXPECT_THAT(Pieces(*t, ids), ElementsAre("\xe2\x96\x81h", "<0xC3>", "<0xA9>"));
+    EXPECT_EQ(t->Decode(ids), " h\xc3\xa9");
+    // Control tokens in the text are single tokens.
+    ids = t->Encode("hello</s>", false);
+    EXPECT_THAT(Pieces(*t, ids), ElementsAre("\xe2\x96\x81hello", "</s>"));
+    EXPECT_EQ(t->TokenBytes(ids.back()), "");
+    EXPECT_THAT(t->stop_ids(), ElementsAre(2));
+}
+
+GgufWriter BpeWriter(const std::string& pre) {
+    // Byte tokens in GPT-2's mapping, merges for " the", "he", "llo", specials.
+    std::vector<std::string> tokens;
+    std::vector<int32_t> types;
+    uint32_t extra = 0;
+    for (uint32_t b = 0; b < 256; ++b) {
+        bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+        uint32_t cp = printable ? b : 256 + extra++;
+        std::string s;
+        if (cp < 0x80) {
+            s.push_back(static_cast<char>(cp));
+        } else {
+            s.push_back(static_cast<char>(0xc0 | (cp >> 6)));
+            s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+        }
+        tokens.push_back(s);
+        types.push_back(1);
+    }
+    // U+0120 'Ġ' is the space byte.
+    for (const char* t :
+         {"\xc4\xa0t", "he", "\xc4\xa0the", "ll", "llo", "\xc4\xa0he", "\xc4\xa0hello"}) {
+        tokens.emplace_back(t);
+        types.push_back(1);
+    }
+    for (const char* s :
+         {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}) {
+        tokens.emplace_back(s);
+        types.push_back(3);
+    }
+    GgufWriter w;
+    w.SetString("tokenizer.ggml.model", "gpt2");
+    w.SetString("tokenizer.ggml.pre", pre);
+    w.SetStringArray("tokenizer.ggml.tokens", tokens);
+    w.SetInt32Array("tokenizer.ggml.token_type", types);
+    w.SetStringArray("tokenizer.ggml.merges", {"\xc4\xa0 t", "h e", "\xc4\xa0t he", "l l", "ll o",
+                                               "\xc4\xa0 he", "\xc4\xa0he llo"});
+    w.SetUint32("tokenizer.ggml.bos_token_id", 263);
+    w.SetUint32("tokenizer.ggml.eos_token_id", 266);
+    w.SetString("tokenizer.chat_template", "{{ '<|start_header_id|>' }} ...");
+    return w;
+}
+
+TEST(ByteBpe, MergesByRankAndRoundTripsAnyBytes) {
+    auto t = Load(BpeWriter("llama-bpe"), "bpe");
+    EXPECT_EQ(t->kind(), Tokenizer::Kind::kByteBpe);
+    EXPECT_FALSE(t->add_bos());
+    auto ids = t->Encode("hello the", false);
+    // "hello" has no leading space: h + e merge to "he", "llo" stays; " the" merges fully.
+    EXPECT_THAT(Pieces(*t, ids), ElementsAre("he", "llo", "\xc4\xa0the"));
+    ids = t->Encode(" hello", false);
+    EXPECT_THAT(Pieces(*t, ids), ElementsAre("\xc4\xa0hello"));
+    std::string any = "tab\there, newline\n\nunicode \xe4\xb8\xad\xe6\x96\x87 123456 it's ok";
+    EXPECT_EQ(t->Decode(t->Encode(any, false)), any);
+    std::string binary;
+    for (int b = 0; b < 256; ++b) binary.push_back(static_cast<char>(b));
+    EXPECT_EQ(t->Decode(t->Encode(binary, false)), binary);
+    EXPECT_EQ(t->chat_template(), ChatTemplate::kLlama3);
+    EXPECT_THAT(t->stop_ids(), ElementsAre(266));
+}
+
+TEST(ByteBpe, PreTokenizerSplitsLikeTheRegexes) {
+    // With no merges the pieces are bytes; the splits show through words that merge inside but
+    // never across a split: "he" merges in "he's" but the contraction stays apart.
+    auto gpt2 = Load(BpeWriter("default"), "bpe-gpt2");
+    EXPECT_THAT(Pieces(*gpt2, gpt2->Encode("he's", false)), ElementsAre("he", "'", "s"));
+    // Llama 3 splits digits in groups of three; GPT-2 keeps the run.
+    auto l3 = Load(BpeWriter("llama-bpe"), "bpe-l3");
+    EXPECT_EQ(l3->Encode("1234567", false).size(), 7u);
+    EXPECT_EQ(l3->Decode(l3->Encode("1234567", false)), "1234567");
+}
+
+TEST(ChatTemplates, RenderTheKnownFormats) {
+    std::vector<ChatMessage> msgs = {{"system", "Be brief."}, {"user", "Hi!"}};
+    auto t = Load(BpeWriter("llama-bpe"), "chat");
+    t->set_chat_template(ChatTemplate::kLlama3);
+    EXPECT_EQ(*t->ApplyChatTemplate(msgs, true),
+              "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    // The rendered control tokens become single tokens.
+    auto ids = t->Encode(*t->ApplyChatTemplate(msgs, true), false);
+    EXPECT_EQ(t->token_text(ids[0]), "<|begin_of_text|>");
+    EXPECT_EQ(t->token_text(ids[1]), "<|start_header_id|>");
+    t->set_chat_template(ChatTemplate::kChatMl);
+    EXPECT_EQ(*t->ApplyChatTemplate(msgs, true),
+              "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+              "<|im_start|>assistant\n");
+    t->set_chat_template(ChatTemplate::kLlama2);
+    EXPECT_EQ(*t->ApplyChatTemplate(msgs, true),
+              "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi! [/INST]");
+    EXPECT_THAT(t->ApplyChatTemplate({{{"wizard", "x"}}}, true).status(),
+                StatusHas(Code::kInvalidArgument, "role 'wizard'"));
+}
+
+TEST(Tokenizer, PresetVocabularyIsBytesPlusChatMl) {
+    std::string path = TempPath("preset");
+    RandomModelSpec s;
+    s.dim = 32;
+    s.num_layers = 1;
+    s.num_heads = 2;
+    s.num_kv_heads = 1;
+    s.ffn_dim = 32;
+    ASSERT_TRUE(WriteRandomModel(s, 1, path).ok());
+    auto file = std::move(GgufFile::Open(path)).value();
+    auto t = std::move(Tokenizer::FromGguf(*file)).value();
+    std::remove(path.c_str());
+    EXPECT_EQ(t->vocab_size(), 259);
+    EXPECT_EQ(t->chat_template(), ChatTemplate::kChatMl);
+    auto ids = t->Encode("<|im_start|>user\nhi<|im_end|>", false);
+    EXPECT_EQ(ids.size(), 1u + 7u + 1u);  // "user\nhi" is 7 byte tokens
+    EXPECT_EQ(t->token_text(ids[0]), "<|im_start|>");
+    EXPECT_THAT(t->stop_ids(), ElementsAre(256, 258));
+}
+
+TEST(Tokenizer, RefusesInconsistentMetadata) {
+    GgufWriter w;
+    w.SetString("tokenizer.ggml.model", "llama");
+    w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
+    w.SetFloat32Array("tokenizer.ggml.scores", {0});
+    std::string path = TempPath("bad-tok");
+    ASSERT_TRUE(w.Write(path).ok());
+    auto file = std::move(GgufFile::Open(path)).value();
+    EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
+                StatusHas(Code::kInvalidArgument, "tokenizer.ggml.scores: 1 entries for 2 tokens"));
+    GgufWriter w2;
+    w2.SetString("tokenizer.ggml.model", "bert");
+    ASSERT_TRUE(w2.Write(path).ok());
+    file = std::move(GgufFile::Open(path)).value();
+    EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
+                StatusHas(Code::kInvalidArgument, "tokenizer.ggml.model 'bert'"));
+    GgufWriter w3;
+    w3.SetString("tokenizer.ggml.model", "gpt2");
+    w3.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
+    w3.SetStringArray("tokenizer.ggml.merges", {"ab"});
+    ASSERT_TRUE(w3.Write(path).ok());
+    file = std::move(GgufFile::Open(path)).value();
+    EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
+                StatusHas(Code::kInvalidArgument, "tokenizer.ggml.merges[0] 'ab'"));
+    std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace ferry::model

@@ -1,0 +1,275 @@
+// Black-box tests of `ferry serve`: the real binary on a loopback port, driven over HTTP.
+#include <arpa/inet.h>
+#include <fmt/core.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "model/model.h"
+#include "testing/process.h"
+#include "testing/testing.h"
+
+namespace ferry {
+namespace {
+
+using Json = nlohmann::json;
+using ::testing::HasSubstr;
+
+class ServeTest : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        model_ = (std::filesystem::temp_directory_path() /
+                  ("serve-test-" + std::to_string(getpid()) + ".gguf"))
+                     .string();
+        model::RandomModelSpec s;
+        s.name = "serve-test";
+        s.dim = 64;
+        s.num_layers = 2;
+        s.num_heads = 4;
+        s.num_kv_heads = 2;
+        s.ffn_dim = 128;
+        ASSERT_TRUE(model::WriteRandomModel(s, 3, model_).ok());
+        std::string line;
+        auto child = testing::ChildProcess::Start(
+            {FERRY_BIN, "serve", "--model", model_, "--port", "0", "--block-size", "8",
+             "--num-kv-blocks", "1024", "--max-model-len", "4096", "--max-connections", "32"},
+            "ferry serve: listening on ", &line, std::chrono::seconds(30));
+        ASSERT_TRUE(child.ok()) << child.status().ToString();
+        server_ = new testing::ChildProcess(std::move(child).value());
+        port_ = std::stoi(line.substr(line.rfind(':') + 1));
+    }
+    static void TearDownTestSuite() {
+        delete server_;
+        std::remove(model_.c_str());
+    }
+
+    static httplib::Result Post(const std::string& path, const std::string& body) {
+        httplib::Client c("127.0.0.1", port_);
+        c.set_read_timeout(60, 0);
+        return c.Post(path.c_str(), body, "application/json");
+    }
+    static httplib::Result Get(const std::string& path) {
+        httplib::Client c("127.0.0.1", port_);
+        return c.Get(path.c_str());
+    }
+    // The data: payloads of an SSE body, [DONE] included.
+    static std::vector<std::string> Events(const std::string& body) {
+        std::vector<std::string> out;
+        size_t pos = 0;
+        while ((pos = body.find("data: ", pos)) != std::string::npos) {
+            size_t end = body.find("\n\n", pos);
+            out.push_back(body.substr(pos + 6, end - pos - 6));
+            pos = end;
+        }
+        return out;
+    }
+    static double Metric(const std::string& name) {
+        auto r = Get("/metrics");
+        if (!r) return -1;
+        size_t at = r->body.find("\n" + name + " ");
+        if (at == std::string::npos) at = r->body.find("\n" + name + "{");
+        if (at == std::string::npos) return -1;
+        size_t sp = r->body.find(' ', at + 1);
+        return std::stod(r->body.substr(sp + 1));
+    }
+
+    static std::string model_;
+    static testing::ChildProcess* server_;
+    static int port_;
+};
+std::string ServeTest::model_;
+testing::ChildProcess* ServeTest::server_ = nullptr;
+int ServeTest::port_ = 0;
+
+TEST_F(ServeTest, HealthAndModels) {
+    auto h = Get("/health");
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->status, 200);
+    auto m = Get("/v1/models");
+    ASSERT_TRUE(m);
+    Json j = Json::parse(m->body);
+    EXPECT_EQ(j["data"][0]["id"], "serve-test");
+    EXPECT_EQ(j["data"][0]["max_model_len"], 4096);
+}
+
+TEST_F(ServeTest, CompletionStreamedAndWholeAgree) {
+    std::string req = R"({"model":"serve-test","prompt":"The quick brown fox jumps","max_tokens":12,
+                          "temperature":0,"ignore_eos":true)";
+    auto whole = Post("/v1/completions", req + "}");
+    ASSERT_TRUE(whole);
+    ASSERT_EQ(whole->status, 200) << whole->body;
+    Json w = Json::parse(whole->body);
+    EXPECT_EQ(w["object"], "text_completion");
+    EXPECT_EQ(w["choices"][0]["finish_reason"], "length");
+    EXPECT_EQ(w["usage"]["prompt_tokens"], 25);
+    EXPECT_EQ(w["usage"]["completion_tokens"], 12);
+    EXPECT_EQ(w["usage"]["total_tokens"], 37);
+
+    auto streamed =
+        Post("/v1/completions", req + R"(,"stream":true,"stream_options":{"include_usage":true}})");
+    ASSERT_TRUE(streamed);
+    ASSERT_EQ(streamed->status, 200);
+    EXPECT_EQ(streamed->get_header_value("Content-Type"), "text/event-stream");
+    auto events = Events(streamed->body);
+    ASSERT_GE(events.size(), 3u);
+    EXPECT_EQ(events.back(), "[DONE]");
+    std::string text;
+    for (size_t i = 0; i + 2 < events.size(); ++i) {
+        Json e = Json::parse(events[i]);
+        text += e["choices"][0]["text"].get<std::string>();
+    }
+    EXPECT_EQ(text, w["choices"][0]["text"].get<std::string>());
+    Json usage = Json::parse(events[events.size() - 2]);
+    EXPECT_TRUE(usage["choices"].empty());
+    EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
+    // The second identical prompt found its full blocks in the prefix cache.
+    EXPECT_EQ(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 24);
+}
+
+TEST_F(ServeTest, ChatStreamStartsWithTheRoleAndEndsWithAFinishReason) {
+    auto r = Post("/v1/chat/completions",
+                  R"({"messages":[{"role":"system","content":"Be brief."},
+                                  {"role":"user","content":[{"type":"text","text":"Hello"}]}],
+                      "max_tokens":5,"stream":true,"temperature":0,"ignore_eos":true,
+                      "logprobs":true,"top_logprobs":2})");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    auto events = Events(r->body);
+    ASSERT_GE(events.size(), 3u);
+    Json first = Json::parse(events[0]);
+    EXPECT_EQ(first["object"], "chat.completion.chunk");
+    EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+    Json last = Json::parse(events[events.size() - 2]);
+    EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+    int logprobs = 0;
+    for (size_t i = 1; i + 1 < events.size(); ++i) {
+        Json e = Json::parse(events[i]);
+        for (const Json& lp : e["choices"][0]["logprobs"]["content"]) {
+            EXPECT_LE(lp["logprob"].get<double>(), 0.0);
+            EXPECT_EQ(lp["top_logprobs"].size(), 2u);
+            ++logprobs;
+        }
+    }
+    EXPECT_EQ(logprobs, 5);
+}
+
+TEST_F(ServeTest, BadRequestsGet400WithAnOpenAiErrorAndTheServerKeepsServing) {
+    struct Case {
+        std::string path, body, message;
+    };
+    std::vector<Case> cases = {
+        {"/v1/completions", "{not json", "not valid JSON"},
+        {"/v1/completions", "[1,2]", "must be a JSON object"},
+        {"/v1/completions", R"({"prompt":"x","max_tokens":"ten"})",
+         "'max_tokens' must be an integer"},
+        {"/v1/completions", R"({"prompt":"x","temperature":9})", "'temperature' is 9"},
+        {"/v1/completions", R"({"prompt":"x","model":"gpt-4"})", "`gpt-4` does not exist"},
+        {"/v1/completions", R"({"prompt":[1,2,99999]})", "token id 99999"},
+        {"/v1/completions", R"({"prompt":["a","b"]})", "batched prompts"},
+        {"/v1/completions", R"({"max_tokens":3})", "'prompt' is required"},
+        {"/v1/completions", R"({"prompt":")" + std::string(4090, 'a') + R"("})",
+         "maximum context length is 4096"},
+        {"/v1/completions", R"({"prompt":"x","stop":[1]})", "'stop' must be"},
+        {"/v1/chat/completions", R"({"messages":[]})", "'messages' must be a non-empty array"},
+        {"/v1/chat/completions",
+         R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})",
+         "part type 'image_url'"},
+        {"/v1/chat/completions", R"({"messages":[{"role":"robot","content":"x"}]})",
+         "role 'robot'"},
+    };
+    for (const Case& c : cases) {
+        auto r = Post(c.path, c.body);
+        ASSERT_TRUE(r) << c.body;
+        EXPECT_EQ(r->status, 400) << c.body;
+        Json j = Json::parse(r->body, nullptr, false);
+        ASSERT_TRUE(j.is_object()) << r->body;
+        EXPECT_EQ(j["error"]["type"], "invalid_request_error") << r->body;
+        EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(c.message)) << c.body;
+    }
+    auto nf = Get("/v2/nothing");
+    ASSERT_TRUE(nf);
+    EXPECT_EQ(nf->status, 404);
+    // Raw garbage on the socket.
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port_);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    std::string junk(5000, '\x01');
+    junk += "\r\n\r\n";
+    EXPECT_GT(write(fd, junk.data(), junk.size()), 0);
+    close(fd);
+    auto ok = Post("/v1/completions", R"({"prompt":"still here","max_tokens":2})");
+    ASSERT_TRUE(ok);
+    EXPECT_EQ(ok->status, 200);
+    EXPECT_GE(Metric("ferry_request_bad_total"), double(cases.size()));
+}
+
+TEST_F(ServeTest, ClientDisconnectAbortsTheRequestAndFreesItsBlocks) {
+    const double aborted_before = [] {
+        auto r = Get("/metrics");
+        size_t at = r->body.find("finished_reason=\"abort\"} ");
+        return std::stod(r->body.substr(at + 25));
+    }();
+    for (bool stream : {true, false}) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(port_);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+        std::string body = fmt::format(
+            R"({{"prompt":"go on and on","max_tokens":4000,"ignore_eos":true,"stream":{}}})",
+            stream);
+        std::string req = fmt::format(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\n\r\n{}",
+            body.size(), body);
+        ASSERT_EQ(write(fd, req.data(), req.size()), static_cast<ssize_t>(req.size()));
+        if (stream) {
+            char buf[256];
+            ASSERT_GT(read(fd, buf, sizeof(buf)), 0);  // the stream has started
+        }
+        close(fd);
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    double aborted = 0, used = -1;
+    while (std::chrono::steady_clock::now() < deadline) {
+        auto r = Get("/metrics");
+        size_t at = r->body.find("finished_reason=\"abort\"} ");
+        aborted = std::stod(r->body.substr(at + 25));
+        used = Metric("ferry_kv_blocks_used");
+        if (aborted >= aborted_before + 2 && used == 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(aborted, aborted_before + 2);
+    EXPECT_EQ(used, 0);
+}
+
+TEST_F(ServeTest, ConcurrentRequestsAllComplete) {
+    std::vector<std::thread> threads;
+    std::atomic<int> ok{0};
+    for (int i = 0; i < 8; ++i) {
+        threads.emplace_back([&, i] {
+            auto r = Post("/v1/completions",
+                          fmt::format(R"({{"prompt":"request {}","max_tokens":8,"stream":{},
+                                         "ignore_eos":true}})",
+                                      i, i % 2 ? "true" : "false"));
+            if (r && r->status == 200) ++ok;
+        });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(ok.load(), 8);
+    EXPECT_EQ(Metric("ferry_num_requests_running"), 0);
+}
+
+}  // namespace
+}  // namespace ferry
