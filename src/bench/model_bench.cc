@@ -44,6 +44,22 @@ double SgemmGflops(int threads, int n) {
     return Median(rates);
 }
 
+// Weight-streaming bandwidth: sgemv over a 256 MiB matrix on all cores (what a batch-1 decode
+// step does with every weight), median of 5.
+double SgemvGBps(int threads) {
+    openblas_set_num_threads(threads);
+    const int n = 8192;
+    std::vector<float> a(size_t(n) * n, 0.5f), x(n, 1.0f), y(n, 0);
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, n, 1, a.data(), n, x.data(), 1, 0, y.data(), 1);
+    std::vector<double> rates;
+    for (int i = 0; i < 5; ++i) {
+        auto t0 = Clock::now();
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, n, n, 1, a.data(), n, x.data(), 1, 0, y.data(), 1);
+        rates.push_back(double(n) * n * 4 / Seconds(t0, Clock::now()) / 1e9);
+    }
+    return Median(rates);
+}
+
 std::vector<int32_t> Prompt(int n, int salt, int vocab) {
     std::vector<int32_t> t;
     for (int i = 0; i < n; ++i) t.push_back((i * 131 + salt * 977 + 7) % std::min(vocab, 256));
@@ -89,6 +105,7 @@ int RunModelBench(const ModelBenchOptions& o) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     double gflops1 = SgemmGflops(1, 1024);
     double gflops_all = SgemmGflops(cores, 1024);
+    double stream_gbps = SgemvGBps(cores);
     openblas_set_num_threads(cores);
 
     auto loaded = model::Model::Load(path, {.tp = o.tp});
@@ -127,8 +144,14 @@ int RunModelBench(const ModelBenchOptions& o) {
         "head dim {}), tp {}, kv {}, {} cores\n",
         c.name, c.ParamCount() / 1e6, c.num_layers, c.dim, c.num_heads, c.num_kv_heads, c.head_dim,
         o.tp, kv::KvDtypeName(*kv_dtype), cores);
-    fmt::print("reference: sgemm 1024^3 {:.1f} GFLOP/s on 1 core, {:.1f} GFLOP/s on {} cores\n\n",
-               gflops1, gflops_all, cores);
+    const double weight_bytes = flops_per_token / 2 * 4;  // f32 layer weights
+    fmt::print(
+        "reference: sgemm 1024^3 {:.1f} GFLOP/s on 1 core, {:.1f} GFLOP/s on {} cores; "
+        "sgemv 256 MiB {:.1f} GB/s\n"
+        "ceilings: compute {:.0f} tokens/s (all-core sgemm), batch-1 decode {:.1f} tokens/s "
+        "(streaming {:.0f} MB of f32 layer weights per step)\n\n",
+        gflops1, gflops_all, cores, stream_gbps, gflops_all * 1e9 / flops_per_token,
+        stream_gbps * 1e9 / weight_bytes, weight_bytes / 1e6);
     fmt::print("{:<8} {:>7} {:>7} {:>12} {:>10} {:>10}\n", "phase", "tokens", "batch", "tokens/s",
                "GFLOP/s", "of all-core");
 

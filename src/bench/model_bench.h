@@ -17,7 +17,6 @@ struct ModelBenchOptions {
     int decode_steps = 32;
     int repeats = 3;
     std::string kv_dtype = "f32";
-    bool json = false;
 };
 
 int RunModelBench(const ModelBenchOptions& options);

@@ -83,8 +83,16 @@ void RmsNorm(const float* x, const float* w, int dim, float eps, float* out) {
     for (int i = 0; i < dim; ++i) out[i] = x[i] * scale * w[i];
 }
 
-// C[m][n] = A[m][k] * B[n][k]^T (B row-major [n][k]: a weight stored [out][in]).
+// C[m][n] = A[m][k] * B[n][k]^T (B row-major [n][k]: a weight stored [out][in]). A few rows
+// (decode steps) go through sgemv, which streams the weights once instead of packing them.
 void MatMulT(int m, int n, int k, const float* a, int lda, const float* b, float* c, int ldc) {
+    if (m <= 2) {
+        for (int i = 0; i < m; ++i) {
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, b, k, a + size_t(i) * lda, 1, 0.0f,
+                        c + size_t(i) * ldc, 1);
+        }
+        return;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, k, 0.0f, c, ldc);
 }
 
@@ -231,7 +239,7 @@ struct Model::Rank {
     std::vector<float> attn_norm, ffn_norm;  // [layers][dim], shared values
     std::vector<float> wout;                 // [vocab_end - vocab_begin][dim]
     // Workspace, grown as needed.
-    std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, sel;
+    std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel;
 };
 
 class Model::RankPool {
@@ -572,18 +580,35 @@ void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqCh
         cache.Load(l, false, ch.block_table[j], h, cnt, &rk.kbuf[size_t(j) * bt * hd]);
         cache.Load(l, true, ch.block_table[j], h, cnt, &rk.vbuf[size_t(j) * bt * hd]);
     }
-    rk.scores.resize(size_t(std::min(n, kQueryTile)) * ctx);
-    for (int g = 0; g < group; ++g) {
-        const int qh = h * group + g;
-        for (int i0 = 0; i0 < n; i0 += kQueryTile) {
-            const int rows = std::min(kQueryTile, n - i0), keys = p0 + i0 + rows;
-            float* s = rk.scores.data();
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, scale,
-                        &rk.qkv[size_t(t0 + i0) * W + qh * hd], W, rk.kbuf.data(), hd, 0.0f, s,
-                        keys);
-            for (int i = 0; i < rows; ++i) Softmax(s + size_t(i) * keys, p0 + i0 + i + 1, keys);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, s, keys,
-                        rk.vbuf.data(), hd, 0.0f, &rk.attn[size_t(t0 + i0) * qw + qh * hd], qw);
+    // The group's query heads go through together: rows (g, i) of one [group * rows][head_dim]
+    // matrix, so each tile is two larger sgemms instead of two per head.
+    const int tile = std::min(n, kQueryTile);
+    rk.qstack.resize(size_t(group) * tile * hd);  // stacked queries, then stacked outputs
+    rk.scores.resize(size_t(group) * tile * ctx);
+    for (int i0 = 0; i0 < n; i0 += kQueryTile) {
+        const int rows = std::min(kQueryTile, n - i0), keys = p0 + i0 + rows, m = group * rows;
+        for (int g = 0; g < group; ++g) {
+            for (int i = 0; i < rows; ++i) {
+                std::memcpy(&rk.qstack[(size_t(g) * rows + i) * hd],
+                            &rk.qkv[size_t(t0 + i0 + i) * W + (h * group + g) * hd],
+                            size_t(hd) * 4);
+            }
+        }
+        float* s = rk.scores.data();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, keys, hd, scale, rk.qstack.data(),
+                    hd, rk.kbuf.data(), hd, 0.0f, s, keys);
+        for (int g = 0; g < group; ++g) {
+            for (int i = 0; i < rows; ++i) {
+                Softmax(s + (size_t(g) * rows + i) * keys, p0 + i0 + i + 1, keys);
+            }
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, keys, 1.0f, s, keys,
+                    rk.vbuf.data(), hd, 0.0f, rk.qstack.data(), hd);
+        for (int g = 0; g < group; ++g) {
+            for (int i = 0; i < rows; ++i) {
+                std::memcpy(&rk.attn[size_t(t0 + i0 + i) * qw + (h * group + g) * hd],
+                            &rk.qstack[(size_t(g) * rows + i) * hd], size_t(hd) * 4);
+            }
         }
     }
 }
