@@ -35,6 +35,7 @@ format:
 
 bench: build
 	@$(BUILD)/ferry bench transfer --block-size 64K,4M --batch 1,32
+	@$(BUILD)/ferry bench model --preset small
 
 clean:
 	rm -rf build

@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "ferry/agent.h"
 #include "testing/testing.h"
 
 namespace ferry::engine {
@@ -329,6 +330,45 @@ TEST_F(EngineTest, StepThreadServesConcurrentSubmitters) {
     for (auto& [id, c] : out) {
         EXPECT_EQ(c.tokens.size(), 8u) << id;
         EXPECT_EQ(c.finish, FinishReason::kLength) << id;
+    }
+}
+
+TEST_F(EngineTest, KvCacheInAgentMemoryIsReadableByAPeerOverTcp) {
+    // The cache lives in a region the transfer Agent allocated, as a KV connector sets it up; a
+    // peer reads it back byte for byte.
+    for (kv::KvDtype dtype : {kv::KvDtype::kF32, kv::KvDtype::kBF16}) {
+        testing::AgentPair pair = testing::MakePair("tcp");
+        Agent* owner = pair.a.get();
+        std::vector<RegionInfo> regions;
+        auto cfg = Config();
+        cfg.kv_dtype = dtype;
+        cfg.num_blocks = 16;
+        cfg.allocator.allocate = [&](size_t bytes) -> Result<std::span<std::byte>> {
+            FERRY_ASSIGN_OR_RETURN(RegionInfo r, owner->AllocateRegion(bytes));
+            regions.push_back(r);
+            return std::span(static_cast<std::byte*>(r.base), r.length);
+        };
+        cfg.allocator.release = [&](std::span<std::byte> mem) {
+            for (const RegionInfo& r : regions) {
+                if (r.base == mem.data()) (void)owner->Deregister(r.id);
+            }
+        };
+        auto e = Make(cfg);
+        ASSERT_EQ(regions.size(), 1u);
+        Run(e.get(), {{"a", Prompt(40, 9)}}, 1);
+        std::span<std::byte> kv = e->caches()[0]->memory();
+        ASSERT_NE(std::count(kv.begin(), kv.end(), std::byte{0}),
+                  static_cast<ptrdiff_t>(kv.size()));
+
+        auto local = std::move(pair.b->AllocateRegion(regions[0].length)).value();
+        Descriptor l{local.id, 0, regions[0].length}, r{regions[0].id, 0, regions[0].length};
+        auto connected = pair.b->Connect(pair.a->ListenAddress());
+        FERRY_ASSERT_OK(connected.status());
+        const std::string peer = *connected;
+        auto x = pair.b->PostRead({&l, 1}, peer, {&r, 1});
+        FERRY_ASSERT_OK(x.status());
+        FERRY_ASSERT_OK(x->Wait(std::chrono::seconds(30)));
+        EXPECT_EQ(std::memcmp(local.base, kv.data(), kv.size()), 0) << kv::KvDtypeName(dtype);
     }
 }
 

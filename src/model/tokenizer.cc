@@ -112,7 +112,9 @@ size_t Contraction(const std::vector<CodePoint>& cps, size_t i, bool ignore_case
 // or, with `llama3`, as Llama 3's
 //   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
 //   \s*[\r\n]+|\s+(?!\S)|\s+
-std::vector<std::string_view> PreTokenize(std::string_view text, bool llama3) {
+// `digits`: the longest run of digits in one pre-token (0: unlimited). SmolLM splits digits
+// one by one before GPT-2's regex; Qwen2 is Llama 3's regex with single digits.
+std::vector<std::string_view> PreTokenize(std::string_view text, bool llama3, int digits) {
     std::vector<CodePoint> cps = DecodeUtf8(text);
     std::vector<std::string_view> out;
     const size_t n = cps.size();
@@ -145,15 +147,24 @@ std::vector<std::string_view> PreTokenize(std::string_view text, bool llama3) {
             }
             if (IsDigit(c)) {
                 size_t j2 = i;
-                while (j2 < n && j2 - i < 3 && IsDigit(cps[j2].cp)) ++j2;
+                while (j2 < n && j2 - i < static_cast<size_t>(digits) && IsDigit(cps[j2].cp)) {
+                    ++j2;
+                }
                 emit(i, j2);
                 i = j2;
                 continue;
             }
         } else {
+            if (digits > 0 && IsDigit(c)) {
+                size_t j = i;
+                while (j < n && j - i < static_cast<size_t>(digits) && IsDigit(cps[j].cp)) ++j;
+                emit(i, j);
+                i = j;
+                continue;
+            }
             size_t j = i + (c == ' ' && i + 1 < n ? 1 : 0);
             uint32_t d = cps[j].cp;
-            if (IsLetter(d) || IsDigit(d)) {
+            if (IsLetter(d) || (IsDigit(d) && digits == 0)) {
                 bool letter = IsLetter(d);
                 while (j < n && (letter ? IsLetter(cps[j].cp) : IsDigit(cps[j].cp))) ++j;
                 emit(i, j);
@@ -189,8 +200,10 @@ std::vector<std::string_view> PreTokenize(std::string_view text, bool llama3) {
                 continue;
             }
         }
-        // \s+(?!\S): leave the last space to the word that follows, unless it is the only one.
-        if (j < n && j - i > 1) --j;
+        // \s+(?!\S): leave the last space to the word that follows, unless it is the only one
+        // (or, with digits split out first, the word is a digit).
+        bool digit_next = !llama3 && digits > 0 && j < n && IsDigit(cps[j].cp);
+        if (j < n && j - i > 1 && !digit_next) --j;
         emit(i, j);
         i = j;
     }
@@ -259,6 +272,13 @@ int32_t GetId(const GgufFile& f, std::string_view key, int32_t vocab) {
 }
 
 }  // namespace
+
+std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre) {
+    bool llama3 = pre == "llama-bpe" || pre == "llama3" || pre == "smaug-bpe" || pre == "dbrx" ||
+                  pre == "qwen2";
+    int digits = pre == "qwen2" || pre == "smollm" ? 1 : llama3 ? 3 : 0;
+    return PreTokenize(text, llama3, digits);
+}
 
 Result<ChatTemplate> ParseChatTemplate(std::string_view name) {
     if (name == "chatml") return ChatTemplate::kChatMl;
@@ -505,9 +525,7 @@ void Tokenizer::EncodeSpm(std::string_view raw, bool first, std::vector<int32_t>
 }
 
 void Tokenizer::EncodeBpe(std::string_view text, std::vector<int32_t>* out) const {
-    bool llama3 = pre_ == "llama-bpe" || pre_ == "llama3" || pre_ == "smaug-bpe" ||
-                  pre_ == "qwen2" || pre_ == "smollm" || pre_ == "dbrx";
-    for (std::string_view word : PreTokenize(text, llama3)) BpeWord(word, out);
+    for (std::string_view word : SplitPreTokens(text, pre_)) BpeWord(word, out);
 }
 
 void Tokenizer::BpeWord(std::string_view word, std::vector<int32_t>* out) const {

@@ -32,6 +32,10 @@ enum class ChatTemplate : uint8_t { kChatMl, kLlama3, kLlama2 };
 Result<ChatTemplate> ParseChatTemplate(std::string_view name);  // chatml | llama3 | llama2
 std::string_view ChatTemplateName(ChatTemplate t);
 
+// The byte-level BPE pre-tokenizer for `pre` (tokenizer.ggml.pre): "default"/"gpt2" (GPT-2's
+// regex), "llama-bpe" (Llama 3), "qwen2", "smollm". Views into `text`.
+std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre);
+
 class Tokenizer {
   public:
     enum class Kind : uint8_t { kSentencePiece, kByteBpe };

@@ -172,6 +172,24 @@ TEST(ByteBpe, PreTokenizerSplitsLikeTheRegexes) {
     auto l3 = Load(BpeWriter("llama-bpe"), "bpe-l3");
     EXPECT_EQ(l3->Encode("1234567", false).size(), 7u);
     EXPECT_EQ(l3->Decode(l3->Encode("1234567", false)), "1234567");
+    // SmolLM and Qwen2 split digits one by one; round trips stay exact everywhere.
+    for (const char* pre : {"smollm", "qwen2", "default", "llama-bpe"}) {
+        auto t = Load(BpeWriter(pre), std::string("bpe-") + pre);
+        std::string text = "In 2024, 12 345 cats  ran\n\n  away 7x.";
+        EXPECT_EQ(t->Decode(t->Encode(text, false)), text) << pre;
+    }
+}
+
+TEST(ByteBpe, PreTokensMatchWhatTheRegexesGive) {
+    using V = std::vector<std::string_view>;
+    EXPECT_EQ(SplitPreTokens("Hello world's 123  abc\n", "default"),
+              (V{"Hello", " world", "'s", " 123", " ", " abc", "\n"}));
+    EXPECT_EQ(SplitPreTokens("Hello world's 1234567  abc\n\n x", "llama-bpe"),
+              (V{"Hello", " world", "'s", " ", "123", "456", "7", " ", " abc", "\n\n", " x"}));
+    EXPECT_EQ(SplitPreTokens("IT'S ok!!\n", "llama-bpe"), (V{"IT", "'S", " ok", "!!\n"}));
+    EXPECT_EQ(SplitPreTokens("a 12", "smollm"), (V{"a", " ", "1", "2"}));
+    EXPECT_EQ(SplitPreTokens("a 12", "qwen2"), (V{"a", " ", "1", "2"}));
+    EXPECT_EQ(SplitPreTokens("x  \t y", "default"), (V{"x", "  \t", " y"}));
 }
 
 TEST(ChatTemplates, RenderTheKnownFormats) {

@@ -44,6 +44,14 @@ class ServeTest : public ::testing::Test {
         ASSERT_TRUE(child.ok()) << child.status().ToString();
         server_ = new testing::ChildProcess(std::move(child).value());
         port_ = std::stoi(line.substr(line.rfind(':') + 1));
+        // Ready when /health answers (llama.cpp's server tests do the same).
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (std::chrono::steady_clock::now() < deadline) {
+            auto h = Get("/health");
+            if (h && h->status == 200) return;
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        FAIL() << "ferry serve did not answer /health";
     }
     static void TearDownTestSuite() {
         delete server_;
