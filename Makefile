@@ -13,7 +13,8 @@ build: deps
 	@cmake --preset $(PRESET) >/dev/null
 	@cmake --build --preset $(PRESET) -j $(JOBS)
 
-# The main job: a two-process transfer benchmark on every backend, with same-run references.
+# The main job: serve a model on loopback, run the serving benchmark at several request rates,
+# the transfer benchmark on every backend, print the tables and write plots (demo-results/).
 demo: build
 	@$(BUILD)/ferry demo
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bench/transfer_bench.h"
+#include "bench_serve_cmd.h"
 #include "core/log.h"
 #include "discovery_cmd.h"
 #include "model_cmd.h"
@@ -44,31 +45,8 @@ int main(int argc, char** argv) {
         fmt::print("ferry 0.1.0\n");
     });
 
-    CLI::App* demo = app.add_subcommand(
-        "demo",
-        "The main job behind `make demo`: a two-process transfer benchmark on every backend, "
-        "each row beside its same-run reference");
-    double demo_duration = 1.0;
-    demo->add_option("--duration", demo_duration, "seconds per row")->check(CLI::Range(0.1, 60.0));
     int rc = 0;
-    demo->callback([&] {
-        fmt::print(
-            "ferry demo: two processes on this host move data through the transfer engine.\n"
-            "ref = memcpy between pre-faulted buffers (shm) or one plain TCP stream (tcp),\n"
-            "measured in the same run.\n\n");
-        ferry::bench::TransferBenchOptions d;
-        d.duration = demo_duration;
-        struct Sweep {
-            std::vector<uint64_t> blocks, batches;
-        };
-        for (const Sweep& sw :
-             {Sweep{{4u << 20}, {1}}, Sweep{{64u << 10}, {32}}, Sweep{{16u << 10}, {1024}}}) {
-            d.block_sizes = sw.blocks;
-            d.batches = sw.batches;
-            rc |= ferry::bench::RunTransferBench(d);
-            fmt::print("\n");
-        }
-    });
+    ferry::cli::AddDemoCommand(app, &rc);
 
     ferry::cli::AddDiscoveryCommand(app, &rc);
     ferry::cli::AddModelCommand(app, &rc);
@@ -77,6 +55,7 @@ int main(int argc, char** argv) {
     CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
     bench->require_subcommand(1);
     ferry::cli::AddModelBenchCommand(*bench, &rc);
+    ferry::cli::AddServeBenchCommands(*bench, &rc);
     CLI::App* transfer = bench->add_subcommand(
         "transfer",
         "Move batches of blocks between two processes through the transfer engine; print GB/s, "

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -277,6 +278,65 @@ TEST_F(ServeTest, ConcurrentRequestsAllComplete) {
     for (auto& t : threads) t.join();
     EXPECT_EQ(ok.load(), 8);
     EXPECT_EQ(Metric("ferry_num_requests_running"), 0);
+}
+
+// `ferry bench serve` against the real server: the vLLM layout, and every request recorded.
+TEST_F(ServeTest, BenchServeRunsAgainstTheServer) {
+    for (const char* endpoint : {"/v1/completions", "/v1/chat/completions"}) {
+        std::string result = (std::filesystem::temp_directory_path() /
+                              ("bench-serve-" + std::to_string(getpid()) + ".json"))
+                                 .string();
+        std::string cmd = fmt::format(
+            "{} bench serve --base-url http://127.0.0.1:{} --endpoint {} --num-prompts 6 "
+            "--random-input-len 20 --random-output-len 5 --ignore-eos --request-rate 50 "
+            "--percentiles 50,99 --goodput ttft:60000 --save-result {} --label test "
+            "--no-progress 2>&1",
+            FERRY_BIN, port_, endpoint, result);
+        FILE* p = popen(cmd.c_str(), "r");
+        ASSERT_NE(p, nullptr);
+        std::string out;
+        char buf[4096];
+        while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+        EXPECT_EQ(pclose(p), 0) << out;
+        EXPECT_THAT(out, HasSubstr("============ Serving Benchmark Result ============"));
+        EXPECT_THAT(out, HasSubstr("Successful requests:                     6 "));
+        EXPECT_THAT(out, HasSubstr("Failed requests:                         0 "));
+        EXPECT_THAT(out, HasSubstr("Total generated tokens:                  30 "));
+        EXPECT_THAT(out, HasSubstr("Request goodput (req/s):"));
+        EXPECT_THAT(out, HasSubstr("P99 TTFT (ms):"));
+        EXPECT_THAT(out, HasSubstr("Mean TPOT (ms):"));
+        std::ifstream f(result);
+        Json j = Json::parse(f, nullptr, false);
+        ASSERT_TRUE(j.is_object());
+        EXPECT_EQ(j["completed"], 6);
+        EXPECT_EQ(j["model_id"], "serve-test");
+        EXPECT_EQ(j["label"], "test");
+        ASSERT_EQ(j["requests"].size(), 6u);
+        size_t gaps = 0;
+        for (const Json& r : j["requests"]) {
+            EXPECT_TRUE(r["success"].get<bool>()) << r.dump();
+            EXPECT_EQ(r["output_tokens"], 5);
+            EXPECT_EQ(r["prompt_tokens"].get<int>() > 0, true);
+            EXPECT_GT(r["ttft_s"].get<double>(), 0);
+            // Chunks whose bytes do not finish a UTF-8 character carry no text and, as in
+            // vLLM, no timing; the random model makes such bytes.
+            EXPECT_LE(r["itl_s"].size(), 4u);
+            gaps += r["itl_s"].size();
+        }
+        EXPECT_GT(gaps, 0u);
+        std::remove(result.c_str());
+    }
+    // A server that is not there: a clear error, exit code 1.
+    std::string cmd = fmt::format(
+        "{} bench serve --base-url http://127.0.0.1:1 --num-prompts 1 "
+        "--no-progress 2>&1",
+        FERRY_BIN);
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+    EXPECT_NE(pclose(p), 0);
+    EXPECT_THAT(out, HasSubstr("is the server up"));
 }
 
 }  // namespace

@@ -1,0 +1,396 @@
+#include "bench_serve_cmd.h"
+
+#include <fcntl.h>
+#include <fmt/core.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/plot.h"
+#include "bench/serve_bench.h"
+#include "bench/transfer_bench.h"
+#include "model/model.h"
+
+namespace ferry::cli {
+
+namespace {
+
+double ParseRate(const std::string& s) {
+    if (s == "inf") return std::numeric_limits<double>::infinity();
+    char* end = nullptr;
+    double v = std::strtod(s.c_str(), &end);
+    if (s.empty() || *end != '\0' || !(v > 0)) {
+        throw CLI::ValidationError("--request-rate", "'" + s + "' is not a positive number or inf");
+    }
+    return v;
+}
+
+std::vector<double> ParsePercentiles(const std::string& s) {
+    std::vector<double> out;
+    size_t start = 0;
+    while (true) {
+        size_t comma = s.find(',', start);
+        std::string item =
+            s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        char* end = nullptr;
+        double v = std::strtod(item.c_str(), &end);
+        if (item.empty() || *end != '\0' || !(v > 0) || v > 100) {
+            throw CLI::ValidationError("--percentiles", "'" + item + "' is not in (0, 100]");
+        }
+        out.push_back(v);
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+    }
+    return out;
+}
+
+bench::GoodputLimits ParseGoodput(const std::vector<std::string>& items) {
+    bench::GoodputLimits g;
+    for (const std::string& it : items) {
+        size_t colon = it.find(':');
+        std::string key = it.substr(0, colon);
+        char* end = nullptr;
+        double v = colon == std::string::npos ? -1 : std::strtod(it.c_str() + colon + 1, &end);
+        if (colon == std::string::npos || *end != '\0' || !(v > 0)) {
+            throw CLI::ValidationError("--goodput", "'" + it + "' is not KEY:MS (ttft:500)");
+        }
+        if (key == "ttft") {
+            g.ttft_ms = v;
+        } else if (key == "tpot") {
+            g.tpot_ms = v;
+        } else if (key == "e2el") {
+            g.e2el_ms = v;
+        } else {
+            throw CLI::ValidationError("--goodput", "'" + key + "' is not ttft, tpot or e2el");
+        }
+    }
+    return g;
+}
+
+// A `ferry serve` child: stopped with SIGTERM (SIGKILL after 5 s) when this object goes, and
+// killed by the kernel if this process dies first.
+class ServerProcess {
+  public:
+    static pid_t live_pid;  // for the SIGINT handler
+
+    ~ServerProcess() { Stop(); }
+
+    bool Start(const std::vector<std::string>& args, std::string* url, std::string* error) {
+        int out[2];
+        if (pipe2(out, O_CLOEXEC) != 0) return false;
+        pid_ = fork();
+        if (pid_ == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            dup2(out[1], 1);
+            std::vector<char*> argv;
+            for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+            argv.push_back(nullptr);
+            execv(argv[0], argv.data());
+            _exit(127);
+        }
+        close(out[1]);
+        live_pid = pid_;
+        std::string buf;
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (std::chrono::steady_clock::now() < deadline) {
+            pollfd p{out[0], POLLIN, 0};
+            if (poll(&p, 1, 200) <= 0) continue;
+            char tmp[512];
+            ssize_t n = read(out[0], tmp, sizeof(tmp));
+            if (n <= 0) break;
+            buf.append(tmp, static_cast<size_t>(n));
+            size_t at = buf.find("listening on ");
+            if (at != std::string::npos && buf.find('\n', at) != std::string::npos) {
+                *url = buf.substr(at + 13, buf.find('\n', at) - at - 13);
+                fd_ = out[0];
+                return true;
+            }
+        }
+        close(out[0]);
+        *error = "ferry serve did not start: " + buf;
+        return false;
+    }
+
+    void Stop() {
+        if (pid_ <= 0) return;
+        kill(pid_, SIGTERM);
+        for (int i = 0; i < 50; ++i) {
+            if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+                pid_ = -1;
+                break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        if (pid_ > 0) {
+            kill(pid_, SIGKILL);
+            waitpid(pid_, nullptr, 0);
+        }
+        pid_ = -1;
+        live_pid = -1;
+        if (fd_ >= 0) close(fd_);
+        fd_ = -1;
+    }
+
+  private:
+    pid_t pid_ = -1;
+    int fd_ = -1;
+};
+pid_t ServerProcess::live_pid = -1;
+
+void OnInterrupt(int) {
+    if (ServerProcess::live_pid > 0) kill(ServerProcess::live_pid, SIGKILL);
+    _exit(130);
+}
+
+std::string SelfExe() {
+    std::error_code ec;
+    auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+    return ec ? "ferry" : p.string();
+}
+
+}  // namespace
+
+void AddServeBenchCommands(CLI::App& bench, int* rc) {
+    CLI::App* sb = bench.add_subcommand(
+        "serve",
+        "Serving benchmark against an OpenAI-compatible endpoint, with vllm bench serve's "
+        "metrics and layout");
+    static bench::ServeBenchOptions o;
+    static std::string rate = "inf", percentiles = "99", mm_size = "64x64";
+    static std::vector<std::string> goodput;
+    static bool no_progress = false;
+    sb->add_option("--base-url", o.base_url, "server root, http://host:port")
+        ->capture_default_str();
+    sb->add_option("--endpoint", o.endpoint, "/v1/completions or /v1/chat/completions")
+        ->check(CLI::IsMember({"/v1/completions", "/v1/chat/completions"}))
+        ->capture_default_str();
+    sb->add_option("--model", o.model, "model name (default: the server's first)");
+    sb->add_option("--tokenizer", o.tokenizer,
+                   "GGUF file whose tokenizer makes and counts prompts (default: one ASCII "
+                   "character per token)");
+    sb->add_option("--dataset-name", o.dataset_name, "random, sharegpt or random-mm")
+        ->check(CLI::IsMember({"random", "sharegpt", "random-mm"}))
+        ->capture_default_str();
+    sb->add_option("--dataset-path", o.dataset_path, "ShareGPT-format JSON file");
+    sb->add_option("--random-input-len", o.random_input_len, "prompt tokens")
+        ->check(CLI::Range(1, 1 << 24))
+        ->capture_default_str();
+    sb->add_option("--random-output-len", o.random_output_len, "output tokens (max_tokens)")
+        ->check(CLI::Range(1, 1 << 24))
+        ->capture_default_str();
+    sb->add_option("--random-range-ratio", o.random_range_ratio,
+                   "lengths uniform in [len*(1-r), len*(1+r)]")
+        ->check(CLI::Range(0.0, 0.999));
+    sb->add_option("--random-prefix-len", o.random_prefix_len, "tokens shared by every prompt")
+        ->check(CLI::Range(0, 1 << 24));
+    sb->add_option("--random-mm-images", o.mm_images, "random-mm: images per request")
+        ->check(CLI::Range(1, 64));
+    sb->add_option("--random-mm-size", mm_size, "random-mm: image size WxH");
+    sb->add_option("--sharegpt-output-len", o.sharegpt_output_len, "override output lengths")
+        ->check(CLI::Range(0, 1 << 24));
+    sb->add_option("--num-prompts", o.num_prompts, "requests to send")
+        ->check(CLI::Range(1, 10000000))
+        ->capture_default_str();
+    sb->add_option("--request-rate", rate, "requests per second (Poisson), or inf")
+        ->capture_default_str();
+    sb->add_option("--burstiness", o.burstiness, "gamma shape of the arrivals (1 = Poisson)")
+        ->check(CLI::Range(0.001, 1000.0));
+    sb->add_option("--max-concurrency", o.max_concurrency, "most requests in flight (0: no cap)")
+        ->check(CLI::Range(0, 1000000));
+    sb->add_flag("--ignore-eos", o.ignore_eos, "ask the server to ignore end-of-sequence");
+    sb->add_option("--temperature", o.temperature, "sampling temperature")
+        ->check(CLI::Range(0.0, 2.0));
+    sb->add_option("--seed", o.seed, "dataset and arrival seed");
+    sb->add_option("--goodput", goodput, "SLOs: ttft:MS tpot:MS e2el:MS");
+    sb->add_option("--percentiles,--metric-percentiles", percentiles, "e.g. 50,90,99")
+        ->capture_default_str();
+    sb->add_option("--save-result", o.save_result, "write metrics and per-request records (JSON)");
+    sb->add_option("--label", o.label, "name of this run in the JSON and in plots");
+    sb->add_option("--request-timeout", o.request_timeout, "seconds per request")
+        ->check(CLI::Range(0.1, 86400.0));
+    sb->add_flag("--no-progress", no_progress, "no progress bar on stderr");
+    sb->callback([rc] {
+        o.request_rate = ParseRate(rate);
+        o.percentiles = ParsePercentiles(percentiles);
+        o.goodput = ParseGoodput(goodput);
+        o.progress = !no_progress;
+        if (std::sscanf(mm_size.c_str(), "%dx%d", &o.mm_width, &o.mm_height) != 2 ||
+            o.mm_width < 1 || o.mm_height < 1 || o.mm_width > 4096 || o.mm_height > 4096) {
+            throw CLI::ValidationError("--random-mm-size", "'" + mm_size + "' is not WxH");
+        }
+        *rc = bench::RunServeBenchCommand(o);
+    });
+
+    CLI::App* plot =
+        bench.add_subcommand("plot", "SVG charts from `ferry bench serve --save-result` files");
+    static std::vector<std::string> files;
+    static std::string out = "plots";
+    plot->add_option("results", files, "result JSON files")->required();
+    plot->add_option("--out", out, "output directory")->capture_default_str();
+    plot->callback([rc] {
+        auto written = bench::PlotServeResults(files, out);
+        if (!written.ok()) {
+            fmt::print(stderr, "ferry bench plot: {}\n", written.status().ToString());
+            *rc = 1;
+            return;
+        }
+        for (const std::string& f : *written) fmt::print("wrote {}\n", f);
+    });
+}
+
+void AddDemoCommand(CLI::App& app, int* rc) {
+    CLI::App* demo = app.add_subcommand(
+        "demo",
+        "The main job behind `make demo`: serve a model on loopback, run the serving benchmark "
+        "at several request rates, run the transfer benchmark on every backend, print the "
+        "tables and write the plots");
+    static std::string model_path, preset = "tiny", out_dir = "demo-results", rates = "4,16,inf";
+    static int num_prompts = 48, input_len = 256, output_len = 64;
+    static double transfer_duration = 1.0;
+    demo->add_option("--model", model_path, "GGUF model (default: a random-weight preset)");
+    demo->add_option("--preset", preset, "preset made when no model is given: tiny or small")
+        ->check(CLI::IsMember({"tiny", "small"}))
+        ->capture_default_str();
+    demo->add_option("--out", out_dir, "directory for results and plots")->capture_default_str();
+    demo->add_option("--rates", rates, "request rates to run, comma list (inf allowed)")
+        ->capture_default_str();
+    demo->add_option("--num-prompts", num_prompts, "requests per rate")
+        ->check(CLI::Range(1, 100000))
+        ->capture_default_str();
+    demo->add_option("--input-len", input_len, "prompt tokens")->check(CLI::Range(1, 100000));
+    demo->add_option("--output-len", output_len, "output tokens")->check(CLI::Range(1, 100000));
+    demo->add_option("--duration", transfer_duration, "seconds per transfer benchmark row")
+        ->check(CLI::Range(0.1, 60.0));
+    demo->callback([rc] {
+        signal(SIGINT, OnInterrupt);
+        signal(SIGTERM, OnInterrupt);
+        std::filesystem::create_directories(out_dir);
+        if (model_path.empty()) {
+            model_path = (std::filesystem::path(out_dir) / (preset + ".gguf")).string();
+            if (!std::filesystem::exists(model_path)) {
+                Status st = model::WriteRandomModel(*model::PresetSpec(preset), 1, model_path);
+                if (!st.ok()) {
+                    fmt::print(stderr, "ferry demo: {}\n", st.ToString());
+                    *rc = 1;
+                    return;
+                }
+            }
+            fmt::print("ferry demo: model {} (random weights, {} preset)\n", model_path, preset);
+        }
+        // Deployments to compare; disaggregated ones (proxy + prefill + decode workers) become
+        // further entries with their own start-up.
+        struct Deployment {
+            std::string label;
+            std::vector<std::string> args;
+        };
+        std::vector<Deployment> deployments = {{"colocated",
+                                                {SelfExe(), "serve", "--model", model_path,
+                                                 "--port", "0", "--max-model-len", "4096"}}};
+        std::vector<std::string> results;
+        std::vector<double> rate_list;
+        {
+            size_t start = 0;
+            while (true) {
+                size_t c = rates.find(',', start);
+                std::string item =
+                    rates.substr(start, c == std::string::npos ? std::string::npos : c - start);
+                rate_list.push_back(ParseRate(item));
+                if (c == std::string::npos) break;
+                start = c + 1;
+            }
+        }
+        std::string summary = fmt::format("{:<12} {:>8} {:>9} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
+                                          "deployment", "rate", "req/s", "out tok/s", "mean TTFT",
+                                          "P99 TTFT", "mean TPOT", "P99 TPOT");
+        for (const Deployment& d : deployments) {
+            ServerProcess server;
+            std::string url, error;
+            if (!server.Start(d.args, &url, &error)) {
+                fmt::print(stderr, "ferry demo: {}\n", error);
+                *rc = 1;
+                return;
+            }
+            fmt::print("ferry demo: {} deployment serving at {}\n\n", d.label, url);
+            for (double r : rate_list) {
+                bench::ServeBenchOptions o;
+                o.base_url = url;
+                o.dataset_name = "random";
+                o.random_input_len = input_len;
+                o.random_output_len = output_len;
+                o.num_prompts = num_prompts;
+                o.request_rate = r;
+                o.ignore_eos = true;
+                o.label = d.label;
+                o.percentiles = {50, 99};
+                o.tokenizer = model_path;
+                std::string rate_name = std::isfinite(r) ? fmt::format("{:g}", r) : "inf";
+                o.save_result = (std::filesystem::path(out_dir) /
+                                 fmt::format("serve-{}-rate-{}.json", d.label, rate_name))
+                                    .string();
+                fmt::print("--- {} at request rate {} ({} prompts, {} in / {} out tokens)\n",
+                           d.label, rate_name, num_prompts, input_len, output_len);
+                std::fflush(stdout);
+                auto res = bench::RunServeBench(o);
+                if (!res.ok()) {
+                    fmt::print(stderr, "ferry demo: {}\n", res.status().ToString());
+                    *rc = 1;
+                    return;
+                }
+                fmt::print("{}\n", bench::FormatServeResult(o, *res));
+                if (Status st = bench::SaveServeResult(o, *res, o.save_result); !st.ok()) {
+                    fmt::print(stderr, "ferry demo: {}\n", st.ToString());
+                }
+                results.push_back(o.save_result);
+                const bench::ServeMetrics& m = res->metrics;
+                summary += fmt::format(
+                    "{:<12} {:>8} {:>9.2f} {:>12.1f} {:>10.1f}ms {:>10.1f}ms {:>10.2f}ms "
+                    "{:>10.2f}ms\n",
+                    d.label, rate_name, m.request_throughput, m.output_throughput, m.ttft_ms.mean,
+                    m.ttft_ms.percentiles.back().second, m.tpot_ms.mean,
+                    m.tpot_ms.percentiles.back().second);
+                if (m.failed > 0) *rc = 1;
+            }
+            server.Stop();
+        }
+        fmt::print("=== Serving, side by side\n{}\n", summary);
+
+        fmt::print(
+            "=== Transfer engine: two processes, each row beside its same-run reference\n"
+            "(memcpy between pre-faulted buffers for shm, one plain TCP stream for tcp)\n\n");
+        std::fflush(stdout);
+        bench::TransferBenchOptions t;
+        t.duration = transfer_duration;
+        struct Sweep {
+            std::vector<uint64_t> blocks, batches;
+        };
+        for (const Sweep& sw :
+             {Sweep{{4u << 20}, {1}}, Sweep{{64u << 10}, {32}}, Sweep{{16u << 10}, {1024}}}) {
+            t.block_sizes = sw.blocks;
+            t.batches = sw.batches;
+            *rc |= bench::RunTransferBench(t);
+            fmt::print("\n");
+        }
+
+        auto written = bench::PlotServeResults(results, out_dir);
+        if (!written.ok()) {
+            fmt::print(stderr, "ferry demo: plots: {}\n", written.status().ToString());
+            *rc = 1;
+            return;
+        }
+        fmt::print("=== Plots\n");
+        for (const std::string& f : *written) fmt::print("  {}\n", f);
+        fmt::print("Results (JSON, every request): {}/serve-*.json\n", out_dir);
+    });
+}
+
+}  // namespace ferry::cli

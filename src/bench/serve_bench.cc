@@ -1,0 +1,835 @@
+#include "bench/serve_bench.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/core.h>
+#include <httplib.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <unordered_set>
+
+#include "discovery/http_json.h"
+#include "model/gguf.h"
+#include "model/tokenizer.h"
+
+namespace ferry::bench {
+
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+struct Url {
+    std::string host;
+    int port = 80;
+};
+
+Result<Url> ParseBaseUrl(const std::string& s) {
+    const std::string prefix = "http://";
+    if (s.compare(0, prefix.size(), prefix) != 0) {
+        return InvalidArgumentError(
+            fmt::format("--base-url '{}': only http://host:port is supported", s));
+    }
+    std::string rest = s.substr(prefix.size());
+    while (!rest.empty() && rest.back() == '/') rest.pop_back();
+    if (rest.find('/') != std::string::npos) {
+        return InvalidArgumentError(
+            fmt::format("--base-url '{}': give the server root; the path goes in --endpoint", s));
+    }
+    Url u;
+    size_t colon = rest.rfind(':');
+    u.host = rest.substr(0, colon);
+    if (colon != std::string::npos) {
+        char* end = nullptr;
+        long port = std::strtol(rest.c_str() + colon + 1, &end, 10);
+        if (*end != '\0' || port <= 0 || port > 65535) {
+            return InvalidArgumentError(fmt::format("--base-url '{}': bad port", s));
+        }
+        u.port = static_cast<int>(port);
+    }
+    if (u.host.empty()) return InvalidArgumentError(fmt::format("--base-url '{}': no host", s));
+    return u;
+}
+
+// --- PNG ----------------------------------------------------------------------------------------
+
+uint32_t Crc32(const uint8_t* p, size_t n, uint32_t crc = 0) {
+    crc = ~crc;
+    for (size_t i = 0; i < n; ++i) {
+        crc ^= p[i];
+        for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0xedb88320u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+void Be32(std::string* out, uint32_t v) {
+    for (int i = 3; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+void Chunk(std::string* png, const char* type, const std::string& data) {
+    Be32(png, static_cast<uint32_t>(data.size()));
+    std::string body = std::string(type, 4) + data;
+    png->append(body);
+    Be32(png, Crc32(reinterpret_cast<const uint8_t*>(body.data()), body.size()));
+}
+
+}  // namespace
+
+std::string RandomPng(int width, int height, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::string raw;  // filter byte 0, then RGB per row
+    for (int y = 0; y < height; ++y) {
+        raw.push_back(0);
+        for (int x = 0; x < width * 3; ++x) raw.push_back(static_cast<char>(rng() & 0xff));
+    }
+    // zlib stream of stored deflate blocks.
+    std::string z = "\x78\x01";
+    for (size_t off = 0; off < raw.size() || off == 0;) {
+        size_t n = std::min<size_t>(65535, raw.size() - off);
+        bool last = off + n == raw.size();
+        z.push_back(last ? 1 : 0);
+        z.push_back(static_cast<char>(n & 0xff));
+        z.push_back(static_cast<char>(n >> 8));
+        z.push_back(static_cast<char>(~n & 0xff));
+        z.push_back(static_cast<char>((~n >> 8) & 0xff));
+        z.append(raw, off, n);
+        off += n;
+        if (last) break;
+    }
+    uint32_t a = 1, b = 0;
+    for (unsigned char c : raw) {
+        a = (a + c) % 65521;
+        b = (b + a) % 65521;
+    }
+    Be32(&z, (b << 16) | a);
+    std::string png = "\x89PNG\r\n\x1a\n";
+    std::string ihdr;
+    Be32(&ihdr, static_cast<uint32_t>(width));
+    Be32(&ihdr, static_cast<uint32_t>(height));
+    ihdr += std::string("\x08\x02\x00\x00\x00", 5);  // 8-bit RGB
+    Chunk(&png, "IHDR", ihdr);
+    Chunk(&png, "IDAT", z);
+    Chunk(&png, "IEND", "");
+    return png;
+}
+
+// --- datasets ------------------------------------------------------------------------------------
+
+std::vector<double> ArrivalTimes(int n, double rate, double burstiness, uint64_t seed) {
+    std::vector<double> t(n, 0.0);
+    if (!std::isfinite(rate) || rate <= 0) return t;
+    std::mt19937_64 rng(seed ^ 0x5eed5eedull);
+    std::gamma_distribution<double> gap(burstiness, 1.0 / (rate * burstiness));
+    double now = 0;
+    for (int i = 0; i < n; ++i) {
+        t[i] = now;
+        now += gap(rng);
+    }
+    return t;
+}
+
+Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
+                                               const model::Tokenizer* tk) {
+    std::mt19937_64 rng(o.seed);
+    std::vector<BenchPrompt> out;
+    if (o.num_prompts <= 0) return InvalidArgumentError("--num-prompts must be positive");
+    if (o.dataset_name == "random" || o.dataset_name == "random-mm") {
+        if (o.random_input_len < 1 || o.random_output_len < 1 || o.random_range_ratio < 0 ||
+            o.random_range_ratio >= 1 || o.random_prefix_len < 0) {
+            return InvalidArgumentError(
+                "--random-input-len and --random-output-len must be >= 1, "
+                "--random-range-ratio in [0, 1), --random-prefix-len >= 0");
+        }
+        // Token ids that decode to text (control tokens decode to nothing).
+        std::vector<int32_t> ids;
+        if (tk) {
+            for (int32_t i = 0; i < tk->vocab_size(); ++i) {
+                if (!tk->IsControl(i) && !tk->TokenBytes(i).empty()) ids.push_back(i);
+            }
+            if (ids.empty()) return InvalidArgumentError("the tokenizer has no text tokens");
+        }
+        static const char kAlphabet[] =
+            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,";
+        auto random_text = [&](int len) {
+            std::string text;
+            if (tk) {
+                std::vector<int32_t> t;
+                for (int i = 0; i < len; ++i) t.push_back(ids[rng() % ids.size()]);
+                text = tk->Decode(t);
+            } else {
+                for (int i = 0; i < len; ++i)
+                    text.push_back(kAlphabet[rng() % (sizeof(kAlphabet) - 1)]);
+            }
+            return text;
+        };
+        auto range = [&](int len) {
+            int lo = std::max(1, static_cast<int>(len * (1 - o.random_range_ratio)));
+            int hi = std::max(lo, static_cast<int>(len * (1 + o.random_range_ratio)));
+            return lo + static_cast<int>(rng() % uint64_t(hi - lo + 1));
+        };
+        std::string prefix = random_text(o.random_prefix_len);
+        for (int i = 0; i < o.num_prompts; ++i) {
+            BenchPrompt p;
+            int in = range(o.random_input_len);
+            p.output_len = range(o.random_output_len);
+            p.text = prefix + random_text(in);
+            p.prompt_len = tk ? static_cast<int>(tk->Encode(p.text, tk->add_bos()).size())
+                              : o.random_prefix_len + in;
+            p.images = o.dataset_name == "random-mm" ? o.mm_images : 0;
+            out.push_back(std::move(p));
+        }
+        return out;
+    }
+    if (o.dataset_name == "sharegpt") {
+        if (o.dataset_path.empty()) return InvalidArgumentError("sharegpt needs --dataset-path");
+        std::ifstream f(o.dataset_path);
+        if (!f) return NotFoundError(fmt::format("--dataset-path {}: cannot open", o.dataset_path));
+        std::stringstream ss;
+        ss << f.rdbuf();
+        Json data = Json::parse(ss.str(), nullptr, false);
+        if (!data.is_array()) {
+            return InvalidArgumentError(fmt::format(
+                "{}: not a ShareGPT file (a JSON array of {{\"conversations\": [...]}})",
+                o.dataset_path));
+        }
+        // Conversations with at least two turns: the first is the prompt, the second's length is
+        // the output length (vLLM's filter: prompt >= 4 tokens, output >= 4, prompt <= 1024,
+        // prompt + output <= 2048).
+        std::vector<std::pair<std::string, std::string>> pairs;
+        for (const Json& e : data) {
+            if (!e.is_object() || !e.contains("conversations") || !e["conversations"].is_array() ||
+                e["conversations"].size() < 2) {
+                continue;
+            }
+            const Json& c = e["conversations"];
+            if (!c[0].is_object() || !c[1].is_object() || !c[0].contains("value") ||
+                !c[1].contains("value") || !c[0]["value"].is_string() ||
+                !c[1]["value"].is_string()) {
+                continue;
+            }
+            pairs.emplace_back(c[0]["value"].get<std::string>(), c[1]["value"].get<std::string>());
+        }
+        std::shuffle(pairs.begin(), pairs.end(), rng);
+        auto count = [&](const std::string& s) {
+            return tk ? static_cast<int>(tk->Encode(s, false).size())
+                      : std::max(1, static_cast<int>(s.size() / 4));
+        };
+        for (const auto& [prompt, answer] : pairs) {
+            if (static_cast<int>(out.size()) == o.num_prompts) break;
+            BenchPrompt p;
+            p.text = prompt;
+            p.prompt_len = count(prompt);
+            p.output_len = o.sharegpt_output_len > 0 ? o.sharegpt_output_len : count(answer);
+            if (p.prompt_len < 4 || p.output_len < 4 || p.prompt_len > 1024 ||
+                p.prompt_len + p.output_len > 2048) {
+                continue;
+            }
+            out.push_back(std::move(p));
+        }
+        if (out.empty()) {
+            return InvalidArgumentError(fmt::format("{}: no usable conversations", o.dataset_path));
+        }
+        return out;
+    }
+    return InvalidArgumentError(fmt::format(
+        "--dataset-name '{}' is not one of random, sharegpt, random-mm", o.dataset_name));
+}
+
+// --- the client ---------------------------------------------------------------------------------
+
+namespace {
+
+// One streamed request on its own connection, driven by the event loop.
+struct Conn {
+    enum class State { kConnecting, kSending, kHeaders, kBody, kDone };
+    int fd = -1;
+    size_t index = 0;
+    State state = State::kConnecting;
+    std::string out;
+    size_t sent = 0;
+    std::string in;  // raw bytes not yet parsed
+    int status = 0;
+    bool chunked = false;
+    long content_length = -1;
+    long chunk_left = -1;  // chunked: bytes left in the current chunk; -1: reading a size line
+    std::string body;      // dechunked body not yet split into events
+    std::string error_body;
+    Clock::time_point sent_at;
+    Clock::time_point last_chunk;
+    Clock::time_point deadline;
+    bool first = true;
+    int content_chunks = 0;
+    int usage_prompt = -1, usage_completion = -1;
+};
+
+class StreamingRun {
+  public:
+    StreamingRun(const ServeBenchOptions& o, const Url& url, std::string model,
+                 std::vector<BenchPrompt> prompts)
+        : o_(o), url_(url), model_(std::move(model)), prompts_(std::move(prompts)) {}
+
+    Result<std::vector<RequestRecord>> Run(double* duration);
+
+  private:
+    std::string RequestBody(const BenchPrompt& p, size_t i) const;
+    Status Start(size_t i);
+    void OnReadable(Conn* c);
+    void OnWritable(Conn* c);
+    void ParseEvents(Conn* c);
+    void Finish(Conn* c, const std::string& error);
+    void Progress(bool final);
+
+    const ServeBenchOptions& o_;
+    Url url_;
+    std::string model_;
+    std::vector<BenchPrompt> prompts_;
+    std::vector<RequestRecord> records_;
+    sockaddr_storage addr_{};
+    socklen_t addr_len_ = 0;
+    int epoll_ = -1;
+    Clock::time_point t0_;
+    int active_ = 0;
+    int done_ = 0;
+    Clock::time_point last_progress_;
+    int last_decile_ = -1;
+    std::unordered_set<Conn*> live_;
+    std::vector<std::unique_ptr<Conn>> dead_;
+    Clock::time_point last_deadline_scan_;
+};
+
+std::string StreamingRun::RequestBody(const BenchPrompt& p, size_t i) const {
+    const bool chat = o_.endpoint.find("chat") != std::string::npos;
+    Json body = {{"model", model_},
+                 {"stream", true},
+                 {"stream_options", {{"include_usage", true}}},
+                 {"temperature", o_.temperature}};
+    if (o_.ignore_eos) body["ignore_eos"] = true;
+    if (chat) {
+        Json content;
+        if (p.images > 0) {
+            content = Json::array({{{"type", "text"}, {"text", p.text}}});
+            for (int k = 0; k < p.images; ++k) {
+                std::string png =
+                    RandomPng(o_.mm_width, o_.mm_height, o_.seed * 1000003 + i * 31 + k);
+                content.push_back(
+                    {{"type", "image_url"},
+                     {"image_url",
+                      {{"url", "data:image/png;base64," + discovery::Base64Encode(png)}}}});
+            }
+        } else {
+            content = p.text;
+        }
+        body["messages"] = Json::array({{{"role", "user"}, {"content", content}}});
+        body["max_completion_tokens"] = p.output_len;
+    } else {
+        body["prompt"] = p.text;
+        body["max_tokens"] = p.output_len;
+    }
+    return Dump(body);
+}
+
+Status StreamingRun::Start(size_t i) {
+    auto c = std::make_unique<Conn>();
+    c->index = i;
+    std::string body = RequestBody(prompts_[i], i);
+    c->out = fmt::format(
+        "POST {} HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/json\r\nAccept: "
+        "text/event-stream\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{}",
+        o_.endpoint, url_.host, url_.port, body.size(), body);
+    c->fd = socket(addr_.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (c->fd < 0) return UnavailableError(fmt::format("socket: {}", std::strerror(errno)));
+    int one = 1;
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    c->sent_at = Clock::now();
+    c->deadline = c->sent_at + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(o_.request_timeout));
+    records_[i].start = std::chrono::duration<double>(c->sent_at - t0_).count();
+    records_[i].prompt_tokens = prompts_[i].prompt_len;
+    int rc = connect(c->fd, reinterpret_cast<sockaddr*>(&addr_), addr_len_);
+    if (rc != 0 && errno != EINPROGRESS) {
+        std::string err =
+            fmt::format("connect {}:{}: {}", url_.host, url_.port, std::strerror(errno));
+        close(c->fd);
+        records_[i].error = err;
+        ++done_;
+        return Status::Ok();
+    }
+    epoll_event ev{};
+    ev.events = EPOLLOUT | EPOLLIN | EPOLLRDHUP;
+    Conn* raw = c.release();
+    live_.insert(raw);
+    ev.data.ptr = raw;
+    epoll_ctl(epoll_, EPOLL_CTL_ADD, raw->fd, &ev);
+    ++active_;
+    return Status::Ok();
+}
+
+void StreamingRun::Finish(Conn* c, const std::string& error) {
+    if (c->state == Conn::State::kDone) return;
+    c->state = Conn::State::kDone;
+    RequestRecord& r = records_[c->index];
+    Clock::time_point now = Clock::now();
+    r.latency = std::chrono::duration<double>(now - c->sent_at).count();
+    if (error.empty() && c->content_chunks > 0) {
+        r.success = true;
+        r.output_tokens = c->usage_completion >= 0 ? c->usage_completion : c->content_chunks;
+        if (c->usage_prompt >= 0) r.prompt_tokens = c->usage_prompt;
+    } else {
+        r.success = false;
+        r.error = !error.empty() ? error : "the stream ended without any content";
+    }
+    epoll_ctl(epoll_, EPOLL_CTL_DEL, c->fd, nullptr);
+    close(c->fd);
+    live_.erase(c);
+    --active_;
+    ++done_;
+    dead_.emplace_back(c);  // freed after the current batch of events
+}
+
+void StreamingRun::OnWritable(Conn* c) {
+    if (c->state == Conn::State::kConnecting) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) {
+            return Finish(
+                c, fmt::format("connect {}:{}: {}", url_.host, url_.port, std::strerror(err)));
+        }
+        c->state = Conn::State::kSending;
+    }
+    if (c->state != Conn::State::kSending) return;
+    while (c->sent < c->out.size()) {
+        ssize_t n = send(c->fd, c->out.data() + c->sent, c->out.size() - c->sent, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EAGAIN) return;
+            return Finish(c, fmt::format("send: {}", std::strerror(errno)));
+        }
+        c->sent += static_cast<size_t>(n);
+    }
+    c->state = Conn::State::kHeaders;
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.ptr = c;
+    epoll_ctl(epoll_, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+void StreamingRun::ParseEvents(Conn* c) {
+    RequestRecord& r = records_[c->index];
+    size_t pos;
+    while ((pos = c->body.find("\n\n")) != std::string::npos) {
+        std::string event = c->body.substr(0, pos);
+        c->body.erase(0, pos + 2);
+        if (event.compare(0, 5, "data:") != 0) continue;  // comments, other fields
+        std::string data = event.substr(event[5] == ' ' ? 6 : 5);
+        if (data == "[DONE]") continue;
+        Json j = Json::parse(data, nullptr, false);
+        if (!j.is_object()) continue;
+        if (j.contains("error")) {
+            const Json& e = j["error"];
+            c->error_body = e.is_object() && e.contains("message") ? Dump(e["message"]) : Dump(e);
+            continue;
+        }
+        if (j.contains("usage") && j["usage"].is_object()) {
+            const Json& u = j["usage"];
+            if (u.contains("completion_tokens") && u["completion_tokens"].is_number_integer()) {
+                c->usage_completion = u["completion_tokens"].get<int>();
+            }
+            if (u.contains("prompt_tokens") && u["prompt_tokens"].is_number_integer()) {
+                c->usage_prompt = u["prompt_tokens"].get<int>();
+            }
+        }
+        if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) continue;
+        const Json& ch = j["choices"][0];
+        std::string text;
+        if (ch.contains("text") && ch["text"].is_string()) {
+            text = ch["text"].get<std::string>();
+        } else if (ch.contains("delta") && ch["delta"].is_object() &&
+                   ch["delta"].contains("content") && ch["delta"]["content"].is_string()) {
+            text = ch["delta"]["content"].get<std::string>();
+        }
+        if (text.empty()) continue;
+        Clock::time_point now = Clock::now();
+        if (c->first) {
+            r.ttft = std::chrono::duration<double>(now - c->sent_at).count();
+            c->first = false;
+        } else {
+            r.itl.push_back(std::chrono::duration<double>(now - c->last_chunk).count());
+        }
+        r.chunk_times.push_back(std::chrono::duration<double>(now - t0_).count());
+        c->last_chunk = now;
+        ++c->content_chunks;
+    }
+}
+
+void StreamingRun::OnReadable(Conn* c) {
+    char buf[65536];
+    for (;;) {
+        ssize_t n = recv(c->fd, buf, sizeof(buf), 0);
+        if (n < 0) {
+            if (errno == EAGAIN) break;
+            return Finish(c, fmt::format("recv: {}", std::strerror(errno)));
+        }
+        if (n == 0) {  // the server closed: the end of a Connection: close response
+            if (c->state == Conn::State::kBody && !c->chunked && c->content_length < 0) {
+                c->body += c->in;
+                c->in.clear();
+                ParseEvents(c);
+            }
+            if (c->status != 200 && c->status != 0) {
+                return Finish(c, fmt::format("HTTP {}: {}", c->status,
+                                             c->error_body.empty() ? c->body : c->error_body));
+            }
+            if (c->status == 0)
+                return Finish(c, "the server closed the connection without an answer");
+            return Finish(c, c->error_body);
+        }
+        c->in.append(buf, static_cast<size_t>(n));
+        if (c->state == Conn::State::kConnecting || c->state == Conn::State::kSending) continue;
+        if (c->state == Conn::State::kHeaders) {
+            size_t end = c->in.find("\r\n\r\n");
+            if (end == std::string::npos) {
+                if (c->in.size() > 65536) return Finish(c, "response headers over 64 KiB");
+                continue;
+            }
+            std::string head = c->in.substr(0, end);
+            c->in.erase(0, end + 4);
+            if (head.compare(0, 5, "HTTP/") != 0 || head.size() < 12) {
+                return Finish(c, "not an HTTP response");
+            }
+            c->status = std::atoi(head.c_str() + 9);
+            std::string lower = head;
+            std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+            c->chunked = lower.find("transfer-encoding: chunked") != std::string::npos;
+            size_t cl = lower.find("content-length:");
+            if (cl != std::string::npos) c->content_length = std::atol(lower.c_str() + cl + 15);
+            c->state = Conn::State::kBody;
+        }
+        // Body bytes: dechunk into c->body.
+        if (c->chunked) {
+            for (;;) {
+                if (c->chunk_left < 0) {
+                    size_t eol = c->in.find("\r\n");
+                    if (eol == std::string::npos) break;
+                    c->chunk_left = std::strtol(c->in.c_str(), nullptr, 16);
+                    c->in.erase(0, eol + 2);
+                    if (c->chunk_left == 0) {
+                        ParseEvents(c);
+                        if (c->status != 200) {
+                            return Finish(c, fmt::format("HTTP {}: {}", c->status, c->body));
+                        }
+                        return Finish(c, c->error_body);
+                    }
+                }
+                if (c->in.size() < static_cast<size_t>(c->chunk_left) + 2) break;
+                c->body.append(c->in, 0, static_cast<size_t>(c->chunk_left));
+                c->in.erase(0, static_cast<size_t>(c->chunk_left) + 2);
+                c->chunk_left = -1;
+            }
+        } else {
+            c->body += c->in;
+            c->in.clear();
+        }
+        if (c->status == 200) {
+            ParseEvents(c);
+        } else if (c->content_length >= 0 &&
+                   static_cast<long>(c->body.size()) >= c->content_length) {
+            Json j = Json::parse(c->body, nullptr, false);
+            std::string msg = c->body;
+            if (j.is_object() && j.contains("error") && j["error"].is_object() &&
+                j["error"].contains("message")) {
+                msg = Dump(j["error"]["message"]);
+            }
+            return Finish(c, fmt::format("HTTP {}: {}", c->status, msg));
+        }
+        if (c->status == 200 && c->content_length >= 0 &&
+            static_cast<long>(c->body.size()) >= c->content_length) {
+            return Finish(c, c->error_body);
+        }
+    }
+}
+
+void StreamingRun::Progress(bool final) {
+    if (!o_.progress) return;
+    const int n = static_cast<int>(prompts_.size());
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
+    if (isatty(2)) {
+        if (!final && Clock::now() - last_progress_ < std::chrono::milliseconds(200)) return;
+        last_progress_ = Clock::now();
+        int width = 40, filled = n ? done_ * width / n : width;
+        fmt::print(stderr, "\r[{}{}] {}/{} requests, {} in flight, {:.1f} s",
+                   std::string(filled, '#'), std::string(width - filled, '.'), done_, n, active_,
+                   elapsed);
+        if (final) fmt::print(stderr, "\n");
+    } else {
+        int decile = n ? done_ * 10 / n : 10;
+        if (decile == last_decile_ && !final) return;
+        last_decile_ = decile;
+        fmt::print(stderr, "bench serve: {}/{} requests done, {} in flight, {:.1f} s\n", done_, n,
+                   active_, elapsed);
+    }
+}
+
+Result<std::vector<RequestRecord>> StreamingRun::Run(double* duration) {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    int gai = getaddrinfo(url_.host.c_str(), std::to_string(url_.port).c_str(), &hints, &res);
+    if (gai != 0 || !res) {
+        return UnavailableError(fmt::format("resolve {}: {}", url_.host, gai_strerror(gai)));
+    }
+    std::memcpy(&addr_, res->ai_addr, res->ai_addrlen);
+    addr_len_ = res->ai_addrlen;
+    freeaddrinfo(res);
+    // A thousand streams need a thousand descriptors.
+    rlimit lim{};
+    if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+        lim.rlim_cur = lim.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &lim);
+    }
+    epoll_ = epoll_create1(EPOLL_CLOEXEC);
+    if (epoll_ < 0) return InternalError("epoll_create1 failed");
+    const size_t n = prompts_.size();
+    records_.assign(n, RequestRecord{});
+    std::vector<double> arrivals =
+        ArrivalTimes(static_cast<int>(n), o_.request_rate, o_.burstiness, o_.seed);
+    t0_ = Clock::now();
+    size_t next = 0;
+    std::vector<epoll_event> events(256);
+    while (done_ < static_cast<int>(n)) {
+        double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
+        while (next < n && arrivals[next] <= elapsed &&
+               (o_.max_concurrency <= 0 || active_ < o_.max_concurrency)) {
+            FERRY_RETURN_IF_ERROR(Start(next++));
+        }
+        int timeout_ms = 100;
+        if (next < n && (o_.max_concurrency <= 0 || active_ < o_.max_concurrency)) {
+            timeout_ms = std::clamp(static_cast<int>((arrivals[next] - elapsed) * 1000), 0, 100);
+        }
+        int k = epoll_wait(epoll_, events.data(), static_cast<int>(events.size()), timeout_ms);
+        for (int e = 0; e < k; ++e) {
+            auto* c = static_cast<Conn*>(events[e].data.ptr);
+            if (events[e].events & EPOLLOUT) OnWritable(c);
+            if (c->state == Conn::State::kDone) continue;
+            if (events[e].events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) OnReadable(c);
+        }
+        dead_.clear();
+        Progress(false);
+        Clock::time_point now = Clock::now();
+        if (now - last_deadline_scan_ > std::chrono::milliseconds(100)) {
+            last_deadline_scan_ = now;
+            std::vector<Conn*> late;
+            for (Conn* c : live_) {
+                if (now > c->deadline) late.push_back(c);
+            }
+            for (Conn* c : late) {
+                Finish(c, fmt::format("no complete answer within {:g} s (--request-timeout)",
+                                      o_.request_timeout));
+            }
+        }
+    }
+    dead_.clear();
+    *duration = std::chrono::duration<double>(Clock::now() - t0_).count();
+    Progress(true);
+    close(epoll_);
+    return std::move(records_);
+}
+
+std::string FetchModel(const Url& url) {
+    httplib::Client c(url.host, url.port);
+    c.set_connection_timeout(5, 0);
+    c.set_read_timeout(10, 0);
+    auto r = c.Get("/v1/models");
+    if (!r || r->status != 200) return "";
+    Json j = Json::parse(r->body, nullptr, false);
+    if (!j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
+        !j["data"][0].contains("id") || !j["data"][0]["id"].is_string()) {
+        return "";
+    }
+    return j["data"][0]["id"].get<std::string>();
+}
+
+}  // namespace
+
+Result<ServeBenchResult> RunServeBench(const ServeBenchOptions& o) {
+    FERRY_ASSIGN_OR_RETURN(Url url, ParseBaseUrl(o.base_url));
+    if (o.endpoint != "/v1/completions" && o.endpoint != "/v1/chat/completions") {
+        return InvalidArgumentError(fmt::format(
+            "--endpoint '{}' is not /v1/completions or /v1/chat/completions", o.endpoint));
+    }
+    if (o.dataset_name == "random-mm" && o.endpoint != "/v1/chat/completions") {
+        return InvalidArgumentError("random-mm needs --endpoint /v1/chat/completions");
+    }
+    if (!(o.burstiness > 0)) return InvalidArgumentError("--burstiness must be positive");
+    std::unique_ptr<model::GgufFile> file;
+    std::unique_ptr<model::Tokenizer> tk;
+    if (!o.tokenizer.empty()) {
+        FERRY_ASSIGN_OR_RETURN(file, model::GgufFile::Open(o.tokenizer));
+        FERRY_ASSIGN_OR_RETURN(tk, model::Tokenizer::FromGguf(*file));
+    }
+    FERRY_ASSIGN_OR_RETURN(std::vector<BenchPrompt> prompts, SampleDataset(o, tk.get()));
+    ServeBenchResult result;
+    result.model = o.model.empty() ? FetchModel(url) : o.model;
+    if (result.model.empty()) {
+        return UnavailableError(fmt::format(
+            "{}: GET /v1/models gave no model; is the server up? (or pass --model)", o.base_url));
+    }
+    StreamingRun run(o, url, result.model, std::move(prompts));
+    double duration = 0;
+    FERRY_ASSIGN_OR_RETURN(result.records, run.Run(&duration));
+    result.metrics = ComputeServeMetrics(result.records, duration, o.percentiles, o.goodput);
+    return result;
+}
+
+std::string FormatServeResult(const ServeBenchOptions& o, const ServeBenchResult& r) {
+    const ServeMetrics& m = r.metrics;
+    std::string s;
+    auto line = [&](const std::string& k, const std::string& v) {
+        s += fmt::format("{:<40} {:<10}\n", k, v);
+    };
+    auto f2 = [](double v) { return fmt::format("{:.2f}", v); };
+    s += fmt::format("{:=^50}\n", " Serving Benchmark Result ");
+    line("Successful requests:", std::to_string(m.completed));
+    line("Failed requests:", std::to_string(m.failed));
+    if (o.max_concurrency > 0)
+        line("Maximum request concurrency:", std::to_string(o.max_concurrency));
+    if (std::isfinite(o.request_rate)) line("Request rate configured (RPS):", f2(o.request_rate));
+    line("Benchmark duration (s):", f2(m.duration));
+    line("Total input tokens:", std::to_string(m.total_input));
+    line("Total generated tokens:", std::to_string(m.total_output));
+    line("Request throughput (req/s):", f2(m.request_throughput));
+    if (m.request_goodput) line("Request goodput (req/s):", f2(*m.request_goodput));
+    line("Output token throughput (tok/s):", f2(m.output_throughput));
+    line("Peak output token throughput (tok/s):", f2(m.peak_output_throughput));
+    line("Peak concurrent requests:", f2(m.peak_concurrency));
+    line("Total token throughput (tok/s):", f2(m.total_token_throughput));
+    auto section = [&](const char* title, const char* name, const MetricStats& st) {
+        s += fmt::format("{:-^50}\n", title);
+        line(fmt::format("Mean {} (ms):", name), f2(st.mean));
+        line(fmt::format("Median {} (ms):", name), f2(st.median));
+        line(fmt::format("Std {} (ms):", name), f2(st.std));
+        for (const auto& [p, v] : st.percentiles) {
+            line(fmt::format("P{} {} (ms):", fmt::format("{:g}", p), name), f2(v));
+        }
+    };
+    section("Time to First Token", "TTFT", m.ttft_ms);
+    section("Time per Output Token (excl. 1st token)", "TPOT", m.tpot_ms);
+    section("Inter-token Latency", "ITL", m.itl_ms);
+    section("End-to-end Latency", "E2EL", m.e2el_ms);
+    s += std::string(50, '=') + "\n";
+    int shown = 0;
+    for (const RequestRecord& rec : r.records) {
+        if (!rec.success && shown < 3) {
+            s += fmt::format("error: {}\n", rec.error.substr(0, 300));
+            ++shown;
+        }
+    }
+    return s;
+}
+
+Status SaveServeResult(const ServeBenchOptions& o, const ServeBenchResult& r,
+                       const std::string& path) {
+    const ServeMetrics& m = r.metrics;
+    Json j;
+    std::time_t now = std::time(nullptr);
+    char date[32];
+    std::strftime(date, sizeof(date), "%Y%m%d-%H%M%S", std::gmtime(&now));
+    j["date"] = date;
+    j["label"] = o.label;
+    j["backend"] = o.endpoint == "/v1/chat/completions" ? "openai-chat" : "openai";
+    j["base_url"] = o.base_url;
+    j["endpoint"] = o.endpoint;
+    j["model_id"] = r.model;
+    j["dataset_name"] = o.dataset_name;
+    j["num_prompts"] = o.num_prompts;
+    j["request_rate"] = std::isfinite(o.request_rate) ? Json(o.request_rate) : Json("inf");
+    j["burstiness"] = o.burstiness;
+    j["max_concurrency"] = o.max_concurrency > 0 ? Json(o.max_concurrency) : Json();
+    j["seed"] = o.seed;
+    j["duration"] = m.duration;
+    j["completed"] = m.completed;
+    j["failed"] = m.failed;
+    j["total_input_tokens"] = m.total_input;
+    j["total_output_tokens"] = m.total_output;
+    j["request_throughput"] = m.request_throughput;
+    j["request_goodput"] = m.request_goodput ? Json(*m.request_goodput) : Json();
+    j["output_throughput"] = m.output_throughput;
+    j["total_token_throughput"] = m.total_token_throughput;
+    j["max_output_tokens_per_s"] = m.peak_output_throughput;
+    j["max_concurrent_requests"] = m.peak_concurrency;
+    auto put = [&](const char* name, const MetricStats& st) {
+        j[fmt::format("mean_{}_ms", name)] = st.mean;
+        j[fmt::format("median_{}_ms", name)] = st.median;
+        j[fmt::format("std_{}_ms", name)] = st.std;
+        for (const auto& [p, v] : st.percentiles) j[fmt::format("p{:g}_{}_ms", p, name)] = v;
+    };
+    put("ttft", m.ttft_ms);
+    put("tpot", m.tpot_ms);
+    put("itl", m.itl_ms);
+    put("e2el", m.e2el_ms);
+    Json reqs = Json::array();
+    for (const RequestRecord& rec : r.records) {
+        reqs.push_back({{"success", rec.success},
+                        {"error", rec.error},
+                        {"start_s", rec.start},
+                        {"prompt_tokens", rec.prompt_tokens},
+                        {"output_tokens", rec.output_tokens},
+                        {"ttft_s", rec.ttft},
+                        {"latency_s", rec.latency},
+                        {"itl_s", rec.itl}});
+    }
+    j["requests"] = reqs;
+    std::string tmp = path + ".tmp";
+    {
+        std::ofstream f(tmp);
+        if (!f) return UnavailableError(fmt::format("--save-result {}: cannot write", path));
+        f << j.dump(1);
+        if (!f) return UnavailableError(fmt::format("--save-result {}: write failed", path));
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        return UnavailableError(fmt::format("--save-result {}: {}", path, std::strerror(errno)));
+    }
+    return Status::Ok();
+}
+
+int RunServeBenchCommand(const ServeBenchOptions& o) {
+    fmt::print(
+        "Traffic request rate: {}\nBurstiness factor: {}{}\nMaximum request concurrency: {}\n",
+        std::isfinite(o.request_rate) ? fmt::format("{:g}", o.request_rate) : "inf", o.burstiness,
+        o.burstiness == 1.0 ? " (Poisson process)" : "",
+        o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : "None");
+    std::fflush(stdout);
+    auto r = RunServeBench(o);
+    if (!r.ok()) {
+        fmt::print(stderr, "ferry bench serve: {}\n", r.status().ToString());
+        return r.status().code() == Code::kInvalidArgument ? 2 : 1;
+    }
+    fmt::print("{}", FormatServeResult(o, *r));
+    if (!o.save_result.empty()) {
+        Status st = SaveServeResult(o, *r, o.save_result);
+        if (!st.ok()) {
+            fmt::print(stderr, "ferry bench serve: {}\n", st.ToString());
+            return 1;
+        }
+        fmt::print("saved {}\n", o.save_result);
+    }
+    return r->metrics.completed > 0 ? 0 : 1;
+}
+
+}  // namespace ferry::bench

@@ -1,0 +1,85 @@
+// `ferry bench serve`: the serving benchmark users know from `vllm bench serve`, against any
+// OpenAI-compatible endpoint (a ferry worker or proxy, or another server). Requests arrive as a
+// Poisson process (or a gamma process with --burstiness), optionally capped in concurrency; every
+// response is streamed, and one event loop thread holds all connections, so a thousand
+// concurrent streams do not skew the timings. Prints vLLM's "Serving Benchmark Result" table and
+// can save every per-request record as JSON (for `ferry bench plot`).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "bench/serve_metrics.h"
+#include "ferry/status.h"
+
+namespace ferry::model {
+class Tokenizer;
+}
+
+namespace ferry::bench {
+
+struct ServeBenchOptions {
+    std::string base_url = "http://127.0.0.1:8000";
+    std::string endpoint = "/v1/completions";  // or /v1/chat/completions
+    std::string model;                         // empty: the first of GET /v1/models
+    std::string dataset_name = "random";       // random | sharegpt | random-mm
+    std::string dataset_path;                  // sharegpt: a ShareGPT-format JSON file
+    int random_input_len = 1024;
+    int random_output_len = 128;
+    double random_range_ratio = 0.0;  // lengths uniform in [len * (1 - r), len * (1 + r)]
+    int random_prefix_len = 0;        // tokens shared by every prompt, before the random part
+    int mm_images = 1;                // random-mm: images per request
+    int mm_width = 64, mm_height = 64;
+    int sharegpt_output_len = 0;  // > 0: overrides the dataset's output lengths
+    std::string tokenizer;        // a GGUF file whose tokenizer makes and counts the prompts
+    int num_prompts = 1000;
+    double request_rate = std::numeric_limits<double>::infinity();
+    double burstiness = 1.0;  // gamma shape; 1 = Poisson
+    int max_concurrency = 0;  // 0: no cap
+    bool ignore_eos = false;
+    double temperature = 0.0;
+    uint64_t seed = 0;
+    GoodputLimits goodput;
+    std::vector<double> percentiles = {99};
+    std::string save_result;  // JSON file
+    std::string label;        // a name for this run in the JSON and in plots
+    double request_timeout = 600;
+    bool progress = true;
+};
+
+// One prompt of the dataset.
+struct BenchPrompt {
+    std::string text;
+    int prompt_len = 0;  // tokens, as counted by the tokenizer (or characters without one)
+    int output_len = 0;  // max_tokens
+    int images = 0;
+};
+
+// Deterministic for a seed. Without a tokenizer, random prompts are ASCII text with one
+// character per token (exact for byte-level vocabularies such as ferry's presets), and ShareGPT
+// lengths are estimated at four bytes per token.
+Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& options,
+                                               const model::Tokenizer* tokenizer);
+// Send times (seconds from the start) of n requests: gaps drawn from a gamma distribution with
+// shape `burstiness` and mean 1 / rate; all zero for an infinite rate.
+std::vector<double> ArrivalTimes(int n, double rate, double burstiness, uint64_t seed);
+// A PNG image of random pixels (stored, uncompressed deflate), deterministic for a seed.
+std::string RandomPng(int width, int height, uint64_t seed);
+
+struct ServeBenchResult {
+    ServeMetrics metrics;
+    std::vector<RequestRecord> records;
+    std::string model;
+};
+
+Result<ServeBenchResult> RunServeBench(const ServeBenchOptions& options);
+// vLLM's layout.
+std::string FormatServeResult(const ServeBenchOptions& options, const ServeBenchResult& result);
+Status SaveServeResult(const ServeBenchOptions& options, const ServeBenchResult& result,
+                       const std::string& path);
+// The command: run, print, save. Returns the exit code.
+int RunServeBenchCommand(const ServeBenchOptions& options);
+
+}  // namespace ferry::bench
