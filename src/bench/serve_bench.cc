@@ -133,6 +133,29 @@ std::string RandomPng(int width, int height, uint64_t seed) {
 
 // --- datasets ------------------------------------------------------------------------------------
 
+namespace {
+
+bool IsPrintableUtf8(const std::string& s) {
+    if (s.empty()) return false;
+    for (size_t i = 0; i < s.size();) {
+        auto c = static_cast<unsigned char>(s[i]);
+        size_t n = c < 0x80             ? 1
+                   : (c & 0xe0) == 0xc0 ? 2
+                   : (c & 0xf0) == 0xe0 ? 3
+                   : (c & 0xf8) == 0xf0 ? 4
+                                        : 0;
+        if (n == 0 || i + n > s.size()) return false;
+        if (n == 1 && (c < 0x20 || c == 0x7f)) return false;
+        for (size_t k = 1; k < n; ++k) {
+            if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return false;
+        }
+        i += n;
+    }
+    return true;
+}
+
+}  // namespace
+
 std::vector<double> ArrivalTimes(int n, double rate, double burstiness, uint64_t seed) {
     std::vector<double> t(n, 0.0);
     if (!std::isfinite(rate) || rate <= 0) return t;
@@ -158,11 +181,13 @@ Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
                 "--random-input-len and --random-output-len must be >= 1, "
                 "--random-range-ratio in [0, 1), --random-prefix-len >= 0");
         }
-        // Token ids that decode to text (control tokens decode to nothing).
+        // Token ids whose text is whole printable UTF-8 on its own: control tokens decode to
+        // nothing, and a lone byte of a multi-byte character would reach the server as U+FFFD
+        // (JSON carries only valid UTF-8) and change the prompt's length.
         std::vector<int32_t> ids;
         if (tk) {
             for (int32_t i = 0; i < tk->vocab_size(); ++i) {
-                if (!tk->IsControl(i) && !tk->TokenBytes(i).empty()) ids.push_back(i);
+                if (!tk->IsControl(i) && IsPrintableUtf8(tk->TokenBytes(i))) ids.push_back(i);
             }
             if (ids.empty()) return InvalidArgumentError("the tokenizer has no text tokens");
         }
@@ -388,13 +413,17 @@ void StreamingRun::Finish(Conn* c, const std::string& error) {
     RequestRecord& r = records_[c->index];
     Clock::time_point now = Clock::now();
     r.latency = std::chrono::duration<double>(now - c->sent_at).count();
-    if (error.empty() && c->content_chunks > 0) {
+    if (error.empty() && c->status == 200) {
+        // A complete stream. One whose tokens carried no text at all (control tokens, bytes of
+        // an unfinished character) still succeeded; its first token counts as arriving at the
+        // end.
         r.success = true;
         r.output_tokens = c->usage_completion >= 0 ? c->usage_completion : c->content_chunks;
         if (c->usage_prompt >= 0) r.prompt_tokens = c->usage_prompt;
+        if (c->content_chunks == 0) r.ttft = r.latency;
     } else {
         r.success = false;
-        r.error = !error.empty() ? error : "the stream ended without any content";
+        r.error = !error.empty() ? error : fmt::format("HTTP {}", c->status);
     }
     epoll_ctl(epoll_, EPOLL_CTL_DEL, c->fd, nullptr);
     close(c->fd);
@@ -497,8 +526,13 @@ void StreamingRun::OnReadable(Conn* c) {
                 return Finish(c, fmt::format("HTTP {}: {}", c->status,
                                              c->error_body.empty() ? c->body : c->error_body));
             }
-            if (c->status == 0)
+            if (c->status == 0) {
                 return Finish(c, "the server closed the connection without an answer");
+            }
+            if (c->chunked ||
+                (c->content_length >= 0 && static_cast<long>(c->body.size()) < c->content_length)) {
+                return Finish(c, "the server closed the connection in the middle of the answer");
+            }
             return Finish(c, c->error_body);
         }
         c->in.append(buf, static_cast<size_t>(n));

@@ -12,6 +12,8 @@
 
 #include "bench/plot.h"
 #include "bench/serve_metrics.h"
+#include "model/model.h"
+#include "model/tokenizer.h"
 #include "testing/testing.h"
 
 namespace ferry::bench {
@@ -108,6 +110,37 @@ TEST(ServeBenchDatasets, RandomIsReproducibleBySeed) {
     o.seed = 8;
     auto c = std::move(SampleDataset(o, nullptr)).value();
     EXPECT_NE(a[0].text, c[0].text);
+}
+
+TEST(ServeBenchDatasets, WithATokenizerPromptsHaveTheirTokenCountAfterTheTrip) {
+    std::string path = (std::filesystem::temp_directory_path() /
+                        ("bench-tok-" + std::to_string(getpid()) + ".gguf"))
+                           .string();
+    model::RandomModelSpec spec;
+    spec.dim = 32;
+    spec.num_layers = 1;
+    spec.num_heads = 2;
+    spec.num_kv_heads = 1;
+    spec.ffn_dim = 32;
+    ASSERT_TRUE(model::WriteRandomModel(spec, 1, path).ok());
+    auto file = std::move(model::GgufFile::Open(path)).value();
+    auto tk = std::move(model::Tokenizer::FromGguf(*file)).value();
+    ServeBenchOptions o;
+    o.num_prompts = 30;
+    o.random_input_len = 50;
+    o.random_range_ratio = 0.2;
+    auto sampled = SampleDataset(o, tk.get());
+    ASSERT_TRUE(sampled.ok()) << sampled.status().ToString();
+    for (const BenchPrompt& p : *sampled) {
+        // What the server will count: the text as it arrives in JSON (valid UTF-8), encoded.
+        nlohmann::json j = p.text;
+        std::string received = nlohmann::json::parse(j.dump()).get<std::string>();
+        EXPECT_EQ(received, p.text);
+        EXPECT_EQ(static_cast<int>(tk->Encode(received, tk->add_bos()).size()), p.prompt_len);
+        EXPECT_GE(p.prompt_len, 40);
+        EXPECT_LE(p.prompt_len, 60);
+    }
+    std::remove(path.c_str());
 }
 
 TEST(ServeBenchDatasets, ShareGptFiltersAndSamples) {

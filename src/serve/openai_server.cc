@@ -800,6 +800,15 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     impl->model_name = config.served_model_name.empty() ? impl->engine->model().config().name
                                                         : config.served_model_name;
     impl->Install();
+    // cpp-httplib listens with a backlog of 5, compiled into Debian's library: a burst of
+    // connections (a benchmark opening a thousand streams) overflows it and the kernel resets
+    // some. Take the socket as it is made and listen again with the system's limit after bind.
+    int listen_fd = -1;
+    impl->http.set_socket_options([&listen_fd](int sock) {
+        int yes = 1;
+        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+        if (listen_fd < 0) listen_fd = sock;
+    });
     if (config.port == 0) {
         impl->port = impl->http.bind_to_any_port(config.host);
         if (impl->port <= 0) {
@@ -812,6 +821,11 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
         }
         impl->port = config.port;
     }
+    if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
+    impl->http.set_socket_options([](int sock) {
+        int yes = 1;
+        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
     Impl* p = impl.get();
     impl->thread = std::thread([p] { p->http.listen_after_bind(); });
     while (!impl->http.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -326,6 +326,21 @@ TEST_F(ServeTest, BenchServeRunsAgainstTheServer) {
         EXPECT_GT(gaps, 0u);
         std::remove(result.c_str());
     }
+    // A burst of 300 connections at once: none is reset (cpp-httplib's own listen backlog is 5;
+    // the server raises it).
+    {
+        std::string cmd = fmt::format(
+            "{} bench serve --base-url http://127.0.0.1:{} --num-prompts 300 "
+            "--random-input-len 8 --random-output-len 2 --ignore-eos --no-progress 2>&1",
+            FERRY_BIN, port_);
+        FILE* p = popen(cmd.c_str(), "r");
+        std::string out;
+        char buf[4096];
+        while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+        EXPECT_EQ(pclose(p), 0) << out;
+        EXPECT_THAT(out, HasSubstr("Successful requests:                     300 ")) << out;
+        EXPECT_THAT(out, HasSubstr("Failed requests:                         0 ")) << out;
+    }
     // A server that is not there: a clear error, exit code 1.
     std::string cmd = fmt::format(
         "{} bench serve --base-url http://127.0.0.1:1 --num-prompts 1 "
