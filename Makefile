@@ -4,7 +4,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test check-sanitizers deps build format format-check bench clean
+.PHONY: demo test check-sanitizers fuzz deps build format format-check bench clean
 
 deps:
 	@./scripts/install-deps
@@ -27,6 +27,12 @@ check-sanitizers: deps
 		cmake --preset $$p >/dev/null && cmake --build --preset $$p -j $(JOBS) && \
 		ctest --preset $$p -j $(JOBS) || exit 1; \
 	done
+
+# libFuzzer targets (clang, ASan+UBSan) for every decoder of outside input, FUZZ_SECONDS each.
+FUZZ_SECONDS ?= 30
+fuzz: deps
+	@cmake --preset fuzz >/dev/null && cmake --build --preset fuzz -j $(JOBS) --target fuzzers
+	@./scripts/run-fuzzers $(FUZZ_SECONDS)
 
 format-check: deps
 	@./scripts/check-format

@@ -1,0 +1,86 @@
+// Writes the seed corpus of every fuzzer (fuzz/corpus/<fuzzer>/): valid inputs made by ferry's own
+// encoders, so the fuzzers start from the interesting part of the input space.
+// Run: build/fuzz/fuzz/make_seeds fuzz/corpus
+#include <fmt/core.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "model/gguf.h"
+#include "transfer/metadata.h"
+#include "transfer/wire.h"
+
+using namespace ferry;        // NOLINT: a seed writer over the decoders' namespaces
+using namespace ferry::wire;  // NOLINT
+
+namespace {
+
+void Put(const std::string& dir, const std::string& name, const std::string& bytes) {
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::string root = argc > 1 ? argv[1] : "fuzz/corpus";
+    // wire: first byte picks the decoder.
+    Hello h;
+    h.name = "prefill-0";
+    h.epoch = 7;
+    Put(root + "/wire", "hello", std::string(1, 1) + EncodeHello(h));
+    DataRequest d;
+    d.segments = {{1, 0x1234, 0, 4096}, {2, 0x99, 8192, 65536}};
+    Put(root + "/wire", "data", std::string(1, 3) + EncodeDataRequest(d));
+    PullRequest p;
+    p.key = "mm:abc";
+    p.capacity = 1 << 20;
+    Put(root + "/wire", "pull", std::string(1, 4) + EncodePullRequest(p));
+    Put(root + "/wire", "header",
+        std::string(1, 0) + MakeFrame(FrameType::kHello, 1, EncodeHello(h)).substr(0, 32));
+    // metadata
+    AgentMetadata md;
+    md.name = "decode-1";
+    md.epoch = 3;
+    md.host_id = "boot/netns";
+    md.endpoints = {{"tcp", "127.0.0.1:7300"}, {"shm", "host/sock"}};
+    md.regions = {{1, 1 << 20, 0xabc, MemoryKind::kHost}};
+    Put(root + "/metadata", "agent", EncodeMetadata(md));
+    // gguf: a tokenizer and a few tensors.
+    model::GgufWriter w;
+    w.SetString("general.architecture", "llama");
+    w.SetUint32("llama.embedding_length", 4);
+    w.SetUint32("llama.block_count", 1);
+    w.SetUint32("llama.attention.head_count", 2);
+    w.SetUint32("llama.feed_forward_length", 8);
+    w.SetString("tokenizer.ggml.model", "llama");
+    w.SetStringArray("tokenizer.ggml.tokens",
+                     {"<unk>", "<s>", "</s>", "\xe2\x96\x81h", "e", "<0x41>"});
+    w.SetInt32Array("tokenizer.ggml.token_type", {2, 3, 3, 1, 1, 6});
+    w.SetFloat32Array("tokenizer.ggml.scores", {0, 0, 0, -1, -2, 0});
+    (void)w.AddTensor("token_embd.weight", {4, 6}, model::TensorType::kF32, std::string(96, '\0'));
+    (void)w.AddTensor("output_norm.weight", {4}, model::TensorType::kF16, std::string(8, '\1'));
+    std::string tmp = root + "/.seed.gguf";
+    if (!w.Write(tmp).ok()) return 1;
+    std::ifstream in(tmp, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    std::filesystem::remove(tmp);
+    Put(root + "/gguf", "spm-model", bytes);
+    // requests: first byte's low bit picks chat.
+    Put(root + "/openai_request", "completion",
+        std::string(1, 0) + R"({"model":"m","prompt":"Hello","max_tokens":8,"temperature":0.7,)"
+                            R"("top_p":0.9,"top_k":40,"seed":1,"stop":["\n"],"stream":true,)"
+                            R"("stream_options":{"include_usage":true},"logprobs":2})");
+    Put(root + "/openai_request", "tokens", std::string(1, 0) + R"({"prompt":[1,2,3,250]})");
+    Put(root + "/openai_request", "chat",
+        std::string(1, 1) + R"({"messages":[{"role":"system","content":"Be brief."},)"
+                            R"({"role":"user","content":[{"type":"text","text":"Hi"}]}],)"
+                            R"("max_completion_tokens":4,"logprobs":true,"top_logprobs":2})");
+    // tokenizer: first byte picks the pre-tokenizer.
+    Put(root + "/tokenizer", "text", std::string(1, 1) + "Hello world's 1234567  abc\n\n x");
+    Put(root + "/tokenizer", "unicode",
+        std::string(1, 0) + "caf\xc3\xa9 \xe4\xb8\xad 12 <|im_start|>");
+    fmt::print("seeds written under {}\n", root);
+    return 0;
+}

@@ -1,0 +1,277 @@
+#include "serve/openai_request.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <climits>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+namespace ferry::serve {
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string TypeName(const Json& v) {
+    if (v.is_null()) return "null";
+    if (v.is_boolean()) return "a boolean";
+    if (v.is_number()) return "a number";
+    if (v.is_string()) return "a string";
+    if (v.is_array()) return "an array";
+    return "an object";
+}
+
+// Reads optional typed fields, remembering the first error.
+class Fields {
+  public:
+    explicit Fields(const Json& body) : body_(body) {}
+    bool ok() const { return !error_.has_value(); }
+    const BadRequest& error() const { return *error_; }
+    void Fail(std::string message, std::string param, std::string code = "") {
+        if (!error_) error_ = BadRequest{std::move(message), std::move(param), std::move(code)};
+    }
+    bool Has(const char* key) const { return body_.contains(key) && !body_[key].is_null(); }
+
+    void Number(const char* key, double* out, double lo, double hi) {
+        if (!Has(key)) return;
+        const Json& v = body_[key];
+        if (!v.is_number())
+            return Fail(fmt::format("'{}' must be a number, not {}", key, TypeName(v)), key);
+        double d = v.get<double>();
+        if (!(d >= lo && d <= hi)) {
+            return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, d, lo, hi),
+                        key);
+        }
+        *out = d;
+    }
+    void Int(const char* key, int64_t* out, int64_t lo, int64_t hi) {
+        if (!Has(key)) return;
+        const Json& v = body_[key];
+        if (!v.is_number_integer()) {
+            return Fail(fmt::format("'{}' must be an integer, not {}", key, TypeName(v)), key);
+        }
+        int64_t i = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)
+                        ? INT64_MAX
+                        : v.get<int64_t>();
+        if (i < lo || i > hi) {
+            return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, i, lo, hi),
+                        key);
+        }
+        *out = i;
+    }
+    void Bool(const char* key, bool* out) {
+        if (!Has(key)) return;
+        const Json& v = body_[key];
+        if (!v.is_boolean())
+            return Fail(fmt::format("'{}' must be a boolean, not {}", key, TypeName(v)), key);
+        *out = v.get<bool>();
+    }
+    void String(const char* key, std::string* out) {
+        if (!Has(key)) return;
+        const Json& v = body_[key];
+        if (!v.is_string())
+            return Fail(fmt::format("'{}' must be a string, not {}", key, TypeName(v)), key);
+        *out = v.get<std::string>();
+    }
+
+  private:
+    const Json& body_;
+    std::optional<BadRequest> error_;
+};
+
+// Fills `out` from a /v1/completions or /v1/chat/completions body.
+void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
+                  const std::string& model_name, ParsedRequest* out, Fields* f) {
+    out->chat = chat;
+    std::string model;
+    f->String("model", &model);
+    if (f->ok() && !model.empty() && model != model_name) {
+        f->Fail(fmt::format("The model `{}` does not exist; this server serves `{}`", model,
+                            model_name),
+                "model", "model_not_found");
+    }
+    model::SamplingParams& sp = out->sampling;
+    int64_t max_tokens = chat ? -1 : 16;
+    f->Int("max_tokens", &max_tokens, 1, 1 << 30);
+    if (chat) f->Int("max_completion_tokens", &max_tokens, 1, 1 << 30);
+    double temperature = 1.0, top_p = 1.0;
+    f->Number("temperature", &temperature, 0, 2);
+    f->Number("top_p", &top_p, 1e-9, 1);
+    int64_t top_k = -1, n = 1;
+    f->Int("top_k", &top_k, -1, 1 << 24);
+    f->Int("n", &n, 1, 1);
+    int64_t seed = -1;
+    if (f->Has("seed")) {
+        f->Int("seed", &seed, INT64_MIN, INT64_MAX);
+        if (f->ok()) sp.seed = static_cast<uint64_t>(seed);
+    }
+    f->Bool("stream", &out->stream);
+    f->Bool("ignore_eos", &sp.ignore_eos);
+    double penalty = 0;
+    for (const char* k : {"presence_penalty", "frequency_penalty"}) {
+        f->Number(k, &penalty, -2, 2);
+        if (f->ok() && penalty != 0) f->Fail(fmt::format("'{}' is not supported (only 0)", k), k);
+    }
+    if (f->Has("stream_options")) {
+        const Json& so = body["stream_options"];
+        if (!so.is_object()) {
+            f->Fail("'stream_options' must be an object", "stream_options");
+        } else if (so.contains("include_usage")) {
+            if (!so["include_usage"].is_boolean()) {
+                f->Fail("'stream_options.include_usage' must be a boolean",
+                        "stream_options.include_usage");
+            } else {
+                out->include_usage = so["include_usage"].get<bool>();
+            }
+        }
+    }
+    if (f->Has("stop")) {
+        const Json& s = body["stop"];
+        if (s.is_string()) {
+            sp.stop.push_back(s.get<std::string>());
+        } else if (s.is_array() &&
+                   std::all_of(s.begin(), s.end(), [](const Json& e) { return e.is_string(); })) {
+            for (const Json& e : s) sp.stop.push_back(e.get<std::string>());
+        } else {
+            f->Fail("'stop' must be a string or an array of strings", "stop");
+        }
+    }
+    if (f->Has("stop_token_ids")) {
+        const Json& s = body["stop_token_ids"];
+        if (!s.is_array() ||
+            !std::all_of(s.begin(), s.end(), [](const Json& e) { return e.is_number_integer(); })) {
+            f->Fail("'stop_token_ids' must be an array of integers", "stop_token_ids");
+        } else {
+            for (const Json& e : s) sp.stop_token_ids.push_back(e.get<int32_t>());
+        }
+    }
+    if (chat) {
+        bool lp = false;
+        int64_t top = 0;
+        f->Bool("logprobs", &lp);
+        f->Int("top_logprobs", &top, 0, 20);
+        out->want_logprobs = lp;
+        sp.logprobs = lp ? static_cast<int>(top) : -1;
+    } else {
+        int64_t lp = -1;
+        f->Int("logprobs", &lp, 0, 20);
+        out->want_logprobs = lp >= 0;
+        sp.logprobs = static_cast<int>(lp);
+        bool echo = false;
+        f->Bool("echo", &echo);
+        if (echo) f->Fail("'echo' is not supported", "echo");
+        if (f->Has("suffix")) f->Fail("'suffix' is not supported", "suffix");
+    }
+    if (!f->ok()) return;
+    sp.temperature = static_cast<float>(temperature);
+    sp.top_p = static_cast<float>(top_p);
+    sp.top_k = static_cast<int>(top_k);
+
+    // The prompt.
+    if (chat) {
+        if (!f->Has("messages") || !body["messages"].is_array() || body["messages"].empty()) {
+            return f->Fail("'messages' must be a non-empty array", "messages");
+        }
+        std::vector<model::ChatMessage> msgs;
+        for (size_t i = 0; i < body["messages"].size(); ++i) {
+            const Json& m = body["messages"][i];
+            std::string where = fmt::format("messages[{}]", i);
+            if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+                return f->Fail(where + " must be an object with a string 'role'", where);
+            }
+            model::ChatMessage cm;
+            cm.role = m["role"].get<std::string>();
+            const Json& c = m.contains("content") ? m["content"] : Json();
+            if (c.is_string()) {
+                cm.content = c.get<std::string>();
+            } else if (c.is_array()) {
+                for (const Json& part : c) {
+                    if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
+                        return f->Fail(where + ".content parts must be objects with a 'type'",
+                                       where + ".content");
+                    }
+                    std::string type = part["type"].get<std::string>();
+                    if (type != "text") {
+                        return f->Fail(fmt::format("{}.content: part type '{}' is not supported "
+                                                   "by this worker (text only)",
+                                                   where, type),
+                                       where + ".content");
+                    }
+                    if (!part.contains("text") || !part["text"].is_string()) {
+                        return f->Fail(where + ".content: a text part needs a string 'text'",
+                                       where + ".content");
+                    }
+                    cm.content += part["text"].get<std::string>();
+                }
+            } else if (!c.is_null()) {
+                return f->Fail(where + ".content must be a string or an array of parts",
+                               where + ".content");
+            }
+            msgs.push_back(std::move(cm));
+        }
+        auto text = tk.ApplyChatTemplate(msgs, true);
+        if (!text.ok()) return f->Fail(text.status().message(), "messages");
+        out->prompt = tk.Encode(*text, false);
+    } else {
+        if (!f->Has("prompt")) return f->Fail("'prompt' is required", "prompt");
+        const Json& p = body["prompt"];
+        if (p.is_string()) {
+            out->prompt = tk.Encode(p.get<std::string>(), tk.add_bos());
+        } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const Json& e) {
+                       return e.is_number_integer();
+                   })) {
+            for (const Json& e : p) {
+                int64_t v = e.is_number_unsigned() && e.get<uint64_t>() > uint64_t(INT32_MAX)
+                                ? INT32_MAX
+                                : e.get<int64_t>();
+                if (v < 0 || v >= tk.vocab_size()) {
+                    return f->Fail(fmt::format("prompt token id {} is outside the vocabulary "
+                                               "(0..{})",
+                                               v, tk.vocab_size() - 1),
+                                   "prompt");
+                }
+                out->prompt.push_back(static_cast<int32_t>(v));
+            }
+        } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
+            out->prompt = tk.Encode(p[0].get<std::string>(), tk.add_bos());
+        } else if (p.is_array() && p.size() > 1) {
+            return f->Fail("batched prompts are not supported: send one request per prompt",
+                           "prompt");
+        } else {
+            return f->Fail("'prompt' must be a string or an array of token ids", "prompt");
+        }
+        if (out->prompt.empty()) return f->Fail("the prompt is empty", "prompt");
+    }
+    if (max_tokens < 0) max_tokens = 16;  // chat without a limit: set below from the context
+    sp.max_tokens = static_cast<int>(max_tokens);
+}
+
+}  // namespace
+
+bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer& tk,
+                        const std::string& model_name, int max_model_len, ParsedRequest* out,
+                        BadRequest* error) {
+    Json body = Json::parse(text.begin(), text.end(), nullptr, false);
+    if (body.is_discarded()) {
+        *error = {"the body is not valid JSON", "", ""};
+        return false;
+    }
+    if (!body.is_object()) {
+        *error = {"the body must be a JSON object", "", ""};
+        return false;
+    }
+    Fields fields(body);
+    ParseRequest(body, chat, tk, model_name, out, &fields);
+    if (!fields.ok()) {
+        *error = fields.error();
+        return false;
+    }
+    if (chat && !body.contains("max_tokens") && !body.contains("max_completion_tokens")) {
+        out->sampling.max_tokens =
+            std::max(1, max_model_len - static_cast<int>(out->prompt.size()));
+    }
+    return true;
+}
+
+}  // namespace ferry::serve
