@@ -19,6 +19,30 @@ constexpr uint32_t kMagic = 0x46554747;  // "GGUF" little-endian
 constexpr uint32_t kVersion = 3;
 constexpr uint64_t kDefaultAlignment = 32;
 constexpr uint64_t kMaxCount = 1u << 24;  // kv pairs, tensors, array elements
+
+// The fewest bytes a value of `t` takes in the file.
+uint64_t MinValueSize(GgufValueType t) {
+    switch (t) {
+        case GgufValueType::kUint8:
+        case GgufValueType::kInt8:
+        case GgufValueType::kBool:
+            return 1;
+        case GgufValueType::kUint16:
+        case GgufValueType::kInt16:
+            return 2;
+        case GgufValueType::kUint32:
+        case GgufValueType::kInt32:
+        case GgufValueType::kFloat32:
+            return 4;
+        case GgufValueType::kString:  // its length
+        case GgufValueType::kArray:   // type and count
+        case GgufValueType::kUint64:
+        case GgufValueType::kInt64:
+        case GgufValueType::kFloat64:
+            return 8;
+    }
+    return 1;
+}
 constexpr uint32_t kMaxDims = 4;
 
 // Bounds-checked little-endian reader over the mapping.
@@ -146,8 +170,11 @@ bool ReadValue(Reader& r, GgufValueType type, GgufValue* out, bool in_array) {
             if (et > static_cast<uint32_t>(GgufValueType::kFloat64)) {
                 return r.Fail("unknown array element type " + std::to_string(et));
             }
-            // Every element takes at least one byte: a count beyond the rest of the file lies.
-            if (count > kMaxCount || count > r.size() - r.pos()) {
+            // Every element takes at least its smallest encoding (a string its 8-byte length):
+            // a count beyond the rest of the file lies, and is refused before anything is
+            // allocated for it.
+            const uint64_t min_size = MinValueSize(static_cast<GgufValueType>(et));
+            if (count > kMaxCount || count > (r.size() - r.pos()) / min_size) {
                 return r.Fail("array of " + std::to_string(count) + " elements is too long");
             }
             out->element_type = static_cast<GgufValueType>(et);
@@ -262,6 +289,14 @@ Status GgufFile::Parse() {
             return InvalidArgumentError(path_ + ": general.alignment must be a power of two u32");
         }
         alignment_ = *v;
+    }
+    // A tensor's description takes at least 32 bytes (name length, one dimension, type,
+    // offset): more tensors than the rest of the file can describe is a lie, refused before the
+    // table is allocated (a 200-byte file could otherwise ask for millions of entries).
+    if (n_tensors > (r.size() - r.pos()) / 32) {
+        return InvalidArgumentError(path_ + ": " + std::to_string(n_tensors) +
+                                    " tensors cannot be described in the " +
+                                    std::to_string(r.size() - r.pos()) + " bytes left");
     }
     tensors_.resize(n_tensors);
     for (GgufTensor& t : tensors_) {

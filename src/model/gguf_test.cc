@@ -166,5 +166,35 @@ TEST_F(Gguf, EveryTruncationAndRandomCorruptionFailsCleanly) {
     }
 }
 
+// Found by fuzz/gguf_fuzzer (a timeout): a 204-byte file claiming 4 million tensors made the
+// parser allocate and destroy the whole table before finding out. Counts are now checked
+// against the bytes left first, for tensors and for arrays of every element type.
+TEST_F(Gguf, CountsLargerThanTheFileAreRefusedBeforeAllocating) {
+    std::string header("GGUF\x03\x00\x00\x00", 8);
+    auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+    auto u32 = [](uint32_t v) { return std::string(reinterpret_cast<const char*>(&v), 4); };
+    std::string many_tensors = header + u64(0x400002) + u64(0) + std::string(150, '\0');
+    std::ofstream(Path("t.gguf"), std::ios::binary) << many_tensors;
+    auto t = GgufFile::Open(Path("t.gguf"));
+    EXPECT_THAT(t.status(), StatusIs(Code::kInvalidArgument));
+    EXPECT_NE(t.status().message().find("4194306 tensors cannot be described"), std::string::npos)
+        << t.status().message();
+    // An array of 50 strings in a 100-byte remainder: each needs at least 8 bytes.
+    std::string many_strings = header + u64(0) + u64(1) + u64(3) + "key" + u32(9) + u32(8) +
+                               u64(50) + std::string(100, '\0');
+    std::ofstream(Path("a.gguf"), std::ios::binary) << many_strings;
+    auto a = GgufFile::Open(Path("a.gguf"));
+    EXPECT_THAT(a.status(), StatusIs(Code::kInvalidArgument));
+    EXPECT_NE(a.status().message().find("50 elements is too long"), std::string::npos)
+        << a.status().message();
+    // The fuzzer's own input, kept in the seed corpus, fails the same way.
+    std::ifstream seed(FERRY_SOURCE_DIR "/fuzz/corpus/gguf/regression-tensor-count",
+                       std::ios::binary);
+    ASSERT_TRUE(seed.good());
+    std::string bytes((std::istreambuf_iterator<char>(seed)), {});
+    std::ofstream(Path("seed.gguf"), std::ios::binary) << bytes;
+    EXPECT_THAT(GgufFile::Open(Path("seed.gguf")).status(), StatusIs(Code::kInvalidArgument));
+}
+
 }  // namespace
 }  // namespace ferry::model
