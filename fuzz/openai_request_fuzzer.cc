@@ -12,39 +12,19 @@
 #include "model/model.h"
 #include "model/tokenizer.h"
 #include "serve/openai_request.h"
-
-namespace {
-
-const ferry::model::Tokenizer& Tok() {
-    static std::unique_ptr<ferry::model::Tokenizer> tk = [] {
-        std::string path = "/tmp/ferry-fuzz-tok-" + std::to_string(getpid()) + ".gguf";
-        ferry::model::RandomModelSpec s;
-        s.dim = 16;
-        s.num_layers = 1;
-        s.num_heads = 1;
-        s.num_kv_heads = 1;
-        s.ffn_dim = 16;
-        if (!ferry::model::WriteRandomModel(s, 1, path).ok()) std::abort();
-        auto file = std::move(ferry::model::GgufFile::Open(path)).value();
-        auto t = std::move(ferry::model::Tokenizer::FromGguf(*file)).value();
-        unlink(path.c_str());
-        return t;
-    }();
-    return *tk;
-}
-
-}  // namespace
+#include "test_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size == 0) return 0;
     std::string_view body(reinterpret_cast<const char*>(data) + 1, size - 1);
     ferry::serve::ParsedRequest out;
     ferry::serve::BadRequest error;
-    bool ok = ferry::serve::ParseOpenAiRequest(body, data[0] & 1, Tok(), "m", 4096, &out, &error);
+    bool ok = ferry::serve::ParseOpenAiRequest(body, data[0] & 1, TestTokenizer(), "m", 4096, &out,
+                                               &error);
     if (ok) {
         if (out.prompt.empty()) std::abort();  // an accepted request always has a prompt
         for (int32_t t : out.prompt) {
-            if (t < 0 || t >= Tok().vocab_size()) std::abort();
+            if (t < 0 || t >= TestTokenizer().vocab_size()) std::abort();
         }
     } else if (error.message.empty()) {
         std::abort();  // every refusal says why

@@ -12,22 +12,10 @@
 #include "model/gguf.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#include "test_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-    static std::unique_ptr<ferry::model::Tokenizer> tk = [] {
-        std::string path = "/tmp/ferry-fuzz-bpe-" + std::to_string(getpid()) + ".gguf";
-        ferry::model::RandomModelSpec s;
-        s.dim = 16;
-        s.num_layers = 1;
-        s.num_heads = 1;
-        s.num_kv_heads = 1;
-        s.ffn_dim = 16;
-        if (!ferry::model::WriteRandomModel(s, 1, path).ok()) std::abort();
-        auto file = std::move(ferry::model::GgufFile::Open(path)).value();
-        auto t = std::move(ferry::model::Tokenizer::FromGguf(*file)).value();
-        unlink(path.c_str());
-        return t;
-    }();
+    const ferry::model::Tokenizer* tk = &TestTokenizer();
     if (size == 0) return 0;
     std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
     static const char* const kPre[] = {"default", "llama-bpe", "qwen2", "smollm"};

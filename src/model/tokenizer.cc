@@ -273,6 +273,12 @@ int32_t GetId(const GgufFile& f, std::string_view key, int32_t vocab) {
 
 }  // namespace
 
+std::string ByteLevelToken(uint8_t b) {
+    std::string s;
+    AppendUtf8(Bytes().to_cp[b], &s);
+    return s;
+}
+
 std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre) {
     bool llama3 = pre == "llama-bpe" || pre == "llama3" || pre == "smaug-bpe" || pre == "dbrx" ||
                   pre == "qwen2";

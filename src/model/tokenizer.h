@@ -36,6 +36,10 @@ std::string_view ChatTemplateName(ChatTemplate t);
 // regex), "llama-bpe" (Llama 3), "qwen2", "smollm". Views into `text`.
 std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre);
 
+// The token text of byte `b` in a byte-level BPE vocabulary: GPT-2's printable code point for
+// it, as UTF-8 ('a' -> "a", ' ' -> "Ġ").
+std::string ByteLevelToken(uint8_t b);
+
 class Tokenizer {
   public:
     enum class Kind : uint8_t { kSentencePiece, kByteBpe };

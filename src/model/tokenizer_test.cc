@@ -107,18 +107,8 @@ GgufWriter BpeWriter(const std::string& pre) {
     // Byte tokens in GPT-2's mapping, merges for " the", "he", "llo", specials.
     std::vector<std::string> tokens;
     std::vector<int32_t> types;
-    uint32_t extra = 0;
-    for (uint32_t b = 0; b < 256; ++b) {
-        bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
-        uint32_t cp = printable ? b : 256 + extra++;
-        std::string s;
-        if (cp < 0x80) {
-            s.push_back(static_cast<char>(cp));
-        } else {
-            s.push_back(static_cast<char>(0xc0 | (cp >> 6)));
-            s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-        }
-        tokens.push_back(s);
+    for (int b = 0; b < 256; ++b) {
+        tokens.push_back(ByteLevelToken(static_cast<uint8_t>(b)));
         types.push_back(1);
     }
     // U+0120 'Ġ' is the space byte.
