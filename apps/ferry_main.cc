@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "core/log.h"
 #include "discovery_cmd.h"
 #include "model_cmd.h"
+#include "transfer/backend.h"
 
 namespace {
 
@@ -67,7 +69,7 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"both", "target", "initiator"}));
     transfer->add_option("--peer", o.peer, "initiator: the target's host:port");
     transfer->add_option("--listen", o.listen, "host:port of this side's agent (port 0 = any)");
-    transfer->add_option("--backend", backends, "shm, tcp, or a comma list");
+    transfer->add_option("--backend", backends, "shm, tcp, ucx (where built), or a comma list");
     transfer->add_option("--op", ops, "read, write, or a comma list");
     transfer->add_option("--block-size", blocks, "bytes per descriptor; a comma list sweeps");
     transfer->add_option("--batch", batches, "descriptors per transfer; a comma list sweeps");
@@ -98,9 +100,13 @@ int main(int argc, char** argv) {
             return v;
         };
         o.backends = split(backends);
+        const std::vector<std::string> known = ferry::KnownBackends();
         for (const auto& b : o.backends) {
-            if (b != "shm" && b != "tcp") {
-                throw CLI::ValidationError("--backend", "unknown backend '" + b + "' (shm, tcp)");
+            if (std::find(known.begin(), known.end(), b) == known.end()) {
+                std::string names;
+                for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
+                throw CLI::ValidationError(
+                    "--backend", "unknown backend '" + b + "' (this build has: " + names + ")");
             }
         }
         o.ops = split(ops);

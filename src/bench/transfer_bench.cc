@@ -120,6 +120,52 @@ double TcpReferenceGbps(const std::string& address, uint64_t block, double durat
     return moved / s / 1e9;
 }
 
+// UCX's own benchmark on the same transports (UCX_TLS as set for this process): `ucx_perftest
+// -t tag_bw` with the block size, over loopback, as ../shared/tools/ucx-reference runs it.
+// 0 when ucx_perftest is not installed (ucx-utils).
+double UcxPerftestReferenceGbps(uint64_t block, double duration) {
+    uint64_t iters = std::clamp<uint64_t>(static_cast<uint64_t>(3e9 * duration / block), 20, 4000);
+    // A free port for its server.
+    int port = 0;
+    {
+        ScopedFd s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        socklen_t len = sizeof a;
+        if (bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+            getsockname(s.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+            return 0;
+        }
+        port = ntohs(a.sin_port);
+    }
+    std::string cmd = fmt::format(
+        "command -v ucx_perftest >/dev/null || exit 0; "
+        "UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest -p {0} >/dev/null 2>&1 "
+        "& "
+        "sleep 0.5; UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest 127.0.0.1 -p "
+        "{0} "
+        "-t tag_bw -s {1} -n {2} -w 20 -f 2>/dev/null | tail -1; wait",
+        port, block, iters);
+    FILE* f = popen(cmd.c_str(), "r");
+    if (f == nullptr) return 0;
+    char line[512] = {0};
+    std::string last;
+    while (fgets(line, sizeof line, f) != nullptr) last = line;
+    pclose(f);
+    // Columns: iterations, latency p50/avg/overall, bandwidth avg/overall (MiB/s), rate
+    // avg/overall.
+    std::vector<double> cols;
+    const char* p = last.c_str();
+    char* end = nullptr;
+    for (double v = strtod(p, &end); end != p; v = strtod(p, &end)) {
+        cols.push_back(v);
+        p = end;
+    }
+    if (cols.size() < 8) return 0;
+    return cols[cols.size() - 3] * 1048576.0 / 1e9;
+}
+
 // Target side of the TCP reference: reads and drops everything, then closes.
 class RawSink {
   public:
@@ -420,6 +466,7 @@ int RunInitiator(const TransferBenchOptions& o) {
                     if (!o.no_reference && row.error.empty()) {
                         row.reference_gbps =
                             backend == "shm"   ? MemcpyReferenceGbps(block, batch, o.duration / 2)
+                            : backend == "ucx" ? UcxPerftestReferenceGbps(block, o.duration / 2)
                             : raw_addr.empty() ? 0
                                                : TcpReferenceGbps(raw_addr, block, o.duration / 2);
                     }

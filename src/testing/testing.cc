@@ -36,6 +36,16 @@ std::string BackendName(const std::string& variant) {
     return variant == "shm_copy" ? "shm" : variant;
 }
 
+std::vector<std::string> ConformanceVariants() { return NetworkBackends({"shm", "shm_copy"}); }
+
+std::vector<std::string> NetworkBackends(std::vector<std::string> first) {
+    first.push_back("tcp");
+#ifdef FERRY_HAVE_UCX
+    first.push_back("ucx");
+#endif
+    return first;
+}
+
 AgentConfig TestConfig(const std::string& name, const std::string& backend) {
     AgentConfig c;
     c.name = name;
@@ -87,12 +97,12 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
 
 Blackhole::Blackhole(const std::string& backend) {
     AgentConfig config;
-    auto b = CreateBackend(backend, config, LocalHostId()).value();
-    address_ = b->Listen(&listener_).value();
+    backend_ = CreateBackend(backend, config, LocalHostId()).value();
+    address_ = backend_->Listen(&listener_).value();
     thread_ = std::thread([this] {
         while (!stop_.load()) {
             pollfd p{listener_.get(), POLLIN, 0};
-            if (poll(&p, 1, 20) > 0) {
+            if (poll(&p, listener_.valid() ? 1 : 0, 20) > 0) {
                 int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
                 if (fd >= 0) accepted_.emplace_back(fd);
             }

@@ -14,6 +14,7 @@
 #include "core/fd.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
+#include "transfer/backend.h"
 
 namespace ferry::testing {
 
@@ -73,6 +74,11 @@ int64_t FirstMismatch(const void* p, size_t len, uint64_t seed);
 // Backend variants of the conformance suites: "tcp", "shm" (one-sided copies through mapped
 // peer regions where possible), "shm_copy" (shm with the peer copying every transfer).
 std::string BackendName(const std::string& variant);
+// Every backend variant of this build for the conformance suites: shm, shm_copy (the target
+// copies), tcp, and ucx where it is built.
+std::vector<std::string> ConformanceVariants();
+// `first` followed by tcp and, where built, ucx.
+std::vector<std::string> NetworkBackends(std::vector<std::string> first = {});
 AgentConfig TestConfig(const std::string& name, const std::string& variant);
 
 // Two agents that know each other.
@@ -99,6 +105,8 @@ class Blackhole {
     std::string address() const { return address_; }
 
   private:
+    // Kept alive: a ucx blackhole is a UCX worker nobody progresses.
+    std::unique_ptr<Backend> backend_;
     ScopedFd listener_;
     std::string address_;
     std::vector<ScopedFd> accepted_;

@@ -30,6 +30,8 @@ constexpr auto kDeregisterGrace = std::chrono::seconds(2);
 constexpr auto kMapWait = std::chrono::seconds(1);
 constexpr uint64_t kMinChunk = 64 * 1024;
 constexpr uint64_t kMaxChunk = 4u << 20;
+// ucx: bytes per active message (each one rendezvous, several in flight).
+[[maybe_unused]] constexpr uint64_t kUcxChunk = 4u << 20;
 constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
 
 // Copies between our iovecs and the peer's with as few process_vm calls as possible.
@@ -114,8 +116,10 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(AgentConfig config) {
     for (const std::string& b : config.backends) {
         auto known = KnownBackends();
         if (std::find(known.begin(), known.end(), b) == known.end()) {
+            std::string names;
+            for (const std::string& k : known) names += (names.empty() ? "" : ", ") + k;
             return InvalidArgumentError("AgentConfig.backends: unknown backend '" + b +
-                                        "' (known: shm, tcp)");
+                                        "' (known in this build: " + names + ")");
         }
     }
     if (!config.force_backend.empty() && std::find(config.backends.begin(), config.backends.end(),
@@ -150,6 +154,15 @@ Status AgentCore::Start() {
         FERRY_ASSIGN_OR_RETURN(auto backend, CreateBackend(n, config_, host_id_));
         ScopedFd listener;
         FERRY_ASSIGN_OR_RETURN(std::string address, backend->Listen(&listener));
+        if (!backend->stream_based()) {
+#ifdef FERRY_HAVE_UCX
+            ucx_ = static_cast<UcxBackend*>(backend.get());
+            FERRY_RETURN_IF_ERROR(ucx_->Start(this));
+#endif
+            endpoints_[n] = address;
+            backends_.emplace(n, std::move(backend));
+            continue;
+        }
         Backend* raw = backend.get();
         auto acceptor = std::make_shared<Acceptor>(this, raw, listener.get());
         int fd = listener.get();
@@ -167,8 +180,8 @@ Status AgentCore::Start() {
         acceptors_.push_back(std::move(acceptor));
         backends_.emplace(n, std::move(backend));
     }
-    // Preference order: shm (same host) before tcp.
-    for (const char* n : {"shm", "tcp"}) {
+    // Preference order: shm (same host), then ucx where enabled, then tcp.
+    for (const char* n : {"shm", "ucx", "tcp"}) {
         if (endpoints_.count(n) != 0) enabled_.push_back(n);
     }
     loops_[0]->SetTick(kTickPeriod, [this] { Tick(); });
@@ -389,6 +402,11 @@ void AgentCore::Shutdown() {
         }
         ops_.clear();
     }
+#ifdef FERRY_HAVE_UCX
+    if (ucx_ != nullptr) {
+        ucx_->Stop();  // its transfers fail with Cancelled once UCX has let go of their memory
+    }
+#endif
     for (auto& op : ops) {
         op->Fail(CancelledError("agent " + config_.name + " is shutting down"),
                  /*close_streams=*/false);
@@ -554,6 +572,11 @@ void AgentCore::ClosePeerStreams(Peer& peer, const Status& why) {
     std::vector<std::shared_ptr<Connection>> conns;
     {
         std::lock_guard<std::mutex> lock(peer.mu);
+#ifdef FERRY_HAVE_UCX
+        if (ucx_ != nullptr) {
+            ucx_->DropPeer(peer.md.name, peer.md.epoch, why);
+        }
+#endif
         for (auto& [b, v] : peer.streams) {
             for (auto& c : v) {
                 if (c) conns.push_back(c);
@@ -771,6 +794,35 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
         pins.push_back(std::move(p));
     }
 
+    auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
+    const Clock::time_point deadline = Clock::now() + timeout;
+#ifdef FERRY_HAVE_UCX
+    if (!backend->stream_based()) {
+        uint64_t total = 0;
+        for (const auto& s : segments) total += s.remote.length;
+        std::vector<Chunk> chunks = MakeChunks(segments, kUcxChunk, ucx_->max_segments());
+        transfers_posted_.fetch_add(1, std::memory_order_relaxed);
+        bytes_posted_.fetch_add(total, std::memory_order_relaxed);
+        auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total, deadline,
+                                               std::string(peer_name), wire::DataMode::kInline);
+        UcxBackend* ucx = ucx_;
+        UcxPeerRef ref = UcxRef(*peer);
+        op->SetCutOff([ucx, id = op->id()](const Status& s) { ucx->CutOff(id, s); });
+        std::function<void()> on_success;
+        if (options.notification) {
+            on_success = [ucx, ref, payload = *options.notification, self = config_.name] {
+                (void)ucx->Notify(ref, payload, self);
+            };
+        }
+        op->Arm(static_cast<uint32_t>(chunks.size()), std::move(pins), std::move(on_success));
+        {
+            std::lock_guard<std::mutex> lock(ops_mu_);
+            ops_[op->id()] = op;
+        }
+        ucx_->Post(op, ref, kind == TransferOp::Kind::kWrite, std::move(chunks));
+        return Transfer(op);
+    }
+#endif
     FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
     uint64_t total = 0;
     for (const auto& s : segments) total += s.remote.length;
@@ -781,9 +833,6 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     wire::DataMode mode = backend->data_mode();
     transfers_posted_.fetch_add(1, std::memory_order_relaxed);
     bytes_posted_.fetch_add(total, std::memory_order_relaxed);
-
-    auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
-    const Clock::time_point deadline = Clock::now() + timeout;
 
     // One-sided shm: every remote byte lies in a region of the peer mapped here. The first
     // transfer to a region waits (one round trip, at most kMapWait) for the peer's grant.
@@ -889,6 +938,11 @@ Status AgentCore::Notify(std::string_view peer_name, std::string_view payload) {
     if (!peer) {
         return NotFoundError("unknown peer " + std::string(peer_name));
     }
+#ifdef FERRY_HAVE_UCX
+    if (peer->backend == "ucx") {
+        return ucx_->Notify(UcxRef(*peer), std::string(payload), config_.name);
+    }
+#endif
     FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *FindBackend(peer->backend)));
     OutFrame f;
     f.head = wire::MakeFrame(wire::FrameType::kNotify, 0, payload);
@@ -982,6 +1036,30 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
     capacity = std::min<uint64_t>(capacity, wire::kMaxPayload);
     FERRY_ASSIGN_OR_RETURN(RegionPin pin, regions_.PinLocal(local.region));
     Backend* backend = FindBackend(peer->backend);
+#ifdef FERRY_HAVE_UCX
+    if (!backend->stream_based()) {
+        auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), TransferOp::Kind::kPull,
+                                               capacity, Clock::now() + timeout,
+                                               std::string(peer_name), wire::DataMode::kInline);
+        UcxBackend* ucx = ucx_;
+        op->SetCutOff([ucx, id = op->id()](const Status& s) { ucx->CutOff(id, s); });
+        std::vector<RegionPin> pins;
+        pins.push_back(std::move(pin));
+        op->Arm(1, std::move(pins), nullptr);
+        {
+            std::lock_guard<std::mutex> lock(ops_mu_);
+            ops_[op->id()] = op;
+        }
+        ucx_->Pull(op, UcxRef(*peer), std::string(key), std::move(iov), capacity);
+        Transfer handle(op);
+        Status s = op->Wait(op->deadline() + std::chrono::seconds(5));
+        if (!s.ok()) {
+            return s;
+        }
+        uint64_t size = op->pull_size().value_or(0);
+        return PullResult{size, size <= capacity};
+    }
+#endif
     FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
     wire::DataMode mode = backend->data_mode();
     auto op =
@@ -1164,26 +1242,19 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
     conn.SendNow(std::move(f));
 }
 
-void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
-    Result<wire::PullRequest> req = wire::DecodePullRequest(body);
-    if (!req.ok()) {
-        conn.Close(InvalidArgumentError("malformed pull request from " + conn.peer_name() + ": " +
-                                        req.status().message()));
-        return;
-    }
+Status AgentCore::ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
+                                std::vector<iovec>* iov, uint64_t* size) {
     std::vector<Descriptor> descs;
     {
         std::lock_guard<std::mutex> lock(objects_mu_);
-        auto it = objects_.find(req->key);
+        auto it = objects_.find(key);
         if (it == objects_.end()) {
-            Respond(conn, h.request_id, NotFoundError("no object '" + req->key + "'"));
-            return;
+            return NotFoundError("no object '" + std::string(key) + "'");
         }
         descs = it->second;
     }
     std::vector<Run> runs;
     std::unordered_map<RegionId, RegionView> views;
-    std::vector<RegionPin> pins;
     Status s = ExpandDescriptors(
         descs,
         [&](RegionId id) -> const RegionView* {
@@ -1191,25 +1262,59 @@ void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::str
             if (!e) return nullptr;
             return &(views[id] = RegionView{e->base, e->length, e->key});
         },
-        "object '" + req->key + "'", &runs);
-    uint64_t size = 0;
-    std::vector<iovec> iov;
-    for (const Run& r : runs) {
-        size += r.length;
-        iov.push_back(iovec{r.base + r.offset, r.length});
-    }
-    if (s.ok()) {
-        for (auto& [id, v] : views) {
-            Result<RegionPin> p = regions_.PinLocal(id);
-            if (!p.ok()) {
-                s = p.status();
-                break;
-            }
-            pins.push_back(std::move(*p));
-        }
-    }
+        "object '" + std::string(key) + "'", &runs);
     if (!s.ok()) {
-        Respond(conn, h.request_id, s.code() == Code::kNotFound ? NotFoundError(s.message()) : s);
+        return s.code() == Code::kNotFound ? NotFoundError(s.message()) : s;
+    }
+    *size = 0;
+    for (const Run& r : runs) {
+        *size += r.length;
+        iov->push_back(iovec{r.base + r.offset, r.length});
+    }
+    for (auto& [id, v] : views) {
+        Result<RegionPin> p = regions_.PinLocal(id);
+        if (!p.ok()) {
+            return p.status().code() == Code::kNotFound ? NotFoundError(p.status().message())
+                                                        : p.status();
+        }
+        pins->push_back(std::move(*p));
+    }
+    return Status::Ok();
+}
+
+void AgentCore::DeliverNotification(std::string peer, std::string payload) {
+    std::lock_guard<std::mutex> lock(notes_mu_);
+    if (notes_bytes_ + payload.size() > kMaxQueuedNotificationBytes) {
+        FERRY_LOG(kWarn,
+                  "dropping a notification from {}: {} bytes already queued "
+                  "(call TakeNotifications)",
+                  peer, notes_bytes_);
+        return;
+    }
+    notes_bytes_ += payload.size();
+    notes_.push_back(Notification{std::move(peer), std::move(payload)});
+    notes_cv_.notify_all();
+}
+
+UcxPeerRef AgentCore::UcxRef(Peer& peer) const {
+    std::lock_guard<std::mutex> lock(peer.mu);
+    const EndpointInfo* e = peer.md.FindEndpoint("ucx");
+    return UcxPeerRef{peer.md.name, peer.md.epoch, e != nullptr ? e->address : ""};
+}
+
+void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
+    Result<wire::PullRequest> req = wire::DecodePullRequest(body);
+    if (!req.ok()) {
+        conn.Close(InvalidArgumentError("malformed pull request from " + conn.peer_name() + ": " +
+                                        req.status().message()));
+        return;
+    }
+    std::vector<RegionPin> pins;
+    std::vector<iovec> iov;
+    uint64_t size = 0;
+    Status s = ResolveObject(req->key, &pins, &iov, &size);
+    if (!s.ok()) {
+        Respond(conn, h.request_id, s);
         return;
     }
     if (size > req->capacity) {

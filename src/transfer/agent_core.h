@@ -19,6 +19,7 @@
 #include "ferry/agent.h"
 #include "ferry/discovery.h"
 #include "transfer/backend.h"
+#include "transfer/backends/ucx/ucx_backend.h"
 #include "transfer/connection.h"
 #include "transfer/io_loop.h"
 #include "transfer/metadata.h"
@@ -28,7 +29,9 @@
 
 namespace ferry::internal {
 
-class AgentCore final : public ConnectionOwner, public std::enable_shared_from_this<AgentCore> {
+class AgentCore final : public ConnectionOwner,
+                        public UcxHost,
+                        public std::enable_shared_from_this<AgentCore> {
   public:
     static Result<std::shared_ptr<AgentCore>> Create(AgentConfig config);
     ~AgentCore() override;
@@ -67,6 +70,13 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     // ConnectionOwner (loop threads).
     void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) override;
     void OnClosed(Connection& conn, const Status& why) override;
+
+    // UcxHost (the ucx progress thread).
+    Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
+                       std::vector<iovec>* iov) override;
+    Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
+                         std::vector<iovec>* iov, uint64_t* size) override;
+    void DeliverNotification(std::string peer, std::string payload) override;
 
   private:
     struct Mapping {
@@ -125,8 +135,8 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     void ServeData(Connection& conn, const wire::FrameHeader& h, std::string_view body);
     void ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body);
     void Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value = 0);
-    Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
-                       std::vector<iovec>* iov);
+    // The ucx backend's peer reference (name, epoch, endpoint).
+    UcxPeerRef UcxRef(Peer& peer) const;
     // Copies between our memory and the initiator's over a cma stream: through mappings of the
     // initiator's shared regions when every buffer lies in one, else by cross-memory attach.
     Status CopyWithPeer(Connection& conn, const std::vector<iovec>& ours,
@@ -166,6 +176,7 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     std::map<std::string, std::unique_ptr<Backend>, std::less<>>
         backends_;                      // enabled + side channel
     std::vector<std::string> enabled_;  // offered and usable, in preference order
+    UcxBackend* ucx_ = nullptr;         // in backends_, when enabled
     std::map<std::string, std::string, std::less<>> endpoints_;  // backend -> published address
     std::vector<ScopedFd> listeners_;
     std::vector<std::shared_ptr<EventHandler>> acceptors_;

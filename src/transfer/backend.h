@@ -43,6 +43,8 @@ class Backend {
     virtual void Configure(int fd) const { (void)fd; }
     // The server side of this backend checks cross-memory access in the handshake.
     virtual bool verify_cma() const { return false; }
+    // false: the backend moves bytes itself (ucx) and has no sockets for the stream machinery.
+    virtual bool stream_based() const { return true; }
 };
 
 // Creates the backend called `name` ("tcp", "shm"), or NotFound listing the known ones.

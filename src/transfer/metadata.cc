@@ -96,7 +96,8 @@ Result<AgentMetadata> DecodeMetadata(std::string_view blob) {
     FERRY_RETURN_IF_ERROR(ValidateAgentName(md.name).WithContext("metadata"));
     md.endpoints.resize(n);
     for (EndpointInfo& e : md.endpoints) {
-        if (!r.Str(&e.backend, 32) || !r.Str(&e.address, 512)) {
+        // ucx addresses are a hex-encoded UCX worker address: a few hundred bytes to a few KiB.
+        if (!r.Str(&e.backend, 32) || !r.Str(&e.address, kMaxEndpointAddressLen)) {
             return r.error();
         }
     }

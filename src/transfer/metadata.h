@@ -38,6 +38,7 @@ struct AgentMetadata {
 inline constexpr uint32_t kMetadataMagic = 0x444d5246;  // "FRMD"
 inline constexpr uint16_t kMetadataVersion = 1;
 inline constexpr uint32_t kMaxRegionsInMetadata = 1u << 20;
+inline constexpr uint32_t kMaxEndpointAddressLen = 16384;
 
 std::string EncodeMetadata(const AgentMetadata& md);
 // InvalidArgument naming the problem for anything malformed, truncated or out of bounds.

@@ -50,7 +50,7 @@ void TransferOp::ChunkDone(const Status& s, uint64_t value) {
         if (kind_ == Kind::kPull && s.ok()) {
             pull_size_ = value;
         }
-        if (chunks_left_ == 0 || (!s.ok() && mode_ == wire::DataMode::kInline)) {
+        if (chunks_left_ == 0 || (!s.ok() && mode_ == wire::DataMode::kInline && !cut_off_)) {
             release = std::move(pins_);
         }
         if (finished_) {
@@ -134,16 +134,27 @@ void TransferOp::RunLocalWork() {
     }
 }
 
+void TransferOp::SetCutOff(std::function<void(const Status&)> cut_off) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cut_off_ = std::move(cut_off);
+}
+
 void TransferOp::Fail(const Status& s, bool close_streams) {
     CloseIo();
     std::vector<std::shared_ptr<Connection>> close;
     std::vector<RegionPin> release;
+    std::function<void(const Status&)> cut_off;
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (finished_) {
             return;
         }
-        if (chunks_left_ > 0 && mode_ == wire::DataMode::kCma && close_streams) {
+        if (chunks_left_ > 0 && cut_off_) {
+            // The backend moves bytes in and out of our memory itself: stop it first.
+            finished_ = true;
+            status_ = s;
+            cut_off = cut_off_;
+        } else if (chunks_left_ > 0 && mode_ == wire::DataMode::kCma && close_streams) {
             // The peer copies straight into our memory: cut it off before reporting, so that
             // when Wait returns nothing touches the memory any more.
             finished_ = true;
@@ -159,6 +170,14 @@ void TransferOp::Fail(const Status& s, bool close_streams) {
                 release = std::move(pins_);
             }
         }
+    }
+    if (cut_off) {
+        cut_off(s);
+        std::lock_guard<std::mutex> lock(mu_);
+        reported_ = true;
+        reported_flag_.store(true, std::memory_order_release);
+        cv_.notify_all();
+        return;
     }
     if (close.empty()) {
         return;

@@ -66,6 +66,11 @@ class TransferOp {
     };
     void SetLocalWork(std::vector<LocalCopy> work, bool to_remote,
                       std::vector<std::shared_ptr<void>> keep, uint64_t peer_epoch);
+    // For backends that read and write the op's local memory on their own (ucx): Fail calls
+    // `cut_off` while chunks are in flight and reports only once it has returned, i.e. once the
+    // backend touches the memory no more. Pins are then held until every chunk has reported.
+    // Set before Arm.
+    void SetCutOff(std::function<void(const Status&)> cut_off);
     // Set for one-sided ops: the peer process they copy into. Its streams closing fails them.
     std::optional<uint64_t> one_sided_epoch() const;
     // Copies chunks until none is left or the op has ended (any thread: the I/O loops run it, and
@@ -116,6 +121,7 @@ class TransferOp {
     std::function<void()> on_success_;
     std::vector<std::weak_ptr<Connection>> conns_;
     std::optional<uint64_t> pull_size_;
+    std::function<void(const Status&)> cut_off_;
 };
 
 }  // namespace ferry::internal

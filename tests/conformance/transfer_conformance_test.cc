@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "testing/testing.h"
+#include "transfer/metadata.h"
 
 namespace ferry {
 namespace {
@@ -511,7 +512,8 @@ TEST_P(TransferConformance, ManyConcurrentTransfersFromSeveralThreads) {
     EXPECT_EQ(errors.load(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance, ::testing::Values("shm", "shm_copy", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance,
+                         ::testing::ValuesIn(testing::ConformanceVariants()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
@@ -560,7 +562,8 @@ TEST_P(SecretConformance, WrongOrMissingSecretIsRefused) {
     EXPECT_THAT(ReadWithSecrets("s3cret", ""), StatusIs(Code::kPermissionDenied));
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, SecretConformance, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Backends, SecretConformance,
+                         ::testing::ValuesIn(testing::NetworkBackends({"shm"})),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
@@ -603,7 +606,7 @@ TEST_P(LargeBatchConformance, HundredThousandDescriptorsPerSide) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LargeBatchConformance,
-                         ::testing::Values("shm", "shm_copy", "tcp"),
+                         ::testing::ValuesIn(testing::ConformanceVariants()),
                          [](const auto& info) { return info.param; });
 
 TEST(BackendSelection, SameHostPrefersShmAndEitherCanBeForced) {
@@ -655,6 +658,51 @@ TEST(BackendSelection, SameHostPrefersShmAndEitherCanBeForced) {
     auto e = ValueOrDie(Agent::Create(ce));
     EXPECT_THAT(e->AddPeer(d->Metadata()), StatusIs(Code::kFailedPrecondition));
 }
+
+#ifdef FERRY_HAVE_UCX
+TEST(BackendSelection, UcxComesAfterShmAndBeforeTcpAndTransfersCanPickEither) {
+    AgentConfig ca = TestConfig("agent-a", "ucx");
+    ca.backends = {"ucx", "tcp"};
+    AgentConfig cb = ca;
+    cb.name = "agent-b";
+    auto a = ValueOrDie(Agent::Create(ca));
+    auto b = ValueOrDie(Agent::Create(cb));
+    RegionInfo la = ValueOrDie(a->AllocateRegion(1 << 20));
+    RegionInfo rb = ValueOrDie(b->AllocateRegion(1 << 20));
+    ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
+    EXPECT_EQ(ValueOrDie(a->PeerBackend("agent-b")), "ucx");
+    for (const char* backend : {"tcp", "ucx", ""}) {
+        FillPattern(la.base, 1 << 20, backend[0] + 1);
+        TransferOptions opts;
+        opts.backend = backend;
+        auto x = ValueOrDie(a->PostWrite(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "agent-b",
+                                         std::vector<Descriptor>{{rb.id, 0, 1 << 20}}, opts));
+        FERRY_ASSERT_OK(x.Wait(std::chrono::seconds(10)));
+        EXPECT_EQ(FirstMismatch(rb.base, 1 << 20, backend[0] + 1), -1) << backend;
+    }
+    // With shm on both sides of one host, shm wins.
+    ca.name = "agent-c";
+    ca.backends = {"shm", "ucx", "tcp"};
+    cb.name = "agent-d";
+    cb.backends = ca.backends;
+    auto c = ValueOrDie(Agent::Create(ca));
+    auto d = ValueOrDie(Agent::Create(cb));
+    ASSERT_TRUE(c->AddPeer(d->Metadata()).ok());
+    EXPECT_EQ(ValueOrDie(c->PeerBackend("agent-d")), "shm");
+    // A ucx endpoint that is not one is refused when it is used, with its name.
+    AgentMetadata md = ValueOrDie(DecodeMetadata(b->Metadata()));
+    md.name = "agent-x";
+    md.epoch = 7;
+    for (EndpointInfo& e : md.endpoints) {
+        if (e.backend == "ucx") e.address = "zz-not-hex.0123456789abcdef";
+    }
+    ASSERT_TRUE(a->AddPeer(EncodeMetadata(md)).ok());
+    auto x = a->PostWrite(std::vector<Descriptor>{{la.id, 0, 64}}, "agent-x",
+                          std::vector<Descriptor>{{rb.id, 0, 64}});
+    Status s = x.ok() ? x->Wait(std::chrono::seconds(10)) : x.status();
+    EXPECT_THAT(s, testing::StatusHas(Code::kInvalidArgument, "ucx endpoint address"));
+}
+#endif
 
 TEST(AgentConfigValidation, BadConfigsAreRefusedWithAMessage) {
     AgentConfig c;

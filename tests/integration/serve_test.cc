@@ -1,6 +1,7 @@
 // Black-box tests of `ferry serve`: the real binary on a loopback port, driven over HTTP.
 #include <arpa/inet.h>
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -266,17 +267,23 @@ TEST_F(ServeTest, ClientDisconnectAbortsTheRequestAndFreesItsBlocks) {
 TEST_F(ServeTest, ConcurrentRequestsAllComplete) {
     std::vector<std::thread> threads;
     std::atomic<int> ok{0};
+    std::vector<std::string> errors(8);
     for (int i = 0; i < 8; ++i) {
         threads.emplace_back([&, i] {
             auto r = Post("/v1/completions",
                           fmt::format(R"({{"prompt":"request {}","max_tokens":8,"stream":{},
                                          "ignore_eos":true}})",
                                       i, i % 2 ? "true" : "false"));
-            if (r && r->status == 200) ++ok;
+            if (r && r->status == 200) {
+                ++ok;
+            } else {
+                errors[i] = r ? fmt::format("status {}: {}", r->status, r->body)
+                              : httplib::to_string(r.error());
+            }
         });
     }
     for (auto& t : threads) t.join();
-    EXPECT_EQ(ok.load(), 8);
+    EXPECT_EQ(ok.load(), 8) << fmt::format("{}", fmt::join(errors, " | "));
     EXPECT_EQ(Metric("ferry_num_requests_running"), 0);
 }
 

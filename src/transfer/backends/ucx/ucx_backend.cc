@@ -1,0 +1,1123 @@
+#include "transfer/backends/ucx/ucx_backend.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/bytes.h"
+#include "core/crypto.h"
+#include "core/log.h"
+#include "core/tsan.h"
+
+namespace ferry {
+
+using internal::TransferOp;
+
+namespace {
+
+// Active message ids.
+enum : uint16_t { kAmWrite = 1, kAmRead = 2, kAmPull = 3, kAmNotify = 4, kAmReply = 5 };
+
+constexpr size_t kSegmentBytes = 32;
+// The progress thread polls without sleeping for this long after the last event.
+constexpr auto kSpinAfterActivity = std::chrono::microseconds(500);
+constexpr size_t kRequestHeaderFixed = 8 * 4 + 4;
+
+std::string Hex(const void* p, size_t n) {
+    static const char* digits = "0123456789abcdef";
+    std::string s;
+    s.reserve(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+        uint8_t b = static_cast<const uint8_t*>(p)[i];
+        s.push_back(digits[b >> 4]);
+        s.push_back(digits[b & 15]);
+    }
+    return s;
+}
+
+bool Unhex(std::string_view s, std::string* out) {
+    if (s.size() % 2 != 0) return false;
+    out->clear();
+    out->reserve(s.size() / 2);
+    auto val = [](char c) -> int {
+        if (c >= '0' && c <= '9') return c - '0';
+        if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+        return -1;
+    };
+    for (size_t i = 0; i < s.size(); i += 2) {
+        int hi = val(s[i]), lo = val(s[i + 1]);
+        if (hi < 0 || lo < 0) return false;
+        out->push_back(static_cast<char>(hi * 16 + lo));
+    }
+    return true;
+}
+
+// "<hex worker address>.<16 hex digits token>"
+Status ParseAddress(std::string_view address, std::string* worker, uint64_t* token) {
+    size_t dot = address.rfind('.');
+    std::string tok;
+    if (dot == std::string_view::npos || address.size() - dot - 1 != 16 ||
+        !Unhex(address.substr(0, dot), worker) || worker->empty() ||
+        !Unhex(address.substr(dot + 1), &tok)) {
+        return InvalidArgumentError("ucx endpoint address '" +
+                                    std::string(address.substr(0, 64)) +
+                                    "' is not <hex worker address>.<16 hex digit token>");
+    }
+    *token = 0;
+    for (char c : tok) *token = (*token << 8) | static_cast<uint8_t>(c);
+    return Status::Ok();
+}
+
+Status FromUcs(ucs_status_t s, std::string_view what) {
+    return UnavailableError(std::string(what) + ": " + ucs_status_string(s));
+}
+
+// UCX moves bytes through sockets ThreadSanitizer cannot see through (and is not instrumented):
+// as for the tcp backend (core/tsan.h), a send releases, a receive acquires, and the kernel's
+// reads of our buffers are ordered by the protocol. Nothing outside TSan builds.
+template <typename F>
+auto ThroughUcx(F&& f) {
+    FERRY_TSAN_SOCKET_SENT();
+    FERRY_TSAN_IGNORE_READS_BEGIN();
+    auto r = f();
+    FERRY_TSAN_IGNORE_READS_END();
+    FERRY_TSAN_SOCKET_RECEIVED();
+    return r;
+}
+unsigned Progress(ucp_worker_h w) {
+    return ThroughUcx([&] { return ucp_worker_progress(w); });
+}
+ucs_status_ptr_t AmSend(ucp_ep_h ep, unsigned id, const void* header, size_t header_length,
+                        const void* buffer, size_t count, const ucp_request_param_t* param) {
+    return ThroughUcx(
+        [&] { return ucp_am_send_nbx(ep, id, header, header_length, buffer, count, param); });
+}
+ucs_status_ptr_t AmRecv(ucp_worker_h w, void* desc, void* buffer, size_t count,
+                        const ucp_request_param_t* param) {
+    return ThroughUcx([&] { return ucp_am_recv_data_nbx(w, desc, buffer, count, param); });
+}
+
+// A buffer list as UCX takes it: one piece as contiguous bytes (UCX's fast paths), several as
+// an iov.
+struct Buffers {
+    void* buffer = nullptr;
+    size_t count = 0;
+    ucp_datatype_t datatype = ucp_dt_make_contig(1);
+};
+Buffers AsBuffers(std::vector<ucp_dt_iov_t>& iov) {
+    if (iov.empty()) return {};
+    if (iov.size() == 1) return {iov[0].buffer, iov[0].length, ucp_dt_make_contig(1)};
+    return {iov.data(), iov.size(), ucp_dt_make_iov()};
+}
+
+}  // namespace
+
+// --- the implementation: all UCX calls happen on the progress thread --------------------------
+
+class UcxBackend::Impl {
+  public:
+    Impl(std::string agent, std::string secret)
+        : agent_(std::move(agent)),
+          secret_(std::move(secret)),
+          token_(SecureRandomU64()),
+          my_proof_(Proof(token_)) {}
+    ~Impl() { Destroy(); }
+
+    Result<std::string> Init();
+    Status Start(UcxHost* host);
+    void Stop();
+    // Runs `f` on the progress thread (in order); false once stopped.
+    bool Run(std::function<void()> f);
+    bool OnProgressThread() const { return std::this_thread::get_id() == progress_thread_; }
+    size_t max_header() const { return max_header_; }
+
+    // Progress-thread side of the public calls.
+    void DoPost(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer, bool write,
+                std::vector<Chunk> chunks);
+    void DoNotify(const UcxPeerRef& peer, const std::string& payload, const std::string& sender);
+    void DoPull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
+                const std::string& key, std::vector<iovec> local, uint64_t capacity);
+    void DoDropPeer(const std::string& peer, uint64_t epoch, const Status& why);
+    void DoCutOff(uint64_t op_id, const Status& why);
+
+  private:
+    struct Ep {
+        std::string name;
+        uint64_t epoch = 0;
+        uint64_t token = 0;  // the peer's
+        uint64_t proof = 0;  // Proof(token)
+        ucp_ep_h ep = nullptr;
+        Impl* impl = nullptr;
+        bool failed = false;
+        std::unordered_set<uint64_t> requests;  // pending request ids
+    };
+
+    // One request of ours awaiting the peer's reply (and, for writes, our send's completion).
+    struct Pending {
+        uint64_t id = 0;
+        std::shared_ptr<TransferOp> op;
+        std::shared_ptr<Ep> ep;
+        uint16_t am = 0;
+        std::string header;
+        std::vector<ucp_dt_iov_t> iov;  // our memory: sent (write) or received into (read, pull)
+        uint64_t bytes = 0;             // expected reply data (read, pull: capacity)
+        void* send_req = nullptr;       // in flight: UCX reads our memory (write)
+        void* recv_req = nullptr;       // in flight: UCX writes our memory (read, pull)
+        bool replied = false;
+        Status status;
+        uint64_t value = 0;
+    };
+
+    // Serving one request of a peer.
+    struct Serving {
+        ucp_ep_h reply_ep = nullptr;
+        uint64_t request_id = 0;
+        uint64_t proof = 0;  // for the initiator's token
+        std::vector<RegionPin> pins;
+        std::vector<ucp_dt_iov_t> iov;
+        std::string header;
+        Impl* impl = nullptr;
+        uint64_t value = 0;
+    };
+
+    void Loop();
+    void Destroy();
+    // Runs the deferred work queued so far (what it queues runs next time).
+    void RunDeferred() {
+        std::deque<std::function<void()>> now;
+        now.swap(deferred_);
+        for (auto& f : now) f();
+    }
+    Result<std::shared_ptr<Ep>> GetEp(const UcxPeerRef& peer);
+    // `force`: at once, failing what is in flight; else after flushing (a clean goodbye the peer
+    // sees as such: UCX 1.13 can abort a peer whose endpoint wireup is cut off by a force close).
+    void CloseEp(const std::shared_ptr<Ep>& ep, const Status& why, bool force = true);
+    // Checks an endpoint close request until it is done (from the deferred queue).
+    void PollClose(void* req, const std::shared_ptr<Ep>& ep, ucp_ep_h handle) {
+        if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+            deferred_.push_back([this, req, ep, handle] { PollClose(req, ep, handle); });
+            return;
+        }
+        ucp_request_free(req);
+        by_handle_.erase(handle);
+        closing_.erase(std::remove(closing_.begin(), closing_.end(), ep), closing_.end());
+    }
+    // Sends request `p` (its header; its iov as payload when `with_data`) and tracks it.
+    void Send(const std::shared_ptr<Pending>& p, uint16_t am, bool with_data);
+    // The chunk of `p` ends: its op hears once, after UCX let go of its memory.
+    void Finish(const std::shared_ptr<Pending>& p, const Status& s, uint64_t value = 0);
+    void MaybeComplete(const std::shared_ptr<Pending>& p);
+    void Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t proof, const Status& s,
+               uint64_t value, std::shared_ptr<Serving> data);
+
+    static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+    ucs_status_t HandleRequest(uint16_t am, std::string_view header, void* data, size_t length,
+                               const ucp_am_recv_param_t* param);
+    ucs_status_t HandleReply(std::string_view header, void* data, size_t length,
+                             const ucp_am_recv_param_t* param);
+    static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+    // A message we do not take: returning UCS_OK from the callback drops it (a rendezvous
+    // sender then completes without sending the bytes). Marks the places that drop data.
+    static void Release(void* data, const ucp_am_recv_param_t* param) {
+        (void)data;
+        (void)param;
+    }
+
+    // With a deployment secret, messages to the holder of `token` carry Proof(token): only
+    // deployment members can compute it (the metadata alone is not enough). 0 without a secret.
+    uint64_t Proof(uint64_t token) const {
+        if (secret_.empty()) return 0;
+        char msg[24] = "ferry-ucx-token:";
+        std::memcpy(msg + 16, &token, 8);
+        Digest d = HmacSha256(secret_, std::string_view(msg, sizeof msg));
+        uint64_t v = 0;
+        std::memcpy(&v, d.data(), 8);
+        return v;
+    }
+    uint64_t ProofFor(uint64_t token) {
+        auto it = proofs_.find(token);
+        if (it != proofs_.end()) return it->second;
+        if (proofs_.size() > 4096) proofs_.clear();
+        return proofs_[token] = Proof(token);
+    }
+
+    const std::string agent_;
+    const std::string secret_;
+    const uint64_t token_;
+    const uint64_t my_proof_;
+    std::unordered_map<uint64_t, uint64_t> proofs_;  // progress thread
+    ucp_context_h context_ = nullptr;
+    ucp_worker_h worker_ = nullptr;
+    size_t max_header_ = 0;
+    int efd_ = -1;    // the worker's event fd
+    int wake_ = -1;   // eventfd: commands queued
+    int epoll_ = -1;
+    UcxHost* host_ = nullptr;
+
+    std::mutex mu_;
+    struct HandlerArg {
+        Impl* self = nullptr;
+        uint16_t id = 0;
+    };
+    HandlerArg handler_args_[kAmReply + 1];
+    std::thread::id progress_thread_;
+
+    std::deque<std::function<void()>> commands_;  // under mu_
+    bool stopping_ = false;                       // under mu_
+    std::thread thread_;
+
+    // Progress thread only.
+    std::map<std::string, std::shared_ptr<Ep>> eps_;
+    std::unordered_map<ucp_ep_h, std::shared_ptr<Ep>> by_handle_;
+    std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending_;
+    std::unordered_multimap<uint64_t, uint64_t> by_op_;  // op id -> request ids
+    std::deque<std::function<void()>> deferred_;         // work that may not run in a callback
+    std::vector<std::shared_ptr<Ep>> closing_;
+    uint64_t next_request_ = 1;
+};
+
+Result<std::string> UcxBackend::Impl::Init() {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) return FromUcs(st, "ucx: reading the UCX configuration");
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.name = agent_.c_str();
+    st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return FromUcs(st, "ucx: ucp_init");
+
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread calls UCX
+    st = ucp_worker_create(context_, &wp, &worker_);
+    if (st != UCS_OK) return FromUcs(st, "ucx: ucp_worker_create");
+
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS | UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    st = ucp_worker_query(worker_, &attr);
+    if (st != UCS_OK) return FromUcs(st, "ucx: ucp_worker_query");
+    char tok[17];
+    snprintf(tok, sizeof tok, "%016llx", static_cast<unsigned long long>(token_));
+    std::string address = Hex(attr.address, attr.address_length) + "." + tok;
+    ucp_worker_release_address(worker_, attr.address);
+    max_header_ = attr.max_am_header;
+
+    for (uint16_t id : {kAmWrite, kAmRead, kAmPull, kAmNotify, kAmReply}) {
+        handler_args_[id] = HandlerArg{this, id};
+        ucp_am_handler_param_t hp{};
+        hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                        UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+        hp.id = id;
+        hp.cb = &Impl::OnAm;
+        hp.arg = &handler_args_[id];
+        hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+        st = ucp_worker_set_am_recv_handler(worker_, &hp);
+        if (st != UCS_OK) return FromUcs(st, "ucx: ucp_worker_set_am_recv_handler");
+    }
+    st = ucp_worker_get_efd(worker_, &efd_);
+    if (st != UCS_OK) return FromUcs(st, "ucx: ucp_worker_get_efd");
+    return address;
+}
+
+Status UcxBackend::Impl::Start(UcxHost* host) {
+    host_ = host;
+    wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    epoll_ = epoll_create1(EPOLL_CLOEXEC);
+    if (wake_ < 0 || epoll_ < 0) {
+        return InternalError(std::string("ucx: eventfd/epoll: ") + strerror(errno));
+    }
+    for (int fd : {efd_, wake_}) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.fd = fd;
+        if (epoll_ctl(epoll_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+            return InternalError(std::string("ucx: epoll_ctl: ") + strerror(errno));
+        }
+    }
+    thread_ = std::thread([this] { Loop(); });
+    return Status::Ok();
+}
+
+bool UcxBackend::Impl::Run(std::function<void()> f) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_ || !thread_.joinable()) return false;
+        commands_.push_back(std::move(f));
+    }
+    uint64_t one = 1;
+    ssize_t n = write(wake_, &one, sizeof one);
+    (void)n;
+    return true;
+}
+
+void UcxBackend::Impl::Loop() {
+    pthread_setname_np(pthread_self(), ("ucx:" + agent_).substr(0, 15).c_str());
+    progress_thread_ = std::this_thread::get_id();
+    Clock::time_point last_active{};
+    for (;;) {
+        std::deque<std::function<void()>> work;
+        bool stop = false;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            work.swap(commands_);
+            stop = stopping_;
+        }
+        bool active = !work.empty();
+        for (auto& f : work) f();
+        while (Progress(worker_) != 0) {
+            active = true;
+        }
+        active = active || !deferred_.empty();
+        RunDeferred();
+        auto now = Clock::now();
+        if (active) last_active = now;
+        if (stop) {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (commands_.empty()) return;
+            continue;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (!commands_.empty()) continue;
+        }
+        // Busy: keep polling (a rendezvous takes many steps, each waiting for the other side);
+        // sleep once nothing has happened for a while.
+        if (now - last_active < kSpinAfterActivity) continue;
+        if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+        epoll_event evs[2];
+        // Idle: sleep until UCX or a command wakes us (deferred work left: poll it soon).
+        int n = epoll_wait(epoll_, evs, 2, deferred_.empty() ? 100 : 1);
+        for (int i = 0; i < n; ++i) {
+            if (evs[i].data.fd == wake_) {
+                uint64_t v;
+                ssize_t r = read(wake_, &v, sizeof v);
+                (void)r;
+            }
+        }
+    }
+}
+
+void UcxBackend::Impl::Stop() {
+    if (!thread_.joinable()) return;
+    Run([this] {
+        std::vector<std::shared_ptr<Ep>> eps;
+        for (auto& [n, ep] : eps_) eps.push_back(ep);
+        for (auto& ep : eps) {
+            CloseEp(ep, CancelledError("agent " + agent_ + " is shutting down"), /*force=*/false);
+        }
+        // Wait (bounded) for the closes and every request to finish.
+        auto until = Clock::now() + std::chrono::seconds(5);
+        while ((!closing_.empty() || !pending_.empty()) && Clock::now() < until) {
+            Progress(worker_);
+            RunDeferred();
+        }
+        if (!pending_.empty()) {
+            FERRY_LOG(kWarn, "ucx: {} requests still pending at shutdown", pending_.size());
+        }
+    });
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping_ = true;
+    }
+    uint64_t one = 1;
+    ssize_t n = write(wake_, &one, sizeof one);
+    (void)n;
+    thread_.join();
+}
+
+void UcxBackend::Impl::Destroy() {
+    if (thread_.joinable()) Stop();
+    eps_.clear();
+    by_handle_.clear();
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+    worker_ = nullptr;
+    context_ = nullptr;
+    for (int fd : {wake_, epoll_}) {
+        if (fd >= 0) close(fd);
+    }
+    wake_ = epoll_ = -1;
+}
+
+Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const UcxPeerRef& peer) {
+    auto it = eps_.find(peer.name);
+    if (it != eps_.end()) {
+        if (it->second->epoch == peer.epoch && !it->second->failed) return it->second;
+        CloseEp(it->second, UnavailableError("peer " + peer.name + " restarted (new epoch)"));
+    }
+    auto ep = std::make_shared<Ep>();
+    ep->name = peer.name;
+    ep->epoch = peer.epoch;
+    ep->impl = this;
+    std::string worker;
+    FERRY_RETURN_IF_ERROR(ParseAddress(peer.address, &worker, &ep->token)
+                              .WithContext("peer " + peer.name));
+    ep->proof = ProofFor(ep->token);
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(worker.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &Impl::OnEpError;
+    params.err_handler.arg = this;
+    ucs_status_t st = ucp_ep_create(worker_, &params, &ep->ep);
+    if (st != UCS_OK) {
+        return FromUcs(st, "ucx: connecting to peer " + peer.name);
+    }
+    eps_[peer.name] = ep;
+    by_handle_[ep->ep] = ep;
+    return ep;
+}
+
+void UcxBackend::Impl::OnEpError(void* arg, ucp_ep_h handle, ucs_status_t status) {
+    auto* self = static_cast<Impl*>(arg);
+    auto it = self->by_handle_.find(handle);
+    if (it == self->by_handle_.end()) return;
+    std::shared_ptr<Ep> ep = it->second;
+    ep->failed = true;
+    Status why = UnavailableError("peer " + ep->name + ": UCX endpoint failed (" +
+                                  ucs_status_string(status) + ")");
+    self->deferred_.push_back([self, ep, why] { self->CloseEp(ep, why); });
+}
+
+void UcxBackend::Impl::CloseEp(const std::shared_ptr<Ep>& ep, const Status& why, bool force) {
+    if (ep->ep == nullptr) return;
+    force = force || ep->failed;  // a failed endpoint can only be force-closed
+    ep->failed = true;
+    auto it = eps_.find(ep->name);
+    if (it != eps_.end() && it->second == ep) eps_.erase(it);
+    // Fail its requests: each op hears now unless UCX still holds its memory (then when the
+    // force close below completes that request).
+    std::vector<uint64_t> ids(ep->requests.begin(), ep->requests.end());
+    for (uint64_t id : ids) {
+        auto p = pending_.find(id);
+        if (p != pending_.end()) {
+            auto keep = p->second;
+            keep->replied = true;
+            if (keep->status.ok()) keep->status = why;
+            MaybeComplete(keep);
+        }
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(ep->ep, &param);
+    ucp_ep_h handle = ep->ep;
+    ep->ep = nullptr;
+    if (UCS_PTR_IS_PTR(req)) {
+        // Keep progressing until it is done (the loop does; Stop and CutOff wait for it).
+        closing_.push_back(ep);
+        PollClose(req, ep, handle);
+    } else {
+        by_handle_.erase(handle);
+    }
+}
+
+void UcxBackend::Impl::MaybeComplete(const std::shared_ptr<Pending>& p) {
+    if (!p->replied || p->send_req != nullptr || p->recv_req != nullptr) return;
+    if (pending_.erase(p->id) == 0) return;  // already reported
+    if (p->ep) p->ep->requests.erase(p->id);
+    auto range = by_op_.equal_range(p->op->id());
+    for (auto it = range.first; it != range.second; ++it) {
+        if (it->second == p->id) {
+            by_op_.erase(it);
+            break;
+        }
+    }
+    p->op->ChunkDone(p->status, p->value);
+}
+
+void UcxBackend::Impl::Finish(const std::shared_ptr<Pending>& p, const Status& s, uint64_t value) {
+    p->replied = true;
+    if (p->status.ok()) {
+        p->status = s;
+        p->value = value;
+    }
+    MaybeComplete(p);
+}
+
+void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool with_data) {
+    pending_[p->id] = p;
+    by_op_.emplace(p->op->id(), p->id);
+    p->ep->requests.insert(p->id);
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.flags = UCP_AM_SEND_FLAG_REPLY;
+    Buffers b = with_data ? AsBuffers(p->iov) : Buffers{};
+    param.datatype = b.datatype;
+    auto* holder = new std::weak_ptr<Pending>(p);
+    param.user_data = holder;
+    param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        auto* h = static_cast<std::weak_ptr<Pending>*>(user_data);
+        if (auto pp = h->lock()) {
+            Impl* self = pp->ep->impl;
+            pp->send_req = nullptr;
+            if (status != UCS_OK) {
+                self->Finish(pp, FromUcs(status, "ucx: sending to peer " + pp->ep->name));
+            } else {
+                self->MaybeComplete(pp);
+            }
+        }
+        delete h;
+        ucp_request_free(request);
+    };
+    ucs_status_ptr_t r =
+        AmSend(p->ep->ep, am, p->header.data(), p->header.size(), b.buffer, b.count, &param);
+    if (UCS_PTR_IS_ERR(r)) {
+        delete holder;
+        Finish(p, FromUcs(UCS_PTR_STATUS(r), "ucx: sending to peer " + p->ep->name));
+    } else if (r == nullptr) {
+        delete holder;  // done at once: the callback is not called
+    } else {
+        p->send_req = r;
+    }
+}
+
+void UcxBackend::Impl::DoPost(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
+                              bool write, std::vector<Chunk> chunks) {
+    bool closed = false;
+    {
+        std::lock_guard<std::mutex> io(op->io_mu);
+        closed = op->io_closed;
+    }
+    Result<std::shared_ptr<Ep>> ep =
+        closed ? Result<std::shared_ptr<Ep>>(CancelledError("transfer ended")) : GetEp(peer);
+    for (Chunk& c : chunks) {
+        if (!ep.ok()) {
+            op->ChunkDone(ep.status());
+            continue;
+        }
+        auto p = std::make_shared<Pending>();
+        p->id = next_request_++;
+        p->op = op;
+        p->ep = *ep;
+        p->am = write ? kAmWrite : kAmRead;
+        ByteWriter w;
+        w.U64(p->ep->token);
+        w.U64(p->ep->proof);
+        w.U64(token_);
+        w.U64(p->id);
+        w.U32(static_cast<uint32_t>(c.remote.size()));
+        for (const wire::Segment& s : c.remote) {
+            w.U64(s.region);
+            w.U64(s.key);
+            w.U64(s.offset);
+            w.U64(s.length);
+        }
+        p->header = w.Take();
+        for (const iovec& v : c.local) p->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
+        p->bytes = c.bytes;
+        if (write) {
+            Send(p, kAmWrite, true);
+        } else {
+            Send(p, kAmRead, false);
+        }
+    }
+}
+
+void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& payload,
+                                const std::string& sender) {
+    Result<std::shared_ptr<Ep>> ep = GetEp(peer);
+    if (!ep.ok()) {
+        FERRY_LOG(kWarn, "ucx: notification to {} dropped: {}", peer.name,
+                  ep.status().ToString());
+        return;
+    }
+    ByteWriter w;
+    w.U64((*ep)->token);
+    w.U64((*ep)->proof);
+    w.Str(sender);
+    auto header = std::make_shared<std::string>(w.Take());
+    auto body = std::make_shared<std::string>(payload);
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_FLAGS;
+    // Eager only: a rendezvous notification could be overtaken by a later eager one.
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    auto* keep = new std::pair<std::shared_ptr<std::string>, std::shared_ptr<std::string>>(header,
+                                                                                        body);
+    param.user_data = keep;
+    param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        delete static_cast<std::pair<std::shared_ptr<std::string>, std::shared_ptr<std::string>>*>(
+            user_data);
+        ucp_request_free(request);
+    };
+    ucs_status_ptr_t r = AmSend((*ep)->ep, kAmNotify, header->data(), header->size(),
+                                         body->data(), body->size(), &param);
+    if (!UCS_PTR_IS_PTR(r)) {
+        delete keep;
+        if (UCS_PTR_IS_ERR(r)) {
+            FERRY_LOG(kWarn, "ucx: notification to {} failed: {}", peer.name,
+                      ucs_status_string(UCS_PTR_STATUS(r)));
+        }
+    }
+}
+
+void UcxBackend::Impl::DoPull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
+                              const std::string& key, std::vector<iovec> local,
+                              uint64_t capacity) {
+    {
+        std::lock_guard<std::mutex> io(op->io_mu);
+        if (op->io_closed) {
+            op->ChunkDone(CancelledError("transfer ended"));
+            return;
+        }
+    }
+    Result<std::shared_ptr<Ep>> ep = GetEp(peer);
+    if (!ep.ok()) {
+        op->ChunkDone(ep.status());
+        return;
+    }
+    auto p = std::make_shared<Pending>();
+    p->id = next_request_++;
+    p->op = op;
+    p->ep = *ep;
+    p->am = kAmPull;
+    ByteWriter w;
+    w.U64(p->ep->token);
+    w.U64(p->ep->proof);
+    w.U64(token_);
+    w.U64(p->id);
+    w.U64(capacity);
+    w.Str(key);
+    p->header = w.Take();
+    for (const iovec& v : local) p->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
+    p->bytes = capacity;
+    Send(p, kAmPull, false);
+}
+
+void UcxBackend::Impl::DoDropPeer(const std::string& peer, uint64_t epoch, const Status& why) {
+    auto it = eps_.find(peer);
+    if (it == eps_.end()) return;
+    if (epoch != 0 && it->second->epoch != epoch) return;
+    CloseEp(it->second, why);
+}
+
+void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
+    std::vector<std::shared_ptr<Pending>> mine;
+    auto range = by_op_.equal_range(op_id);
+    for (auto it = range.first; it != range.second; ++it) {
+        auto p = pending_.find(it->second);
+        if (p != pending_.end()) mine.push_back(p->second);
+    }
+    std::unordered_set<std::shared_ptr<Ep>> close;
+    for (auto& p : mine) {
+        if (p->send_req != nullptr || p->recv_req != nullptr) {
+            close.insert(p->ep);  // UCX holds our memory: only closing the endpoint stops it
+        } else {
+            Finish(p, why);  // only waiting for a reply: forget it
+        }
+    }
+    for (auto& ep : close) {
+        CloseEp(ep, UnavailableError("endpoint to " + ep->name + " closed to stop transfer " +
+                                     std::to_string(op_id) + " (" + why.message() + ")"));
+    }
+    // Until UCX has let go of every buffer of the op.
+    auto until = Clock::now() + std::chrono::seconds(10);
+    auto busy = [&] {
+        for (auto& p : mine) {
+            if (p->send_req != nullptr || p->recv_req != nullptr) return true;
+        }
+        return false;
+    };
+    while (busy() && Clock::now() < until) {
+        Progress(worker_);
+        RunDeferred();
+    }
+    if (busy()) {
+        FERRY_LOG(kError, "ucx: transfer {}: UCX did not release its buffers within 10 s",
+                  op_id);
+    }
+}
+
+void UcxBackend::Impl::Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t proof,
+                             const Status& s, uint64_t value, std::shared_ptr<Serving> data) {
+    ByteWriter w;
+    w.U64(request_id);
+    w.U64(proof);
+    w.U8(static_cast<uint8_t>(s.code()));
+    w.U64(value);
+    w.Str(s.message().substr(0, wire::kMaxMessageLen));
+    auto sv = data ? data : std::make_shared<Serving>();
+    sv->header = w.Take();
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    Buffers b = AsBuffers(sv->iov);
+    param.datatype = b.datatype;
+    auto* holder = new std::shared_ptr<Serving>(sv);
+    param.user_data = holder;
+    param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        delete static_cast<std::shared_ptr<Serving>*>(user_data);  // unpins
+        ucp_request_free(request);
+    };
+    ucs_status_ptr_t r = AmSend(reply_ep, kAmReply, sv->header.data(), sv->header.size(),
+                                         b.buffer, b.count, &param);
+    if (!UCS_PTR_IS_PTR(r)) {
+        delete holder;
+        if (UCS_PTR_IS_ERR(r)) {
+            FERRY_LOG(kWarn, "ucx: reply to request {} failed: {}", request_id,
+                      ucs_status_string(UCS_PTR_STATUS(r)));
+        }
+    }
+}
+
+ucs_status_t UcxBackend::Impl::OnAm(void* arg, const void* header, size_t header_length,
+                                    void* data, size_t length, const ucp_am_recv_param_t* param) {
+    auto* a = static_cast<HandlerArg*>(arg);
+    std::string_view h(static_cast<const char*>(header), header_length);
+    if (a->id == kAmReply) return a->self->HandleReply(h, data, length, param);
+    return a->self->HandleRequest(a->id, h, data, length, param);
+}
+
+ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view header, void* data,
+                                             size_t length, const ucp_am_recv_param_t* param) {
+    ByteReader r(header, "ucx request");
+    uint64_t token = 0, proof = 0;
+    if (!r.U64(&token) || !r.U64(&proof)) {
+        Release(data, param);
+        return UCS_OK;
+    }
+    const bool has_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+    if (am == kAmNotify) {
+        std::string sender;
+        bool ok = r.Str(&sender, wire::kMaxNameLen) && r.Finish().ok();
+        const char* why = !ok                ? "malformed header"
+                          : token != token_  ? "wrong endpoint token"
+                          : !secret_.empty() && proof != my_proof_ ? "no proof of the deployment secret"
+                                                                  : nullptr;
+        if (why != nullptr) {
+            FERRY_LOG(kWarn, "ucx: notification refused ({})", why);
+            Release(data, param);
+            return UCS_OK;
+        }
+        if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+            FERRY_LOG(kWarn, "ucx: notification from {} sent by rendezvous, dropped", sender);
+            return UCS_OK;
+        }
+        host_->DeliverNotification(std::move(sender),
+                                   std::string(static_cast<const char*>(data), length));
+        return UCS_OK;
+    }
+    uint64_t initiator = 0, request_id = 0;
+    if (!r.U64(&initiator) || !r.U64(&request_id) || !has_reply) {
+        Release(data, param);
+        return UCS_OK;
+    }
+    ucp_ep_h reply_ep = param->reply_ep;
+    const uint64_t reply_proof = ProofFor(initiator);
+    auto refuse = [&](const Status& s) {
+        Release(data, param);
+        deferred_.push_back([this, reply_ep, request_id, reply_proof, s] {
+            Reply(reply_ep, request_id, reply_proof, s, 0, {});
+        });
+        return UCS_OK;
+    };
+    if (token != token_) {
+        return refuse(UnavailableError(
+            "agent " + agent_ + ": wrong ucx endpoint token (metadata of an earlier process?)"));
+    }
+    if (!secret_.empty() && proof != my_proof_) {
+        return refuse(PermissionDeniedError("agent " + agent_ +
+                                            ": the initiator did not prove the deployment secret"));
+    }
+    auto sv = std::make_shared<Serving>();
+    sv->reply_ep = reply_ep;
+    sv->request_id = request_id;
+    sv->proof = reply_proof;
+    sv->impl = this;
+    std::vector<iovec> iov;
+    if (am == kAmPull) {
+        uint64_t capacity = 0;
+        std::string key;
+        if (!r.U64(&capacity) || !r.Str(&key, wire::kMaxKeyLen) || !r.Finish().ok()) {
+            return refuse(InvalidArgumentError("malformed ucx pull request"));
+        }
+        uint64_t size = 0;
+        Status s = host_->ResolveObject(key, &sv->pins, &iov, &size);
+        if (!s.ok()) return refuse(s);
+        if (size > capacity) {
+            deferred_.push_back(
+                [this, reply_ep, request_id, reply_proof, size] { Reply(reply_ep, request_id, reply_proof, Status::Ok(), size, {}); });
+            return UCS_OK;
+        }
+        for (const iovec& v : iov) sv->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
+        deferred_.push_back([this, sv, size] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), size, sv); });
+        return UCS_OK;
+    }
+    uint32_t n = 0;
+    if (!r.Count(&n, wire::kMaxSegmentsPerFrame, kSegmentBytes)) {
+        return refuse(InvalidArgumentError("malformed ucx data request: " + r.error().message()));
+    }
+    std::vector<wire::Segment> segs(n);
+    uint64_t total = 0;
+    for (wire::Segment& s : segs) {
+        if (!r.U64(&s.region) || !r.U64(&s.key) || !r.U64(&s.offset) || !r.U64(&s.length)) break;
+        total += s.length;
+    }
+    if (!r.Finish().ok()) {
+        return refuse(InvalidArgumentError("malformed ucx data request: " + r.error().message()));
+    }
+    Status s = host_->PinSegments(segs, &sv->pins, &iov);
+    if (!s.ok()) return refuse(s);
+    for (const iovec& v : iov) sv->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
+    if (am == kAmRead) {
+        if (length != 0) return refuse(InvalidArgumentError("ucx read request carries data"));
+        deferred_.push_back([this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, sv); });
+        return UCS_OK;
+    }
+    if (am != kAmWrite) return refuse(InvalidArgumentError("unknown ucx request"));
+    if (length != total) {
+        return refuse(InvalidArgumentError("ucx write of " + std::to_string(length) +
+                                           " bytes for segments of " + std::to_string(total)));
+    }
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        // Eager: the bytes are here already.
+        size_t off = 0;
+        for (const ucp_dt_iov_t& v : sv->iov) {
+            std::memcpy(v.buffer, static_cast<const char*>(data) + off, v.length);
+            off += v.length;
+        }
+        Release(data, param);
+        sv->iov.clear();
+        deferred_.push_back([this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+        return UCS_OK;
+    }
+    // Rendezvous: UCX receives straight into the region.
+    ucp_request_param_t rp{};
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    Buffers b = AsBuffers(sv->iov);
+    rp.datatype = b.datatype;
+    auto* holder = new std::shared_ptr<Serving>(sv);
+    rp.user_data = holder;
+    rp.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+        auto* h = static_cast<std::shared_ptr<Serving>*>(user_data);
+        std::shared_ptr<Serving> sv = *h;
+        delete h;
+        ucp_request_free(request);
+        Impl* self = sv->impl;
+        Status st = status == UCS_OK ? Status::Ok() : FromUcs(status, "ucx: receiving a write");
+        sv->pins.clear();
+        sv->iov.clear();
+        self->deferred_.push_back(
+            [self, sv, st] { self->Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
+    };
+    ucs_status_ptr_t rr = AmRecv(worker_, data, b.buffer, b.count, &rp);
+    if (UCS_PTR_IS_ERR(rr)) {
+        delete holder;
+        Status st = FromUcs(UCS_PTR_STATUS(rr), "ucx: receiving a write");
+        deferred_.push_back([this, sv, st] { Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
+    } else if (rr == nullptr) {
+        delete holder;
+        deferred_.push_back([this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+    }
+    return UCS_OK;
+}
+
+ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, size_t length,
+                                           const ucp_am_recv_param_t* param) {
+    ByteReader r(header, "ucx reply");
+    uint64_t request_id = 0, proof = 0, value = 0;
+    uint8_t code = 0;
+    std::string message;
+    if (!r.U64(&request_id) || !r.U64(&proof) || !r.U8(&code) || !r.U64(&value) ||
+        !r.Str(&message, wire::kMaxMessageLen) || !r.Finish().ok() ||
+        code > static_cast<uint8_t>(Code::kDataLoss)) {
+        FERRY_LOG(kWarn, "ucx: malformed reply dropped");
+        Release(data, param);
+        return UCS_OK;
+    }
+    auto it = pending_.find(request_id);
+    if (it == pending_.end() || it->second->replied) {
+        Release(data, param);  // late (the op ended) or unknown
+        return UCS_OK;
+    }
+    std::shared_ptr<Pending> p = it->second;
+    if (!secret_.empty() && proof != my_proof_) {
+        Release(data, param);
+        Finish(p, PermissionDeniedError("peer " + p->ep->name +
+                                        " did not prove the deployment secret (an impostor?)"));
+        return UCS_OK;
+    }
+    if (code != 0) {
+        Release(data, param);
+        Finish(p, Status(static_cast<Code>(code), message));
+        return UCS_OK;
+    }
+    uint64_t expect = p->am == kAmRead ? p->bytes : (value <= p->bytes ? value : 0);
+    if (length != expect) {
+        Release(data, param);
+        Finish(p, length == 0 && p->am == kAmPull
+                      ? Status::Ok()
+                      : DataLossError("peer " + p->ep->name + " answered with " +
+                                      std::to_string(length) + " bytes, expected " +
+                                      std::to_string(expect)),
+               value);
+        return UCS_OK;
+    }
+    if (length == 0) {
+        Finish(p, Status::Ok(), value);
+        return UCS_OK;
+    }
+    {
+        std::lock_guard<std::mutex> io(p->op->io_mu);
+        if (p->op->io_closed) {
+            Release(data, param);
+            Finish(p, CancelledError("transfer ended"), value);
+            return UCS_OK;
+        }
+    }
+    // The local iov may be longer than the object (pull): cut it to the bytes that come.
+    std::vector<ucp_dt_iov_t> into;
+    uint64_t left = length;
+    for (const ucp_dt_iov_t& v : p->iov) {
+        if (left == 0) break;
+        size_t n = std::min<uint64_t>(v.length, left);
+        into.push_back(ucp_dt_iov_t{v.buffer, n});
+        left -= n;
+    }
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        size_t off = 0;
+        for (const ucp_dt_iov_t& v : into) {
+            std::memcpy(v.buffer, static_cast<const char*>(data) + off, v.length);
+            off += v.length;
+        }
+        Release(data, param);
+        Finish(p, Status::Ok(), value);
+        return UCS_OK;
+    }
+    p->iov = std::move(into);
+    p->value = value;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    Buffers b = AsBuffers(p->iov);
+    rp.datatype = b.datatype;
+    auto* holder = new std::weak_ptr<Pending>(p);
+    rp.user_data = holder;
+    rp.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+        auto* h = static_cast<std::weak_ptr<Pending>*>(user_data);
+        if (auto pp = h->lock()) {
+            Impl* self = pp->ep->impl;
+            pp->recv_req = nullptr;
+            self->Finish(pp,
+                         status == UCS_OK ? Status::Ok()
+                                          : FromUcs(status, "ucx: receiving from " + pp->ep->name),
+                         pp->value);
+        }
+        delete h;
+        ucp_request_free(request);
+    };
+    ucs_status_ptr_t rr = AmRecv(worker_, data, b.buffer, b.count, &rp);
+    if (UCS_PTR_IS_ERR(rr)) {
+        delete holder;
+        Finish(p, FromUcs(UCS_PTR_STATUS(rr), "ucx: receiving from " + p->ep->name), value);
+    } else if (rr == nullptr) {
+        delete holder;
+        Finish(p, Status::Ok(), value);
+    } else {
+        p->recv_req = rr;
+        p->replied = true;  // the status now comes from the receive
+    }
+    return UCS_OK;
+}
+
+// --- UcxBackend -------------------------------------------------------------------------------
+
+UcxBackend::UcxBackend(const AgentConfig& config)
+    : config_(config), impl_(std::make_unique<Impl>(config.name, config.secret)) {}
+
+UcxBackend::~UcxBackend() = default;
+
+Result<std::string> UcxBackend::Listen(ScopedFd* listener) {
+    (void)listener;
+    FERRY_ASSIGN_OR_RETURN(std::string address, impl_->Init());
+    size_t hdr = impl_->max_header();
+    if (hdr > kRequestHeaderFixed + 1 + kSegmentBytes) {
+        max_segments_ = static_cast<uint32_t>(std::min<size_t>(
+            (hdr - kRequestHeaderFixed - 1) / kSegmentBytes, wire::kMaxSegmentsPerFrame));
+    } else {
+        max_segments_ = 1;
+    }
+    return address;
+}
+
+bool UcxBackend::CanReach(const AgentMetadata& self, const AgentMetadata& peer) const {
+    return peer.FindEndpoint("ucx") != nullptr;
+}
+
+Result<ScopedFd> UcxBackend::Dial(std::string_view address, bool* in_progress) const {
+    return UnimplementedError("ucx endpoints are not sockets");
+}
+
+Status UcxBackend::Start(UcxHost* host) { return impl_->Start(host); }
+
+void UcxBackend::Stop() { impl_->Stop(); }
+
+void UcxBackend::Post(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer, bool write,
+                      std::vector<Chunk> chunks) {
+    size_t n = chunks.size();
+    auto shared = std::make_shared<std::vector<Chunk>>(std::move(chunks));
+    if (!impl_->Run([this, op, peer, write, shared] {
+            impl_->DoPost(op, peer, write, std::move(*shared));
+        })) {
+        for (size_t i = 0; i < n; ++i) op->ChunkDone(CancelledError("ucx backend stopped"));
+    }
+}
+
+Status UcxBackend::Notify(const UcxPeerRef& peer, std::string payload, std::string sender) {
+    if (!impl_->Run([this, peer, payload = std::move(payload), sender = std::move(sender)] {
+            impl_->DoNotify(peer, payload, sender);
+        })) {
+        return CancelledError("ucx backend stopped");
+    }
+    return Status::Ok();
+}
+
+void UcxBackend::Pull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
+                      std::string key, std::vector<iovec> local, uint64_t capacity) {
+    if (!impl_->Run([this, op, peer, key = std::move(key), local = std::move(local), capacity] {
+            impl_->DoPull(op, peer, key, local, capacity);
+        })) {
+        op->ChunkDone(CancelledError("ucx backend stopped"));
+    }
+}
+
+void UcxBackend::DropPeer(const std::string& peer, uint64_t epoch, const Status& why) {
+    impl_->Run([this, peer, epoch, why] { impl_->DoDropPeer(peer, epoch, why); });
+}
+
+void UcxBackend::CutOff(uint64_t op_id, const Status& why) {
+    if (impl_->OnProgressThread()) {
+        impl_->DoCutOff(op_id, why);
+        return;
+    }
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> f = done->get_future();
+    if (!impl_->Run([this, op_id, why, done] {
+            impl_->DoCutOff(op_id, why);
+            done->set_value();
+        })) {
+        return;  // stopped: nothing in flight any more
+    }
+    f.wait();
+}
+
+}  // namespace ferry

@@ -1,0 +1,96 @@
+// ucx: any host, through UCX (UCP) from Debian's libucx. One worker per agent, driven by one
+// progress thread that sleeps on the worker's event fd when idle. Peers are reached through
+// endpoints created from the worker address published in the agent metadata, with peer error
+// handling, so a dead or lying peer fails its transfers instead of hanging them.
+//
+// Data moves by active messages: a WRITE is one message per chunk whose header lists the
+// target segments (region, key, offset, length); the target checks every key and bound, then
+// lets UCX's rendezvous protocol land the payload straight in its region (zero-copy receive).
+// A READ is a request the target checks and answers with the bytes. Notifications and
+// pull-by-key are active messages too. Every message carries the receiver's endpoint token
+// (random, published in the metadata next to the worker address) and, with a deployment secret,
+// an HMAC of it, so a message meant for an earlier process, or forged by someone holding only
+// the metadata, is refused. docs/transfer-engine.md, "ucx".
+#pragma once
+
+#include <sys/uio.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transfer/backend.h"
+#include "transfer/planner.h"
+#include "transfer/region_table.h"
+#include "transfer/transfer_op.h"
+
+namespace ferry {
+
+// What the ucx backend needs from its agent (the agent implements it).
+class UcxHost {
+  public:
+    virtual ~UcxHost() = default;
+    // Pins and resolves target segments for a peer: key and bounds checked.
+    virtual Status PinSegments(const std::vector<wire::Segment>& segs,
+                               std::vector<RegionPin>* pins, std::vector<iovec>* iov) = 0;
+    // Pins and resolves a published object.
+    virtual Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
+                                 std::vector<iovec>* iov, uint64_t* size) = 0;
+    virtual void DeliverNotification(std::string peer, std::string payload) = 0;
+};
+
+// Where one peer's ucx endpoint is.
+struct UcxPeerRef {
+    std::string name;
+    uint64_t epoch = 0;
+    std::string address;  // the peer's published "ucx" endpoint
+};
+
+class UcxBackend final : public Backend {
+  public:
+    explicit UcxBackend(const AgentConfig& config);
+    ~UcxBackend() override;
+
+    std::string_view name() const override { return "ucx"; }
+    BackendCapabilities capabilities() const override { return {true, true, true}; }
+    wire::DataMode data_mode() const override { return wire::DataMode::kInline; }
+    int streams() const override { return 1; }
+    bool stream_based() const override { return false; }
+    // Creates the UCX context and worker; `listener` stays empty (UCX listens itself). Returns
+    // "<hex worker address>.<hex token>".
+    Result<std::string> Listen(ScopedFd* listener) override;
+    bool CanReach(const AgentMetadata& self, const AgentMetadata& peer) const override;
+    Result<ScopedFd> Dial(std::string_view address, bool* in_progress) const override;
+
+    // Starts the progress thread: from now on peers' messages are served.
+    Status Start(UcxHost* host);
+    // Fails everything in flight (Cancelled), closes every endpoint, stops the thread.
+    void Stop();
+
+    // Segments per message (bounded by UCX's largest active-message header).
+    uint32_t max_segments() const { return max_segments_; }
+
+    // Sends `chunks` of `op` (armed with chunks.size()) to `peer`.
+    void Post(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer,
+              bool write, std::vector<Chunk> chunks);
+    // Queues a notification (ordered with earlier ones to the same peer).
+    Status Notify(const UcxPeerRef& peer, std::string payload, std::string sender);
+    // Asks `peer` for object `key` into `local` (op armed with one chunk).
+    void Pull(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer,
+              std::string key, std::vector<iovec> local, uint64_t capacity);
+    // Closes the endpoint to `peer` (of `epoch`, 0 = any), failing its transfers with `why`.
+    void DropPeer(const std::string& peer, uint64_t epoch, const Status& why);
+    // For TransferOp::SetCutOff: returns once UCX touches no local memory of `op` any more
+    // (closing the endpoints that carry it if needed).
+    void CutOff(uint64_t op_id, const Status& why);
+
+    class Impl;
+
+  private:
+    const AgentConfig config_;
+    uint32_t max_segments_ = 64;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry
