@@ -81,6 +81,16 @@ int main(int argc, char** argv) {
     Put(root + "/tokenizer", "text", std::string(1, 1) + "Hello world's 1234567  abc\n\n x");
     Put(root + "/tokenizer", "unicode",
         std::string(1, 0) + "caf\xc3\xa9 \xe4\xb8\xad 12 <|im_start|>");
+    // discovery store requests: the first byte picks the endpoint (store_request_fuzzer.cc).
+    Put(root + "/store_request", "grant", std::string(1, 0) + R"({"ttl_ms":5000})");
+    Put(root + "/store_request", "keepalive", std::string(1, 1) + R"({"lease":12345})");
+    Put(root + "/store_request", "put",
+        std::string(1, 4) + R"({"key":"ferry/agents/a","value":"aGVsbG8=","lease":0})");
+    Put(root + "/store_request", "get", std::string(1, 5) + R"({"key":"ferry/agents/a"})");
+    Put(root + "/store_request", "list", std::string(1, 6) + R"({"prefix":"ferry/"})");
+    Put(root + "/store_request", "delete", std::string(1, 7) + R"({"key":"ferry/agents/a"})");
+    Put(root + "/store_request", "watch",
+        std::string(1, 8) + R"({"prefix":"ferry/","after":0,"timeout_ms":1})");
     fmt::print("seeds written under {}\n", root);
     return 0;
 }

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ferry/status.h"
@@ -118,6 +119,9 @@ class StoreServer {
     std::string url() const;
     // Stops serving; idempotent. Blocked watches return.
     void Stop();
+    // One request body for `path` ("/v1/kv/put"...) served as an authorized HTTP request would
+    // be, without the socket: the HTTP status and the JSON answer. For the fuzzer and tests.
+    std::pair<int, std::string> ServeForTesting(const std::string& path, std::string_view body);
 
     class Impl;
 

@@ -34,14 +34,21 @@ struct HttpError {
     std::string message;
 };
 
-void Reply(httplib::Response& res, int status, const Json& body) {
-    res.status = status;
-    res.set_content(body.dump(), "application/json");
+Json ErrorBody(const HttpError& e) {
+    return Json{{"error", {{"code", e.status}, {"message", e.message}}}};
 }
 
-void ReplyError(httplib::Response& res, const HttpError& e) {
-    Reply(res, e.status, Json{{"error", {{"code", e.status}, {"message", e.message}}}});
+// Keys and messages may echo a client's bytes: invalid UTF-8 is replaced, not thrown on.
+std::string Dump(const Json& body) {
+    return body.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
+
+void Reply(httplib::Response& res, int status, const Json& body) {
+    res.status = status;
+    res.set_content(Dump(body), "application/json");
+}
+
+void ReplyError(httplib::Response& res, const HttpError& e) { Reply(res, e.status, ErrorBody(e)); }
 
 // Field accessors that say which field is wrong.
 std::string StringField(const Json& body, const char* name, size_t max, bool required = true) {
@@ -171,32 +178,52 @@ class StoreServer::Impl {
 
     template <typename F>
     void Route(const std::string& path, std::vector<std::string> fields, F handler) {
-        server_.Post(path, [this, handler, fields](const httplib::Request& req,
-                                                   httplib::Response& res) {
+        routes_[path] = RouteEntry{std::move(fields), handler};
+        server_.Post(path, [this, path](const httplib::Request& req, httplib::Response& res) {
             // Here, not in a pre-routing handler: the MAC covers the body, read only by now.
             if (!Authorize(req, res)) {
                 return;
             }
-            Json body = Json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-            if (body.is_discarded() || !body.is_object()) {
-                ReplyError(res, HttpError{400, "request body is not a JSON object"});
-                return;
-            }
-            for (const auto& [name, value] : body.items()) {
-                if (std::find(fields.begin(), fields.end(), name) == fields.end()) {
-                    ReplyError(res, HttpError{400, "unknown field '" + name.substr(0, 64) + "'"});
-                    return;
-                }
-            }
-            try {
-                Reply(res, 200, handler(body));
-            } catch (const HttpError& e) {
-                ReplyError(res, e);
-            } catch (const Json::exception& e) {
-                ReplyError(res, HttpError{400, std::string("bad request: ") + e.what()});
-            }
+            auto [status, body] = Serve(path, req.body);
+            Reply(res, status, body);
         });
     }
+
+  public:
+    // One request as the HTTP handler serves it, after authorization: the status and the JSON
+    // answer (an error object for anything but 200).
+    std::pair<int, Json> Serve(const std::string& path, std::string_view text) {
+        auto route = routes_.find(path);
+        if (route == routes_.end()) {
+            return Error(HttpError{404, "no such endpoint: " + path.substr(0, 64)});
+        }
+        Json body = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+        if (body.is_discarded() || !body.is_object()) {
+            return Error(HttpError{400, "request body is not a JSON object"});
+        }
+        const std::vector<std::string>& fields = route->second.fields;
+        for (const auto& [name, value] : body.items()) {
+            if (std::find(fields.begin(), fields.end(), name) == fields.end()) {
+                return Error(HttpError{400, "unknown field '" + name.substr(0, 64) + "'"});
+            }
+        }
+        try {
+            return {200, route->second.handler(body)};
+        } catch (const HttpError& e) {
+            return Error(e);
+        } catch (const Json::exception& e) {
+            return Error(HttpError{400, std::string("bad request: ") + e.what()});
+        }
+    }
+
+  private:
+    static std::pair<int, Json> Error(const HttpError& e) { return {e.status, ErrorBody(e)}; }
+
+    struct RouteEntry {
+        std::vector<std::string> fields;
+        std::function<Json(const Json&)> handler;
+    };
+    std::map<std::string, RouteEntry> routes_;  // set up in Start, read-only after
 
     bool Authorize(const httplib::Request& req, httplib::Response& res) {
         if (config_.secret.empty() || req.path == "/health") {
@@ -469,6 +496,12 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerConfig config
 StoreServer::StoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StoreServer::~StoreServer() { Stop(); }
 uint16_t StoreServer::port() const { return impl_->port(); }
+std::pair<int, std::string> StoreServer::ServeForTesting(const std::string& path,
+                                                         std::string_view body) {
+    auto [status, reply] = impl_->Serve(path, body);
+    return {status, Dump(reply)};
+}
+
 std::string StoreServer::url() const {
     const std::string& h = impl_->config().listen_host;
     std::string host = h.find(':') != std::string::npos ? "[" + h + "]" : h;

@@ -278,6 +278,11 @@ TEST(EmbeddedStore, MalformedRequestsGetClearErrorsAndTheStoreStaysUp) {
     EXPECT_NE(b9.find("unknown field 'revison'"), std::string::npos) << b9;
     auto [s10, b10] = post("/v1/kv/put", "[1, 2]");
     EXPECT_EQ(s10, 400) << b10;
+    // An unknown field whose echo (cut to 64 bytes) splits a UTF-8 character: still a JSON
+    // error object, not a 500 from a throwing serializer.
+    auto [s11, b11] = post("/v1/kv/get", "{\"" + std::string(63, 'a') + "\u00e9\": 1}");
+    EXPECT_EQ(s11, 400) << b11;
+    EXPECT_NE(b11.find("unknown field 'aaaa"), std::string::npos) << b11;
     auto store = ValueOrDie(MetadataStore::Open(server->url()));
     FERRY_ASSERT_OK(store->Put("still", "up"));
     EXPECT_EQ(ValueOrDie(store->Get("still")).value, "up");

@@ -70,8 +70,7 @@ Status ParseAddress(std::string_view address, std::string* worker, uint64_t* tok
     if (dot == std::string_view::npos || address.size() - dot - 1 != 16 ||
         !Unhex(address.substr(0, dot), worker) || worker->empty() ||
         !Unhex(address.substr(dot + 1), &tok)) {
-        return InvalidArgumentError("ucx endpoint address '" +
-                                    std::string(address.substr(0, 64)) +
+        return InvalidArgumentError("ucx endpoint address '" + std::string(address.substr(0, 64)) +
                                     "' is not <hex worker address>.<16 hex digit token>");
     }
     *token = 0;
@@ -262,8 +261,8 @@ class UcxBackend::Impl {
     ucp_context_h context_ = nullptr;
     ucp_worker_h worker_ = nullptr;
     size_t max_header_ = 0;
-    int efd_ = -1;    // the worker's event fd
-    int wake_ = -1;   // eventfd: commands queued
+    int efd_ = -1;   // the worker's event fd
+    int wake_ = -1;  // eventfd: commands queued
     int epoll_ = -1;
     UcxHost* host_ = nullptr;
 
@@ -465,8 +464,8 @@ Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const UcxP
     ep->epoch = peer.epoch;
     ep->impl = this;
     std::string worker;
-    FERRY_RETURN_IF_ERROR(ParseAddress(peer.address, &worker, &ep->token)
-                              .WithContext("peer " + peer.name));
+    FERRY_RETURN_IF_ERROR(
+        ParseAddress(peer.address, &worker, &ep->token).WithContext("peer " + peer.name));
     ep->proof = ProofFor(ep->token);
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -635,8 +634,7 @@ void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& paylo
                                 const std::string& sender) {
     Result<std::shared_ptr<Ep>> ep = GetEp(peer);
     if (!ep.ok()) {
-        FERRY_LOG(kWarn, "ucx: notification to {} dropped: {}", peer.name,
-                  ep.status().ToString());
+        FERRY_LOG(kWarn, "ucx: notification to {} dropped: {}", peer.name, ep.status().ToString());
         return;
     }
     ByteWriter w;
@@ -646,20 +644,20 @@ void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& paylo
     auto header = std::make_shared<std::string>(w.Take());
     auto body = std::make_shared<std::string>(payload);
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_FLAGS;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     // Eager only: a rendezvous notification could be overtaken by a later eager one.
     param.flags = UCP_AM_SEND_FLAG_EAGER;
-    auto* keep = new std::pair<std::shared_ptr<std::string>, std::shared_ptr<std::string>>(header,
-                                                                                        body);
+    auto* keep =
+        new std::pair<std::shared_ptr<std::string>, std::shared_ptr<std::string>>(header, body);
     param.user_data = keep;
     param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
         delete static_cast<std::pair<std::shared_ptr<std::string>, std::shared_ptr<std::string>>*>(
             user_data);
         ucp_request_free(request);
     };
-    ucs_status_ptr_t r = AmSend((*ep)->ep, kAmNotify, header->data(), header->size(),
-                                         body->data(), body->size(), &param);
+    ucs_status_ptr_t r = AmSend((*ep)->ep, kAmNotify, header->data(), header->size(), body->data(),
+                                body->size(), &param);
     if (!UCS_PTR_IS_PTR(r)) {
         delete keep;
         if (UCS_PTR_IS_ERR(r)) {
@@ -670,8 +668,7 @@ void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& paylo
 }
 
 void UcxBackend::Impl::DoPull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
-                              const std::string& key, std::vector<iovec> local,
-                              uint64_t capacity) {
+                              const std::string& key, std::vector<iovec> local, uint64_t capacity) {
     {
         std::lock_guard<std::mutex> io(op->io_mu);
         if (op->io_closed) {
@@ -741,8 +738,7 @@ void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
         RunDeferred();
     }
     if (busy()) {
-        FERRY_LOG(kError, "ucx: transfer {}: UCX did not release its buffers within 10 s",
-                  op_id);
+        FERRY_LOG(kError, "ucx: transfer {}: UCX did not release its buffers within 10 s", op_id);
     }
 }
 
@@ -767,8 +763,8 @@ void UcxBackend::Impl::Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t pr
         delete static_cast<std::shared_ptr<Serving>*>(user_data);  // unpins
         ucp_request_free(request);
     };
-    ucs_status_ptr_t r = AmSend(reply_ep, kAmReply, sv->header.data(), sv->header.size(),
-                                         b.buffer, b.count, &param);
+    ucs_status_ptr_t r =
+        AmSend(reply_ep, kAmReply, sv->header.data(), sv->header.size(), b.buffer, b.count, &param);
     if (!UCS_PTR_IS_PTR(r)) {
         delete holder;
         if (UCS_PTR_IS_ERR(r)) {
@@ -778,8 +774,8 @@ void UcxBackend::Impl::Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t pr
     }
 }
 
-ucs_status_t UcxBackend::Impl::OnAm(void* arg, const void* header, size_t header_length,
-                                    void* data, size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxBackend::Impl::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param) {
     auto* a = static_cast<HandlerArg*>(arg);
     std::string_view h(static_cast<const char*>(header), header_length);
     if (a->id == kAmReply) return a->self->HandleReply(h, data, length, param);
@@ -798,10 +794,11 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
     if (am == kAmNotify) {
         std::string sender;
         bool ok = r.Str(&sender, wire::kMaxNameLen) && r.Finish().ok();
-        const char* why = !ok                ? "malformed header"
-                          : token != token_  ? "wrong endpoint token"
-                          : !secret_.empty() && proof != my_proof_ ? "no proof of the deployment secret"
-                                                                  : nullptr;
+        const char* why = !ok               ? "malformed header"
+                          : token != token_ ? "wrong endpoint token"
+                          : !secret_.empty() && proof != my_proof_
+                              ? "no proof of the deployment secret"
+                              : nullptr;
         if (why != nullptr) {
             FERRY_LOG(kWarn, "ucx: notification refused ({})", why);
             Release(data, param);
@@ -853,12 +850,15 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         Status s = host_->ResolveObject(key, &sv->pins, &iov, &size);
         if (!s.ok()) return refuse(s);
         if (size > capacity) {
-            deferred_.push_back(
-                [this, reply_ep, request_id, reply_proof, size] { Reply(reply_ep, request_id, reply_proof, Status::Ok(), size, {}); });
+            deferred_.push_back([this, reply_ep, request_id, reply_proof, size] {
+                Reply(reply_ep, request_id, reply_proof, Status::Ok(), size, {});
+            });
             return UCS_OK;
         }
         for (const iovec& v : iov) sv->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
-        deferred_.push_back([this, sv, size] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), size, sv); });
+        deferred_.push_back([this, sv, size] {
+            Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), size, sv);
+        });
         return UCS_OK;
     }
     uint32_t n = 0;
@@ -879,7 +879,8 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
     for (const iovec& v : iov) sv->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
     if (am == kAmRead) {
         if (length != 0) return refuse(InvalidArgumentError("ucx read request carries data"));
-        deferred_.push_back([this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, sv); });
+        deferred_.push_back(
+            [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, sv); });
         return UCS_OK;
     }
     if (am != kAmWrite) return refuse(InvalidArgumentError("unknown ucx request"));
@@ -896,7 +897,8 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         }
         Release(data, param);
         sv->iov.clear();
-        deferred_.push_back([this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+        deferred_.push_back(
+            [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
         return UCS_OK;
     }
     // Rendezvous: UCX receives straight into the region.
@@ -923,10 +925,12 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
     if (UCS_PTR_IS_ERR(rr)) {
         delete holder;
         Status st = FromUcs(UCS_PTR_STATUS(rr), "ucx: receiving a write");
-        deferred_.push_back([this, sv, st] { Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
+        deferred_.push_back(
+            [this, sv, st] { Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
     } else if (rr == nullptr) {
         delete holder;
-        deferred_.push_back([this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+        deferred_.push_back(
+            [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
     }
     return UCS_OK;
 }
@@ -964,12 +968,13 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
     uint64_t expect = p->am == kAmRead ? p->bytes : (value <= p->bytes ? value : 0);
     if (length != expect) {
         Release(data, param);
-        Finish(p, length == 0 && p->am == kAmPull
-                      ? Status::Ok()
-                      : DataLossError("peer " + p->ep->name + " answered with " +
-                                      std::to_string(length) + " bytes, expected " +
-                                      std::to_string(expect)),
-               value);
+        Finish(
+            p,
+            length == 0 && p->am == kAmPull
+                ? Status::Ok()
+                : DataLossError("peer " + p->ep->name + " answered with " + std::to_string(length) +
+                                " bytes, expected " + std::to_string(expect)),
+            value);
         return UCS_OK;
     }
     if (length == 0) {

@@ -32,8 +32,8 @@ class UcxHost {
   public:
     virtual ~UcxHost() = default;
     // Pins and resolves target segments for a peer: key and bounds checked.
-    virtual Status PinSegments(const std::vector<wire::Segment>& segs,
-                               std::vector<RegionPin>* pins, std::vector<iovec>* iov) = 0;
+    virtual Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
+                               std::vector<iovec>* iov) = 0;
     // Pins and resolves a published object.
     virtual Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
                                  std::vector<iovec>* iov, uint64_t* size) = 0;
@@ -72,8 +72,8 @@ class UcxBackend final : public Backend {
     uint32_t max_segments() const { return max_segments_; }
 
     // Sends `chunks` of `op` (armed with chunks.size()) to `peer`.
-    void Post(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer,
-              bool write, std::vector<Chunk> chunks);
+    void Post(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer, bool write,
+              std::vector<Chunk> chunks);
     // Queues a notification (ordered with earlier ones to the same peer).
     Status Notify(const UcxPeerRef& peer, std::string payload, std::string sender);
     // Asks `peer` for object `key` into `local` (op armed with one chunk).
