@@ -42,7 +42,7 @@ format-check: deps
 	@./scripts/check-format
 
 format:
-	@git ls-files '*.h' '*.cc' | xargs clang-format -i
+	@git ls-files --cached --others --exclude-standard '*.h' '*.cc' | xargs clang-format -i
 
 bench: build
 	@$(BUILD)/ferry bench transfer --block-size 64K,4M --batch 1,32

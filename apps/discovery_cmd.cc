@@ -42,6 +42,12 @@ void AddDiscoveryCommand(CLI::App& app, int* rc) {
                     "host:port to serve on (loopback by default; port 0 = any)");
     cmd->add_option("--secret-file", secret_file,
                     "file holding the deployment secret (default: $FERRY_SECRET, or none)");
+    static int64_t request_deadline_ms = 10000;
+    cmd->add_option("--request-deadline-ms", request_deadline_ms,
+                    "close a connection that has not sent a complete request this long after "
+                    "connecting or after its previous response (slowloris)")
+        ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
+        ->capture_default_str();
 
     CLI::App* ls = cmd->add_subcommand("ls", "List the registered agents");
     static std::string store_url;
@@ -120,6 +126,7 @@ void AddDiscoveryCommand(CLI::App& app, int* rc) {
     cmd->callback([cmd, rc] {
         if (!cmd->get_subcommands().empty()) return;  // `ls` ran
         StoreServerConfig config;
+        config.request_deadline = std::chrono::milliseconds(request_deadline_ms);
         auto colon = listen.rfind(':');
         if (colon == std::string::npos) {
             throw CLI::ValidationError("--listen", "'" + listen + "': expected host:port");

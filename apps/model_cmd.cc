@@ -137,7 +137,15 @@ void AddServeCommand(CLI::App& app, int* rc) {
     serve->add_option("--max-connections", sc.max_connections, "concurrent HTTP connections")
         ->check(CLI::Range(1, 65536))
         ->capture_default_str();
+    static int64_t request_deadline_ms = 10000;
+    serve
+        ->add_option("--request-deadline-ms", request_deadline_ms,
+                     "close a connection that has not sent a complete request this long after "
+                     "connecting or after its previous response (slowloris)")
+        ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
+        ->capture_default_str();
     serve->callback([rc] {
+        sc.request_deadline = std::chrono::milliseconds(request_deadline_ms);
         // SIGINT/SIGTERM are taken by sigwait below, in every thread started from here.
         sigset_t signals;
         sigemptyset(&signals);

@@ -102,6 +102,9 @@ struct StoreServerConfig {
     size_t max_value_bytes = 16u << 20;
     size_t max_keys = 100000;
     size_t history = 10000;  // events kept for Watch
+    // A connection must deliver a complete request within this long of connecting or of its
+    // previous response, else it is closed: a slow client cannot hold a server thread.
+    std::chrono::milliseconds request_deadline{10000};
     // Checks a value before it is stored (400 with its message if not OK). `ferry discovery`
     // checks that entries under "ferry/agents/" are metadata blobs of the agent they name.
     std::function<Status(std::string_view key, std::string_view value)> validate{};

@@ -12,6 +12,7 @@
 
 #include "core/crypto.h"
 #include "core/log.h"
+#include "discovery/http_guard.h"
 #include "discovery/http_json.h"
 #include "discovery/stores.h"
 #include "ferry/discovery.h"
@@ -92,7 +93,8 @@ std::string KeyField(const Json& body, const char* name = "key", bool allow_empt
 
 class StoreServer::Impl {
   public:
-    explicit Impl(StoreServerConfig config) : config_(std::move(config)) {}
+    explicit Impl(StoreServerConfig config)
+        : config_(std::move(config)), guard_(config_.request_deadline) {}
 
     Status Start() {
         server_.new_task_queue = [] { return new httplib::ThreadPool(32); };
@@ -105,6 +107,13 @@ class StoreServer::Impl {
         server_.set_read_timeout(std::chrono::seconds(5));  // a slow client cannot hold a thread
         server_.set_write_timeout(std::chrono::seconds(5));
         server_.set_keep_alive_max_count(100);
+        server_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response&) {
+            guard_.RequestStarted(req.remote_addr, req.remote_port);
+            return httplib::Server::HandlerResponse::Unhandled;
+        });
+        server_.set_logger([this](const httplib::Request& req, const httplib::Response&) {
+            guard_.ResponseDone(req.remote_addr, req.remote_port);
+        });
         server_.set_payload_max_length(config_.max_value_bytes * 4 / 3 + 64 * 1024);
         server_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
             Reply(res, 200, Json{{"status", "ok"}});
@@ -139,6 +148,7 @@ class StoreServer::Impl {
         }
         port_ = static_cast<uint16_t>(port);
         listener_ = std::thread([this] { server_.listen_after_bind(); });
+        guard_.Start(port_);
         reaper_ = std::thread([this] { Reap(); });
         // httplib's stop() is a no-op until the listener runs: wait for it, so Stop never hangs.
         auto end = Clock::now() + std::chrono::seconds(5);
@@ -156,6 +166,7 @@ class StoreServer::Impl {
             changed_.notify_all();
         }
         reap_cv_.notify_all();
+        guard_.Stop();
         server_.stop();
         if (listener_.joinable()) listener_.join();
         if (reaper_.joinable()) reaper_.join();
@@ -465,6 +476,7 @@ class StoreServer::Impl {
     }
 
     const StoreServerConfig config_;
+    discovery::HttpGuard guard_;
     httplib::Server server_;
     std::thread listener_;
     std::thread reaper_;

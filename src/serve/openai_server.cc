@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "core/log.h"
+#include "discovery/http_guard.h"
 #include "serve/openai_request.h"
 
 namespace ferry::serve {
@@ -168,6 +169,7 @@ struct OpenAiServer::Impl {
     std::string model_name;
     int64_t created = UnixSeconds();
     httplib::Server http;
+    std::unique_ptr<discovery::HttpGuard> guard;
     std::thread thread;
     int port = 0;
     std::atomic<bool> stopping{false};
@@ -207,6 +209,14 @@ void OpenAiServer::Impl::Install() {
     http.set_payload_max_length(config.max_body_bytes);
     http.set_read_timeout(30, 0);
     http.set_keep_alive_timeout(5);
+    guard = std::make_unique<discovery::HttpGuard>(config.request_deadline);
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response&) {
+        guard->RequestStarted(req.remote_addr, req.remote_port);
+        return httplib::Server::HandlerResponse::Unhandled;
+    });
+    http.set_logger([this](const httplib::Request& req, const httplib::Response&) {
+        guard->ResponseDone(req.remote_addr, req.remote_port);
+    });
 
     http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
         res.set_content("{\"status\":\"ok\"}", "application/json");
@@ -571,6 +581,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     Impl* p = impl.get();
     impl->thread = std::thread([p] { p->http.listen_after_bind(); });
     while (!impl->http.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    impl->guard->Start(static_cast<uint16_t>(impl->port));
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
 
@@ -581,6 +592,7 @@ const std::string& OpenAiServer::model_name() const { return impl_->model_name; 
 
 void OpenAiServer::Stop() {
     if (impl_->stopping.exchange(true)) return;
+    impl_->guard->Stop();
     impl_->http.stop();
     if (impl_->thread.joinable()) impl_->thread.join();
     std::lock_guard lock(impl_->stop_mu);

@@ -6,6 +6,7 @@
 // Thread-safety: Start/Stop from one thread; requests are served on a pool of threads.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -20,6 +21,9 @@ struct ServerConfig {
     std::string served_model_name;  // default: the model's name
     int max_connections = 1024;     // concurrent connections (threads)
     size_t max_body_bytes = 16u << 20;
+    // A connection must deliver a complete request within this long of connecting or of its
+    // previous response, else it is closed (slowloris; discovery/http_guard.h).
+    std::chrono::milliseconds request_deadline{10000};
 };
 
 class OpenAiServer {

@@ -1,5 +1,7 @@
 #include "testing/testing.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -93,6 +95,65 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
     md.endpoints.push_back(EndpointInfo{backend, address});
     md.regions.push_back(RemoteRegion{region, length, key, MemoryKind::kHost});
     return EncodeMetadata(md);
+}
+
+SlowLoris::SlowLoris(uint16_t port, int n, std::chrono::milliseconds drip) {
+    for (int i = 0; i < n; ++i) {
+        ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) continue;
+        const char start[] = "POST /v1/kv/get HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+        if (send(fd.get(), start, sizeof start - 1, MSG_NOSIGNAL) < 0) continue;
+        fds_.push_back(std::move(fd));
+    }
+    closed_.assign(fds_.size(), false);
+    thread_ = std::thread([this, drip] {
+        while (!stop_.load()) {
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                for (size_t i = 0; i < fds_.size(); ++i) {
+                    if (!closed_[i] && send(fds_[i].get(), "a", 1, MSG_NOSIGNAL) < 0) {
+                        closed_[i] = true;
+                    }
+                }
+            }
+            std::this_thread::sleep_for(drip);
+        }
+    });
+}
+
+SlowLoris::~SlowLoris() {
+    stop_.store(true);
+    thread_.join();
+}
+
+int SlowLoris::WaitClosed(std::chrono::milliseconds timeout) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+        int closed = 0;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (size_t i = 0; i < fds_.size(); ++i) {
+                if (!closed_[i]) {
+                    pollfd p{fds_[i].get(), POLLIN | POLLRDHUP, 0};
+                    char c;
+                    if (poll(&p, 1, 0) > 0 && ((p.revents & (POLLHUP | POLLERR | POLLRDHUP)) ||
+                                               recv(fds_[i].get(), &c, 1, MSG_DONTWAIT) <= 0)) {
+                        closed_[i] = true;
+                    }
+                }
+                closed += closed_[i] ? 1 : 0;
+            }
+        }
+        if (closed == static_cast<int>(fds_.size()) ||
+            std::chrono::steady_clock::now() > deadline) {
+            return closed;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
 }
 
 Blackhole::Blackhole(const std::string& backend) {

@@ -5,8 +5,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -98,6 +101,24 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
                               uint64_t key);
 
 // Accepts connections and never reads or writes: a stalled peer.
+// `n` connections to 127.0.0.1:`port` that each start an HTTP request and then send one more
+// header byte every `drip` (a slowloris), until destroyed.
+class SlowLoris {
+  public:
+    SlowLoris(uint16_t port, int n, std::chrono::milliseconds drip);
+    ~SlowLoris();
+    int connected() const { return static_cast<int>(fds_.size()); }
+    // How many of the connections the server has closed, waiting up to `timeout` for all.
+    int WaitClosed(std::chrono::milliseconds timeout);
+
+  private:
+    std::vector<ScopedFd> fds_;
+    std::vector<bool> closed_;
+    std::mutex mu_;
+    std::thread thread_;
+    std::atomic<bool> stop_{false};
+};
+
 class Blackhole {
   public:
     explicit Blackhole(const std::string& backend);

@@ -288,6 +288,27 @@ TEST(EmbeddedStore, MalformedRequestsGetClearErrorsAndTheStoreStaysUp) {
     EXPECT_EQ(ValueOrDie(store->Get("still")).value, "up");
 }
 
+TEST(EmbeddedStore, SlowClientsAreCutOffAndCannotStarveTheStore) {
+    StoreServerConfig cfg;
+    cfg.request_deadline = milliseconds(1000);
+    auto server = ValueOrDie(StoreServer::Start(cfg));
+    // More slow connections than the store has threads (32), each sending a header byte every
+    // 200 ms: httplib's per-read timeout (5 s) never fires for them.
+    testing::SlowLoris loris(server->port(), 40, milliseconds(200));
+    ASSERT_EQ(loris.connected(), 40);
+    std::this_thread::sleep_for(milliseconds(300));
+    // An honest client is served all the same, within a few seconds.
+    StoreOptions options;
+    options.timeout = seconds(10);
+    auto store = ValueOrDie(MetadataStore::Open(server->url(), options));
+    auto t0 = Clock::now();
+    FERRY_ASSERT_OK(store->Put("k", "v"));
+    EXPECT_EQ(ValueOrDie(store->Get("k")).value, "v");
+    EXPECT_LT(Clock::now() - t0, seconds(8));
+    // And every slow connection is closed by the store.
+    EXPECT_EQ(loris.WaitClosed(seconds(10)), 40);
+}
+
 TEST(EmbeddedStore, AValidatorRefusesBadValuesWithItsMessage) {
     StoreServerConfig cfg;
     cfg.validate = [](std::string_view key, std::string_view value) -> Status {

@@ -285,6 +285,10 @@ class UcxBackend::Impl {
     std::unordered_multimap<uint64_t, uint64_t> by_op_;  // op id -> request ids
     std::deque<std::function<void()>> deferred_;         // work that may not run in a callback
     std::vector<std::shared_ptr<Ep>> closing_;
+    // Requests served for peers that UCX still works on (a rendezvous receive into one of our
+    // regions, a reply): the worker may not be destroyed under them.
+    size_t serving_inflight_ = 0;
+    bool stopping_local_ = false;  // Stop began: new requests are refused
     uint64_t next_request_ = 1;
 };
 
@@ -414,6 +418,7 @@ void UcxBackend::Impl::Loop() {
 void UcxBackend::Impl::Stop() {
     if (!thread_.joinable()) return;
     Run([this] {
+        stopping_local_ = true;
         std::vector<std::shared_ptr<Ep>> eps;
         for (auto& [n, ep] : eps_) eps.push_back(ep);
         for (auto& ep : eps) {
@@ -421,12 +426,42 @@ void UcxBackend::Impl::Stop() {
         }
         // Wait (bounded) for the closes and every request to finish.
         auto until = Clock::now() + std::chrono::seconds(5);
-        while ((!closing_.empty() || !pending_.empty()) && Clock::now() < until) {
+        while ((!closing_.empty() || !pending_.empty() || serving_inflight_ > 0) &&
+               Clock::now() < until) {
             Progress(worker_);
             RunDeferred();
         }
-        if (!pending_.empty()) {
-            FERRY_LOG(kWarn, "ucx: {} requests still pending at shutdown", pending_.size());
+        if (!pending_.empty() || serving_inflight_ > 0) {
+            FERRY_LOG(kWarn, "ucx: {} requests of ours and {} served still pending at shutdown",
+                      pending_.size(), serving_inflight_);
+        }
+        // Endpoints UCX made for peers that reached us (the ones replies go out on) may still
+        // have wireup messages queued; UCX 1.13 aborts in ucp_worker_destroy when it purges one
+        // (ucp_request_send_state_ff: "got REP message"). Flush the whole worker first.
+        ucp_request_param_t fp{};
+        ucs_status_ptr_t flush = ucp_worker_flush_nbx(worker_, &fp);
+        if (UCS_PTR_IS_PTR(flush)) {
+            auto flush_until = Clock::now() + std::chrono::seconds(2);
+            while (ucp_request_check_status(flush) == UCS_INPROGRESS &&
+                   Clock::now() < flush_until) {
+                Progress(worker_);
+                RunDeferred();
+            }
+            if (ucp_request_check_status(flush) == UCS_INPROGRESS) {
+                FERRY_LOG(kWarn, "ucx: worker flush still in progress at shutdown");
+                ucp_request_cancel(worker_, flush);
+                while (ucp_request_check_status(flush) == UCS_INPROGRESS) Progress(worker_);
+            }
+            ucp_request_free(flush);
+        }
+        // Then until nothing has happened for a while: a wireup still connecting is not part
+        // of the flush.
+        auto quiet_until = Clock::now() + std::chrono::seconds(2);
+        auto last_event = Clock::now();
+        while (Clock::now() - last_event < std::chrono::milliseconds(100) &&
+               Clock::now() < quiet_until) {
+            if (Progress(worker_) != 0) last_event = Clock::now();
+            RunDeferred();
         }
     });
     {
@@ -752,6 +787,7 @@ void UcxBackend::Impl::Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t pr
     w.Str(s.message().substr(0, wire::kMaxMessageLen));
     auto sv = data ? data : std::make_shared<Serving>();
     sv->header = w.Take();
+    sv->impl = this;
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -760,12 +796,16 @@ void UcxBackend::Impl::Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t pr
     auto* holder = new std::shared_ptr<Serving>(sv);
     param.user_data = holder;
     param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
-        delete static_cast<std::shared_ptr<Serving>*>(user_data);  // unpins
+        auto* h = static_cast<std::shared_ptr<Serving>*>(user_data);
+        --(*h)->impl->serving_inflight_;
+        delete h;  // unpins
         ucp_request_free(request);
     };
     ucs_status_ptr_t r =
         AmSend(reply_ep, kAmReply, sv->header.data(), sv->header.size(), b.buffer, b.count, &param);
-    if (!UCS_PTR_IS_PTR(r)) {
+    if (UCS_PTR_IS_PTR(r)) {
+        ++serving_inflight_;
+    } else {
         delete holder;
         if (UCS_PTR_IS_ERR(r)) {
             FERRY_LOG(kWarn, "ucx: reply to request {} failed: {}", request_id,
@@ -826,6 +866,9 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         });
         return UCS_OK;
     };
+    if (stopping_local_) {
+        return refuse(UnavailableError("agent " + agent_ + " is shutting down"));
+    }
     if (token != token_) {
         return refuse(UnavailableError(
             "agent " + agent_ + ": wrong ucx endpoint token (metadata of an earlier process?)"));
@@ -915,6 +958,7 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         delete h;
         ucp_request_free(request);
         Impl* self = sv->impl;
+        --self->serving_inflight_;
         Status st = status == UCS_OK ? Status::Ok() : FromUcs(status, "ucx: receiving a write");
         sv->pins.clear();
         sv->iov.clear();
@@ -931,6 +975,8 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         delete holder;
         deferred_.push_back(
             [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+    } else {
+        ++serving_inflight_;  // UCX writes into the pinned region until the callback
     }
     return UCS_OK;
 }
