@@ -1,6 +1,7 @@
 #include "testing/testing.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -95,6 +96,31 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
     md.endpoints.push_back(EndpointInfo{backend, address});
     md.regions.push_back(RemoteRegion{region, length, key, MemoryKind::kHost});
     return EncodeMetadata(md);
+}
+
+std::string NonLoopbackAddress() {
+    ifaddrs* list = nullptr;
+    if (getifaddrs(&list) != 0) return {};
+    std::string found;
+    for (ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
+        if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+        auto* a = reinterpret_cast<sockaddr_in*>(i->ifa_addr);
+        if ((ntohl(a->sin_addr.s_addr) >> 24) == 127) continue;
+        char buf[INET_ADDRSTRLEN] = {};
+        inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
+        found = buf;
+    }
+    freeifaddrs(list);
+    return found;
+}
+
+bool CanConnect(const std::string& ipv4, uint16_t port) {
+    ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    if (inet_pton(AF_INET, ipv4.c_str(), &a.sin_addr) != 1) return false;
+    return connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
 }
 
 SlowLoris::SlowLoris(uint16_t port, int n, std::chrono::milliseconds drip) {

@@ -101,6 +101,11 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
                               uint64_t key);
 
 // Accepts connections and never reads or writes: a stalled peer.
+// An IPv4 address of this machine that is not loopback ("" if it has none), and whether a TCP
+// connection to it succeeds: a service bound to loopback only must refuse it.
+std::string NonLoopbackAddress();
+bool CanConnect(const std::string& ipv4, uint16_t port);
+
 // `n` connections to 127.0.0.1:`port` that each start an HTTP request and then send one more
 // header byte every `drip` (a slowloris), until destroyed.
 class SlowLoris {

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "testing/testing.h"
+#include "transfer/backend.h"
 #include "transfer/metadata.h"
 
 namespace ferry {
@@ -703,6 +704,28 @@ TEST(BackendSelection, UcxComesAfterShmAndBeforeTcpAndTransfersCanPickEither) {
     EXPECT_THAT(s, testing::StatusHas(Code::kInvalidArgument, "ucx endpoint address"));
 }
 #endif
+
+// docs/security.md: by default an agent's side channel and tcp listener (and its shm socket,
+// which is not an IP socket at all) are reachable from this host only.
+TEST(Exposure, AgentsListenOnLoopbackUnlessToldOtherwise) {
+    std::string ip = testing::NonLoopbackAddress();
+    if (ip.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+    AgentConfig c = TestConfig("exposed", "tcp");
+    c.backends = {"shm", "tcp"};
+    auto a = ValueOrDie(Agent::Create(c));
+    std::string host;
+    uint16_t port = 0;
+    FERRY_ASSERT_OK(SplitHostPort(a->ListenAddress(), &host, &port));
+    EXPECT_EQ(host, "127.0.0.1");
+    EXPECT_TRUE(testing::CanConnect("127.0.0.1", port));
+    EXPECT_FALSE(testing::CanConnect(ip, port)) << ip;
+    // Binding another interface is an explicit choice.
+    c.name = "chosen";
+    c.listen_host = "0.0.0.0";
+    auto b = ValueOrDie(Agent::Create(c));
+    FERRY_ASSERT_OK(SplitHostPort(b->ListenAddress(), &host, &port));
+    EXPECT_TRUE(testing::CanConnect(ip, port)) << ip;
+}
 
 TEST(AgentConfigValidation, BadConfigsAreRefusedWithAMessage) {
     AgentConfig c;

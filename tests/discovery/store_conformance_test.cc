@@ -288,6 +288,16 @@ TEST(EmbeddedStore, MalformedRequestsGetClearErrorsAndTheStoreStaysUp) {
     EXPECT_EQ(ValueOrDie(store->Get("still")).value, "up");
 }
 
+// docs/security.md: the embedded store listens on loopback unless told otherwise.
+TEST(EmbeddedStore, ListensOnLoopbackByDefault) {
+    std::string ip = testing::NonLoopbackAddress();
+    if (ip.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+    auto server = ValueOrDie(StoreServer::Start(StoreServerConfig{}));
+    EXPECT_EQ(server->url().rfind("http://127.0.0.1:", 0), 0u) << server->url();
+    EXPECT_TRUE(testing::CanConnect("127.0.0.1", server->port()));
+    EXPECT_FALSE(testing::CanConnect(ip, server->port())) << ip;
+}
+
 TEST(EmbeddedStore, SlowClientsAreCutOffAndCannotStarveTheStore) {
     StoreServerConfig cfg;
     cfg.request_deadline = milliseconds(1000);

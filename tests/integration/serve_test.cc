@@ -288,6 +288,14 @@ TEST_F(ServeTest, ConcurrentRequestsAllComplete) {
     EXPECT_EQ(Metric("ferry_num_requests_running"), 0);
 }
 
+// docs/security.md: `ferry serve` without --host answers on loopback only.
+TEST_F(ServeTest, ListensOnLoopbackByDefault) {
+    std::string ip = testing::NonLoopbackAddress();
+    if (ip.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+    EXPECT_TRUE(testing::CanConnect("127.0.0.1", static_cast<uint16_t>(port_)));
+    EXPECT_FALSE(testing::CanConnect(ip, static_cast<uint16_t>(port_))) << ip;
+}
+
 // Slow clients (a header byte every 200 ms; more of them than the server's 32 threads) are cut
 // off after --request-deadline-ms and cannot starve it.
 TEST_F(ServeTest, SlowClientsAreCutOffAndCannotStarveTheServer) {
