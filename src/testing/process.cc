@@ -18,7 +18,10 @@ extern char** environ;
 namespace ferry::testing {
 
 ChildProcess::ChildProcess(ChildProcess&& o) noexcept
-    : pid_(o.pid_), stdin_fd_(o.stdin_fd_), stdout_fd_(o.stdout_fd_) {
+    : pid_(o.pid_),
+      stdin_fd_(o.stdin_fd_),
+      stdout_fd_(o.stdout_fd_),
+      pending_(std::move(o.pending_)) {
     o.pid_ = -1;
     o.stdin_fd_ = -1;
     o.stdout_fd_ = -1;
@@ -30,6 +33,7 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
         pid_ = std::exchange(o.pid_, -1);
         stdin_fd_ = std::exchange(o.stdin_fd_, -1);
         stdout_fd_ = std::exchange(o.stdout_fd_, -1);
+        pending_ = std::move(o.pending_);
     }
     return *this;
 }
@@ -130,11 +134,48 @@ Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
             buf.erase(0, nl + 1);
             if (line.rfind(ready_prefix, 0) == 0) {
                 *ready_line = line.substr(ready_prefix.size());
+                child.pending_ = std::move(buf);
                 return child;
             }
         }
     }
     return DeadlineExceededError(argv[0] + " not ready within the timeout");
+}
+
+}  // namespace ferry::testing
+
+namespace ferry::testing {
+
+Status ChildProcess::WriteLine(const std::string& line) {
+    std::string l = line + "\n";
+    if (write(stdin_fd_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) {
+        return UnavailableError("child's stdin is closed");
+    }
+    return Status::Ok();
+}
+
+Result<std::string> ChildProcess::ReadLine(const std::string& prefix,
+                                           std::chrono::milliseconds timeout,
+                                           std::vector<std::string>* others) {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+        size_t nl;
+        while ((nl = pending_.find('\n')) != std::string::npos) {
+            std::string line = pending_.substr(0, nl);
+            pending_.erase(0, nl + 1);
+            if (line.rfind(prefix, 0) == 0) return line;
+            if (others) others->push_back(std::move(line));
+        }
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            end - std::chrono::steady_clock::now());
+        if (left.count() <= 0) return DeadlineExceededError("no line '" + prefix + "' in time");
+        pollfd p{stdout_fd_, POLLIN, 0};
+        if (poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 100))) <= 0) continue;
+        char c[4096];
+        ssize_t n = read(stdout_fd_, c, sizeof c);
+        if (n <= 0) return UnavailableError("child exited before printing '" + prefix + "'");
+        pending_.append(c, static_cast<size_t>(n));
+    }
 }
 
 }  // namespace ferry::testing

@@ -33,11 +33,17 @@ class ChildProcess {
     bool Stop(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
     // Kills with SIGKILL and reaps.
     void Kill();
+    // Writes one line to the child's stdin.
+    Status WriteLine(const std::string& line);
+    // The next stdout line starting with `prefix`; lines before it go to *others (if given).
+    Result<std::string> ReadLine(const std::string& prefix, std::chrono::milliseconds timeout,
+                                 std::vector<std::string>* others = nullptr);
 
   private:
     pid_t pid_ = -1;
     int stdin_fd_ = -1;
     int stdout_fd_ = -1;
+    std::string pending_;  // read from stdout, not yet returned
 };
 
 }  // namespace ferry::testing

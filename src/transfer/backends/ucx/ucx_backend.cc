@@ -139,6 +139,17 @@ class UcxBackend::Impl {
     // Runs `f` on the progress thread (in order); false once stopped.
     bool Run(std::function<void()> f);
     bool OnProgressThread() const { return std::this_thread::get_id() == progress_thread_; }
+    // Whether UCX is receiving into memory of transfer `op_id` right now (any thread).
+    bool IsReceiving(uint64_t op_id) {
+        std::lock_guard<std::mutex> lock(receiving_mu_);
+        return receiving_.count(op_id) != 0;
+    }
+    void Receiving(uint64_t op_id, int delta) {
+        std::lock_guard<std::mutex> lock(receiving_mu_);
+        int& n = receiving_[op_id];
+        n += delta;
+        if (n <= 0) receiving_.erase(op_id);
+    }
     size_t max_header() const { return max_header_; }
 
     // Progress-thread side of the public calls.
@@ -275,7 +286,9 @@ class UcxBackend::Impl {
     std::thread::id progress_thread_;
 
     std::deque<std::function<void()>> commands_;  // under mu_
-    bool stopping_ = false;                       // under mu_
+    std::mutex receiving_mu_;
+    std::unordered_map<uint64_t, int> receiving_;  // op id -> receives in flight
+    bool stopping_ = false;                        // under mu_
     std::thread thread_;
 
     // Progress thread only.
@@ -748,10 +761,17 @@ void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
         auto p = pending_.find(it->second);
         if (p != pending_.end()) mine.push_back(p->second);
     }
+    // UCX reading our memory (a WRITE's send) does not stop the op from reporting: its pins stay
+    // with the chunk until UCX lets go, so the memory stays valid and Deregister waits for it.
+    // UCX writing our memory (a READ's receive) must stop before the op reports: cancel it, and
+    // close the endpoint under it.
     std::unordered_set<std::shared_ptr<Ep>> close;
     for (auto& p : mine) {
-        if (p->send_req != nullptr || p->recv_req != nullptr) {
-            close.insert(p->ep);  // UCX holds our memory: only closing the endpoint stops it
+        if (p->recv_req != nullptr) {
+            ucp_request_cancel(worker_, p->recv_req);
+            close.insert(p->ep);
+        } else if (p->send_req != nullptr) {
+            close.insert(p->ep);
         } else {
             Finish(p, why);  // only waiting for a reply: forget it
         }
@@ -760,20 +780,22 @@ void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
         CloseEp(ep, UnavailableError("endpoint to " + ep->name + " closed to stop transfer " +
                                      std::to_string(op_id) + " (" + why.message() + ")"));
     }
-    // Until UCX has let go of every buffer of the op.
-    auto until = Clock::now() + std::chrono::seconds(10);
-    auto busy = [&] {
+    auto receiving = [&] {
         for (auto& p : mine) {
-            if (p->send_req != nullptr || p->recv_req != nullptr) return true;
+            if (p->recv_req != nullptr) return true;
         }
         return false;
     };
-    while (busy() && Clock::now() < until) {
+    auto until = Clock::now() + std::chrono::seconds(2);
+    while (receiving() && Clock::now() < until) {
         Progress(worker_);
         RunDeferred();
     }
-    if (busy()) {
-        FERRY_LOG(kError, "ucx: transfer {}: UCX did not release its buffers within 10 s", op_id);
+    if (receiving()) {
+        FERRY_LOG(kError,
+                  "ucx: transfer {}: a cancelled receive is still held by UCX after 2 s; its "
+                  "local region stays pinned until UCX lets go",
+                  op_id);
     }
 }
 
@@ -1068,6 +1090,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         if (auto pp = h->lock()) {
             Impl* self = pp->ep->impl;
             pp->recv_req = nullptr;
+            self->Receiving(pp->op->id(), -1);
             self->Finish(pp,
                          status == UCS_OK ? Status::Ok()
                                           : FromUcs(status, "ucx: receiving from " + pp->ep->name),
@@ -1085,6 +1108,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         Finish(p, Status::Ok(), value);
     } else {
         p->recv_req = rr;
+        Receiving(p->op->id(), +1);
         p->replied = true;  // the status now comes from the receive
     }
     return UCS_OK;
@@ -1158,6 +1182,13 @@ void UcxBackend::DropPeer(const std::string& peer, uint64_t epoch, const Status&
 void UcxBackend::CutOff(uint64_t op_id, const Status& why) {
     if (impl_->OnProgressThread()) {
         impl_->DoCutOff(op_id, why);
+        return;
+    }
+    if (!impl_->IsReceiving(op_id)) {
+        // UCX writes none of the op's memory: it may report now. The progress thread closes
+        // what carries it when it gets there (it can be stuck for seconds in ucp_ep_create,
+        // whose tcp connect blocks while a peer's host is unreachable).
+        impl_->Run([this, op_id, why] { impl_->DoCutOff(op_id, why); });
         return;
     }
     auto done = std::make_shared<std::promise<void>>();
