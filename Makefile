@@ -4,7 +4,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test check-sanitizers fuzz deps build format format-check bench clean
+.PHONY: demo test check-sanitizers fuzz soak deps build format format-check bench clean
 
 deps:
 	@./scripts/install-deps
@@ -31,6 +31,12 @@ check-sanitizers: deps
 		cmake --preset $$p >/dev/null && cmake --build --preset $$p -j $(JOBS) && \
 		$(UCX_NO_HOOKS) ctest --preset $$p -j $(JOBS) || exit 1; \
 	done
+
+# The nightly soak: a million verified transfers among 3 agent processes killed and restarted
+# every 2 s (tests/soak/soak.cc; a 20 s run is part of `make test`).
+SOAK_TRANSFERS ?= 1000000
+soak: build
+	@$(BUILD)/tests/ferry_soak --transfers $(SOAK_TRANSFERS) --kill-every-ms 2000
 
 # libFuzzer targets (clang, ASan+UBSan) for every decoder of outside input, FUZZ_SECONDS each.
 FUZZ_SECONDS ?= 30

@@ -146,6 +146,11 @@ Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
 
 namespace ferry::testing {
 
+void ChildProcess::CloseStdin() {
+    if (stdin_fd_ >= 0) close(stdin_fd_);
+    stdin_fd_ = -1;
+}
+
 Status ChildProcess::WriteLine(const std::string& line) {
     std::string l = line + "\n";
     if (write(stdin_fd_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) {

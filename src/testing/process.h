@@ -33,6 +33,8 @@ class ChildProcess {
     bool Stop(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
     // Kills with SIGKILL and reaps.
     void Kill();
+    // Closes the child's stdin (asks it to finish).
+    void CloseStdin();
     // Writes one line to the child's stdin.
     Status WriteLine(const std::string& line);
     // The next stdout line starting with `prefix`; lines before it go to *others (if given).
