@@ -23,12 +23,13 @@ test: build format-check
 
 # The whole suite again under ASan+UBSan and under TSan; any report fails the run.
 # UCX's memory hooks (libucm patches mmap/madvise at load) crash under ThreadSanitizer: off for
-# the sanitizer builds (they only serve UCX's registration cache, unused over tcp).
+# the sanitizer builds (they only serve UCX's registration cache, unused over tcp). The build
+# too: gtest_discover_tests runs every test binary to list its tests.
 UCX_NO_HOOKS = UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
 
 check-sanitizers: deps
 	@for p in asan tsan; do \
-		cmake --preset $$p >/dev/null && cmake --build --preset $$p -j $(JOBS) && \
+		cmake --preset $$p >/dev/null && $(UCX_NO_HOOKS) cmake --build --preset $$p -j $(JOBS) && \
 		$(UCX_NO_HOOKS) ctest --preset $$p -j $(JOBS) || exit 1; \
 	done
 
@@ -41,7 +42,7 @@ soak: build
 # libFuzzer targets (clang, ASan+UBSan) for every decoder of outside input, FUZZ_SECONDS each.
 FUZZ_SECONDS ?= 30
 fuzz: deps
-	@cmake --preset fuzz >/dev/null && cmake --build --preset fuzz -j $(JOBS) --target fuzzers
+	@cmake --preset fuzz >/dev/null && $(UCX_NO_HOOKS) cmake --build --preset fuzz -j $(JOBS) --target fuzzers
 	@$(UCX_NO_HOOKS) ./scripts/run-fuzzers $(FUZZ_SECONDS)
 
 format-check: deps
