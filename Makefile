@@ -30,6 +30,7 @@ UCX_NO_HOOKS = UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=
 check-sanitizers: deps
 	@for p in asan tsan; do \
 		cmake --preset $$p >/dev/null && $(UCX_NO_HOOKS) cmake --build --preset $$p -j $(JOBS) && \
+		TSAN_OPTIONS="suppressions=$(CURDIR)/scripts/tsan.supp $$TSAN_OPTIONS" \
 		$(UCX_NO_HOOKS) ctest --preset $$p -j $(JOBS) || exit 1; \
 	done
 

@@ -47,6 +47,7 @@ class HttpGuard {
     };
     void Loop(uint16_t port);
     void Scan(uint16_t port);
+    void ScanUnannotated(uint16_t port);
 
     const std::chrono::milliseconds deadline_;
     std::mutex mu_;
