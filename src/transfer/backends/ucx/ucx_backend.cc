@@ -107,6 +107,15 @@ ucs_status_ptr_t AmRecv(ucp_worker_h w, void* desc, void* buffer, size_t count,
     return ThroughUcx([&] { return ucp_am_recv_data_nbx(w, desc, buffer, count, param); });
 }
 
+// Copies an eager message's bytes (already here, in order) into `iov`.
+void ScatterEager(const void* data, const std::vector<ucp_dt_iov_t>& iov) {
+    size_t off = 0;
+    for (const ucp_dt_iov_t& v : iov) {
+        std::memcpy(v.buffer, static_cast<const char*>(data) + off, v.length);
+        off += v.length;
+    }
+}
+
 // A buffer list as UCX takes it: one piece as contiguous bytes (UCX's fast paths), several as
 // an iov.
 struct Buffers {
@@ -954,12 +963,7 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
                                            " bytes for segments of " + std::to_string(total)));
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        // Eager: the bytes are here already.
-        size_t off = 0;
-        for (const ucp_dt_iov_t& v : sv->iov) {
-            std::memcpy(v.buffer, static_cast<const char*>(data) + off, v.length);
-            off += v.length;
-        }
+        ScatterEager(data, sv->iov);  // eager: the bytes are here already
         Release(data, param);
         sv->iov.clear();
         deferred_.push_back(
@@ -1067,11 +1071,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         left -= n;
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        size_t off = 0;
-        for (const ucp_dt_iov_t& v : into) {
-            std::memcpy(v.buffer, static_cast<const char*>(data) + off, v.length);
-            off += v.length;
-        }
+        ScatterEager(data, into);
         Release(data, param);
         Finish(p, Status::Ok(), value);
         return UCS_OK;
