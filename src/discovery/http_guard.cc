@@ -19,7 +19,8 @@ namespace {
 
 std::string Key(const std::string& addr, int port) { return addr + "|" + std::to_string(port); }
 
-// The peer of `fd` as "addr|port" if it is a TCP connection accepted on `local_port`, else "".
+}  // namespace
+
 std::string AcceptedPeer(int fd, uint16_t local_port) {
     struct stat st {};
     if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return {};
@@ -47,8 +48,6 @@ std::string AcceptedPeer(int fd, uint16_t local_port) {
     if (lport != local_port) return {};
     return Key(buf, pport);
 }
-
-}  // namespace
 
 void HttpGuard::Start(uint16_t port) {
     thread_ = std::thread([this, port] { Loop(port); });

@@ -23,6 +23,9 @@
 
 namespace ferry::discovery {
 
+// The peer of `fd` as "addr|port" if it is a TCP connection accepted on `local_port`, else "".
+std::string AcceptedPeer(int fd, uint16_t local_port);
+
 class HttpGuard {
   public:
     explicit HttpGuard(std::chrono::milliseconds deadline) : deadline_(deadline) {}

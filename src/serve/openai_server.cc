@@ -111,34 +111,13 @@ struct Metrics {
 // cpp-httplib does not expose it, and a closed connection must abort its request even while
 // nothing is being written to it.
 int FindClientSocket(const std::string& addr, int port, int local_port) {
+    const std::string want = addr + "|" + std::to_string(port);
     DIR* d = opendir("/proc/self/fd");
     if (!d) return -1;
     int found = -1;
     while (dirent* e = readdir(d)) {
         int fd = atoi(e->d_name);
-        if (fd <= 2) continue;
-        struct stat st;
-        if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-        sockaddr_storage peer{}, local{};
-        socklen_t pl = sizeof(peer), ll = sizeof(local);
-        if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
-        if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
-        char buf[INET6_ADDRSTRLEN] = {};
-        int pport = 0, lport = 0;
-        if (peer.ss_family == AF_INET) {
-            auto* p = reinterpret_cast<sockaddr_in*>(&peer);
-            inet_ntop(AF_INET, &p->sin_addr, buf, sizeof(buf));
-            pport = ntohs(p->sin_port);
-            lport = ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
-        } else if (peer.ss_family == AF_INET6) {
-            auto* p = reinterpret_cast<sockaddr_in6*>(&peer);
-            inet_ntop(AF_INET6, &p->sin6_addr, buf, sizeof(buf));
-            pport = ntohs(p->sin6_port);
-            lport = ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port);
-        } else {
-            continue;
-        }
-        if (pport == port && lport == local_port && addr == buf) {
+        if (fd > 2 && discovery::AcceptedPeer(fd, static_cast<uint16_t>(local_port)) == want) {
             found = fd;
             break;
         }
