@@ -33,7 +33,8 @@ namespace ferry {
 using RegionId = uint64_t;
 using Clock = std::chrono::steady_clock;
 
-// What kind of memory a region is. Only kHost exists today; files and GPU memory follow.
+// What kind of memory a region is: host memory, or a range of a file (Agent::RegisterFile; its
+// bytes are read and written through the file backend, io_uring). GPU memory follows.
 enum class MemoryKind : uint8_t { kHost = 0, kFile = 1, kCuda = 2 };
 
 // A range of registered memory: `count` runs of `length` bytes, `stride` bytes apart, starting at
@@ -51,13 +52,28 @@ struct Descriptor {
 };
 
 // A registered region as the owner sees it. `key` is unguessable (64 random bits) and is what
-// peers must present to touch the region; it travels in this agent's metadata.
+// peers must present to touch the region; it travels in this agent's metadata. A file region has
+// no `base` (nullptr): its bytes live in the file.
 struct RegionInfo {
     RegionId id = 0;
     void* base = nullptr;
     uint64_t length = 0;
     uint64_t key = 0;
     MemoryKind kind = MemoryKind::kHost;
+};
+
+// How Agent::RegisterFile opens and sizes a file.
+struct FileRegionOptions {
+    // Create the file if it does not exist, and extend it (sparse) to offset + length if it is
+    // shorter. Without it, the file must exist and hold the whole range.
+    bool create = false;
+    // Open with O_DIRECT: transfers bypass the page cache. Every transfer touching the region must
+    // then be aligned to 4096 bytes: the file offset, the length of each piece, and the memory
+    // address on the other side (checked when posted, InvalidArgument otherwise). Peers' requests
+    // are staged through aligned buffers, so only offsets and lengths matter for them.
+    bool direct = false;
+    // Open read-only: WRITEs into the region fail with PermissionDenied.
+    bool read_only = false;
 };
 
 // Every member has a default, so designated initializers may name any subset:
@@ -89,6 +105,12 @@ struct AgentConfig {
     // peer copies every transfer after checking it. Either way the peer's registered (not
     // allocated) memory is copied by the peer.
     bool shm_map_peer_regions = true;
+    // The file backend (file regions, Agent::RegisterFile): "io_uring", or "pread" (pread/pwrite
+    // on one thread). io_uring falls back to pread, with a warning, where the kernel refuses it
+    // (a container's seccomp profile, say).
+    std::string file_io = "io_uring";
+    // ios the file backend keeps in the kernel at once (1..1024).
+    unsigned file_queue_depth = 64;
     // Discovery store ("" = none): "http://host:port" (the embedded store, `ferry discovery`) or
     // "etcd://host:port". The agent registers its metadata there under its name (key
     // "ferry/agents/<name>") with a lease of `store_ttl`, renews it, registers again if the store
@@ -196,6 +218,20 @@ class Agent {
     Result<RegionInfo> RegisterMemory(void* ptr, size_t length);
     // Allocates `length` bytes of agent-owned, zeroed, pre-faulted memory (a shared mapping).
     Result<RegionInfo> AllocateRegion(size_t length);
+    // Registers bytes [offset, offset + length) of the file at `path` as a region (kind kFile).
+    // It is used like memory: peers READ and WRITE it over any backend (the "remote NVMe" path;
+    // this agent stages the bytes through memory), and this agent moves bytes between it and its
+    // memory regions by posting a transfer to itself: PostRead(memory, name(), file) reads the
+    // file, PostWrite(memory, name(), file) writes it, through io_uring with batched submission.
+    // The file stays open until Deregister. Errors name the file and what failed: NotFound (no
+    // such file, without `create`), PermissionDenied, InvalidArgument (range beyond the end of
+    // the file, a misaligned direct range, a file system without O_DIRECT).
+    Result<RegionInfo> RegisterFile(const std::string& path, uint64_t offset, uint64_t length,
+                                    FileRegionOptions options = {});
+    // As RegisterFile, for an open file descriptor: the agent keeps its own duplicate. `direct`
+    // and `read_only` must match how `fd` was opened (O_DIRECT, O_RDONLY); `create` extends it.
+    Result<RegionInfo> RegisterFileDescriptor(int fd, uint64_t offset, uint64_t length,
+                                              FileRegionOptions options = {});
     // Removes a region. Pending local transfers using it fail with Cancelled; peers' requests
     // for it fail with NotFound. Blocks until no backend touches the memory (at most a few
     // seconds: a stalled connection holding it is closed). NotFound for an unknown id.
@@ -225,7 +261,8 @@ class Agent {
 
     // --- Transfers ----------------------------------------------------------------------------
     // One-sided READ (remote -> local) or WRITE (local -> remote). `local` descriptors name this
-    // agent's regions, `remote` descriptors the peer's; the two lists may have any lengths
+    // agent's memory regions, `remote` descriptors the peer's (memory or file regions); the two
+    // lists may have any lengths
     // (1..100k each) but must cover the same number of bytes (gather/scatter). Adjacent
     // descriptors are coalesced. Errors found before posting (unknown peer or region, bounds,
     // length mismatch) are returned here; the rest through the handle, with the code the target
@@ -234,6 +271,10 @@ class Agent {
     // Transfers in flight at the same time must not write overlapping bytes (nor write bytes
     // another reads): like two memcpy calls on two threads, the result is unspecified, and
     // ThreadSanitizer reports it when both ends live in one process.
+    // `peer` may be this agent's own name: the transfer then moves bytes between its own regions
+    // (memory <-> file through the file backend, memory <-> memory by copying; file <-> file is
+    // refused). Such a transfer has no notification (InvalidArgument) and no stream: it is
+    // batched into io_uring, and Cancel and deadlines stop it as for any other.
     Result<Transfer> PostRead(std::span<const Descriptor> local, std::string_view peer,
                               std::span<const Descriptor> remote, TransferOptions options = {});
     Result<Transfer> PostWrite(std::span<const Descriptor> local, std::string_view peer,

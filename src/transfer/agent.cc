@@ -65,6 +65,18 @@ Result<RegionInfo> Agent::RegisterMemory(void* ptr, size_t length) {
     return core_->RegisterMemory(ptr, length);
 }
 Result<RegionInfo> Agent::AllocateRegion(size_t length) { return core_->AllocateRegion(length); }
+Result<RegionInfo> Agent::RegisterFile(const std::string& path, uint64_t offset, uint64_t length,
+                                       FileRegionOptions options) {
+    return core_->RegisterFile(path, -1, offset, length, options);
+}
+Result<RegionInfo> Agent::RegisterFileDescriptor(int fd, uint64_t offset, uint64_t length,
+                                                 FileRegionOptions options) {
+    if (fd < 0) {
+        return InvalidArgumentError("RegisterFileDescriptor: negative descriptor " +
+                                    std::to_string(fd));
+    }
+    return core_->RegisterFile("", fd, offset, length, options);
+}
 Status Agent::Deregister(RegionId id) { return core_->Deregister(id); }
 std::vector<RegionInfo> Agent::Regions() const { return core_->Regions(); }
 

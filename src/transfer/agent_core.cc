@@ -1,6 +1,7 @@
 #include "transfer/agent_core.h"
 
 #include <fcntl.h>
+#include <fmt/core.h>
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -129,6 +130,14 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(AgentConfig config) {
     }
     if (config.default_timeout.count() <= 0) {
         return InvalidArgumentError("AgentConfig.default_timeout must be positive");
+    }
+    if (config.file_io != "io_uring" && config.file_io != "pread") {
+        return InvalidArgumentError("AgentConfig.file_io '" + config.file_io +
+                                    "' is neither io_uring nor pread");
+    }
+    if (config.file_queue_depth == 0 || config.file_queue_depth > 1024) {
+        return InvalidArgumentError("AgentConfig.file_queue_depth must be 1..1024, not " +
+                                    std::to_string(config.file_queue_depth));
     }
     std::shared_ptr<AgentCore> core(new AgentCore(std::move(config)));
     Status s = core->Start();
@@ -455,6 +464,30 @@ Result<RegionInfo> AgentCore::AllocateRegion(size_t length) {
     return r;
 }
 
+Result<RegionInfo> AgentCore::RegisterFile(const std::string& path, int fd, uint64_t offset,
+                                           uint64_t length, const FileRegionOptions& options) {
+    {
+        // The engine exists before the first file region does.
+        std::lock_guard<std::mutex> lock(files_mu_);
+        if (!files_) {
+            FERRY_ASSIGN_OR_RETURN(files_, FileEngine::Create(FileOptions()));
+            FERRY_LOG(kInfo, "agent {}: file backend started ({})", config_.name, files_->mode());
+        }
+    }
+    Result<RegionInfo> r = regions_.RegisterFile(path, fd, offset, length, options);
+    if (r.ok()) MarkMetadataChanged();
+    return r;
+}
+
+FileEngine::Options AgentCore::FileOptions() const {
+    return FileEngine::Options{config_.file_queue_depth, config_.file_io == "io_uring"};
+}
+
+FileEngine* AgentCore::Files() const {
+    std::lock_guard<std::mutex> lock(files_mu_);
+    return files_.get();
+}
+
 Status AgentCore::Deregister(RegionId id) {
     std::shared_ptr<RegionEntry> entry = regions_.Find(id);
     if (!entry) {
@@ -739,6 +772,9 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     if (shut_down_.load()) {
         return CancelledError("agent " + config_.name + " is shutting down");
     }
+    if (peer_name == config_.name) {
+        return PostLocal(kind, local, remote, options);
+    }
     std::shared_ptr<Peer> peer = FindPeer(peer_name);
     if (!peer) {
         return NotFoundError("unknown peer " + std::string(peer_name) +
@@ -770,6 +806,15 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     };
     std::vector<Run> local_runs;
     FERRY_RETURN_IF_ERROR(ExpandDescriptors(local, find_local, "local", &local_runs));
+    for (const auto& [id, e] : local_entries) {
+        if (e->kind == MemoryKind::kFile) {
+            return InvalidArgumentError(
+                "local region " + std::to_string(id) +
+                " is a file region: a transfer with a peer moves bytes between memory regions "
+                "here and the peer's memory or file regions; read the file into memory first "
+                "(a transfer to this agent itself), or let the peer read it");
+        }
+    }
 
     // Remote side: against the peer's published regions (the target checks again).
     std::unordered_map<RegionId, RegionView> remote_views;
@@ -926,6 +971,156 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     return Transfer(op);
 }
 
+Result<Transfer> AgentCore::PostLocal(TransferOp::Kind kind, std::span<const Descriptor> local,
+                                      std::span<const Descriptor> remote,
+                                      const TransferOptions& options) {
+    const std::string self = config_.name;
+    if (options.notification) {
+        return InvalidArgumentError("a transfer to this agent itself (" + self +
+                                    ") carries no notification: wait on its handle");
+    }
+    if (!options.backend.empty() && options.backend != "file") {
+        return InvalidArgumentError("a transfer to this agent itself (" + self +
+                                    ") goes through the file backend, not '" + options.backend +
+                                    "'");
+    }
+    std::unordered_map<RegionId, std::shared_ptr<RegionEntry>> entries;
+    std::unordered_map<RegionId, RegionView> views;
+    auto find = [&](RegionId id) -> const RegionView* {
+        auto it = views.find(id);
+        if (it != views.end()) return &it->second;
+        auto e = regions_.Find(id);
+        if (!e) return nullptr;
+        entries[id] = e;
+        return &(views[id] = RegionView{e->base, e->length, e->key});
+    };
+    std::vector<Run> local_runs, remote_runs;
+    FERRY_RETURN_IF_ERROR(ExpandDescriptors(local, find, "local", &local_runs));
+    FERRY_RETURN_IF_ERROR(ExpandDescriptors(remote, find, "remote", &remote_runs));
+    uint64_t local_total = 0, remote_total = 0;
+    for (const Run& r : local_runs) local_total += r.length;
+    for (const Run& r : remote_runs) remote_total += r.length;
+    if (local_total != remote_total) {
+        return InvalidArgumentError("local descriptors cover " + std::to_string(local_total) +
+                                    " bytes, remote descriptors " + std::to_string(remote_total));
+    }
+
+    // Pair the runs into pieces, source -> destination by the direction.
+    const bool to_remote = kind == TransferOp::Kind::kWrite;
+    std::vector<FileIo> ios;
+    size_t i = 0, j = 0;
+    uint64_t in_i = 0, in_j = 0;
+    while (i < local_runs.size() && j < remote_runs.size()) {
+        const Run& l = local_runs[i];
+        const Run& r = remote_runs[j];
+        uint64_t n = std::min(l.length - in_i, r.length - in_j);
+        const RegionEntry& le = *entries[l.region];
+        const RegionEntry& re = *entries[r.region];
+        const RegionEntry& src = to_remote ? le : re;
+        const RegionEntry& dst = to_remote ? re : le;
+        uint64_t src_off = to_remote ? l.offset + in_i : r.offset + in_j;
+        uint64_t dst_off = to_remote ? r.offset + in_j : l.offset + in_i;
+        FileIo io;
+        io.length = n;
+        if (src.kind == MemoryKind::kFile && dst.kind == MemoryKind::kFile) {
+            return InvalidArgumentError("regions " + std::to_string(src.id) + " and " +
+                                        std::to_string(dst.id) +
+                                        " are both file regions: file to file copies are not "
+                                        "supported; stage them through a memory region");
+        }
+        const RegionEntry* file = nullptr;
+        if (dst.kind == MemoryKind::kFile) {
+            file = &dst;
+            io.fd = dst.file_fd;
+            io.file_offset = dst.file_offset + dst_off;
+            io.mem = src.base + src_off;
+            io.to_file = true;
+            if (dst.read_only) {
+                return PermissionDeniedError("region " + std::to_string(dst.id) +
+                                             " is a read-only file region (" + dst.path + ")");
+            }
+        } else if (src.kind == MemoryKind::kFile) {
+            file = &src;
+            io.fd = src.file_fd;
+            io.file_offset = src.file_offset + src_off;
+            io.mem = dst.base + dst_off;
+        } else {
+            io.mem = dst.base + dst_off;
+            io.from = src.base + src_off;
+        }
+        if (file != nullptr) {
+            io.region = file->id;
+            if (file->direct &&
+                (io.file_offset % kDirectAlignment != 0 || n % kDirectAlignment != 0 ||
+                 reinterpret_cast<uintptr_t>(io.mem) % kDirectAlignment != 0)) {
+                return InvalidArgumentError(
+                    "region " + std::to_string(file->id) + " is a file opened with O_DIRECT: " +
+                    std::to_string(n) + " bytes at file offset " + std::to_string(io.file_offset) +
+                    " with memory at " + fmt::format("{}", static_cast<const void*>(io.mem)) +
+                    " are not all aligned to " + std::to_string(kDirectAlignment) + " bytes");
+            }
+        }
+        // Pieces that continue the previous one on both sides become one io.
+        FileIo* prev = ios.empty() ? nullptr : &ios.back();
+        if (prev != nullptr && prev->fd == io.fd && prev->to_file == io.to_file &&
+            prev->mem + prev->length == io.mem &&
+            (io.fd >= 0 ? prev->file_offset + prev->length == io.file_offset
+                        : prev->from + prev->length == io.from)) {
+            prev->length += n;
+        } else {
+            ios.push_back(io);
+        }
+        in_i += n;
+        in_j += n;
+        if (in_i == l.length) {
+            ++i;
+            in_i = 0;
+        }
+        if (in_j == r.length) {
+            ++j;
+            in_j = 0;
+        }
+    }
+    FileEngine* files = Files();
+    if (files == nullptr) {
+        // No file region was ever registered: memory copies still go through an engine.
+        std::lock_guard<std::mutex> lock(files_mu_);
+        if (!files_) {
+            FERRY_ASSIGN_OR_RETURN(files_, FileEngine::Create(FileOptions()));
+        }
+        files = files_.get();
+    }
+    std::vector<RegionPin> pins;
+    for (auto& [id, e] : entries) {
+        FERRY_ASSIGN_OR_RETURN(RegionPin p, regions_.PinLocal(id));
+        pins.push_back(std::move(p));
+    }
+    auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
+    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, local_total,
+                                           Clock::now() + timeout, self, wire::DataMode::kInline);
+    // Cancel, a deadline or a Deregister stop the batch and return once the kernel is done with
+    // its memory.
+    auto batch = std::make_shared<std::shared_ptr<FileEngine::Batch>>();
+    auto ready = std::make_shared<std::atomic<bool>>(false);
+    op->SetCutOff([files, batch, ready](const Status& s) {
+        while (!ready->load(std::memory_order_acquire)) std::this_thread::yield();
+        files->Cancel(*batch, s);
+    });
+    op->Arm(1, std::move(pins), nullptr);
+    std::weak_ptr<TransferOp> weak = op;
+    *batch = files->Submit(std::move(ios), [weak](const Status& s) {
+        if (auto o = weak.lock()) o->ChunkDone(s);
+    });
+    ready->store(true, std::memory_order_release);
+    transfers_posted_.fetch_add(1, std::memory_order_relaxed);
+    bytes_posted_.fetch_add(local_total, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lock(ops_mu_);
+        ops_[op->id()] = op;
+    }
+    return Transfer(op);
+}
+
 // --- Notifications ----------------------------------------------------------------------------
 
 Status AgentCore::Notify(std::string_view peer_name, std::string_view payload) {
@@ -976,14 +1171,21 @@ Status AgentCore::Publish(std::string key, std::vector<Descriptor> descriptors) 
     }
     std::vector<Run> runs;
     std::unordered_map<RegionId, RegionView> views;
+    RegionId file_region = 0;
     FERRY_RETURN_IF_ERROR(ExpandDescriptors(
         descriptors,
         [&](RegionId id) -> const RegionView* {
             auto e = regions_.Find(id);
             if (!e) return nullptr;
+            if (e->kind == MemoryKind::kFile) file_region = id;
             return &(views[id] = RegionView{e->base, e->length, e->key});
         },
         "Publish", &runs));
+    if (file_region != 0) {
+        return InvalidArgumentError("Publish: region " + std::to_string(file_region) +
+                                    " is a file region; objects must lie in memory regions (read "
+                                    "the file into one first)");
+    }
     uint64_t total = 0;
     for (const Run& r : runs) total += r.length;
     if (total > wire::kMaxPayload) {
@@ -1109,21 +1311,76 @@ void AgentCore::Respond(Connection& conn, uint64_t request_id, const Status& s, 
     conn.SendNow(std::move(f));
 }
 
-Status AgentCore::PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
-                              std::vector<iovec>* iov) {
+Status AgentCore::PinSegments(const std::vector<wire::Segment>& segs, bool write,
+                              std::vector<RegionPin>* pins, std::vector<iovec>* iov,
+                              FileStaging* staging) {
     iov->reserve(segs.size());
     RegionId last = 0;
+    uint64_t staged = 0;  // bytes of file segments, each rounded up to the O_DIRECT alignment
     for (const wire::Segment& s : segs) {
         FERRY_ASSIGN_OR_RETURN(RegionPin p,
                                regions_.PinRemote(s.region, s.key, s.offset, s.length));
-        iov->push_back(iovec{p.entry()->base + s.offset, s.length});
+        const RegionEntry& e = *p.entry();
+        if (e.kind == MemoryKind::kFile) {
+            if (staging == nullptr) {
+                return FailedPreconditionError("region " + std::to_string(s.region) +
+                                               " is a file region; this request cannot reach it");
+            }
+            if (write && e.read_only) {
+                return PermissionDeniedError("region " + std::to_string(s.region) +
+                                             " is a read-only file region (" + e.path + ")");
+            }
+            if (e.direct && ((e.file_offset + s.offset) % kDirectAlignment != 0 ||
+                             s.length % kDirectAlignment != 0)) {
+                return InvalidArgumentError(
+                    "region " + std::to_string(s.region) + " is a file opened with O_DIRECT: [" +
+                    std::to_string(s.offset) + ", +" + std::to_string(s.length) +
+                    ") is not aligned to " + std::to_string(kDirectAlignment) + " bytes");
+            }
+            FileIo io;
+            io.fd = e.file_fd;
+            io.file_offset = e.file_offset + s.offset;
+            io.length = s.length;
+            io.to_file = write;
+            io.region = e.id;
+            io.mem = reinterpret_cast<uint8_t*>(staged);  // an offset until the buffer exists
+            staging->ios.push_back(io);
+            staged += (s.length + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
+            iov->push_back(iovec{nullptr, s.length});
+        } else {
+            iov->push_back(iovec{e.base + s.offset, s.length});
+        }
         // One pin per distinct region is enough; consecutive segments usually share one.
         if (pins->empty() || last != s.region) {
             last = s.region;
             pins->push_back(std::move(p));
         }
     }
+    if (staged == 0) {
+        return Status::Ok();
+    }
+    staging->buffer = AlignedBuffer::Allocate(staged);
+    if (!staging->buffer) {
+        return ResourceExhaustedError("staging " + std::to_string(staged) +
+                                      " bytes of file regions: out of memory");
+    }
+    size_t k = 0;
+    for (iovec& v : *iov) {
+        if (v.iov_base != nullptr) continue;
+        FileIo& io = staging->ios[k++];
+        io.mem = staging->buffer->data() + reinterpret_cast<uintptr_t>(io.mem);
+        v.iov_base = io.mem;
+    }
     return Status::Ok();
+}
+
+Status AgentCore::MoveStaged(FileStaging& staging, bool to_file) {
+    FileEngine* files = Files();
+    if (files == nullptr) {
+        return FailedPreconditionError("no file engine");  // cannot happen: file regions exist
+    }
+    for (FileIo& io : staging.ios) io.to_file = to_file;
+    return files->Run(staging.ios);
 }
 
 void AgentCore::OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
@@ -1189,7 +1446,8 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
     }
     std::vector<RegionPin> pins;
     std::vector<iovec> iov;
-    Status s = PinSegments(req->segments, &pins, &iov);
+    FileStaging staging;
+    Status s = PinSegments(req->segments, write, &pins, &iov, &staging);
     uint64_t id = h.request_id;
     if (!s.ok()) {
         FERRY_LOG(kInfo, "refusing {} from {}: {}", write ? "write" : "read", conn.peer_name(),
@@ -1205,11 +1463,23 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
         if (s.ok() && !conn.PeerStillThere()) {
             return;  // the initiator hung up (cancelled): do not touch its memory
         }
+        // File bytes are staged: read before the copy to the initiator, written after the copy
+        // from it (on this loop thread, like the copy itself).
+        if (s.ok() && !write && !staging.empty()) {
+            s = MoveStaged(staging, /*to_file=*/false);
+        }
         if (s.ok()) {
             s = CopyWithPeer(conn, iov, req->initiator_iov, req->shares, /*to_peer=*/!write);
         }
+        if (s.ok() && write && !staging.empty()) {
+            s = MoveStaged(staging, /*to_file=*/true);
+        }
         pins.clear();
         Respond(conn, id, s);
+        return;
+    }
+    if (s.ok() && !staging.empty()) {
+        ServeStaged(conn, id, *req, write, std::move(pins), std::move(iov), std::move(staging));
         return;
     }
     if (write) {
@@ -1242,6 +1512,75 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
     conn.SendNow(std::move(f));
 }
 
+namespace {
+// A response frame, from any thread.
+void SendResponse(Connection& conn, uint64_t request_id, const Status& s) {
+    OutFrame f;
+    f.head = wire::MakeFrame(wire::FrameType::kResponse, request_id,
+                             wire::EncodeResponse({s.code(), s.message(), 0}));
+    conn.Send(std::move(f));
+}
+}  // namespace
+
+void AgentCore::ServeStaged(Connection& conn, uint64_t request_id, const wire::DataRequest& req,
+                            bool write, std::vector<RegionPin> pins, std::vector<iovec> iov,
+                            FileStaging staging) {
+    FileEngine* files = Files();
+    std::weak_ptr<Connection> weak = conn.shared_from_this();
+    // The pins stay with the file I/O: a Deregister of the file region waits for it.
+    struct State {
+        std::vector<RegionPin> pins;
+        std::vector<iovec> iov;
+        FileStaging staging;
+    };
+    auto st = std::make_shared<State>();
+    st->staging = std::move(staging);
+    st->iov = iov;
+    if (write) {
+        // The payload lands in the staging buffer (and in memory regions); then the file write.
+        PayloadSink sink;
+        sink.iov = std::move(iov);
+        sink.pins = std::move(pins);  // for Deregister's check of stalled streams
+        for (const RegionPin& p : sink.pins) {
+            if (p.entry()->kind == MemoryKind::kFile) {
+                Result<RegionPin> again = regions_.PinLocal(p.entry()->id);
+                if (again.ok()) st->pins.push_back(std::move(*again));
+            }
+        }
+        sink.done = [files, weak, request_id, st](const Status& received) {
+            if (!received.ok()) return;  // the stream closed: no one to answer
+            for (FileIo& io : st->staging.ios) io.to_file = true;
+            files->Submit(st->staging.ios, [weak, request_id, st](const Status& s) {
+                st->pins.clear();
+                if (auto c = weak.lock()) SendResponse(*c, request_id, s);
+            });
+        };
+        conn.SetPayloadSink(std::move(sink));
+        return;
+    }
+    st->pins = std::move(pins);
+    const uint64_t total = req.TotalLength();
+    files->Submit(st->staging.ios, [weak, request_id, st, total](const Status& s) {
+        auto c = weak.lock();
+        if (!c) return;
+        if (!s.ok()) {
+            st->pins.clear();
+            SendResponse(*c, request_id, s);
+            return;
+        }
+        OutFrame f;
+        f.head = wire::MakeFrame(wire::FrameType::kResponse, request_id, wire::EncodeResponse({}),
+                                 total);
+        f.if_revoked = wire::MakeFrame(
+            wire::FrameType::kResponse, request_id,
+            wire::EncodeResponse({Code::kNotFound, "region deregistered during the read", 0}));
+        f.payload = st->iov;
+        f.pins = std::move(st->pins);
+        f.keep = st->staging.buffer;
+        c->Send(std::move(f));
+    });
+}
+
 Status AgentCore::ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
                                 std::vector<iovec>* iov, uint64_t* size) {
     std::vector<Descriptor> descs;
@@ -1259,7 +1598,7 @@ Status AgentCore::ResolveObject(std::string_view key, std::vector<RegionPin>* pi
         descs,
         [&](RegionId id) -> const RegionView* {
             auto e = regions_.Find(id);
-            if (!e) return nullptr;
+            if (!e || e->kind == MemoryKind::kFile) return nullptr;
             return &(views[id] = RegionView{e->base, e->length, e->key});
         },
         "object '" + std::string(key) + "'", &runs);

@@ -19,6 +19,7 @@
 #include "ferry/agent.h"
 #include "ferry/discovery.h"
 #include "transfer/backend.h"
+#include "transfer/backends/file/file_engine.h"
 #include "transfer/backends/ucx/ucx_backend.h"
 #include "transfer/connection.h"
 #include "transfer/io_loop.h"
@@ -43,6 +44,9 @@ class AgentCore final : public ConnectionOwner,
 
     Result<RegionInfo> RegisterMemory(void* ptr, size_t length);
     Result<RegionInfo> AllocateRegion(size_t length);
+    // `fd` < 0: open `path`.
+    Result<RegionInfo> RegisterFile(const std::string& path, int fd, uint64_t offset,
+                                    uint64_t length, const FileRegionOptions& options);
     Status Deregister(RegionId id);
     std::vector<RegionInfo> Regions() const { return regions_.List(); }
 
@@ -72,8 +76,10 @@ class AgentCore final : public ConnectionOwner,
     void OnClosed(Connection& conn, const Status& why) override;
 
     // UcxHost (the ucx progress thread).
-    Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
-                       std::vector<iovec>* iov) override;
+    Status PinSegments(const std::vector<wire::Segment>& segs, bool write,
+                       std::vector<RegionPin>* pins, std::vector<iovec>* iov,
+                       FileStaging* staging) override;
+    Status MoveStaged(FileStaging& staging, bool to_file) override;
     Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
                          std::vector<iovec>* iov, uint64_t* size) override;
     void DeliverNotification(std::string peer, std::string payload) override;
@@ -135,6 +141,18 @@ class AgentCore final : public ConnectionOwner,
     void ServeData(Connection& conn, const wire::FrameHeader& h, std::string_view body);
     void ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body);
     void Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value = 0);
+    // A transfer between this agent's own regions (the peer is itself): memory <-> file through
+    // the file engine, memory <-> memory by copying.
+    Result<Transfer> PostLocal(TransferOp::Kind kind, std::span<const Descriptor> local,
+                               std::span<const Descriptor> remote, const TransferOptions& options);
+    // Serves a peer's inline READ or WRITE that touches file regions: the file bytes go through
+    // `staging` (read before the response is sent, written after the payload arrived).
+    void ServeStaged(Connection& conn, uint64_t request_id, const wire::DataRequest& req,
+                     bool write, std::vector<RegionPin> pins, std::vector<iovec> iov,
+                     FileStaging staging);
+    // The file engine (created with the first file region; null before).
+    FileEngine* Files() const;
+    FileEngine::Options FileOptions() const;
     // The ucx backend's peer reference (name, epoch, endpoint).
     UcxPeerRef UcxRef(Peer& peer) const;
     // Copies between our memory and the initiator's over a cma stream: through mappings of the
@@ -221,6 +239,10 @@ class AgentCore final : public ConnectionOwner,
     bool metadata_changed_ = false;  // under registry_mu_
 
     std::atomic<bool> shut_down_{false};
+
+    // Last: destroyed first, while everything its callbacks reach still exists.
+    mutable std::mutex files_mu_;
+    std::unique_ptr<FileEngine> files_;
 };
 
 }  // namespace ferry::internal

@@ -54,6 +54,8 @@ struct OutFrame {
     std::vector<RegionPin> pins;
     // Sent instead (without payload) if a pin was revoked before the frame's first byte.
     std::string if_revoked;
+    // Other memory the payload points into (a file region's staging buffer), kept until sent.
+    std::shared_ptr<void> keep;
     uint64_t request_id = 0;
     bool expects_response = false;
     Expectation expect;

@@ -1,5 +1,6 @@
 #include "transfer/region_table.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -49,6 +50,9 @@ RegionEntry::~RegionEntry() {
     if (memfd >= 0) {
         close(memfd);
     }
+    if (file_fd >= 0) {
+        close(file_fd);
+    }
 }
 
 RegionPin& RegionPin::operator=(RegionPin&& o) noexcept {
@@ -96,6 +100,100 @@ Result<RegionInfo> RegionTable::Register(void* ptr, size_t length) {
     auto e = std::make_shared<RegionEntry>();
     e->base = static_cast<uint8_t*>(ptr);
     e->length = length;
+    return Add(std::move(e));
+}
+
+Result<RegionInfo> RegionTable::RegisterFile(const std::string& path, int fd, uint64_t offset,
+                                             uint64_t length, const FileRegionOptions& options) {
+    const std::string what = fd >= 0 ? "RegisterFileDescriptor(fd " + std::to_string(fd) + ")"
+                                     : "RegisterFile(" + path + ")";
+    if (length == 0) {
+        return InvalidArgumentError(what + ": zero length");
+    }
+    if (offset > (1ull << 62) || length > (1ull << 62) - offset) {
+        return InvalidArgumentError(what + ": offset " + std::to_string(offset) + " + length " +
+                                    std::to_string(length) + " is out of range");
+    }
+    if (options.create && options.read_only) {
+        return InvalidArgumentError(what + ": create and read_only exclude each other");
+    }
+    if (options.direct && (offset % 4096 != 0 || length % 4096 != 0)) {
+        return InvalidArgumentError(what + ": with direct I/O, offset (" + std::to_string(offset) +
+                                    ") and length (" + std::to_string(length) +
+                                    ") must be multiples of 4096");
+    }
+    ScopedFd file;
+    if (fd >= 0) {
+        file.Reset(fcntl(fd, F_DUPFD_CLOEXEC, 3));
+        if (!file.valid()) {
+            return InvalidArgumentError(what + ": " + std::strerror(errno));
+        }
+        int fl = fcntl(file.get(), F_GETFL);
+        if ((fl & O_ACCMODE) == O_WRONLY) {
+            return InvalidArgumentError(what +
+                                        ": the descriptor is write-only; READs need it readable");
+        }
+        if (options.direct != ((fl & O_DIRECT) != 0)) {
+            return InvalidArgumentError(
+                what + ": options.direct does not match the descriptor (" +
+                std::string((fl & O_DIRECT) ? "opened with" : "opened without") + " O_DIRECT)");
+        }
+        if (!options.read_only && (fl & O_ACCMODE) == O_RDONLY) {
+            return InvalidArgumentError(what +
+                                        ": the descriptor is read-only; set options.read_only");
+        }
+    } else {
+        if (path.empty()) {
+            return InvalidArgumentError("RegisterFile: empty path");
+        }
+        int flags = O_CLOEXEC | (options.read_only ? O_RDONLY : O_RDWR) |
+                    (options.create ? O_CREAT : 0) | (options.direct ? O_DIRECT : 0);
+        file.Reset(open(path.c_str(), flags, 0644));
+        if (!file.valid()) {
+            int err = errno;
+            std::string why = what + ": " + std::strerror(err);
+            if (err == ENOENT) return NotFoundError(why + " (set options.create to create it)");
+            if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(why);
+            if (err == EINVAL && options.direct) {
+                return InvalidArgumentError(why + " (the file system does not support O_DIRECT)");
+            }
+            return InvalidArgumentError(why);
+        }
+    }
+    struct stat st {};
+    if (fstat(file.get(), &st) != 0) {
+        return InternalError(what + ": fstat: " + std::strerror(errno));
+    }
+    if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+        return InvalidArgumentError(what + ": not a regular file or block device");
+    }
+    uint64_t size = static_cast<uint64_t>(st.st_size);
+    if (S_ISBLK(st.st_mode)) {
+        off_t end = lseek(file.get(), 0, SEEK_END);
+        size = end < 0 ? 0 : static_cast<uint64_t>(end);
+    }
+    if (size < offset + length) {
+        if (!options.create || S_ISBLK(st.st_mode)) {
+            return InvalidArgumentError(
+                what + ": the range [" + std::to_string(offset) + ", " +
+                std::to_string(offset + length) + ") lies beyond the end of the file (" +
+                std::to_string(size) + " bytes)" +
+                (options.create ? "" : "; set options.create to extend it"));
+        }
+        if (ftruncate(file.get(), static_cast<off_t>(offset + length)) != 0) {
+            return ResourceExhaustedError(what + ": extending to " +
+                                          std::to_string(offset + length) +
+                                          " bytes: " + std::strerror(errno));
+        }
+    }
+    auto e = std::make_shared<RegionEntry>();
+    e->kind = MemoryKind::kFile;
+    e->length = length;
+    e->file_fd = file.Release();
+    e->file_offset = offset;
+    e->direct = options.direct;
+    e->read_only = options.read_only;
+    e->path = fd >= 0 ? "fd " + std::to_string(fd) : path;
     return Add(std::move(e));
 }
 

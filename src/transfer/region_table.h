@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -32,6 +33,12 @@ struct RegionEntry {
     int memfd = -1;
     uint64_t inode = 0;
     uint64_t share_id = 0;
+    // kFile: the agent's own descriptor of the file, and where the region starts in it.
+    int file_fd = -1;
+    uint64_t file_offset = 0;
+    bool direct = false;
+    bool read_only = false;
+    std::string path;  // for messages ("fd N" when registered by descriptor)
 
     std::atomic<int64_t> pins{0};
     std::atomic<bool> revoked{false};
@@ -71,6 +78,9 @@ class RegionTable {
   public:
     Result<RegionInfo> Register(void* ptr, size_t length);
     Result<RegionInfo> Allocate(size_t length);
+    // File regions (Agent::RegisterFile): `fd` < 0 opens `path`, else `fd` is duplicated.
+    Result<RegionInfo> RegisterFile(const std::string& path, int fd, uint64_t offset,
+                                    uint64_t length, const FileRegionOptions& options);
 
     // Marks the region revoked and waits until nothing pins it. After `grace`, calls
     // `on_stuck(id)` once (which must make the holders let go, e.g. by closing connections)

@@ -205,6 +205,8 @@ class UcxBackend::Impl {
         uint64_t proof = 0;  // for the initiator's token
         std::vector<RegionPin> pins;
         std::vector<ucp_dt_iov_t> iov;
+        internal::FileStaging
+            staging;  // file regions' bytes, moved by the host around the transfer
         std::string header;
         Impl* impl = nullptr;
         uint64_t value = 0;
@@ -948,13 +950,22 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
     if (!r.Finish().ok()) {
         return refuse(InvalidArgumentError("malformed ucx data request: " + r.error().message()));
     }
-    Status s = host_->PinSegments(segs, &sv->pins, &iov);
+    Status s = host_->PinSegments(segs, am == kAmWrite, &sv->pins, &iov, &sv->staging);
     if (!s.ok()) return refuse(s);
     for (const iovec& v : iov) sv->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
     if (am == kAmRead) {
         if (length != 0) return refuse(InvalidArgumentError("ucx read request carries data"));
-        deferred_.push_back(
-            [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, sv); });
+        deferred_.push_back([this, sv] {
+            // File regions: read their bytes into the staging buffer first (on this thread).
+            Status st = sv->staging.empty() ? Status::Ok()
+                                            : host_->MoveStaged(sv->staging, /*to_file=*/false);
+            if (!st.ok()) {
+                sv->pins.clear();
+                Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {});
+                return;
+            }
+            Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, sv);
+        });
         return UCS_OK;
     }
     if (am != kAmWrite) return refuse(InvalidArgumentError("unknown ucx request"));
@@ -966,8 +977,12 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         ScatterEager(data, sv->iov);  // eager: the bytes are here already
         Release(data, param);
         sv->iov.clear();
-        deferred_.push_back(
-            [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+        deferred_.push_back([this, sv] {
+            Status st = sv->staging.empty() ? Status::Ok()
+                                            : host_->MoveStaged(sv->staging, /*to_file=*/true);
+            sv->pins.clear();
+            Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {});
+        });
         return UCS_OK;
     }
     // Rendezvous: UCX receives straight into the region.
@@ -986,10 +1001,15 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         Impl* self = sv->impl;
         --self->serving_inflight_;
         Status st = status == UCS_OK ? Status::Ok() : FromUcs(status, "ucx: receiving a write");
-        sv->pins.clear();
         sv->iov.clear();
-        self->deferred_.push_back(
-            [self, sv, st] { self->Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
+        self->deferred_.push_back([self, sv, st] {
+            Status done = st;
+            if (done.ok() && !sv->staging.empty()) {
+                done = self->host_->MoveStaged(sv->staging, /*to_file=*/true);
+            }
+            sv->pins.clear();
+            self->Reply(sv->reply_ep, sv->request_id, sv->proof, done, 0, {});
+        });
     };
     ucs_status_ptr_t rr = AmRecv(worker_, data, b.buffer, b.count, &rp);
     if (UCS_PTR_IS_ERR(rr)) {
@@ -999,8 +1019,12 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
             [this, sv, st] { Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
     } else if (rr == nullptr) {
         delete holder;
-        deferred_.push_back(
-            [this, sv] { Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, {}); });
+        deferred_.push_back([this, sv] {
+            Status st = sv->staging.empty() ? Status::Ok()
+                                            : host_->MoveStaged(sv->staging, /*to_file=*/true);
+            sv->pins.clear();
+            Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {});
+        });
     } else {
         ++serving_inflight_;  // UCX writes into the pinned region until the callback
     }

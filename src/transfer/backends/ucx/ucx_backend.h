@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "transfer/backend.h"
+#include "transfer/backends/file/file_engine.h"
 #include "transfer/planner.h"
 #include "transfer/region_table.h"
 #include "transfer/transfer_op.h"
@@ -31,9 +32,13 @@ namespace ferry {
 class UcxHost {
   public:
     virtual ~UcxHost() = default;
-    // Pins and resolves target segments for a peer: key and bounds checked.
-    virtual Status PinSegments(const std::vector<wire::Segment>& segs, std::vector<RegionPin>* pins,
-                               std::vector<iovec>* iov) = 0;
+    // Pins and resolves target segments for a peer: key and bounds checked. Segments in file
+    // regions point into `staging`'s buffer; MoveStaged moves those bytes from the file before a
+    // READ is answered, and to the file after a WRITE's payload arrived (synchronously).
+    virtual Status PinSegments(const std::vector<wire::Segment>& segs, bool write,
+                               std::vector<RegionPin>* pins, std::vector<iovec>* iov,
+                               internal::FileStaging* staging) = 0;
+    virtual Status MoveStaged(internal::FileStaging& staging, bool to_file) = 0;
     // Pins and resolves a published object.
     virtual Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
                                  std::vector<iovec>* iov, uint64_t* size) = 0;
