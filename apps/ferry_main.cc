@@ -69,7 +69,9 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"both", "target", "initiator"}));
     transfer->add_option("--peer", o.peer, "initiator: the target's host:port");
     transfer->add_option("--listen", o.listen, "host:port of this side's agent (port 0 = any)");
-    transfer->add_option("--backend", backends, "shm, tcp, ucx (where built), or a comma list");
+    transfer->add_option("--backend", backends,
+                         "shm, tcp, ucx (where built), file (memory <-> a file through io_uring), "
+                         "or a comma list");
     transfer->add_option("--op", ops, "read, write, or a comma list");
     transfer->add_option("--block-size", blocks, "bytes per descriptor; a comma list sweeps");
     transfer->add_option("--batch", batches, "descriptors per transfer; a comma list sweeps");
@@ -86,6 +88,24 @@ int main(int argc, char** argv) {
     transfer->add_flag("--json", o.json, "one JSON object per row");
     transfer->add_flag("--no-reference", o.no_reference, "skip the reference measurement");
     transfer->add_option("--secret", o.secret, "deployment secret for both agents");
+    transfer->add_option("--file", o.file_path,
+                         "file backend: the file to read and write (default: "
+                         "ferry-bench-file.bin here; created and filled)");
+    std::string file_size = "1GiB";
+    transfer->add_option("--file-size", file_size, "file backend: size of the file (default 1GiB)");
+    transfer->add_flag("--direct", o.direct,
+                       "file backend: O_DIRECT for ferry and the reference (default: buffered, "
+                       "page cache dropped before each pass over the file)");
+    transfer->add_option("--pattern", o.pattern, "file backend: seq (default) or random offsets")
+        ->check(CLI::IsMember({"seq", "random"}));
+    transfer->add_option("--file-io", o.file_io, "file backend: io_uring (default) or pread")
+        ->check(CLI::IsMember({"io_uring", "pread"}));
+    transfer->add_option("--queue-depth", o.queue_depth, "file backend: ios in the kernel at once")
+        ->check(CLI::Range(1, 1024));
+    transfer
+        ->add_option("--repeat", o.repeat,
+                     "file backend: rounds per row, alternating with the reference (medians)")
+        ->check(CLI::Range(1, 100));
     transfer->callback([&] {
         auto split = [](const std::string& s) {
             std::vector<std::string> v;
@@ -102,7 +122,7 @@ int main(int argc, char** argv) {
         o.backends = split(backends);
         const std::vector<std::string> known = ferry::KnownBackends();
         for (const auto& b : o.backends) {
-            if (std::find(known.begin(), known.end(), b) == known.end()) {
+            if (b != "file" && std::find(known.begin(), known.end(), b) == known.end()) {
                 std::string names;
                 for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
                 throw CLI::ValidationError(
@@ -116,6 +136,9 @@ int main(int argc, char** argv) {
             }
         }
         o.block_sizes = ParseSizeList("--block-size", blocks);
+        std::vector<uint64_t> fs = ParseSizeList("--file-size", file_size);
+        if (fs.size() != 1) throw CLI::ValidationError("--file-size", "one size");
+        o.file_size = fs[0];
         std::vector<uint64_t> b = ParseSizeList("--batch", batches);
         o.batches = b;
         if (o.role == "initiator" && o.peer.empty()) {

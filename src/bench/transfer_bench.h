@@ -1,6 +1,7 @@
 // `ferry bench transfer`: moves batches of blocks between an initiator and a target process
 // through the Agent API and prints throughput, descriptor rate and per-batch latency next to a
-// reference measured in the same run (memcpy for shm, a plain TCP stream for tcp).
+// reference measured in the same run (memcpy for shm, a plain TCP stream for tcp, ucx_perftest
+// for ucx, a plain pread/pwrite loop on the same file for file).
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,14 @@ struct TransferBenchOptions {
     bool json = false;
     bool no_reference = false;
     std::string secret;
+    // --backend file: transfers between memory and a file region of the same agent.
+    std::string file_path;             // "" = ferry-bench-file.bin in the working directory
+    uint64_t file_size = 1ull << 30;   // created and filled when shorter
+    bool direct = false;               // O_DIRECT (else buffered, page cache dropped per pass)
+    std::string pattern = "seq";       // seq, random
+    std::string file_io = "io_uring";  // AgentConfig.file_io
+    unsigned queue_depth = 64;         // AgentConfig.file_queue_depth
+    int repeat = 3;                    // alternating ferry / reference rounds per row
 };
 
 // Returns a process exit code.

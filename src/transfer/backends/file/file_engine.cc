@@ -20,7 +20,7 @@ namespace {
 
 // Larger ios are split, so that one big io does not hold the queue alone and cancellation has
 // pieces to drop.
-constexpr uint64_t kMaxPiece = 16u << 20;
+constexpr uint64_t kMaxPiece = 4u << 20;
 constexpr uint64_t kWakeTag = 0;
 constexpr uint64_t kCancelTag = ~0ull;
 
