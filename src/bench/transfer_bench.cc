@@ -126,9 +126,11 @@ double TcpReferenceGbps(const std::string& address, uint64_t block, double durat
 }
 
 // UCX's own benchmark on the same transports (UCX_TLS as set for this process): `ucx_perftest
-// -t tag_bw` with the block size, over loopback, as ../shared/tools/ucx-reference runs it.
-// 0 when ucx_perftest is not installed (ucx-utils).
-double UcxPerftestReferenceGbps(uint64_t block, double duration) {
+// -t tag_bw` with the block size, over loopback, as ../shared/tools/ucx-reference runs it, with
+// endpoints created as the ucx backend creates them: with peer error handling (`-e`), which
+// UCX 1.13 pays for over tcp by giving up zero-copy rendezvous (about half the bandwidth here).
+// `error_handling` = false measures without it. 0 when ucx_perftest is not installed.
+double UcxPerftestReferenceGbps(uint64_t block, double duration, bool error_handling) {
     uint64_t iters = std::clamp<uint64_t>(static_cast<uint64_t>(3e9 * duration / block), 20, 4000);
     // A free port for its server.
     int port = 0;
@@ -146,12 +148,11 @@ double UcxPerftestReferenceGbps(uint64_t block, double duration) {
     }
     std::string cmd = fmt::format(
         "command -v ucx_perftest >/dev/null || exit 0; "
-        "UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest -p {0} >/dev/null 2>&1 "
-        "& "
+        "UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest -p {0} {3} >/dev/null "
+        "2>&1 & "
         "sleep 0.5; UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest 127.0.0.1 -p "
-        "{0} "
-        "-t tag_bw -s {1} -n {2} -w 20 -f 2>/dev/null | tail -1; wait",
-        port, block, iters);
+        "{0} {3} -t tag_bw -s {1} -n {2} -w 20 -f 2>/dev/null | tail -1; wait",
+        port, block, iters, error_handling ? "-e" : "");
     FILE* f = popen(cmd.c_str(), "r");
     if (f == nullptr) return 0;
     char line[512] = {0};
@@ -708,7 +709,8 @@ int RunInitiator(const TransferBenchOptions& o) {
                     if (!o.no_reference && row.error.empty()) {
                         row.reference_gbps =
                             backend == "shm"   ? MemcpyReferenceGbps(block, batch, o.duration / 2)
-                            : backend == "ucx" ? UcxPerftestReferenceGbps(block, o.duration / 2)
+                            : backend == "ucx" ? UcxPerftestReferenceGbps(block, o.duration / 2,
+                                                                          !o.ucx_reference_no_eh)
                             : raw_addr.empty() ? 0
                                                : TcpReferenceGbps(raw_addr, block, o.duration / 2);
                     }

@@ -26,6 +26,9 @@ struct TransferBenchOptions {
     bool json = false;
     bool no_reference = false;
     std::string secret;
+    // ucx: measure the ucx_perftest reference without peer error handling (the backend always
+    // uses it; by default the reference does too).
+    bool ucx_reference_no_eh = false;
     // --backend file: transfers between memory and a file region of the same agent.
     std::string file_path;             // "" = ferry-bench-file.bin in the working directory
     uint64_t file_size = 1ull << 30;   // created and filled when shorter
