@@ -116,8 +116,9 @@ std::string RenderSvg(const PlotChart& c) {
             px(v), kTop, kTop + ph, kTop + ph + 16, Escape(name));
     }
     for (const auto& [at, label] : c.x_names) {  // named positions off the tick grid
+        const double pos = at;                   // clang 14 cannot capture a structured binding
         bool on_tick = std::any_of(xt.begin(), xt.end(), [&](double v) {
-            return std::abs(at - v) < 1e-9 * std::max(1.0, std::abs(v));
+            return std::abs(pos - v) < 1e-9 * std::max(1.0, std::abs(v));
         });
         if (!on_tick) {
             s += fmt::format(
