@@ -27,7 +27,15 @@ using internal::TransferOp;
 namespace {
 
 // Active message ids.
-enum : uint16_t { kAmWrite = 1, kAmRead = 2, kAmPull = 3, kAmNotify = 4, kAmReply = 5 };
+enum : uint16_t {
+    kAmWrite = 1,
+    kAmRead = 2,
+    kAmPull = 3,
+    kAmNotify = 4,
+    kAmReply = 5,
+    kAmHello = 6,  // an initiator's worker address: the target answers on an endpoint of its own
+    kAmBye = 7     // the initiator closed that endpoint: the target closes its own
+};
 
 constexpr size_t kSegmentBytes = 32;
 // The progress thread polls without sleeping for this long after the last event.
@@ -179,6 +187,11 @@ class UcxBackend::Impl {
         ucp_ep_h ep = nullptr;
         Impl* impl = nullptr;
         bool failed = false;
+        // Ours to an initiator, for answering it (replies_), not for requests (eps_).
+        bool reply = false;
+        // Which of the initiator's endpoints (announced in kAmHello) it answers; for ours, the
+        // number we announced.
+        uint64_t generation = 0;
         std::unordered_set<uint64_t> requests;  // pending request ids
     };
 
@@ -200,7 +213,7 @@ class UcxBackend::Impl {
 
     // Serving one request of a peer.
     struct Serving {
-        ucp_ep_h reply_ep = nullptr;
+        uint64_t initiator = 0;  // its token: the reply goes out on replies_[initiator]
         uint64_t request_id = 0;
         uint64_t proof = 0;  // for the initiator's token
         std::vector<RegionPin> pins;
@@ -239,7 +252,13 @@ class UcxBackend::Impl {
     // The chunk of `p` ends: its op hears once, after UCX let go of its memory.
     void Finish(const std::shared_ptr<Pending>& p, const Status& s, uint64_t value = 0);
     void MaybeComplete(const std::shared_ptr<Pending>& p);
-    void Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t proof, const Status& s,
+    // Opens our endpoint to an initiator that announced itself (kAmHello).
+    void OpenReplyEp(uint64_t initiator, uint64_t generation, const std::string& address);
+    // Sends kAmHello or kAmBye for our endpoint `ep` (eager, fire and forget).
+    ucs_status_t Announce(const std::shared_ptr<Ep>& ep, uint16_t am);
+    void SendReply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t proof, const Status& s,
+                   uint64_t value, std::shared_ptr<Serving> data);
+    void Reply(uint64_t initiator, uint64_t request_id, uint64_t proof, const Status& s,
                uint64_t value, std::shared_ptr<Serving> data);
 
     static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
@@ -293,7 +312,7 @@ class UcxBackend::Impl {
         Impl* self = nullptr;
         uint16_t id = 0;
     };
-    HandlerArg handler_args_[kAmReply + 1];
+    HandlerArg handler_args_[kAmBye + 1];
     std::thread::id progress_thread_;
 
     std::deque<std::function<void()>> commands_;  // under mu_
@@ -304,6 +323,12 @@ class UcxBackend::Impl {
 
     // Progress thread only.
     std::map<std::string, std::shared_ptr<Ep>> eps_;
+    // Initiators that announced themselves, by token: our endpoints to them, on which their
+    // requests are answered. UCX's own endpoints for peers that connected to us (the reply_ep of
+    // a message) are never held: UCX destroys them by itself when keepalive finds the peer dead.
+    std::unordered_map<uint64_t, std::shared_ptr<Ep>> replies_;
+    std::string my_address_;  // our worker address, announced to every peer we connect to
+    uint64_t next_generation_ = 1;
     std::unordered_map<ucp_ep_h, std::shared_ptr<Ep>> by_handle_;
     std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending_;
     std::unordered_multimap<uint64_t, uint64_t> by_op_;  // op id -> request ids
@@ -320,6 +345,13 @@ Result<std::string> UcxBackend::Impl::Init() {
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return FromUcs(st, "ucx: reading the UCX configuration");
+    // UCX finds dead peers by keepalive on endpoints nobody sends on, among them the ones it
+    // made itself for peers that connected to us: each keeps a socket until then. 1 s instead of
+    // UCX 1.13's 20 s, unless UCX_KEEPALIVE_INTERVAL says otherwise. (Safe because the backend
+    // never holds such an endpoint: UCX destroys them on its own.)
+    if (getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+        (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
@@ -340,11 +372,12 @@ Result<std::string> UcxBackend::Impl::Init() {
     if (st != UCS_OK) return FromUcs(st, "ucx: ucp_worker_query");
     char tok[17];
     snprintf(tok, sizeof tok, "%016llx", static_cast<unsigned long long>(token_));
+    my_address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
     std::string address = Hex(attr.address, attr.address_length) + "." + tok;
     ucp_worker_release_address(worker_, attr.address);
     max_header_ = attr.max_am_header;
 
-    for (uint16_t id : {kAmWrite, kAmRead, kAmPull, kAmNotify, kAmReply}) {
+    for (uint16_t id : {kAmWrite, kAmRead, kAmPull, kAmNotify, kAmReply, kAmHello, kAmBye}) {
         handler_args_[id] = HandlerArg{this, id};
         ucp_am_handler_param_t hp{};
         hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -445,6 +478,7 @@ void UcxBackend::Impl::Stop() {
         stopping_local_ = true;
         std::vector<std::shared_ptr<Ep>> eps;
         for (auto& [n, ep] : eps_) eps.push_back(ep);
+        for (auto& [t, ep] : replies_) eps.push_back(ep);
         for (auto& ep : eps) {
             CloseEp(ep, CancelledError("agent " + agent_ + " is shutting down"), /*force=*/false);
         }
@@ -539,7 +573,75 @@ Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const UcxP
     }
     eps_[peer.name] = ep;
     by_handle_[ep->ep] = ep;
+    // Announce ourselves first (the peer answers our requests on an endpoint of its own).
+    ep->generation = next_generation_++;
+    ucs_status_t st_hello = Announce(ep, kAmHello);
+    if (st_hello != UCS_OK) {
+        Status s = FromUcs(st_hello, "ucx: announcing ourselves to peer " + peer.name);
+        CloseEp(ep, s);
+        return s;
+    }
     return ep;
+}
+
+ucs_status_t UcxBackend::Impl::Announce(const std::shared_ptr<Ep>& ep, uint16_t am) {
+    ByteWriter w;
+    w.U64(ep->token);
+    w.U64(ep->proof);
+    w.U64(token_);
+    w.U64(ep->generation);
+    auto* header = new std::string(w.Take());
+    ucp_request_param_t hp{};
+    hp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    hp.flags = UCP_AM_SEND_FLAG_EAGER;
+    hp.user_data = header;
+    hp.cb.send = [](void* request, ucs_status_t, void* user_data) {
+        delete static_cast<std::string*>(user_data);
+        ucp_request_free(request);
+    };
+    const bool hello = am == kAmHello;
+    ucs_status_ptr_t r =
+        AmSend(ep->ep, am, header->data(), header->size(), hello ? my_address_.data() : nullptr,
+               hello ? my_address_.size() : 0, &hp);
+    if (UCS_PTR_IS_PTR(r)) return UCS_OK;
+    delete header;
+    return UCS_PTR_STATUS(r);
+}
+
+void UcxBackend::Impl::OpenReplyEp(uint64_t initiator, uint64_t generation,
+                                   const std::string& address) {
+    auto it = replies_.find(initiator);
+    if (it != replies_.end() && !it->second->failed && it->second->ep != nullptr) {
+        it->second->generation = generation;  // the initiator's newer endpoint: same answers
+        return;
+    }
+    if (replies_.size() >= 4096) {
+        FERRY_LOG(kWarn, "ucx: {} initiators already announced; ignoring another", replies_.size());
+        return;
+    }
+    auto ep = std::make_shared<Ep>();
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(initiator));
+    ep->name = std::string("initiator ") + hex;
+    ep->token = initiator;
+    ep->impl = this;
+    ep->reply = true;
+    ep->generation = generation;
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &Impl::OnEpError;
+    params.err_handler.arg = this;
+    ucs_status_t st = ThroughUcx([&] { return ucp_ep_create(worker_, &params, &ep->ep); });
+    if (st != UCS_OK) {
+        FERRY_LOG(kWarn, "ucx: cannot open an endpoint to {}: {}", ep->name, ucs_status_string(st));
+        return;
+    }
+    replies_[initiator] = ep;
+    by_handle_[ep->ep] = ep;
 }
 
 void UcxBackend::Impl::OnEpError(void* arg, ucp_ep_h handle, ucs_status_t status) {
@@ -555,10 +657,16 @@ void UcxBackend::Impl::OnEpError(void* arg, ucp_ep_h handle, ucs_status_t status
 
 void UcxBackend::Impl::CloseEp(const std::shared_ptr<Ep>& ep, const Status& why, bool force) {
     if (ep->ep == nullptr) return;
+    const bool was_failed = ep->failed;
     force = force || ep->failed;  // a failed endpoint can only be force-closed
     ep->failed = true;
-    auto it = eps_.find(ep->name);
-    if (it != eps_.end() && it->second == ep) eps_.erase(it);
+    if (ep->reply) {
+        auto r = replies_.find(ep->token);
+        if (r != replies_.end() && r->second == ep) replies_.erase(r);
+    } else {
+        auto it = eps_.find(ep->name);
+        if (it != eps_.end() && it->second == ep) eps_.erase(it);
+    }
     // Fail its requests: each op hears now unless UCX still holds its memory (then when the
     // force close below completes that request).
     std::vector<uint64_t> ids(ep->requests.begin(), ep->requests.end());
@@ -570,6 +678,9 @@ void UcxBackend::Impl::CloseEp(const std::shared_ptr<Ep>& ep, const Status& why,
             if (keep->status.ok()) keep->status = why;
             MaybeComplete(keep);
         }
+    }
+    if (!ep->reply && !was_failed) {
+        (void)Announce(ep, kAmBye);  // delivered before the close when it flushes
     }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -616,6 +727,8 @@ void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    // The target answers on its own endpoint to us; UCX's reply endpoint is only for refusing
+    // an initiator it cannot answer otherwise (unannounced: a wrong token or no secret).
     param.flags = UCP_AM_SEND_FLAG_REPLY;
     Buffers b = with_data ? AsBuffers(p->iov) : Buffers{};
     param.datatype = b.datatype;
@@ -762,7 +875,8 @@ void UcxBackend::Impl::DoDropPeer(const std::string& peer, uint64_t epoch, const
     auto it = eps_.find(peer);
     if (it == eps_.end()) return;
     if (epoch != 0 && it->second->epoch != epoch) return;
-    CloseEp(it->second, why);
+    // Nothing in flight: a clean close (the peer hears kAmBye and closes its endpoint to us).
+    CloseEp(it->second, why, /*force=*/!it->second->requests.empty());
 }
 
 void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
@@ -810,8 +924,21 @@ void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
     }
 }
 
-void UcxBackend::Impl::Reply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t proof,
+void UcxBackend::Impl::Reply(uint64_t initiator, uint64_t request_id, uint64_t proof,
                              const Status& s, uint64_t value, std::shared_ptr<Serving> data) {
+    auto it = replies_.find(initiator);
+    if (it == replies_.end() || it->second->failed || it->second->ep == nullptr) {
+        // The initiator is gone (its endpoint failed) or never announced itself: nobody to
+        // answer. Its transfer fails on its side (peer failure or deadline).
+        FERRY_LOG(kDebug, "ucx: no endpoint to answer request {} of initiator {:016x}", request_id,
+                  initiator);
+        return;
+    }
+    SendReply(it->second->ep, request_id, proof, s, value, std::move(data));
+}
+
+void UcxBackend::Impl::SendReply(ucp_ep_h reply_ep, uint64_t request_id, uint64_t proof,
+                                 const Status& s, uint64_t value, std::shared_ptr<Serving> data) {
     ByteWriter w;
     w.U64(request_id);
     w.U64(proof);
@@ -863,7 +990,37 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         Release(data, param);
         return UCS_OK;
     }
-    const bool has_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+    if (am == kAmHello || am == kAmBye) {
+        uint64_t initiator = 0, generation = 0;
+        bool ok = r.U64(&initiator) && r.U64(&generation) && r.Finish().ok() &&
+                  !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
+                  (am == kAmBye ? length == 0 : length > 0 && length <= 65536);
+        const char* why = !ok               ? "malformed"
+                          : token != token_ ? "wrong endpoint token"
+                          : !secret_.empty() && proof != my_proof_
+                              ? "no proof of the deployment secret"
+                              : nullptr;
+        if (why != nullptr) {
+            FERRY_LOG(kWarn, "ucx: an initiator's announcement refused ({})", why);
+            Release(data, param);
+            return UCS_OK;
+        }
+        if (am == kAmBye) {
+            deferred_.push_back([this, initiator, generation] {
+                auto it = replies_.find(initiator);
+                if (it != replies_.end() && it->second->generation == generation) {
+                    CloseEp(it->second, CancelledError("the initiator closed its endpoint"),
+                            /*force=*/false);
+                }
+            });
+            return UCS_OK;
+        }
+        std::string address(static_cast<const char*>(data), length);
+        deferred_.push_back([this, initiator, generation, address] {
+            OpenReplyEp(initiator, generation, address);
+        });
+        return UCS_OK;
+    }
     if (am == kAmNotify) {
         std::string sender;
         bool ok = r.Str(&sender, wire::kMaxNameLen) && r.Finish().ok();
@@ -886,32 +1043,40 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         return UCS_OK;
     }
     uint64_t initiator = 0, request_id = 0;
-    if (!r.U64(&initiator) || !r.U64(&request_id) || !has_reply) {
+    if (!r.U64(&initiator) || !r.U64(&request_id)) {
         Release(data, param);
         return UCS_OK;
     }
-    ucp_ep_h reply_ep = param->reply_ep;
     const uint64_t reply_proof = ProofFor(initiator);
     auto refuse = [&](const Status& s) {
         Release(data, param);
-        deferred_.push_back([this, reply_ep, request_id, reply_proof, s] {
-            Reply(reply_ep, request_id, reply_proof, s, 0, {});
+        deferred_.push_back([this, initiator, request_id, reply_proof, s] {
+            Reply(initiator, request_id, reply_proof, s, 0, {});
         });
         return UCS_OK;
     };
+    // Initiators we may have no endpoint to (their announcement was refused, or we are closing
+    // ours) are refused at once on UCX's reply endpoint, valid during this callback only.
+    auto refuse_now = [&](const Status& s) {
+        Release(data, param);
+        if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
+            SendReply(param->reply_ep, request_id, reply_proof, s, 0, {});
+        }
+        return UCS_OK;
+    };
     if (stopping_local_) {
-        return refuse(UnavailableError("agent " + agent_ + " is shutting down"));
+        return refuse_now(UnavailableError("agent " + agent_ + " is shutting down"));
     }
     if (token != token_) {
-        return refuse(UnavailableError(
+        return refuse_now(UnavailableError(
             "agent " + agent_ + ": wrong ucx endpoint token (metadata of an earlier process?)"));
     }
     if (!secret_.empty() && proof != my_proof_) {
-        return refuse(PermissionDeniedError("agent " + agent_ +
-                                            ": the initiator did not prove the deployment secret"));
+        return refuse_now(PermissionDeniedError(
+            "agent " + agent_ + ": the initiator did not prove the deployment secret"));
     }
     auto sv = std::make_shared<Serving>();
-    sv->reply_ep = reply_ep;
+    sv->initiator = initiator;
     sv->request_id = request_id;
     sv->proof = reply_proof;
     sv->impl = this;
@@ -926,14 +1091,14 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         Status s = host_->ResolveObject(key, &sv->pins, &iov, &size);
         if (!s.ok()) return refuse(s);
         if (size > capacity) {
-            deferred_.push_back([this, reply_ep, request_id, reply_proof, size] {
-                Reply(reply_ep, request_id, reply_proof, Status::Ok(), size, {});
+            deferred_.push_back([this, initiator, request_id, reply_proof, size] {
+                Reply(initiator, request_id, reply_proof, Status::Ok(), size, {});
             });
             return UCS_OK;
         }
         for (const iovec& v : iov) sv->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
         deferred_.push_back([this, sv, size] {
-            Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), size, sv);
+            Reply(sv->initiator, sv->request_id, sv->proof, Status::Ok(), size, sv);
         });
         return UCS_OK;
     }
@@ -961,10 +1126,10 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
                                             : host_->MoveStaged(sv->staging, /*to_file=*/false);
             if (!st.ok()) {
                 sv->pins.clear();
-                Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {});
+                Reply(sv->initiator, sv->request_id, sv->proof, st, 0, {});
                 return;
             }
-            Reply(sv->reply_ep, sv->request_id, sv->proof, Status::Ok(), 0, sv);
+            Reply(sv->initiator, sv->request_id, sv->proof, Status::Ok(), 0, sv);
         });
         return UCS_OK;
     }
@@ -981,7 +1146,7 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
             Status st = sv->staging.empty() ? Status::Ok()
                                             : host_->MoveStaged(sv->staging, /*to_file=*/true);
             sv->pins.clear();
-            Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {});
+            Reply(sv->initiator, sv->request_id, sv->proof, st, 0, {});
         });
         return UCS_OK;
     }
@@ -1008,7 +1173,7 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
                 done = self->host_->MoveStaged(sv->staging, /*to_file=*/true);
             }
             sv->pins.clear();
-            self->Reply(sv->reply_ep, sv->request_id, sv->proof, done, 0, {});
+            self->Reply(sv->initiator, sv->request_id, sv->proof, done, 0, {});
         });
     };
     ucs_status_ptr_t rr = AmRecv(worker_, data, b.buffer, b.count, &rp);
@@ -1016,14 +1181,14 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         delete holder;
         Status st = FromUcs(UCS_PTR_STATUS(rr), "ucx: receiving a write");
         deferred_.push_back(
-            [this, sv, st] { Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {}); });
+            [this, sv, st] { Reply(sv->initiator, sv->request_id, sv->proof, st, 0, {}); });
     } else if (rr == nullptr) {
         delete holder;
         deferred_.push_back([this, sv] {
             Status st = sv->staging.empty() ? Status::Ok()
                                             : host_->MoveStaged(sv->staging, /*to_file=*/true);
             sv->pins.clear();
-            Reply(sv->reply_ep, sv->request_id, sv->proof, st, 0, {});
+            Reply(sv->initiator, sv->request_id, sv->proof, st, 0, {});
         });
     } else {
         ++serving_inflight_;  // UCX writes into the pinned region until the callback
