@@ -236,7 +236,8 @@ class UcxBackend::Impl {
     Result<std::shared_ptr<Ep>> GetEp(const UcxPeerRef& peer);
     // `force`: at once, failing what is in flight; else after flushing (a clean goodbye the peer
     // sees as such: UCX 1.13 can abort a peer whose endpoint wireup is cut off by a force close).
-    void CloseEp(const std::shared_ptr<Ep>& ep, const Status& why, bool force = true);
+    void CloseEp(std::shared_ptr<Ep> ep, const Status& why,
+                 bool force = true);  // by value: it erases the maps that hold it
     // Checks an endpoint close request until it is done (from the deferred queue).
     void PollClose(void* req, const std::shared_ptr<Ep>& ep, ucp_ep_h handle) {
         if (ucp_request_check_status(req) == UCS_INPROGRESS) {
@@ -655,7 +656,7 @@ void UcxBackend::Impl::OnEpError(void* arg, ucp_ep_h handle, ucs_status_t status
     self->deferred_.push_back([self, ep, why] { self->CloseEp(ep, why); });
 }
 
-void UcxBackend::Impl::CloseEp(const std::shared_ptr<Ep>& ep, const Status& why, bool force) {
+void UcxBackend::Impl::CloseEp(std::shared_ptr<Ep> ep, const Status& why, bool force) {
     if (ep->ep == nullptr) return;
     const bool was_failed = ep->failed;
     force = force || ep->failed;  // a failed endpoint can only be force-closed
