@@ -1099,19 +1099,15 @@ Result<Transfer> AgentCore::PostLocal(TransferOp::Kind kind, std::span<const Des
     auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, local_total,
                                            Clock::now() + timeout, self, wire::DataMode::kInline);
     // Cancel, a deadline or a Deregister stop the batch and return once the kernel is done with
-    // its memory.
+    // its memory. Nothing can call it before `*batch` is set: the op is published (ops_, the
+    // handle) only after Submit.
     auto batch = std::make_shared<std::shared_ptr<FileEngine::Batch>>();
-    auto ready = std::make_shared<std::atomic<bool>>(false);
-    op->SetCutOff([files, batch, ready](const Status& s) {
-        while (!ready->load(std::memory_order_acquire)) std::this_thread::yield();
-        files->Cancel(*batch, s);
-    });
+    op->SetCutOff([files, batch](const Status& s) { files->Cancel(*batch, s); });
     op->Arm(1, std::move(pins), nullptr);
     std::weak_ptr<TransferOp> weak = op;
     *batch = files->Submit(std::move(ios), [weak](const Status& s) {
         if (auto o = weak.lock()) o->ChunkDone(s);
     });
-    ready->store(true, std::memory_order_release);
     transfers_posted_.fetch_add(1, std::memory_order_relaxed);
     bytes_posted_.fetch_add(local_total, std::memory_order_relaxed);
     {
@@ -1304,11 +1300,17 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
 
 // --- Target side ------------------------------------------------------------------------------
 
-void AgentCore::Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value) {
+namespace {
+OutFrame ResponseFrame(uint64_t request_id, const Status& s, uint64_t value = 0) {
     OutFrame f;
     f.head = wire::MakeFrame(wire::FrameType::kResponse, request_id,
                              wire::EncodeResponse({s.code(), s.message(), value}));
-    conn.SendNow(std::move(f));
+    return f;
+}
+}  // namespace
+
+void AgentCore::Respond(Connection& conn, uint64_t request_id, const Status& s, uint64_t value) {
+    conn.SendNow(ResponseFrame(request_id, s, value));
 }
 
 Status AgentCore::PinSegments(const std::vector<wire::Segment>& segs, bool write,
@@ -1512,16 +1514,6 @@ void AgentCore::ServeData(Connection& conn, const wire::FrameHeader& h, std::str
     conn.SendNow(std::move(f));
 }
 
-namespace {
-// A response frame, from any thread.
-void SendResponse(Connection& conn, uint64_t request_id, const Status& s) {
-    OutFrame f;
-    f.head = wire::MakeFrame(wire::FrameType::kResponse, request_id,
-                             wire::EncodeResponse({s.code(), s.message(), 0}));
-    conn.Send(std::move(f));
-}
-}  // namespace
-
 void AgentCore::ServeStaged(Connection& conn, uint64_t request_id, const wire::DataRequest& req,
                             bool write, std::vector<RegionPin> pins, std::vector<iovec> iov,
                             FileStaging staging) {
@@ -1552,7 +1544,7 @@ void AgentCore::ServeStaged(Connection& conn, uint64_t request_id, const wire::D
             for (FileIo& io : st->staging.ios) io.to_file = true;
             files->Submit(st->staging.ios, [weak, request_id, st](const Status& s) {
                 st->pins.clear();
-                if (auto c = weak.lock()) SendResponse(*c, request_id, s);
+                if (auto c = weak.lock()) c->Send(ResponseFrame(request_id, s));
             });
         };
         conn.SetPayloadSink(std::move(sink));
@@ -1565,7 +1557,7 @@ void AgentCore::ServeStaged(Connection& conn, uint64_t request_id, const wire::D
         if (!c) return;
         if (!s.ok()) {
             st->pins.clear();
-            SendResponse(*c, request_id, s);
+            c->Send(ResponseFrame(request_id, s));
             return;
         }
         OutFrame f;

@@ -474,6 +474,22 @@ TEST_P(RemoteFileConformance, TheTargetRefusesWhatItsFileRegionsForbidAndKeepsSe
     FERRY_EXPECT_OK(Run(true, {{la.id, 0, 4096}}, {{mb.id, 0, 4096}}));
 }
 
+TEST_P(RemoteFileConformance, AFileThatShrankAtTheTargetFailsTheReadAndTheTargetServesOn) {
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(1 << 20));
+    RegionInfo fb =
+        ValueOrDie(b_->RegisterFile(dir_.File("shrink.bin"), 0, 1 << 20, {.create = true}));
+    RegionInfo mb = ValueOrDie(b_->AllocateRegion(4096));
+    RefreshB();
+    ASSERT_EQ(truncate(dir_.File("shrink.bin").c_str(), 1000), 0);  // someone else truncates it
+    // The target's staged file read fails; the initiator hears why (from the first chunk that
+    // fails: transfers are split across streams).
+    EXPECT_THAT(Run(true, {{la.id, 0, 1 << 20}}, {{fb.id, 0, 1 << 20}}),
+                StatusHas(Code::kOutOfRange, "the file ends at offset"));
+    FillPattern(mb.base, 4096, 12);
+    FERRY_ASSERT_OK(Run(true, {{la.id, 0, 4096}}, {{mb.id, 0, 4096}}));
+    EXPECT_EQ(FirstMismatch(la.base, 4096, 12), -1);
+}
+
 TEST_P(RemoteFileConformance, TiedNotificationArrivesAfterTheBytesAreInTheFile) {
     const uint64_t kBytes = 8u << 20;
     RegionInfo la = ValueOrDie(a_->AllocateRegion(kBytes));

@@ -288,6 +288,13 @@ class UcxBackend::Impl {
         std::memcpy(&v, d.data(), 8);
         return v;
     }
+    // Why a message that must not be answered is dropped (nullptr: take it).
+    const char* Refusal(bool well_formed, uint64_t token, uint64_t proof) const {
+        if (!well_formed) return "malformed header";
+        if (token != token_) return "wrong endpoint token";
+        if (!secret_.empty() && proof != my_proof_) return "no proof of the deployment secret";
+        return nullptr;
+    }
     uint64_t ProofFor(uint64_t token) {
         auto it = proofs_.find(token);
         if (it != proofs_.end()) return it->second;
@@ -996,12 +1003,7 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         bool ok = r.U64(&initiator) && r.U64(&generation) && r.Finish().ok() &&
                   !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
                   (am == kAmBye ? length == 0 : length > 0 && length <= 65536);
-        const char* why = !ok               ? "malformed"
-                          : token != token_ ? "wrong endpoint token"
-                          : !secret_.empty() && proof != my_proof_
-                              ? "no proof of the deployment secret"
-                              : nullptr;
-        if (why != nullptr) {
+        if (const char* why = Refusal(ok, token, proof)) {
             FERRY_LOG(kWarn, "ucx: an initiator's announcement refused ({})", why);
             Release(data, param);
             return UCS_OK;
@@ -1025,12 +1027,7 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
     if (am == kAmNotify) {
         std::string sender;
         bool ok = r.Str(&sender, wire::kMaxNameLen) && r.Finish().ok();
-        const char* why = !ok               ? "malformed header"
-                          : token != token_ ? "wrong endpoint token"
-                          : !secret_.empty() && proof != my_proof_
-                              ? "no proof of the deployment secret"
-                              : nullptr;
-        if (why != nullptr) {
+        if (const char* why = Refusal(ok, token, proof)) {
             FERRY_LOG(kWarn, "ucx: notification refused ({})", why);
             Release(data, param);
             return UCS_OK;
