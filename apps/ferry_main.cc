@@ -88,6 +88,9 @@ int main(int argc, char** argv) {
     transfer->add_flag("--json", o.json, "one JSON object per row");
     transfer->add_flag("--no-reference", o.no_reference, "skip the reference measurement");
     transfer->add_option("--secret", o.secret, "deployment secret for both agents");
+    transfer->add_flag("--ucx-rma", o.ucx_rma,
+                       "ucx: both agents grant and use one-sided access (ucp_put_nbx / "
+                       "ucp_get_nbx; AgentConfig::ucx_rma)");
     transfer->add_flag("--ucx-reference-without-error-handling", o.ucx_reference_no_eh,
                        "ucx: run the ucx_perftest reference without -e (peer error handling, "
                        "which the backend uses and which costs UCX 1.13 half its tcp bandwidth)");

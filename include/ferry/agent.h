@@ -105,6 +105,13 @@ struct AgentConfig {
     // peer copies every transfer after checking it. Either way the peer's registered (not
     // allocated) memory is copied by the peer.
     bool shm_map_peer_regions = true;
+    // ucx: one-sided access (RMA). Peers may ask for a grant of this agent's host-memory regions
+    // (key checked; the region is mapped with ucp_mem_map and its packed rkey handed over) and
+    // then move bytes with ucp_put_nbx / ucp_get_nbx, without this agent's CPU on RDMA
+    // transports; Deregister revokes every grant before it returns. This agent also uses the
+    // grants of peers that offer them. Off: every transfer is an active message the target
+    // checks (faster over UCX_TLS=tcp, where UCX emulates RMA in software). docs/transfer-engine.md
+    bool ucx_rma = false;
     // The file backend (file regions, Agent::RegisterFile): "io_uring", or "pread" (pread/pwrite
     // on one thread). io_uring falls back to pread, with a warning, where the kernel refuses it
     // (a container's seccomp profile, say).

@@ -289,6 +289,7 @@ AgentConfig BenchConfig(const std::string& name, const std::string& backend,
     c.tcp_streams = o.streams;
     c.shm_streams = o.streams;
     c.io_threads = o.io_threads;
+    c.ucx_rma = o.ucx_rma;
     c.default_timeout = std::chrono::seconds(60);
     std::string host;
     uint16_t port = 0;

@@ -29,6 +29,7 @@ struct TransferBenchOptions {
     // ucx: measure the ucx_perftest reference without peer error handling (the backend always
     // uses it; by default the reference does too).
     bool ucx_reference_no_eh = false;
+    bool ucx_rma = false;  // AgentConfig.ucx_rma on both agents
     // --backend file: transfers between memory and a file region of the same agent.
     std::string file_path;             // "" = ferry-bench-file.bin in the working directory
     uint64_t file_size = 1ull << 30;   // created and filled when shorter

@@ -36,7 +36,9 @@ int64_t FirstMismatch(const void* p, size_t len, uint64_t seed) {
 }
 
 std::string BackendName(const std::string& variant) {
-    return variant == "shm_copy" ? "shm" : variant;
+    if (variant == "shm_copy") return "shm";
+    if (variant == "ucx_rma") return "ucx";
+    return variant;
 }
 
 std::vector<std::string> ConformanceVariants() { return NetworkBackends({"shm", "shm_copy"}); }
@@ -45,6 +47,7 @@ std::vector<std::string> NetworkBackends(std::vector<std::string> first) {
     first.push_back("tcp");
 #ifdef FERRY_HAVE_UCX
     first.push_back("ucx");
+    first.push_back("ucx_rma");
 #endif
     return first;
 }
@@ -54,6 +57,7 @@ AgentConfig TestConfig(const std::string& name, const std::string& backend) {
     c.name = name;
     c.backends = {BackendName(backend)};
     c.shm_map_peer_regions = backend != "shm_copy";
+    c.ucx_rma = backend == "ucx_rma";
     c.default_timeout = std::chrono::seconds(20);
     return c;
 }

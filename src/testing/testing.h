@@ -75,12 +75,13 @@ void FillPattern(void* p, size_t len, uint64_t seed);
 int64_t FirstMismatch(const void* p, size_t len, uint64_t seed);
 
 // Backend variants of the conformance suites: "tcp", "shm" (one-sided copies through mapped
-// peer regions where possible), "shm_copy" (shm with the peer copying every transfer).
+// peer regions where possible), "shm_copy" (shm with the peer copying every transfer), "ucx",
+// "ucx_rma" (ucx with one-sided grants: AgentConfig::ucx_rma).
 std::string BackendName(const std::string& variant);
 // Every backend variant of this build for the conformance suites: shm, shm_copy (the target
-// copies), tcp, and ucx where it is built.
+// copies), tcp, and ucx and ucx_rma where ucx is built.
 std::vector<std::string> ConformanceVariants();
-// `first` followed by tcp and, where built, ucx.
+// `first` followed by tcp and, where built, ucx and ucx_rma.
 std::vector<std::string> NetworkBackends(std::vector<std::string> first = {});
 AgentConfig TestConfig(const std::string& name, const std::string& variant);
 

@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <thread>
+#include <unordered_set>
 
 #include "core/crypto.h"
 #include "core/log.h"
@@ -507,6 +508,10 @@ Status AgentCore::Deregister(RegionId id) {
     for (auto& op : users) {
         op->Fail(CancelledError("local region " + std::to_string(id) + " was deregistered"));
     }
+#ifdef FERRY_HAVE_UCX
+    // Peers holding a one-sided grant of it let go first (no new grants from now on).
+    if (ucx_ != nullptr && config_.ucx_rma) ucx_->RevokeRegion(id, kDeregisterGrace);
+#endif
     Status s = regions_.Deregister(id, kDeregisterGrace, [this](RegionId rid) {
         std::vector<std::shared_ptr<Connection>> conns;
         {
@@ -525,6 +530,9 @@ Status AgentCore::Deregister(RegionId id) {
     if (s.ok()) {
         MarkMetadataChanged();
     }
+#ifdef FERRY_HAVE_UCX
+    if (ucx_ != nullptr && config_.ucx_rma) ucx_->RegionGone(id);
+#endif
     if (s.ok() && share_id != 0) {
         RevokeGrants(share_id, id);  // initiators copying one-sided stop before we return
         BroadcastUnshare(share_id);  // targets drop their mappings of it
@@ -638,7 +646,11 @@ Status AgentCore::RemovePeer(std::string_view name) {
 }
 
 AgentStats AgentCore::Stats() const {
-    return AgentStats{transfers_posted_.load(), one_sided_transfers_.load(), bytes_posted_.load()};
+    uint64_t one_sided = one_sided_transfers_.load();
+#ifdef FERRY_HAVE_UCX
+    if (ucx_ != nullptr) one_sided += ucx_->one_sided_transfers();
+#endif
+    return AgentStats{transfers_posted_.load(), one_sided, bytes_posted_.load()};
 }
 
 Result<std::string> AgentCore::PeerBackend(std::string_view name) const {
@@ -818,10 +830,12 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
 
     // Remote side: against the peer's published regions (the target checks again).
     std::unordered_map<RegionId, RegionView> remote_views;
+    std::unordered_set<RegionId> remote_files;
     {
         std::lock_guard<std::mutex> lock(peer->mu);
         for (const RemoteRegion& r : peer->md.regions) {
             remote_views[r.id] = RegionView{nullptr, r.length, r.key};
+            if (r.kind != MemoryKind::kHost) remote_files.insert(r.id);
         }
     }
     auto find_remote = [&](RegionId id) -> const RegionView* {
@@ -864,7 +878,13 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
             std::lock_guard<std::mutex> lock(ops_mu_);
             ops_[op->id()] = op;
         }
-        ucx_->Post(op, ref, kind == TransferOp::Kind::kWrite, std::move(chunks));
+        // One-sided where we may and every remote region is host memory (files are staged by
+        // the target).
+        bool one_sided = config_.ucx_rma;
+        for (const auto& s : segments) {
+            if (remote_files.count(s.remote.region) != 0) one_sided = false;
+        }
+        ucx_->Post(op, ref, kind == TransferOp::Kind::kWrite, std::move(chunks), one_sided);
         return Transfer(op);
     }
 #endif
@@ -1625,6 +1645,18 @@ void AgentCore::DeliverNotification(std::string peer, std::string payload) {
     notes_bytes_ += payload.size();
     notes_.push_back(Notification{std::move(peer), std::move(payload)});
     notes_cv_.notify_all();
+}
+
+Status AgentCore::GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) {
+    FERRY_ASSIGN_OR_RETURN(RegionPin pin, regions_.PinRemote(id, key, 0, 0));
+    const RegionEntry& e = *pin.entry();
+    if (e.kind != MemoryKind::kHost) {
+        return FailedPreconditionError("region " + std::to_string(id) +
+                                       " is not host memory: no one-sided access");
+    }
+    *base = e.base;
+    *length = e.length;
+    return Status::Ok();
 }
 
 UcxPeerRef AgentCore::UcxRef(Peer& peer) const {

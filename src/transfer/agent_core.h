@@ -83,6 +83,7 @@ class AgentCore final : public ConnectionOwner,
     Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
                          std::vector<iovec>* iov, uint64_t* size) override;
     void DeliverNotification(std::string peer, std::string payload) override;
+    Status GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) override;
 
   private:
     struct Mapping {

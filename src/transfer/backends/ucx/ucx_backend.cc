@@ -33,9 +33,15 @@ enum : uint16_t {
     kAmPull = 3,
     kAmNotify = 4,
     kAmReply = 5,
-    kAmHello = 6,  // an initiator's worker address: the target answers on an endpoint of its own
-    kAmBye = 7     // the initiator closed that endpoint: the target closes its own
+    kAmHello = 6,   // an initiator's worker address: the target answers on an endpoint of its own
+    kAmBye = 7,     // the initiator closed that endpoint: the target closes its own
+    kAmGrant = 8,   // one-sided access to a region: answered with its address, length and rkey
+    kAmRevoke = 9,  // target -> grantee: let go of a region (Deregister)
+    kAmRevokeAck = 10  // grantee -> target: done with it
 };
+
+// A grant's answer: u64 address, u64 length, then the packed rkey (at most this much).
+constexpr size_t kMaxPackedRkey = 4096;
 
 constexpr size_t kSegmentBytes = 32;
 // The progress thread polls without sleeping for this long after the last event.
@@ -143,9 +149,10 @@ Buffers AsBuffers(std::vector<ucp_dt_iov_t>& iov) {
 
 class UcxBackend::Impl {
   public:
-    Impl(std::string agent, std::string secret)
+    Impl(std::string agent, std::string secret, bool rma)
         : agent_(std::move(agent)),
           secret_(std::move(secret)),
+          rma_(rma),
           token_(SecureRandomU64()),
           my_proof_(Proof(token_)) {}
     ~Impl() { Destroy(); }
@@ -171,12 +178,16 @@ class UcxBackend::Impl {
 
     // Progress-thread side of the public calls.
     void DoPost(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer, bool write,
-                std::vector<Chunk> chunks);
+                std::vector<Chunk> chunks, bool one_sided);
     void DoNotify(const UcxPeerRef& peer, const std::string& payload, const std::string& sender);
     void DoPull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
                 const std::string& key, std::vector<iovec> local, uint64_t capacity);
     void DoDropPeer(const std::string& peer, uint64_t epoch, const Status& why);
     void DoCutOff(uint64_t op_id, const Status& why);
+    void DoRevoke(RegionId id, const std::shared_ptr<std::promise<void>>& done);
+    void DoRevokeExpired(RegionId id);
+    void DoRegionGone(RegionId id) { revoking_.erase(id); }
+    uint64_t one_sided_transfers() const { return one_sided_.load(std::memory_order_relaxed); }
 
   private:
     struct Ep {
@@ -193,6 +204,20 @@ class UcxBackend::Impl {
         // number we announced.
         uint64_t generation = 0;
         std::unordered_set<uint64_t> requests;  // pending request ids
+        // One-sided access the peer granted us, by region. A revoked grant stays until the
+        // chunks holding it are done, then is acknowledged (`revokes`) and dropped.
+        struct Grant {
+            uint64_t key = 0;
+            uint64_t address = 0;
+            uint64_t length = 0;
+            ucp_rkey_h rkey = nullptr;
+            int holds = 0;
+            bool revoked = false;
+            std::vector<uint64_t> revokes;
+        };
+        std::unordered_map<RegionId, Grant> grants;
+        std::vector<ucp_rkey_h> retired;  // replaced while in use: destroyed when the ep is
+        bool no_rma = false;              // the peer grants nothing: active messages only
     };
 
     // One request of ours awaiting the peer's reply (and, for writes, our send's completion).
@@ -209,6 +234,13 @@ class UcxBackend::Impl {
         bool replied = false;
         Status status;
         uint64_t value = 0;
+        // One-sided: requests (and the write's flush) UCX still works on; gets write our memory.
+        int rma_inflight = 0;
+        bool rma_get = false;
+        std::vector<RegionId> holds;  // grants held until the chunk is done
+        // Requests of the backend's own (a grant) end here instead of in an op.
+        std::function<void(Pending&)> done;
+        std::string buffer;  // a grant's answer lands here
     };
 
     // Serving one request of a peer.
@@ -221,6 +253,7 @@ class UcxBackend::Impl {
         internal::FileStaging
             staging;  // file regions' bytes, moved by the host around the transfer
         std::string header;
+        std::string blob;  // a grant's answer
         Impl* impl = nullptr;
         uint64_t value = 0;
     };
@@ -247,9 +280,35 @@ class UcxBackend::Impl {
         ucp_request_free(req);
         by_handle_.erase(handle);
         closing_.erase(std::remove(closing_.begin(), closing_.end(), ep), closing_.end());
+        Closed(ep);
     }
     // Sends request `p` (its header; its iov as payload when `with_data`) and tracks it.
     void Send(const std::shared_ptr<Pending>& p, uint16_t am, bool with_data);
+    void Track(const std::shared_ptr<Pending>& p);
+    // The active-message path of DoPost.
+    void PostAm(const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep, bool write,
+                std::vector<Chunk>& chunks);
+    // The one-sided path: every region of `chunks` is granted.
+    void PostRma(const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep, bool write,
+                 std::vector<Chunk>& chunks);
+    // Issues one ucp_put_nbx / ucp_get_nbx for `p`.
+    void IssueRma(const std::shared_ptr<Pending>& p, bool write, void* local, size_t n,
+                  uint64_t remote, ucp_rkey_h rkey);
+    // Asks the peer of `ep` for a grant of `region`; `then` hears how it went.
+    void RequestGrant(const std::shared_ptr<Ep>& ep, RegionId region, uint64_t key,
+                      std::function<void(const Status&)> then);
+    // Serves a grant request (progress thread, outside UCX callbacks).
+    void ServeGrant(const std::shared_ptr<Serving>& sv, RegionId region, uint64_t key);
+    // Drops a grant nobody holds any more, acknowledging its revocations.
+    void ReleaseGrant(const std::shared_ptr<Ep>& ep, RegionId region);
+    void SendRevokeAck(const std::shared_ptr<Ep>& ep, uint64_t revocation);
+    // Sends a header-only control message (eager, fire and forget).
+    ucs_status_t SendControl(ucp_ep_h handle, uint16_t am, std::string header);
+    // A grantee is gone or acknowledged: the revocation may be complete.
+    void Acknowledged(uint64_t revocation, uint64_t grantee);
+    void FinishRevocation(uint64_t revocation);
+    // The endpoint's close completed: UCX holds none of its requests, so its rkeys can go.
+    void Closed(const std::shared_ptr<Ep>& ep);
     // The chunk of `p` ends: its op hears once, after UCX let go of its memory.
     void Finish(const std::shared_ptr<Pending>& p, const Status& s, uint64_t value = 0);
     void MaybeComplete(const std::shared_ptr<Pending>& p);
@@ -304,6 +363,7 @@ class UcxBackend::Impl {
 
     const std::string agent_;
     const std::string secret_;
+    const bool rma_;  // we grant one-sided access to our regions
     const uint64_t token_;
     const uint64_t my_proof_;
     std::unordered_map<uint64_t, uint64_t> proofs_;  // progress thread
@@ -320,7 +380,7 @@ class UcxBackend::Impl {
         Impl* self = nullptr;
         uint16_t id = 0;
     };
-    HandlerArg handler_args_[kAmBye + 1];
+    HandlerArg handler_args_[kAmRevokeAck + 1];
     std::thread::id progress_thread_;
 
     std::deque<std::function<void()>> commands_;  // under mu_
@@ -347,6 +407,31 @@ class UcxBackend::Impl {
     size_t serving_inflight_ = 0;
     bool stopping_local_ = false;  // Stop began: new requests are refused
     uint64_t next_request_ = 1;
+
+    // One-sided access we granted, by region: its UCX mapping and who holds a grant.
+    struct Granted {
+        ucp_mem_h memh = nullptr;
+        std::string packed;
+        uint64_t address = 0;
+        uint64_t length = 0;
+        std::unordered_set<uint64_t> grantees;  // initiator tokens
+    };
+    std::unordered_map<RegionId, Granted> granted_;
+    // Transfers waiting for grants, by op id.
+    struct Awaiting {
+        std::shared_ptr<TransferOp> op;
+        std::shared_ptr<std::vector<Chunk>> chunks;
+    };
+    std::unordered_map<uint64_t, Awaiting> awaiting_;
+    std::unordered_set<RegionId> revoking_;  // being (or were) deregistered: no new grants
+    struct Revocation {
+        RegionId region = 0;
+        std::unordered_set<uint64_t> waiting;  // grantees that have not acknowledged yet
+        std::shared_ptr<std::promise<void>> done;
+    };
+    std::unordered_map<uint64_t, Revocation> revocations_;
+    uint64_t next_revocation_ = 1;
+    std::atomic<uint64_t> one_sided_{0};
 };
 
 Result<std::string> UcxBackend::Impl::Init() {
@@ -385,7 +470,8 @@ Result<std::string> UcxBackend::Impl::Init() {
     ucp_worker_release_address(worker_, attr.address);
     max_header_ = attr.max_am_header;
 
-    for (uint16_t id : {kAmWrite, kAmRead, kAmPull, kAmNotify, kAmReply, kAmHello, kAmBye}) {
+    for (uint16_t id : {kAmWrite, kAmRead, kAmPull, kAmNotify, kAmReply, kAmHello, kAmBye, kAmGrant,
+                        kAmRevoke, kAmRevokeAck}) {
         handler_args_[id] = HandlerArg{this, id};
         ucp_am_handler_param_t hp{};
         hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -542,6 +628,15 @@ void UcxBackend::Impl::Stop() {
 
 void UcxBackend::Impl::Destroy() {
     if (thread_.joinable()) Stop();
+    // What Stop could not close in time: rkeys and mappings go before the worker and context.
+    for (auto& [n, ep] : eps_) Closed(ep);
+    for (auto& ep : closing_) Closed(ep);
+    for (auto& [id, g] : granted_) {
+        if (g.memh != nullptr) ucp_mem_unmap(context_, g.memh);
+    }
+    granted_.clear();
+    for (auto& [id, rv] : revocations_) rv.done->set_value();
+    revocations_.clear();
     eps_.clear();
     by_handle_.clear();
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
@@ -670,7 +765,16 @@ void UcxBackend::Impl::CloseEp(std::shared_ptr<Ep> ep, const Status& why, bool f
     ep->failed = true;
     if (ep->reply) {
         auto r = replies_.find(ep->token);
-        if (r != replies_.end() && r->second == ep) replies_.erase(r);
+        if (r != replies_.end() && r->second == ep) {
+            replies_.erase(r);
+            // The initiator can no longer be asked to let go: it holds no grant of ours.
+            for (auto& [id, g] : granted_) g.grantees.erase(ep->token);
+            std::vector<uint64_t> waiting;
+            for (auto& [id, rv] : revocations_) {
+                if (rv.waiting.count(ep->token) != 0) waiting.push_back(id);
+            }
+            for (uint64_t id : waiting) Acknowledged(id, ep->token);
+        }
     } else {
         auto it = eps_.find(ep->name);
         if (it != eps_.end() && it->second == ep) eps_.erase(it);
@@ -702,13 +806,35 @@ void UcxBackend::Impl::CloseEp(std::shared_ptr<Ep> ep, const Status& why, bool f
         PollClose(req, ep, handle);
     } else {
         by_handle_.erase(handle);
+        Closed(ep);
     }
 }
 
+void UcxBackend::Impl::Closed(const std::shared_ptr<Ep>& ep) {
+    for (auto& [id, g] : ep->grants) {
+        if (g.rkey != nullptr) ucp_rkey_destroy(g.rkey);
+    }
+    ep->grants.clear();
+    for (ucp_rkey_h k : ep->retired) ucp_rkey_destroy(k);
+    ep->retired.clear();
+}
+
 void UcxBackend::Impl::MaybeComplete(const std::shared_ptr<Pending>& p) {
-    if (!p->replied || p->send_req != nullptr || p->recv_req != nullptr) return;
+    if (!p->replied || p->send_req != nullptr || p->recv_req != nullptr || p->rma_inflight > 0) {
+        return;
+    }
     if (pending_.erase(p->id) == 0) return;  // already reported
     if (p->ep) p->ep->requests.erase(p->id);
+    for (RegionId region : p->holds) {
+        auto g = p->ep->grants.find(region);
+        if (g == p->ep->grants.end()) continue;
+        if (--g->second.holds == 0 && g->second.revoked) ReleaseGrant(p->ep, region);
+    }
+    p->holds.clear();
+    if (!p->op) {
+        if (p->done) p->done(*p);
+        return;
+    }
     auto range = by_op_.equal_range(p->op->id());
     for (auto it = range.first; it != range.second; ++it) {
         if (it->second == p->id) {
@@ -728,10 +854,14 @@ void UcxBackend::Impl::Finish(const std::shared_ptr<Pending>& p, const Status& s
     MaybeComplete(p);
 }
 
-void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool with_data) {
+void UcxBackend::Impl::Track(const std::shared_ptr<Pending>& p) {
     pending_[p->id] = p;
-    by_op_.emplace(p->op->id(), p->id);
+    if (p->op) by_op_.emplace(p->op->id(), p->id);
     p->ep->requests.insert(p->id);
+}
+
+void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool with_data) {
+    Track(p);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -769,23 +899,70 @@ void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool
 }
 
 void UcxBackend::Impl::DoPost(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
-                              bool write, std::vector<Chunk> chunks) {
+                              bool write, std::vector<Chunk> chunks, bool one_sided) {
     bool closed = false;
     {
         std::lock_guard<std::mutex> io(op->io_mu);
         closed = op->io_closed;
     }
-    Result<std::shared_ptr<Ep>> ep =
+    Result<std::shared_ptr<Ep>> got =
         closed ? Result<std::shared_ptr<Ep>>(CancelledError("transfer ended")) : GetEp(peer);
-    for (Chunk& c : chunks) {
-        if (!ep.ok()) {
-            op->ChunkDone(ep.status());
-            continue;
+    if (!got.ok()) {
+        for (size_t i = 0; i < chunks.size(); ++i) op->ChunkDone(got.status());
+        return;
+    }
+    std::shared_ptr<Ep> ep = *got;
+    if (!one_sided || ep->no_rma) {
+        PostAm(op, ep, write, chunks);
+        return;
+    }
+    // One-sided: every region needs a grant of the peer first (asked once, kept until revoked).
+    std::map<RegionId, uint64_t> missing;
+    for (const Chunk& c : chunks) {
+        for (const wire::Segment& s : c.remote) {
+            auto g = ep->grants.find(s.region);
+            if (g == ep->grants.end() || g->second.revoked || g->second.key != s.key) {
+                missing[s.region] = s.key;
+            }
         }
+    }
+    if (missing.empty()) {
+        PostRma(op, ep, write, chunks);
+        return;
+    }
+    auto left = std::make_shared<size_t>(missing.size());
+    auto failed = std::make_shared<Status>();
+    auto waiting = std::make_shared<std::vector<Chunk>>(std::move(chunks));
+    awaiting_[op->id()] = Awaiting{op, waiting};  // a cut-off fails them meanwhile
+    for (const auto& [region, key] : missing) {
+        RequestGrant(ep, region, key,
+                     [this, op, peer, write, waiting, left, failed, ep](const Status& s) {
+                         if (!s.ok() && failed->ok()) *failed = s;
+                         if (--*left > 0) return;
+                         auto aw = awaiting_.find(op->id());
+                         if (aw == awaiting_.end() || aw->second.chunks != waiting) return;
+                         awaiting_.erase(aw);
+                         if (failed->code() == Code::kUnimplemented) {
+                             ep->no_rma = true;  // the peer grants nothing: active messages
+                         } else if (!failed->ok()) {
+                             for (size_t i = 0; i < waiting->size(); ++i) op->ChunkDone(*failed);
+                             return;
+                         }
+                         // Not from inside the UCX callback that delivered the grant.
+                         deferred_.push_back([this, op, peer, write, waiting] {
+                             DoPost(op, peer, write, std::move(*waiting), true);
+                         });
+                     });
+    }
+}
+
+void UcxBackend::Impl::PostAm(const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep,
+                              bool write, std::vector<Chunk>& chunks) {
+    for (Chunk& c : chunks) {
         auto p = std::make_shared<Pending>();
         p->id = next_request_++;
         p->op = op;
-        p->ep = *ep;
+        p->ep = ep;
         p->am = write ? kAmWrite : kAmRead;
         ByteWriter w;
         w.U64(p->ep->token);
@@ -808,6 +985,351 @@ void UcxBackend::Impl::DoPost(const std::shared_ptr<TransferOp>& op, const UcxPe
             Send(p, kAmRead, false);
         }
     }
+}
+
+void UcxBackend::Impl::PostRma(const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep,
+                               bool write, std::vector<Chunk>& chunks) {
+    one_sided_.fetch_add(1, std::memory_order_relaxed);
+    std::vector<std::shared_ptr<Pending>> batch;
+    for (Chunk& c : chunks) {
+        auto p = std::make_shared<Pending>();
+        p->id = next_request_++;
+        p->op = op;
+        p->ep = ep;
+        p->am = write ? kAmWrite : kAmRead;
+        p->replied = true;  // nothing answers: done when UCX completes its requests
+        p->rma_get = !write;
+        p->bytes = c.bytes;
+        Track(p);
+        batch.push_back(p);
+        for (const wire::Segment& s : c.remote) {
+            if (std::find(p->holds.begin(), p->holds.end(), s.region) == p->holds.end()) {
+                p->holds.push_back(s.region);
+                ++ep->grants[s.region].holds;
+            }
+        }
+        // Walk the remote segments and the local pieces together (they are cut differently).
+        size_t li = 0;
+        uint64_t loff = 0;
+        for (const wire::Segment& s : c.remote) {
+            if (!p->status.ok()) break;
+            const Ep::Grant& g = ep->grants[s.region];
+            // Against what the target granted, never what its metadata claims.
+            if (s.offset > g.length || s.length > g.length - s.offset) {
+                p->status = OutOfRangeError(
+                    "range [" + std::to_string(s.offset) + ", +" + std::to_string(s.length) +
+                    ") outside region " + std::to_string(s.region) + " of " +
+                    std::to_string(g.length) + " bytes (as peer " + ep->name + " granted it)");
+                break;
+            }
+            uint64_t moved = 0;
+            while (moved < s.length && p->status.ok() && li < c.local.size()) {
+                const iovec& v = c.local[li];
+                size_t n = std::min<uint64_t>(s.length - moved, v.iov_len - loff);
+                IssueRma(p, write, static_cast<char*>(v.iov_base) + loff, n,
+                         g.address + s.offset + moved, g.rkey);
+                moved += n;
+                loff += n;
+                if (loff == v.iov_len) {
+                    ++li;
+                    loff = 0;
+                }
+            }
+        }
+    }
+    if (write) {
+        // A put completes when UCX is done with our memory; the flush completes once every one
+        // of them has landed at the peer. Only then is the write done (and its notification
+        // sent).
+        auto* waiting = new std::vector<std::weak_ptr<Pending>>(batch.begin(), batch.end());
+        ucp_request_param_t fp{};
+        fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        fp.user_data = waiting;
+        fp.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+            auto* w = static_cast<std::vector<std::weak_ptr<Pending>>*>(user_data);
+            for (auto& wp : *w) {
+                if (auto pp = wp.lock()) {
+                    --pp->rma_inflight;
+                    if (status != UCS_OK && pp->status.ok()) {
+                        pp->status = FromUcs(status, "ucx: flushing writes to " + pp->ep->name);
+                    }
+                    pp->ep->impl->MaybeComplete(pp);
+                }
+            }
+            delete w;
+            ucp_request_free(request);
+        };
+        for (auto& p : batch) ++p->rma_inflight;
+        ucs_status_ptr_t r = ThroughUcx([&] { return ucp_ep_flush_nbx(ep->ep, &fp); });
+        if (!UCS_PTR_IS_PTR(r)) {
+            delete waiting;
+            for (auto& p : batch) {
+                --p->rma_inflight;
+                if (UCS_PTR_IS_ERR(r) && p->status.ok()) {
+                    p->status = FromUcs(UCS_PTR_STATUS(r), "ucx: flushing writes to " + ep->name);
+                }
+            }
+        }
+    }
+    for (auto& p : batch) MaybeComplete(p);
+}
+
+void UcxBackend::Impl::IssueRma(const std::shared_ptr<Pending>& p, bool write, void* local,
+                                size_t n, uint64_t remote, ucp_rkey_h rkey) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    auto* holder = new std::weak_ptr<Pending>(p);
+    rp.user_data = holder;
+    rp.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        auto* h = static_cast<std::weak_ptr<Pending>*>(user_data);
+        if (auto pp = h->lock()) {
+            Impl* self = pp->ep->impl;
+            --pp->rma_inflight;
+            if (pp->rma_get) self->Receiving(pp->op->id(), -1);
+            if (status != UCS_OK && pp->status.ok()) {
+                pp->status = FromUcs(status, std::string(pp->rma_get ? "ucx: reading from peer "
+                                                                     : "ucx: writing to peer ") +
+                                                 pp->ep->name);
+            }
+            self->MaybeComplete(pp);
+        }
+        delete h;
+        ucp_request_free(request);
+    };
+    ucs_status_ptr_t r = ThroughUcx([&] {
+        return write ? ucp_put_nbx(p->ep->ep, local, n, remote, rkey, &rp)
+                     : ucp_get_nbx(p->ep->ep, local, n, remote, rkey, &rp);
+    });
+    if (UCS_PTR_IS_PTR(r)) {
+        ++p->rma_inflight;
+        if (p->rma_get) Receiving(p->op->id(), +1);
+        return;
+    }
+    delete holder;
+    if (UCS_PTR_IS_ERR(r)) {
+        p->status = FromUcs(
+            UCS_PTR_STATUS(r),
+            std::string(write ? "ucx: writing to peer " : "ucx: reading from peer ") + p->ep->name);
+    }
+}
+
+void UcxBackend::Impl::RequestGrant(const std::shared_ptr<Ep>& ep, RegionId region, uint64_t key,
+                                    std::function<void(const Status&)> then) {
+    auto p = std::make_shared<Pending>();
+    p->id = next_request_++;
+    p->ep = ep;
+    p->am = kAmGrant;
+    ByteWriter w;
+    w.U64(ep->token);
+    w.U64(ep->proof);
+    w.U64(token_);
+    w.U64(p->id);
+    w.U64(region);
+    w.U64(key);
+    p->header = w.Take();
+    p->buffer.resize(16 + kMaxPackedRkey);
+    p->iov.push_back(ucp_dt_iov_t{p->buffer.data(), p->buffer.size()});
+    p->bytes = p->buffer.size();
+    p->done = [this, region, key, then = std::move(then)](Pending& q) {
+        Status s = q.status;
+        std::shared_ptr<Ep> ep = q.ep;
+        uint64_t address = 0, length = 0;
+        ByteReader r(std::string_view(q.buffer.data(), std::min<size_t>(q.value, 16)), "ucx grant");
+        if (s.ok() &&
+            (q.value < 16 || q.value > q.buffer.size() || !r.U64(&address) || !r.U64(&length))) {
+            s = DataLossError("peer " + ep->name + " sent a malformed grant of region " +
+                              std::to_string(region));
+        }
+        if (s.ok() && (ep->ep == nullptr || ep->failed)) {
+            s = UnavailableError("peer " + ep->name + ": endpoint closed");
+        }
+        ucp_rkey_h rkey = nullptr;
+        if (s.ok()) {
+            ucs_status_t st = ucp_ep_rkey_unpack(ep->ep, q.buffer.data() + 16, &rkey);
+            if (st != UCS_OK) {
+                s = DataLossError("peer " + ep->name + ": the rkey of region " +
+                                  std::to_string(region) +
+                                  " does not unpack: " + ucs_status_string(st));
+            }
+        }
+        if (s.ok()) {
+            Ep::Grant& g = ep->grants[region];
+            if (g.revoked) {
+                ucp_rkey_destroy(rkey);
+                s = NotFoundError("peer " + ep->name + " deregistered region " +
+                                  std::to_string(region));
+            } else {
+                if (g.rkey != nullptr) {
+                    if (g.holds > 0) {
+                        ep->retired.push_back(g.rkey);
+                    } else {
+                        ucp_rkey_destroy(g.rkey);
+                    }
+                }
+                g.key = key;
+                g.address = address;
+                g.length = length;
+                g.rkey = rkey;
+            }
+        }
+        then(s);
+    };
+    Send(p, kAmGrant, false);
+}
+
+void UcxBackend::Impl::ServeGrant(const std::shared_ptr<Serving>& sv, RegionId region,
+                                  uint64_t key) {
+    auto refuse = [&](const Status& s) {
+        Reply(sv->initiator, sv->request_id, sv->proof, s, 0, {});
+    };
+    if (revoking_.count(region) != 0) {
+        refuse(NotFoundError("no region " + std::to_string(region) + " (deregistered)"));
+        return;
+    }
+    auto rit = replies_.find(sv->initiator);
+    if (rit == replies_.end() || rit->second->failed || rit->second->ep == nullptr) {
+        return;  // nobody to answer, nor to revoke the grant from later
+    }
+    void* base = nullptr;
+    uint64_t length = 0;
+    Status s = host_->GrantRegion(region, key, &base, &length);
+    if (!s.ok()) {
+        refuse(s);
+        return;
+    }
+    Granted& g = granted_[region];
+    if (g.memh == nullptr) {
+        ucp_mem_map_params_t mp{};
+        mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        mp.address = base;
+        mp.length = length;
+        ucs_status_t st = ucp_mem_map(context_, &mp, &g.memh);
+        void* packed = nullptr;
+        size_t size = 0;
+        if (st == UCS_OK) st = ucp_rkey_pack(context_, g.memh, &packed, &size);
+        if (st == UCS_OK && size > kMaxPackedRkey) {
+            ucp_rkey_buffer_release(packed);
+            st = UCS_ERR_EXCEEDS_LIMIT;
+        }
+        if (st != UCS_OK) {
+            if (g.memh != nullptr) ucp_mem_unmap(context_, g.memh);
+            granted_.erase(region);
+            refuse(FromUcs(st, "ucx: mapping region " + std::to_string(region)));
+            return;
+        }
+        g.packed.assign(static_cast<const char*>(packed), size);
+        ucp_rkey_buffer_release(packed);
+        g.address = reinterpret_cast<uint64_t>(base);
+        g.length = length;
+    }
+    g.grantees.insert(sv->initiator);
+    ByteWriter w;
+    w.U64(g.address);
+    w.U64(g.length);
+    sv->blob = w.Take() + g.packed;
+    sv->iov.push_back(ucp_dt_iov_t{sv->blob.data(), sv->blob.size()});
+    Reply(sv->initiator, sv->request_id, sv->proof, Status::Ok(), sv->blob.size(), sv);
+}
+
+void UcxBackend::Impl::ReleaseGrant(const std::shared_ptr<Ep>& ep, RegionId region) {
+    auto it = ep->grants.find(region);
+    if (it == ep->grants.end()) return;
+    if (it->second.rkey != nullptr) ucp_rkey_destroy(it->second.rkey);
+    std::vector<uint64_t> revokes = std::move(it->second.revokes);
+    ep->grants.erase(it);
+    for (uint64_t id : revokes) SendRevokeAck(ep, id);
+}
+
+ucs_status_t UcxBackend::Impl::SendControl(ucp_ep_h handle, uint16_t am, std::string header) {
+    auto* h = new std::string(std::move(header));
+    ucp_request_param_t hp{};
+    hp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    hp.flags = UCP_AM_SEND_FLAG_EAGER;
+    hp.user_data = h;
+    hp.cb.send = [](void* request, ucs_status_t, void* user_data) {
+        delete static_cast<std::string*>(user_data);
+        ucp_request_free(request);
+    };
+    ucs_status_ptr_t r = AmSend(handle, am, h->data(), h->size(), nullptr, 0, &hp);
+    if (UCS_PTR_IS_PTR(r)) return UCS_OK;
+    delete h;
+    return UCS_PTR_STATUS(r);
+}
+
+void UcxBackend::Impl::SendRevokeAck(const std::shared_ptr<Ep>& ep, uint64_t revocation) {
+    if (ep->ep == nullptr || ep->failed) return;  // the target sees the endpoint go instead
+    ByteWriter w;
+    w.U64(ep->token);
+    w.U64(ep->proof);
+    w.U64(token_);
+    w.U64(revocation);
+    (void)SendControl(ep->ep, kAmRevokeAck, w.Take());
+}
+
+void UcxBackend::Impl::DoRevoke(RegionId id, const std::shared_ptr<std::promise<void>>& done) {
+    revoking_.insert(id);
+    auto g = granted_.find(id);
+    if (g == granted_.end()) {
+        done->set_value();
+        return;
+    }
+    uint64_t rid = next_revocation_++;
+    Revocation& rv = revocations_[rid];
+    rv.region = id;
+    rv.done = done;
+    for (uint64_t t : g->second.grantees) {
+        auto r = replies_.find(t);
+        if (r == replies_.end() || r->second->failed || r->second->ep == nullptr) continue;
+        ByteWriter w;
+        w.U64(t);
+        w.U64(ProofFor(t));
+        w.U64(token_);
+        w.U64(rid);
+        w.U64(id);
+        if (SendControl(r->second->ep, kAmRevoke, w.Take()) == UCS_OK) rv.waiting.insert(t);
+    }
+    if (rv.waiting.empty()) FinishRevocation(rid);
+}
+
+void UcxBackend::Impl::DoRevokeExpired(RegionId id) {
+    std::vector<uint64_t> late;
+    std::vector<uint64_t> ids;
+    for (auto& [rid, rv] : revocations_) {
+        if (rv.region != id) continue;
+        ids.push_back(rid);
+        late.insert(late.end(), rv.waiting.begin(), rv.waiting.end());
+    }
+    for (uint64_t t : late) {
+        auto r = replies_.find(t);
+        if (r == replies_.end()) continue;
+        FERRY_LOG(kWarn,
+                  "ucx: {} did not let go of region {} in time; disconnected so that the region "
+                  "can go",
+                  r->second->name, id);
+        CloseEp(r->second, UnavailableError("region " + std::to_string(id) +
+                                            " deregistered and the grantee did not let go"));
+    }
+    for (uint64_t rid : ids) FinishRevocation(rid);
+}
+
+void UcxBackend::Impl::Acknowledged(uint64_t revocation, uint64_t grantee) {
+    auto it = revocations_.find(revocation);
+    if (it == revocations_.end()) return;
+    it->second.waiting.erase(grantee);
+    if (it->second.waiting.empty()) FinishRevocation(revocation);
+}
+
+void UcxBackend::Impl::FinishRevocation(uint64_t revocation) {
+    auto it = revocations_.find(revocation);
+    if (it == revocations_.end()) return;
+    auto g = granted_.find(it->second.region);
+    if (g != granted_.end()) {
+        if (g->second.memh != nullptr) ucp_mem_unmap(context_, g->second.memh);
+        granted_.erase(g);
+    }
+    it->second.done->set_value();
+    revocations_.erase(it);
 }
 
 void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& payload,
@@ -888,6 +1410,13 @@ void UcxBackend::Impl::DoDropPeer(const std::string& peer, uint64_t epoch, const
 }
 
 void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
+    auto aw = awaiting_.find(op_id);
+    if (aw != awaiting_.end()) {
+        // Still waiting for grants: nothing of its memory was handed to UCX yet.
+        Awaiting a = std::move(aw->second);
+        awaiting_.erase(aw);
+        for (size_t i = 0; i < a.chunks->size(); ++i) a.op->ChunkDone(why);
+    }
     std::vector<std::shared_ptr<Pending>> mine;
     auto range = by_op_.equal_range(op_id);
     for (auto it = range.first; it != range.second; ++it) {
@@ -900,10 +1429,10 @@ void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
     // close the endpoint under it.
     std::unordered_set<std::shared_ptr<Ep>> close;
     for (auto& p : mine) {
-        if (p->recv_req != nullptr) {
-            ucp_request_cancel(worker_, p->recv_req);
+        if (p->recv_req != nullptr || (p->rma_get && p->rma_inflight > 0)) {
+            if (p->recv_req != nullptr) ucp_request_cancel(worker_, p->recv_req);
             close.insert(p->ep);
-        } else if (p->send_req != nullptr) {
+        } else if (p->send_req != nullptr || p->rma_inflight > 0) {
             close.insert(p->ep);
         } else {
             Finish(p, why);  // only waiting for a reply: forget it
@@ -915,7 +1444,7 @@ void UcxBackend::Impl::DoCutOff(uint64_t op_id, const Status& why) {
     }
     auto receiving = [&] {
         for (auto& p : mine) {
-            if (p->recv_req != nullptr) return true;
+            if (p->recv_req != nullptr || (p->rma_get && p->rma_inflight > 0)) return true;
         }
         return false;
     };
@@ -1024,6 +1553,37 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
         });
         return UCS_OK;
     }
+    if (am == kAmRevoke || am == kAmRevokeAck) {
+        uint64_t sender = 0, revocation = 0, region = 0;
+        bool ok = r.U64(&sender) && r.U64(&revocation) && (am == kAmRevokeAck || r.U64(&region)) &&
+                  r.Finish().ok() && length == 0;
+        if (const char* why = Refusal(ok, token, proof)) {
+            FERRY_LOG(kWarn, "ucx: a revocation message refused ({})", why);
+            Release(data, param);
+            return UCS_OK;
+        }
+        if (am == kAmRevokeAck) {
+            deferred_.push_back([this, revocation, sender] { Acknowledged(revocation, sender); });
+            return UCS_OK;
+        }
+        deferred_.push_back([this, sender, revocation, region] {
+            // Our endpoint to the target that revokes: the grant lives there.
+            std::shared_ptr<Ep> ep;
+            for (auto& [n, e] : eps_) {
+                if (e->token == sender && !e->failed && e->ep != nullptr) ep = e;
+            }
+            if (!ep) return;  // we hold nothing of its; it sees our endpoint go
+            auto g = ep->grants.find(region);
+            if (g == ep->grants.end()) {
+                SendRevokeAck(ep, revocation);
+                return;
+            }
+            g->second.revoked = true;
+            g->second.revokes.push_back(revocation);
+            if (g->second.holds == 0) ReleaseGrant(ep, region);  // else when the last chunk ends
+        });
+        return UCS_OK;
+    }
     if (am == kAmNotify) {
         std::string sender;
         bool ok = r.Str(&sender, wire::kMaxNameLen) && r.Finish().ok();
@@ -1079,6 +1639,18 @@ ucs_status_t UcxBackend::Impl::HandleRequest(uint16_t am, std::string_view heade
     sv->proof = reply_proof;
     sv->impl = this;
     std::vector<iovec> iov;
+    if (am == kAmGrant) {
+        uint64_t region = 0, key = 0;
+        if (!r.U64(&region) || !r.U64(&key) || !r.Finish().ok() || length != 0) {
+            return refuse(InvalidArgumentError("malformed ucx grant request"));
+        }
+        if (!rma_) {
+            return refuse(UnimplementedError("agent " + agent_ +
+                                             " grants no one-sided ucx access (ucx_rma is off)"));
+        }
+        deferred_.push_back([this, sv, region, key] { ServeGrant(sv, region, key); });
+        return UCS_OK;
+    }
     if (am == kAmPull) {
         uint64_t capacity = 0;
         std::string key;
@@ -1240,7 +1812,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         Finish(p, Status::Ok(), value);
         return UCS_OK;
     }
-    {
+    if (p->op) {
         std::lock_guard<std::mutex> io(p->op->io_mu);
         if (p->op->io_closed) {
             Release(data, param);
@@ -1277,7 +1849,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         if (auto pp = h->lock()) {
             Impl* self = pp->ep->impl;
             pp->recv_req = nullptr;
-            self->Receiving(pp->op->id(), -1);
+            if (pp->op) self->Receiving(pp->op->id(), -1);
             self->Finish(pp,
                          status == UCS_OK ? Status::Ok()
                                           : FromUcs(status, "ucx: receiving from " + pp->ep->name),
@@ -1295,7 +1867,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         Finish(p, Status::Ok(), value);
     } else {
         p->recv_req = rr;
-        Receiving(p->op->id(), +1);
+        if (p->op) Receiving(p->op->id(), +1);
         p->replied = true;  // the status now comes from the receive
     }
     return UCS_OK;
@@ -1304,7 +1876,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
 // --- UcxBackend -------------------------------------------------------------------------------
 
 UcxBackend::UcxBackend(const AgentConfig& config)
-    : config_(config), impl_(std::make_unique<Impl>(config.name, config.secret)) {}
+    : config_(config), impl_(std::make_unique<Impl>(config.name, config.secret, config.ucx_rma)) {}
 
 UcxBackend::~UcxBackend() = default;
 
@@ -1334,11 +1906,11 @@ Status UcxBackend::Start(UcxHost* host) { return impl_->Start(host); }
 void UcxBackend::Stop() { impl_->Stop(); }
 
 void UcxBackend::Post(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer, bool write,
-                      std::vector<Chunk> chunks) {
+                      std::vector<Chunk> chunks, bool one_sided) {
     size_t n = chunks.size();
     auto shared = std::make_shared<std::vector<Chunk>>(std::move(chunks));
-    if (!impl_->Run([this, op, peer, write, shared] {
-            impl_->DoPost(op, peer, write, std::move(*shared));
+    if (!impl_->Run([this, op, peer, write, shared, one_sided] {
+            impl_->DoPost(op, peer, write, std::move(*shared), one_sided);
         })) {
         for (size_t i = 0; i < n; ++i) op->ChunkDone(CancelledError("ucx backend stopped"));
     }
@@ -1361,6 +1933,22 @@ void UcxBackend::Pull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& p
         op->ChunkDone(CancelledError("ucx backend stopped"));
     }
 }
+
+void UcxBackend::RevokeRegion(RegionId id, std::chrono::milliseconds grace) {
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> f = done->get_future();
+    if (!impl_->Run([this, id, done] { impl_->DoRevoke(id, done); })) return;  // stopped
+    if (f.wait_for(grace) == std::future_status::ready) return;
+    // Grantees that did not let go in time are disconnected; then the region goes.
+    if (!impl_->Run([this, id] { impl_->DoRevokeExpired(id); })) return;
+    f.wait();
+}
+
+void UcxBackend::RegionGone(RegionId id) {
+    impl_->Run([this, id] { impl_->DoRegionGone(id); });
+}
+
+uint64_t UcxBackend::one_sided_transfers() const { return impl_->one_sided_transfers(); }
 
 void UcxBackend::DropPeer(const std::string& peer, uint64_t epoch, const Status& why) {
     impl_->Run([this, peer, epoch, why] { impl_->DoDropPeer(peer, epoch, why); });

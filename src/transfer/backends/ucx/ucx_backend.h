@@ -6,7 +6,11 @@
 // Data moves by active messages: a WRITE is one message per chunk whose header lists the
 // target segments (region, key, offset, length); the target checks every key and bound, then
 // lets UCX's rendezvous protocol land the payload straight in its region (zero-copy receive).
-// A READ is a request the target checks and answers with the bytes. Notifications and
+// A READ is a request the target checks and answers with the bytes. With one-sided access
+// (AgentConfig::ucx_rma) an initiator instead asks the target once per region for a grant (key
+// checked, the region mapped with ucp_mem_map, its packed rkey returned) and then moves the bytes
+// with ucp_put_nbx / ucp_get_nbx, bounds checked against the grant; Deregister revokes every grant
+// and returns once each grantee acknowledged. Notifications and
 // pull-by-key are active messages too. Every message carries the receiver's endpoint token
 // (random, published in the metadata next to the worker address) and, with a deployment secret,
 // an HMAC of it, so a message meant for an earlier process, or forged by someone holding only
@@ -15,6 +19,7 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -43,6 +48,9 @@ class UcxHost {
     virtual Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
                                  std::vector<iovec>* iov, uint64_t* size) = 0;
     virtual void DeliverNotification(std::string peer, std::string payload) = 0;
+    // For a one-sided grant: checks region `id`'s key, that it exists and is host memory, and
+    // says where it is.
+    virtual Status GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) = 0;
 };
 
 // Where one peer's ucx endpoint is.
@@ -76,9 +84,19 @@ class UcxBackend final : public Backend {
     // Segments per message (bounded by UCX's largest active-message header).
     uint32_t max_segments() const { return max_segments_; }
 
-    // Sends `chunks` of `op` (armed with chunks.size()) to `peer`.
+    // Sends `chunks` of `op` (armed with chunks.size()) to `peer`. `one_sided`: move the bytes
+    // with ucp_put_nbx / ucp_get_nbx under grants of the peer's regions (all host memory), or by
+    // active messages if the peer grants none (its ucx_rma is off).
     void Post(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer, bool write,
-              std::vector<Chunk> chunks);
+              std::vector<Chunk> chunks, bool one_sided = false);
+    // Deregister of region `id`: refuses new grants of it, asks every grantee to let go and
+    // returns once each acknowledged (its one-sided requests to the region are complete at this
+    // end) or, after `grace`, was disconnected; then unmaps the region from UCX.
+    void RevokeRegion(RegionId id, std::chrono::milliseconds grace);
+    // After Deregister: forgets `id` (ids are never reused).
+    void RegionGone(RegionId id);
+    // Transfers moved one-sided (ucp_put_nbx / ucp_get_nbx) so far.
+    uint64_t one_sided_transfers() const;
     // Queues a notification (ordered with earlier ones to the same peer).
     Status Notify(const UcxPeerRef& peer, std::string payload, std::string sender);
     // Asks `peer` for object `key` into `local` (op armed with one chunk).
