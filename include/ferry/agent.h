@@ -110,7 +110,8 @@ struct AgentConfig {
     // then move bytes with ucp_put_nbx / ucp_get_nbx, without this agent's CPU on RDMA
     // transports; Deregister revokes every grant before it returns. This agent also uses the
     // grants of peers that offer them. Off: every transfer is an active message the target
-    // checks (faster over UCX_TLS=tcp, where UCX emulates RMA in software). docs/transfer-engine.md
+    // checks. Over UCX_TLS=tcp, where UCX emulates RMA in software, the two move 4 MiB blocks
+    // equally fast (docs/benchmarks.md). docs/transfer-engine.md, "ucx".
     bool ucx_rma = false;
     // The file backend (file regions, Agent::RegisterFile): "io_uring", or "pread" (pread/pwrite
     // on one thread). io_uring falls back to pread, with a warning, where the kernel refuses it

@@ -22,16 +22,27 @@ std::unique_ptr<Agent> Make(const std::string& name, bool rma) {
     return ValueOrDie(Agent::Create(TestConfig(name, rma ? "ucx_rma" : "ucx")), name.c_str());
 }
 
+// agent-a and agent-b, each with or without one-sided access, that know each other.
+struct Pair {
+    Pair(bool a_rma, bool b_rma) : a(Make("agent-a", a_rma)), b(Make("agent-b", b_rma)) {}
+    void Connect() {
+        ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
+        ASSERT_TRUE(b->AddPeer(a->Metadata()).ok());
+    }
+    std::unique_ptr<Agent> a;
+    std::unique_ptr<Agent> b;
+};
+
 TEST(UcxRma, DeregisterRevokesTheGrantAndNothingLandsAfterItReturns) {
-    auto a = Make("agent-a", true);
-    auto b = Make("agent-b", true);
+    Pair p(true, true);
+    Agent* a = p.a.get();
+    Agent* b = p.b.get();
     const size_t size = 4u << 20;
     RegionInfo la = ValueOrDie(a->AllocateRegion(size));
     FillPattern(la.base, size, 5);
     std::vector<uint8_t> user(size);
     RegionInfo ru = ValueOrDie(b->RegisterMemory(user.data(), user.size()));
-    ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
-    ASSERT_TRUE(b->AddPeer(a->Metadata()).ok());
+    p.Connect();
 
     // Writes back to back, in 1 MiB pieces, through a grant; they keep trying after the
     // Deregister with the metadata they have.
@@ -87,14 +98,14 @@ TEST(UcxRma, DeregisterRevokesTheGrantAndNothingLandsAfterItReturns) {
 }
 
 TEST(UcxRma, ReadsInFlightWhenTheTargetDeregistersEndBeforeDeregisterReturns) {
-    auto a = Make("agent-a", true);
-    auto b = Make("agent-b", true);
+    Pair p(true, true);
+    Agent* a = p.a.get();
+    Agent* b = p.b.get();
     const size_t size = 16u << 20;
     RegionInfo la = ValueOrDie(a->AllocateRegion(8 * size));
     RegionInfo rb = ValueOrDie(b->AllocateRegion(size));
     FillPattern(rb.base, size, 8);
-    ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
-    ASSERT_TRUE(b->AddPeer(a->Metadata()).ok());
+    p.Connect();
     // A first read takes the grant.
     auto first = ValueOrDie(a->PostRead(std::vector<Descriptor>{{la.id, 0, 4096}}, "agent-b",
                                         std::vector<Descriptor>{{rb.id, 0, 4096}}));
@@ -116,14 +127,14 @@ TEST(UcxRma, ReadsInFlightWhenTheTargetDeregistersEndBeforeDeregisterReturns) {
 }
 
 TEST(UcxRma, ATargetThatGrantsNothingIsServedByActiveMessages) {
-    auto a = Make("agent-a", true);
-    auto b = Make("agent-b", false);
+    Pair p(true, false);
+    Agent* a = p.a.get();
+    Agent* b = p.b.get();
     const size_t size = 1u << 20;
     RegionInfo la = ValueOrDie(a->AllocateRegion(2 * size));
     RegionInfo rb = ValueOrDie(b->AllocateRegion(size));
     FillPattern(la.base, size, 2);
-    ASSERT_TRUE(a->AddPeer(b->Metadata()).ok());
-    ASSERT_TRUE(b->AddPeer(a->Metadata()).ok());
+    p.Connect();
     for (int i = 0; i < 2; ++i) {
         auto w = ValueOrDie(a->PostWrite(std::vector<Descriptor>{{la.id, 0, size}}, "agent-b",
                                          std::vector<Descriptor>{{rb.id, 0, size}}));
@@ -139,8 +150,9 @@ TEST(UcxRma, ATargetThatGrantsNothingIsServedByActiveMessages) {
 }
 
 TEST(UcxRma, AnInitiatorWithoutRmaNeverAsksForGrants) {
-    auto a = Make("agent-a", false);
-    auto b = Make("agent-b", true);
+    Pair p(false, true);
+    Agent* a = p.a.get();
+    Agent* b = p.b.get();
     RegionInfo la = ValueOrDie(a->AllocateRegion(4096));
     RegionInfo rb = ValueOrDie(b->AllocateRegion(4096));
     FillPattern(la.base, 4096, 6);

@@ -52,7 +52,9 @@ int main(int argc, char** argv) {
 
     ferry::AgentConfig config;
     config.name = role == "target" ? "netns-target" : "netns-initiator";
-    config.backends = {backend};
+    // "ucx_rma": ucx with one-sided access (AgentConfig::ucx_rma).
+    config.backends = {backend == "ucx_rma" ? std::string("ucx") : backend};
+    config.ucx_rma = backend == "ucx_rma";
     config.listen_host = listen;
     config.default_timeout = std::chrono::milliseconds(timeout_ms);
     auto agent = ferry::Agent::Create(config);

@@ -82,7 +82,7 @@ class NetnsFaults : public ::testing::TestWithParam<std::string> {
     // list would also offer the namespace's loopback, which means another host over there).
     std::vector<std::string> In(const std::string& ns, const std::string& dev) {
         std::vector<std::string> argv = {"/usr/bin/ip", "netns", "exec", ns};
-        if (GetParam() == "ucx") {
+        if (GetParam() == "ucx" || GetParam() == "ucx_rma") {
             argv.insert(argv.end(), {"/usr/bin/env", "UCX_TLS=tcp", "UCX_NET_DEVICES=" + dev});
         }
         argv.push_back(FERRY_NETNS_PEER);

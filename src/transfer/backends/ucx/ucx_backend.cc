@@ -302,8 +302,9 @@ class UcxBackend::Impl {
     // Drops a grant nobody holds any more, acknowledging its revocations.
     void ReleaseGrant(const std::shared_ptr<Ep>& ep, RegionId region);
     void SendRevokeAck(const std::shared_ptr<Ep>& ep, uint64_t revocation);
-    // Sends a header-only control message (eager, fire and forget).
-    ucs_status_t SendControl(ucp_ep_h handle, uint16_t am, std::string header);
+    // Sends a control message (eager, fire and forget). `data` must outlive the send (ours).
+    ucs_status_t SendControl(ucp_ep_h handle, uint16_t am, std::string header,
+                             const void* data = nullptr, size_t length = 0);
     // A grantee is gone or acknowledged: the revocation may be complete.
     void Acknowledged(uint64_t revocation, uint64_t grantee);
     void FinishRevocation(uint64_t revocation);
@@ -693,23 +694,9 @@ ucs_status_t UcxBackend::Impl::Announce(const std::shared_ptr<Ep>& ep, uint16_t 
     w.U64(ep->proof);
     w.U64(token_);
     w.U64(ep->generation);
-    auto* header = new std::string(w.Take());
-    ucp_request_param_t hp{};
-    hp.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    hp.flags = UCP_AM_SEND_FLAG_EAGER;
-    hp.user_data = header;
-    hp.cb.send = [](void* request, ucs_status_t, void* user_data) {
-        delete static_cast<std::string*>(user_data);
-        ucp_request_free(request);
-    };
     const bool hello = am == kAmHello;
-    ucs_status_ptr_t r =
-        AmSend(ep->ep, am, header->data(), header->size(), hello ? my_address_.data() : nullptr,
-               hello ? my_address_.size() : 0, &hp);
-    if (UCS_PTR_IS_PTR(r)) return UCS_OK;
-    delete header;
-    return UCS_PTR_STATUS(r);
+    return SendControl(ep->ep, am, w.Take(), hello ? my_address_.data() : nullptr,
+                       hello ? my_address_.size() : 0);
 }
 
 void UcxBackend::Impl::OpenReplyEp(uint64_t initiator, uint64_t generation,
@@ -1240,7 +1227,8 @@ void UcxBackend::Impl::ReleaseGrant(const std::shared_ptr<Ep>& ep, RegionId regi
     for (uint64_t id : revokes) SendRevokeAck(ep, id);
 }
 
-ucs_status_t UcxBackend::Impl::SendControl(ucp_ep_h handle, uint16_t am, std::string header) {
+ucs_status_t UcxBackend::Impl::SendControl(ucp_ep_h handle, uint16_t am, std::string header,
+                                           const void* data, size_t length) {
     auto* h = new std::string(std::move(header));
     ucp_request_param_t hp{};
     hp.op_attr_mask =
@@ -1251,7 +1239,7 @@ ucs_status_t UcxBackend::Impl::SendControl(ucp_ep_h handle, uint16_t am, std::st
         delete static_cast<std::string*>(user_data);
         ucp_request_free(request);
     };
-    ucs_status_ptr_t r = AmSend(handle, am, h->data(), h->size(), nullptr, 0, &hp);
+    ucs_status_ptr_t r = AmSend(handle, am, h->data(), h->size(), data, length, &hp);
     if (UCS_PTR_IS_PTR(r)) return UCS_OK;
     delete h;
     return UCS_PTR_STATUS(r);
