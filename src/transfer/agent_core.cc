@@ -830,12 +830,12 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
 
     // Remote side: against the peer's published regions (the target checks again).
     std::unordered_map<RegionId, RegionView> remote_views;
-    std::unordered_set<RegionId> remote_files;
+    std::unordered_set<RegionId> remote_files;  // only wanted for ucx one-sided access
     {
         std::lock_guard<std::mutex> lock(peer->mu);
         for (const RemoteRegion& r : peer->md.regions) {
             remote_views[r.id] = RegionView{nullptr, r.length, r.key};
-            if (r.kind != MemoryKind::kHost) remote_files.insert(r.id);
+            if (config_.ucx_rma && r.kind != MemoryKind::kHost) remote_files.insert(r.id);
         }
     }
     auto find_remote = [&](RegionId id) -> const RegionView* {
@@ -881,8 +881,8 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
         // One-sided where we may and every remote region is host memory (files are staged by
         // the target).
         bool one_sided = config_.ucx_rma;
-        for (const auto& s : segments) {
-            if (remote_files.count(s.remote.region) != 0) one_sided = false;
+        for (size_t i = 0; one_sided && !remote_files.empty() && i < segments.size(); ++i) {
+            one_sided = remote_files.count(segments[i].remote.region) == 0;
         }
         ucx_->Post(op, ref, kind == TransferOp::Kind::kWrite, std::move(chunks), one_sided);
         return Transfer(op);

@@ -285,6 +285,9 @@ class UcxBackend::Impl {
     // Sends request `p` (its header; its iov as payload when `with_data`) and tracks it.
     void Send(const std::shared_ptr<Pending>& p, uint16_t am, bool with_data);
     void Track(const std::shared_ptr<Pending>& p);
+    // A request for chunk `c` of `op` (not sent, not tracked yet).
+    std::shared_ptr<Pending> NewChunk(const std::shared_ptr<TransferOp>& op,
+                                      const std::shared_ptr<Ep>& ep, bool write, const Chunk& c);
     // The active-message path of DoPost.
     void PostAm(const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep, bool write,
                 std::vector<Chunk>& chunks);
@@ -943,14 +946,22 @@ void UcxBackend::Impl::DoPost(const std::shared_ptr<TransferOp>& op, const UcxPe
     }
 }
 
+std::shared_ptr<UcxBackend::Impl::Pending> UcxBackend::Impl::NewChunk(
+    const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep, bool write,
+    const Chunk& c) {
+    auto p = std::make_shared<Pending>();
+    p->id = next_request_++;
+    p->op = op;
+    p->ep = ep;
+    p->am = write ? kAmWrite : kAmRead;
+    p->bytes = c.bytes;
+    return p;
+}
+
 void UcxBackend::Impl::PostAm(const std::shared_ptr<TransferOp>& op, const std::shared_ptr<Ep>& ep,
                               bool write, std::vector<Chunk>& chunks) {
     for (Chunk& c : chunks) {
-        auto p = std::make_shared<Pending>();
-        p->id = next_request_++;
-        p->op = op;
-        p->ep = ep;
-        p->am = write ? kAmWrite : kAmRead;
+        auto p = NewChunk(op, ep, write, c);
         ByteWriter w;
         w.U64(p->ep->token);
         w.U64(p->ep->proof);
@@ -965,7 +976,6 @@ void UcxBackend::Impl::PostAm(const std::shared_ptr<TransferOp>& op, const std::
         }
         p->header = w.Take();
         for (const iovec& v : c.local) p->iov.push_back(ucp_dt_iov_t{v.iov_base, v.iov_len});
-        p->bytes = c.bytes;
         if (write) {
             Send(p, kAmWrite, true);
         } else {
@@ -979,14 +989,9 @@ void UcxBackend::Impl::PostRma(const std::shared_ptr<TransferOp>& op, const std:
     one_sided_.fetch_add(1, std::memory_order_relaxed);
     std::vector<std::shared_ptr<Pending>> batch;
     for (Chunk& c : chunks) {
-        auto p = std::make_shared<Pending>();
-        p->id = next_request_++;
-        p->op = op;
-        p->ep = ep;
-        p->am = write ? kAmWrite : kAmRead;
+        auto p = NewChunk(op, ep, write, c);
         p->replied = true;  // nothing answers: done when UCX completes its requests
         p->rma_get = !write;
-        p->bytes = c.bytes;
         Track(p);
         batch.push_back(p);
         for (const wire::Segment& s : c.remote) {
