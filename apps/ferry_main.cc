@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
         ->check(CLI::Range(1, 1024));
     transfer
         ->add_option("--repeat", o.repeat,
-                     "file backend: rounds per row, alternating with the reference (medians)")
+                     "rounds per row, each followed by its reference; figures are medians "
+                     "(default 3)")
         ->check(CLI::Range(1, 100));
     transfer->callback([&] {
         auto split = [](const std::string& s) {

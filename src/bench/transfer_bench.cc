@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/core.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
@@ -52,6 +54,14 @@ double Percentile(std::vector<double> v, double p) {
     std::sort(v.begin(), v.end());
     size_t idx = static_cast<size_t>(std::ceil(p / 100.0 * v.size())) - 1;
     return v[std::min(idx, v.size() - 1)];
+}
+
+// The middle of `v` (the mean of the two middle values when there are an even number).
+double Median(std::vector<double> v) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    size_t h = v.size() / 2;
+    return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
 }
 
 // --- references -------------------------------------------------------------------------------
@@ -335,12 +345,14 @@ struct Row {
     uint64_t block = 0, batch = 0;
     double gbps = 0, descs_per_s = 0, p50_us = 0, p99_us = 0, reference_gbps = 0;
     int inflight = 1;
+    std::vector<double> rounds_gbps, rounds_reference_gbps;  // network rows: each round's figure
     std::string error;
 };
 
+// One round of a network row; its per-batch latencies are appended to `lat_us`.
 Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remote,
            const std::string& backend, const std::string& op, uint64_t block, uint64_t batch,
-           const TransferBenchOptions& o) {
+           const TransferBenchOptions& o, std::vector<double>& lat_us) {
     Row row;
     row.backend = backend;
     row.op = op;
@@ -356,7 +368,6 @@ Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remot
     auto post = [&]() {
         return read ? agent.PostRead(ldesc, peer, rdesc) : agent.PostWrite(ldesc, peer, rdesc);
     };
-    std::vector<double> lat_us;
     uint64_t batches_done = 0;
     auto run = [&](double seconds, bool record) -> Status {
         auto end = Clock::now() + Seconds(seconds);
@@ -391,6 +402,41 @@ Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remot
     double bytes = static_cast<double>(batches_done) * block * batch;
     row.gbps = bytes / secs / 1e9;
     row.descs_per_s = batches_done * batch / secs;
+    return row;
+}
+
+// The reference for a network row, measured right after a round of it.
+double NetworkReferenceGbps(const std::string& backend, const std::string& raw_addr, uint64_t block,
+                            uint64_t batch, const TransferBenchOptions& o) {
+    if (backend == "shm") return MemcpyReferenceGbps(block, batch, o.duration / 2);
+    if (backend == "ucx") {
+        return UcxPerftestReferenceGbps(block, o.duration / 2, !o.ucx_reference_no_eh);
+    }
+    return raw_addr.empty() ? 0 : TcpReferenceGbps(raw_addr, block, o.duration / 2);
+}
+
+// A network row: `o.repeat` rounds, each followed by its reference (so that both see the same
+// machine: this one's speed drifts by 2x within a minute); figures are medians of the rounds,
+// latency percentiles are over every batch of every round.
+Row RunNetworkRow(Agent& agent, const std::string& peer, RegionId local, RegionId remote,
+                  const std::string& backend, const std::string& raw_addr, const std::string& op,
+                  uint64_t block, uint64_t batch, const TransferBenchOptions& o) {
+    std::vector<double> lat_us, gbps, descs, reference;
+    Row row;
+    for (int round = 0; round < std::max(1, o.repeat); ++round) {
+        row = RunRow(agent, peer, local, remote, backend, op, block, batch, o, lat_us);
+        if (!row.error.empty()) return row;
+        gbps.push_back(row.gbps);
+        descs.push_back(row.descs_per_s);
+        if (!o.no_reference) {
+            reference.push_back(NetworkReferenceGbps(backend, raw_addr, block, batch, o));
+        }
+    }
+    row.gbps = Median(gbps);
+    row.descs_per_s = Median(descs);
+    row.reference_gbps = Median(reference);
+    row.rounds_gbps = std::move(gbps);
+    row.rounds_reference_gbps = std::move(reference);
     row.p50_us = Percentile(lat_us, 50);
     row.p99_us = Percentile(lat_us, 99);
     return row;
@@ -408,9 +454,11 @@ void PrintRow(const Row& r, bool json) {
         fmt::print(
             "{{\"backend\":\"{}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},"
             "\"gbps\":{:.3f},\"descs_per_s\":{:.0f},\"p50_us\":{:.1f},\"p99_us\":{:.1f},"
-            "\"reference_gbps\":{:.3f},\"inflight\":{}}}\n",
+            "\"reference_gbps\":{:.3f},\"inflight\":{},\"rounds_gbps\":[{:.3f}],"
+            "\"rounds_reference_gbps\":[{:.3f}]}}\n",
             r.backend, r.op, r.block, r.batch, r.gbps, r.descs_per_s, r.p50_us, r.p99_us,
-            r.reference_gbps, r.inflight);
+            r.reference_gbps, r.inflight, fmt::join(r.rounds_gbps, ","),
+            fmt::join(r.rounds_reference_gbps, ","));
         std::fflush(stdout);
         return;
     }
@@ -633,12 +681,14 @@ int RunFileBench(const TransferBenchOptions& o) {
                     row.error = s.ToString();
                     rc = 1;
                 } else {
-                    row.gbps = Percentile(gbps, 50);
-                    row.descs_per_s = Percentile(iops, 50);
+                    row.gbps = Median(gbps);
+                    row.descs_per_s = Median(iops);
                     row.p50_us = Percentile(lat_us, 50);
                     row.p99_us = Percentile(lat_us, 99);
-                    row.reference_gbps = Percentile(ref_gbps, 50);
-                    ref_iops = Percentile(ref_iops_v, 50);
+                    row.reference_gbps = Median(ref_gbps);
+                    ref_iops = Median(ref_iops_v);
+                    row.rounds_gbps = gbps;
+                    row.rounds_reference_gbps = ref_gbps;
                 }
                 if (o.json || !row.error.empty()) {
                     PrintRow(row, o.json);
@@ -661,6 +711,8 @@ int RunInitiator(const TransferBenchOptions& o) {
     bool network = std::any_of(o.backends.begin(), o.backends.end(),
                                [](const std::string& b) { return b != "file"; });
     if (!o.json && network) {
+        fmt::print("# medians of {} rounds, each followed by its reference\n",
+                   std::max(1, o.repeat));
         fmt::print("{:<7} {:<6} {:>10} {:>6} {:>9} {:>12} {:>10} {:>10} {:>9} {:>6}\n", "backend",
                    "op", "block", "batch", "GB/s", "descs/s", "p50 us", "p99 us", "ref GB/s",
                    "ratio");
@@ -705,16 +757,8 @@ int RunInitiator(const TransferBenchOptions& o) {
         for (const std::string& op : o.ops) {
             for (uint64_t block : o.block_sizes) {
                 for (uint64_t batch : o.batches) {
-                    Row row =
-                        RunRow(**agent, *peer, local->id, remote, backend, op, block, batch, o);
-                    if (!o.no_reference && row.error.empty()) {
-                        row.reference_gbps =
-                            backend == "shm"   ? MemcpyReferenceGbps(block, batch, o.duration / 2)
-                            : backend == "ucx" ? UcxPerftestReferenceGbps(block, o.duration / 2,
-                                                                          !o.ucx_reference_no_eh)
-                            : raw_addr.empty() ? 0
-                                               : TcpReferenceGbps(raw_addr, block, o.duration / 2);
-                    }
+                    Row row = RunNetworkRow(**agent, *peer, local->id, remote, backend, raw_addr,
+                                            op, block, batch, o);
                     if (!row.error.empty()) rc = 1;
                     PrintRow(row, o.json);
                 }

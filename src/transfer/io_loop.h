@@ -48,6 +48,9 @@ class IoLoop {
     // Runs `fn` on the loop thread every `period` (not more precisely than that).
     void SetTick(std::chrono::milliseconds period, std::function<void()> fn);
 
+    // How many times the loop has returned from epoll_wait (an idle loop: about one per tick).
+    uint64_t wakeups() const { return wakeups_.load(std::memory_order_relaxed); }
+
   private:
     explicit IoLoop(std::string name) : name_(std::move(name)) {}
     void Run();
@@ -60,6 +63,7 @@ class IoLoop {
     std::thread thread_;
     std::atomic<std::thread::id> thread_id_{};
     std::atomic<bool> stopping_{false};
+    std::atomic<uint64_t> wakeups_{0};
 
     std::mutex tasks_mu_;
     std::vector<std::function<void()>> tasks_;
