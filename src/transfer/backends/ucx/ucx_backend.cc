@@ -262,6 +262,7 @@ class UcxBackend::Impl {
     void Destroy();
     // Runs the deferred work queued so far (what it queues runs next time).
     void RunDeferred() {
+        if (deferred_.empty()) return;  // the common case while spinning: no allocation
         std::deque<std::function<void()>> now;
         now.swap(deferred_);
         for (auto& f : now) f();
@@ -527,16 +528,18 @@ void UcxBackend::Impl::Loop() {
     pthread_setname_np(pthread_self(), ("ucx:" + agent_).substr(0, 15).c_str());
     progress_thread_ = std::this_thread::get_id();
     Clock::time_point last_active{};
+    // Reused: this loop spins while transfers are in flight, and a fresh std::deque allocates.
+    std::deque<std::function<void()>> work;
     for (;;) {
-        std::deque<std::function<void()>> work;
         bool stop = false;
         {
             std::lock_guard<std::mutex> lock(mu_);
-            work.swap(commands_);
+            if (!commands_.empty()) work.swap(commands_);
             stop = stopping_;
         }
         bool active = !work.empty();
         for (auto& f : work) f();
+        work.clear();
         while (Progress(worker_) != 0) {
             active = true;
         }
