@@ -345,7 +345,18 @@ struct Row {
     uint64_t block = 0, batch = 0;
     double gbps = 0, descs_per_s = 0, p50_us = 0, p99_us = 0, reference_gbps = 0;
     int inflight = 1;
-    std::vector<double> rounds_gbps, rounds_reference_gbps;  // network rows: each round's figure
+    // Each round's figure (the medians above are over these).
+    std::vector<double> rounds_gbps, rounds_reference_gbps;
+    // The median over rounds of (ferry round / the reference measured right after it): steadier
+    // than the ratio of medians on a machine whose speed drifts within a minute.
+    double PairedRatio() const {
+        std::vector<double> r;
+        for (size_t i = 0; i < rounds_gbps.size() && i < rounds_reference_gbps.size(); ++i) {
+            if (rounds_reference_gbps[i] > 0)
+                r.push_back(rounds_gbps[i] / rounds_reference_gbps[i]);
+        }
+        return Median(r);
+    }
     std::string error;
 };
 
@@ -455,10 +466,10 @@ void PrintRow(const Row& r, bool json) {
             "{{\"backend\":\"{}\",\"op\":\"{}\",\"block_size\":{},\"batch\":{},"
             "\"gbps\":{:.3f},\"descs_per_s\":{:.0f},\"p50_us\":{:.1f},\"p99_us\":{:.1f},"
             "\"reference_gbps\":{:.3f},\"inflight\":{},\"rounds_gbps\":[{:.3f}],"
-            "\"rounds_reference_gbps\":[{:.3f}]}}\n",
+            "\"rounds_reference_gbps\":[{:.3f}],\"paired_ratio\":{:.3f}}}\n",
             r.backend, r.op, r.block, r.batch, r.gbps, r.descs_per_s, r.p50_us, r.p99_us,
             r.reference_gbps, r.inflight, fmt::join(r.rounds_gbps, ","),
-            fmt::join(r.rounds_reference_gbps, ","));
+            fmt::join(r.rounds_reference_gbps, ","), r.PairedRatio());
         std::fflush(stdout);
         return;
     }
@@ -468,9 +479,10 @@ void PrintRow(const Row& r, bool json) {
         return;
     }
     fmt::print(
-        "{:<7} {:<6} {:>10} {:>6} {:>9.2f} {:>12.0f} {:>10.1f} {:>10.1f} {:>9.2f} {:>6.2f}\n",
+        "{:<7} {:<6} {:>10} {:>6} {:>9.2f} {:>12.0f} {:>10.1f} {:>10.1f} {:>9.2f} {:>6.2f} "
+        "{:>6.2f}\n",
         r.backend, r.op, FormatSize(r.block), r.batch, r.gbps, r.descs_per_s, r.p50_us, r.p99_us,
-        r.reference_gbps, r.reference_gbps > 0 ? r.gbps / r.reference_gbps : 0);
+        r.reference_gbps, r.reference_gbps > 0 ? r.gbps / r.reference_gbps : 0, r.PairedRatio());
     std::fflush(stdout);
 }
 
@@ -711,11 +723,13 @@ int RunInitiator(const TransferBenchOptions& o) {
     bool network = std::any_of(o.backends.begin(), o.backends.end(),
                                [](const std::string& b) { return b != "file"; });
     if (!o.json && network) {
-        fmt::print("# medians of {} rounds, each followed by its reference\n",
-                   std::max(1, o.repeat));
-        fmt::print("{:<7} {:<6} {:>10} {:>6} {:>9} {:>12} {:>10} {:>10} {:>9} {:>6}\n", "backend",
-                   "op", "block", "batch", "GB/s", "descs/s", "p50 us", "p99 us", "ref GB/s",
-                   "ratio");
+        fmt::print(
+            "# medians of {} rounds, each followed by its reference; ratio: of the medians; "
+            "paired: median of each round's ratio\n",
+            std::max(1, o.repeat));
+        fmt::print("{:<7} {:<6} {:>10} {:>6} {:>9} {:>12} {:>10} {:>10} {:>9} {:>6} {:>6}\n",
+                   "backend", "op", "block", "batch", "GB/s", "descs/s", "p50 us", "p99 us",
+                   "ref GB/s", "ratio", "paired");
     }
     int rc = 0;
     for (const std::string& backend : o.backends) {
