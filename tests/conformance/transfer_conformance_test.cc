@@ -517,6 +517,55 @@ TEST_P(TransferConformance, ManyConcurrentTransfersFromSeveralThreads) {
     EXPECT_EQ(errors.load(), 0);
 }
 
+// Dropping a peer is about our transfers to it: the peer's transfers to us, in flight and
+// after, keep working (its connection to us is its own; ucx pairs endpoints of the two
+// directions, so closing ours must not cut the peer's).
+TEST_P(TransferConformance, RemovingAPeerLeavesItsTransfersToUsWorking) {
+    const uint64_t size = 256u << 10;
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(size));
+    RegionInfo lb = ValueOrDie(b_->AllocateRegion(size));
+    RefreshB();
+    ASSERT_TRUE(b_->AddPeer(a_->Metadata()).ok());
+    FERRY_ASSERT_OK(Run(false, {{la.id, 0, size}}, {{lb.id, 0, size}}));  // a -> b in use
+    std::atomic<bool> stop{false};
+    std::atomic<int> done{0}, failed{0};
+    std::string first_error;
+    std::thread writer([&] {
+        uint64_t seed = 100;
+        while (!stop.load()) {
+            FillPattern(lb.base, size, ++seed);
+            auto x = b_->PostWrite(std::vector<Descriptor>{{lb.id, 0, size}}, "agent-a",
+                                   std::vector<Descriptor>{{la.id, 0, size}});
+            Status st = x.ok() ? x->Wait(seconds(10)) : x.status();
+            if (!st.ok()) {
+                if (failed.fetch_add(1) == 0) first_error = st.ToString();
+                continue;
+            }
+            if (FirstMismatch(la.base, size, seed) != -1 && failed.fetch_add(1) == 0) {
+                first_error = "bytes differ";
+            }
+            ++done;
+        }
+    });
+    auto wait_for = [&](int want) {
+        auto until = Clock::now() + seconds(20);
+        while (done.load() < want && Clock::now() < until) {
+            std::this_thread::sleep_for(milliseconds(2));
+        }
+        return done.load() >= want;
+    };
+    EXPECT_TRUE(wait_for(20));
+    FERRY_EXPECT_OK(a_->RemovePeer("agent-b"));
+    const int at_remove = done.load();
+    EXPECT_TRUE(wait_for(at_remove + 50)) << "b's writes to a stalled after a dropped b";
+    stop = true;
+    writer.join();
+    EXPECT_EQ(failed.load(), 0) << first_error;
+    // And a can take b back.
+    ASSERT_TRUE(a_->AddPeer(b_->Metadata()).ok());
+    FERRY_EXPECT_OK(Run(false, {{la.id, 0, size}}, {{lb.id, 0, size}}));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance,
                          ::testing::ValuesIn(testing::ConformanceVariants()),
                          [](const auto& info) { return info.param; });
