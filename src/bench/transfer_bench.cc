@@ -612,9 +612,9 @@ int RunFileBench(const TransferBenchOptions& o) {
             path, FormatSize(o.file_size),
             o.direct ? "O_DIRECT" : "buffered, page cache dropped before each pass", o.pattern,
             o.file_io, o.repeat);
-        fmt::print("{:<7} {:<6} {:>10} {:>6} {:>9} {:>12} {:>10} {:>10} {:>9} {:>6} {:>10}\n",
+        fmt::print("{:<7} {:<6} {:>10} {:>6} {:>9} {:>12} {:>10} {:>10} {:>9} {:>6} {:>6} {:>10}\n",
                    "backend", "op", "block", "batch", "GB/s", "IOPS", "p50 us", "p99 us",
-                   "ref GB/s", "ratio", "ref IOPS");
+                   "ref GB/s", "ratio", "paired", "ref IOPS");
     }
     int rc = 0;
     for (const std::string& op : o.ops) {
@@ -708,10 +708,11 @@ int RunFileBench(const TransferBenchOptions& o) {
                 }
                 fmt::print(
                     "{:<7} {:<6} {:>10} {:>6} {:>9.3f} {:>12.0f} {:>10.1f} {:>10.1f} {:>9.3f} "
-                    "{:>6.2f} {:>10.0f}\n",
+                    "{:>6.2f} {:>6.2f} {:>10.0f}\n",
                     row.backend, row.op, FormatSize(row.block), row.batch, row.gbps,
                     row.descs_per_s, row.p50_us, row.p99_us, row.reference_gbps,
-                    row.reference_gbps > 0 ? row.gbps / row.reference_gbps : 0, ref_iops);
+                    row.reference_gbps > 0 ? row.gbps / row.reference_gbps : 0, row.PairedRatio(),
+                    ref_iops);
                 std::fflush(stdout);
             }
         }

@@ -74,6 +74,17 @@ void FillPattern(void* p, size_t len, uint64_t seed);
 // Index of the first byte that differs from the pattern, or -1.
 int64_t FirstMismatch(const void* p, size_t len, uint64_t seed);
 
+// Waits until `n` reaches `want` or `limit` passes; true if it got there. A bounded wait, so
+// that a failure shows as a failed expectation, not a hang.
+inline bool WaitForCount(const std::atomic<int>& n, int want,
+                         std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+    auto until = std::chrono::steady_clock::now() + limit;
+    while (n.load() < want && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return n.load() >= want;
+}
+
 // Backend variants of the conformance suites: "tcp", "shm" (one-sided copies through mapped
 // peer regions where possible), "shm_copy" (shm with the peer copying every transfer), "ucx",
 // "ucx_rma" (ucx with one-sided grants: AgentConfig::ucx_rma).

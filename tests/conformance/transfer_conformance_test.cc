@@ -24,6 +24,7 @@ using ::ferry::testing::MakePair;
 using ::ferry::testing::StatusIs;
 using ::ferry::testing::TamperRegion;
 using ::ferry::testing::ValueOrDie;
+using ::ferry::testing::WaitForCount;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
@@ -547,17 +548,10 @@ TEST_P(TransferConformance, RemovingAPeerLeavesItsTransfersToUsWorking) {
             ++done;
         }
     });
-    auto wait_for = [&](int want) {
-        auto until = Clock::now() + seconds(20);
-        while (done.load() < want && Clock::now() < until) {
-            std::this_thread::sleep_for(milliseconds(2));
-        }
-        return done.load() >= want;
-    };
-    EXPECT_TRUE(wait_for(20));
+    EXPECT_TRUE(WaitForCount(done, 20));
     FERRY_EXPECT_OK(a_->RemovePeer("agent-b"));
     const int at_remove = done.load();
-    EXPECT_TRUE(wait_for(at_remove + 50)) << "b's writes to a stalled after a dropped b";
+    EXPECT_TRUE(WaitForCount(done, at_remove + 50)) << "b's writes to a stalled after a dropped b";
     stop = true;
     writer.join();
     EXPECT_EQ(failed.load(), 0) << first_error;

@@ -15,6 +15,7 @@ using ::ferry::testing::FirstMismatch;
 using ::ferry::testing::StatusIs;
 using ::ferry::testing::TestConfig;
 using ::ferry::testing::ValueOrDie;
+using ::ferry::testing::WaitForCount;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
@@ -67,19 +68,12 @@ TEST(UcxRma, DeregisterRevokesTheGrantAndNothingLandsAfterItReturns) {
             }
         }
     });
-    // Bounded waits: a failure shows as a failed expectation, not a hang.
-    auto wait_for = [](const std::atomic<int>& n, int want) {
-        auto until = Clock::now() + seconds(20);
-        while (n.load() < want && Clock::now() < until)
-            std::this_thread::sleep_for(milliseconds(5));
-        return n.load() >= want;
-    };
-    EXPECT_TRUE(wait_for(ok_before, 8)) << "writes through the grant did not succeed";
+    EXPECT_TRUE(WaitForCount(ok_before, 8)) << "writes through the grant did not succeed";
     FERRY_EXPECT_OK(b->Deregister(ru.id));
     deregistered = true;
     // From here the memory is the user's again: no write of the peer may land in it.
     std::memset(user.data(), 0xee, user.size());
-    EXPECT_TRUE(wait_for(refused_after, 20)) << "writes after Deregister were not refused";
+    EXPECT_TRUE(WaitForCount(refused_after, 20)) << "writes after Deregister were not refused";
     stop = true;
     writer.join();
     EXPECT_EQ(other.load(), 0) << other_error;
