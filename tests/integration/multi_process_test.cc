@@ -1,10 +1,12 @@
 // Several real processes on loopback: data verified byte for byte, three agents relaying,
 // SIGKILL and SIGSTOP mid-transfer, and the deployment secret across processes.
+#include <dirent.h>
 #include <signal.h>
 
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "testing/process.h"
 #include "testing/testing.h"
@@ -25,6 +27,16 @@ uint64_t Fnv1a(const uint8_t* p, size_t n) {
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
     return h;
+}
+
+// Open file descriptors of this process.
+int OpenFds() {
+    int n = 0;
+    if (DIR* d = opendir("/proc/self/fd")) {
+        while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+        closedir(d);
+    }
+    return n - 1;  // the directory's own
 }
 
 struct Peer {
@@ -234,7 +246,52 @@ TEST_P(MultiProcess, DeploymentSecretAcrossProcesses) {
     FERRY_EXPECT_OK(x.Wait(seconds(10)));
 }
 
+TEST_P(MultiProcess, KilledPeersLeaveNoDescriptorsBehind) {
+    // Each peer reads from us (so we serve it) and we read from it, then it is killed: what
+    // either side opened for it must close once we learn of its death and drop it.
+    auto me = Me();
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(1 << 20));
+    auto cycle = [&](int i) {
+        const std::string name = "victim-" + std::to_string(i);
+        Peer p = StartPeer(name, 7);
+        ASSERT_EQ(ValueOrDie(me->Connect(p.address)), name);
+        EXPECT_EQ(Command(*me, name, "connect " + me->ListenAddress()), "connected test-driver");
+        EXPECT_THAT(
+            Command(*me, name, "copy-from test-driver " + std::to_string(mine.id) + " 65536"),
+            ::testing::StartsWith("copied "));
+        auto x = ValueOrDie(me->PostRead(std::vector<Descriptor>{{mine.id, 0, 65536}}, name,
+                                         std::vector<Descriptor>{{p.region, 0, 65536}}));
+        FERRY_ASSERT_OK(x.Wait(seconds(30)));
+        p.process.Kill();
+        // We learn of the death by using the peer (or by the backend's keepalive).
+        auto end = Clock::now() + seconds(10);
+        Status s;
+        do {
+            auto y = me->PostRead(std::vector<Descriptor>{{mine.id, 0, 4096}}, name,
+                                  std::vector<Descriptor>{{p.region, 0, 4096}});
+            s = y.ok() ? y->Wait(seconds(5)) : y.status();
+            if (s.ok()) std::this_thread::sleep_for(milliseconds(50));
+        } while (s.ok() && Clock::now() < end);
+        EXPECT_THAT(s, StatusIs(Code::kUnavailable));
+        FERRY_EXPECT_OK(me->RemovePeer(name));
+    };
+    // The first peer may bring process-wide resources that stay (UCX's async timer, say).
+    cycle(0);
+    const int before = OpenFds();
+    for (int i = 1; i <= 3; ++i) cycle(i);
+    int fds = OpenFds();
+    for (auto end = Clock::now() + seconds(15); fds > before && Clock::now() < end;) {
+        std::this_thread::sleep_for(milliseconds(100));
+        fds = OpenFds();
+    }
+    EXPECT_LE(fds, before) << "descriptors left open after three peers were killed and dropped";
+}
+
+#ifdef FERRY_HAVE_UCX
+INSTANTIATE_TEST_SUITE_P(Backends, MultiProcess, ::testing::Values("shm", "tcp", "ucx"),
+#else
 INSTANTIATE_TEST_SUITE_P(Backends, MultiProcess, ::testing::Values("shm", "tcp"),
+#endif
                          [](const auto& info) { return info.param; });
 
 }  // namespace

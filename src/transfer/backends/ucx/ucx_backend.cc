@@ -47,6 +47,10 @@ constexpr size_t kSegmentBytes = 32;
 // The progress thread polls without sleeping for this long after the last event.
 constexpr auto kSpinAfterActivity = std::chrono::microseconds(500);
 constexpr size_t kRequestHeaderFixed = 8 * 4 + 4;
+// After a peer process's endpoint failed, how long before we try to connect to it again.
+constexpr auto kReconnectBackoff = std::chrono::seconds(1);
+// How long a clean close waits for what was sent to arrive before it forces the close.
+constexpr auto kFlushBeforeClose = std::chrono::seconds(2);
 
 std::string Hex(const void* p, size_t n) {
     static const char* digits = "0123456789abcdef";
@@ -268,10 +272,37 @@ class UcxBackend::Impl {
         for (auto& f : now) f();
     }
     Result<std::shared_ptr<Ep>> GetEp(const UcxPeerRef& peer);
-    // `force`: at once, failing what is in flight; else after flushing (a clean goodbye the peer
-    // sees as such: UCX 1.13 can abort a peer whose endpoint wireup is cut off by a force close).
+    // `force`: at once, failing what is in flight; else flushed first, then forced (a clean
+    // goodbye the peer sees as such: UCX 1.13 can abort a peer whose endpoint wireup is cut off
+    // by a forced close, and keeps an endpoint closed without force until the worker goes).
     void CloseEp(std::shared_ptr<Ep> ep, const Status& why,
                  bool force = true);  // by value: it erases the maps that hold it
+    // Checks the flush that starts a clean close until it is done, or until `deadline` (a peer
+    // that stopped reading, say), then forces the close.
+    void PollFlush(void* req, const std::shared_ptr<Ep>& ep, ucp_ep_h handle,
+                   Clock::time_point deadline) {
+        if (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < deadline) {
+            deferred_.push_back(
+                [this, req, ep, handle, deadline] { PollFlush(req, ep, handle, deadline); });
+            return;
+        }
+        ucp_request_free(req);  // one still in progress goes when the forced close ends it
+        ForceClose(ep, handle);
+    }
+    // Closes `handle` (of `ep`, already in closing_) at once; done when PollClose says so.
+    void ForceClose(const std::shared_ptr<Ep>& ep, ucp_ep_h handle) {
+        ucp_request_param_t param{};
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t req = ucp_ep_close_nbx(handle, &param);
+        if (UCS_PTR_IS_PTR(req)) {
+            PollClose(req, ep, handle);
+            return;
+        }
+        by_handle_.erase(handle);
+        closing_.erase(std::remove(closing_.begin(), closing_.end(), ep), closing_.end());
+        Closed(ep);
+    }
     // Checks an endpoint close request until it is done (from the deferred queue).
     void PollClose(void* req, const std::shared_ptr<Ep>& ep, ucp_ep_h handle) {
         if (ucp_request_check_status(req) == UCS_INPROGRESS) {
@@ -333,6 +364,10 @@ class UcxBackend::Impl {
     ucs_status_t HandleReply(std::string_view header, void* data, size_t length,
                              const ucp_am_recv_param_t* param);
     static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+    // Remembers that the peer process with `token` failed us (GetEp waits before reconnecting).
+    void NoteFailure(uint64_t token, const Status& why);
+    // Peer processes (tokens) whose endpoint failed, when and why; progress thread.
+    std::unordered_map<uint64_t, std::pair<Clock::time_point, Status>> failed_;
 
     // A message we do not take: returning UCS_OK from the callback drops it (a rendezvous
     // sender then completes without sending the bytes). Marks the places that drop data.
@@ -669,6 +704,20 @@ Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const UcxP
     std::string worker;
     FERRY_RETURN_IF_ERROR(
         ParseAddress(peer.address, &worker, &ep->token).WithContext("peer " + peer.name));
+    // The same process (its token) failed us a moment ago: most likely it is dead, and UCX 1.13
+    // keeps the socket of a connect that is refused at once (loopback, same host) when
+    // ucp_ep_create fails; one per attempt. Ask again only after a pause.
+    if (auto f = failed_.find(ep->token); f != failed_.end()) {
+        auto since = Clock::now() - f->second.first;
+        if (since < kReconnectBackoff) {
+            return UnavailableError(fmt::format(
+                "{} {} ms ago; not reconnecting to that process for {} ms",
+                f->second.second.message(),
+                std::chrono::duration_cast<std::chrono::milliseconds>(since).count(),
+                std::chrono::duration_cast<std::chrono::milliseconds>(kReconnectBackoff).count()));
+        }
+        failed_.erase(f);
+    }
     ep->proof = ProofFor(ep->token);
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -679,7 +728,9 @@ Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const UcxP
     params.err_handler.arg = this;
     ucs_status_t st = ucp_ep_create(worker_, &params, &ep->ep);
     if (st != UCS_OK) {
-        return FromUcs(st, "ucx: connecting to peer " + peer.name);
+        Status s = FromUcs(st, "ucx: connecting to peer " + peer.name);
+        NoteFailure(ep->token, s);
+        return s;
     }
     eps_[peer.name] = ep;
     by_handle_[ep->ep] = ep;
@@ -748,7 +799,18 @@ void UcxBackend::Impl::OnEpError(void* arg, ucp_ep_h handle, ucs_status_t status
     ep->failed = true;
     Status why = UnavailableError("peer " + ep->name + ": UCX endpoint failed (" +
                                   ucs_status_string(status) + ")");
+    if (!ep->reply) self->NoteFailure(ep->token, why);
     self->deferred_.push_back([self, ep, why] { self->CloseEp(ep, why); });
+}
+
+void UcxBackend::Impl::NoteFailure(uint64_t token, const Status& why) {
+    const auto now = Clock::now();
+    if (failed_.size() >= 1024) {
+        for (auto it = failed_.begin(); it != failed_.end();) {
+            it = now - it->second.first >= kReconnectBackoff ? failed_.erase(it) : std::next(it);
+        }
+    }
+    failed_.insert_or_assign(token, std::make_pair(now, why));
 }
 
 void UcxBackend::Impl::CloseEp(std::shared_ptr<Ep> ep, const Status& why, bool force) {
@@ -787,19 +849,23 @@ void UcxBackend::Impl::CloseEp(std::shared_ptr<Ep> ep, const Status& why, bool f
     if (!ep->reply && !was_failed) {
         (void)Announce(ep, kAmBye);  // delivered before the close when it flushes
     }
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t req = ucp_ep_close_nbx(ep->ep, &param);
     ucp_ep_h handle = ep->ep;
     ep->ep = nullptr;
-    if (UCS_PTR_IS_PTR(req)) {
-        // Keep progressing until it is done (the loop does; Stop and CutOff wait for it).
-        closing_.push_back(ep);
-        PollClose(req, ep, handle);
+    // Keep progressing until the close is done (the loop does; Stop and CutOff wait for it).
+    closing_.push_back(ep);
+    if (force) {
+        ForceClose(ep, handle);
+        return;
+    }
+    // A clean close flushes first (what we sent, the goodbye among it, arrives; wireup is
+    // complete, so the forced close cannot cut it off), then forces the close: UCX 1.13 keeps an
+    // endpoint closed without FORCE, and its socket, until the worker goes.
+    ucp_request_param_t fp{};
+    ucs_status_ptr_t flush = ucp_ep_flush_nbx(handle, &fp);
+    if (UCS_PTR_IS_PTR(flush)) {
+        PollFlush(flush, ep, handle, Clock::now() + kFlushBeforeClose);
     } else {
-        by_handle_.erase(handle);
-        Closed(ep);
+        ForceClose(ep, handle);
     }
 }
 
