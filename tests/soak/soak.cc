@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -68,27 +69,44 @@ void Fill(uint8_t* p, uint64_t n, uint64_t writer, uint64_t counter) {
     std::memcpy(p + 16, &sum, 8);
 }
 
-// Open file descriptors, not counting connections to the discovery store (its watch is a long
-// poll on a fresh connection each time, so their number changes from moment to moment).
-int OpenFds(uint16_t store_port) {
-    int n = 0;
+// Open file descriptors and what each is (a socket's ends, a file's path), not counting
+// connections to the discovery store (its watch is a long poll on a fresh connection each time,
+// so their number changes from moment to moment).
+std::map<int, std::string> OpenFds(uint16_t store_port) {
+    std::map<int, std::string> fds;
     if (DIR* d = opendir("/proc/self/fd")) {
         int self = dirfd(d);
         while (dirent* e = readdir(d)) {
             if (e->d_name[0] == '.') continue;
             int fd = atoi(e->d_name);
             if (fd == self) continue;
-            sockaddr_in peer{};
+            sockaddr_in peer{}, local{};
             socklen_t len = sizeof peer;
             if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0 &&
                 peer.sin_family == AF_INET && ntohs(peer.sin_port) == store_port) {
                 continue;
             }
-            ++n;
+            char target[256] = {0};
+            ssize_t n = readlink(("/proc/self/fd/" + std::string(e->d_name)).c_str(), target,
+                                 sizeof target - 1);
+            std::string what = n > 0 ? std::string(target, n) : "?";
+            // UCX's async thread opens one timer for the whole process when the first endpoint
+            // with keepalive appears, and keeps it until exit; ferry opens no timerfd.
+            if (what == "anon_inode:[timerfd]") continue;
+            len = sizeof local;
+            if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+                local.sin_family == AF_INET) {
+                what += fmt::format(" local :{}", ntohs(local.sin_port));
+                len = sizeof peer;
+                if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0) {
+                    what += fmt::format(" peer :{}", ntohs(peer.sin_port));
+                }
+            }
+            fds[fd] = what;
         }
         closedir(d);
     }
-    return n;
+    return fds;
 }
 
 // --- agent ------------------------------------------------------------------------------------
@@ -111,7 +129,8 @@ int RunAgent(int index, int agents, const std::string& store, uint64_t seed,
     if (!region.ok() || !scratch.ok()) return 1;
     const uint16_t store_port =
         static_cast<uint16_t>(std::stoi(store.substr(store.rfind(':') + 1)));
-    const int fds_before = OpenFds(store_port);
+    const std::map<int, std::string> fds_at_start = OpenFds(store_port);
+    const int fds_before = static_cast<int>(fds_at_start.size());
     fmt::print("READY {}\n", fds_before);
     std::fflush(stdout);
 
@@ -186,10 +205,20 @@ int RunAgent(int index, int agents, const std::string& store, uint64_t seed,
         if (!connected[p].empty()) (void)(*agent)->RemovePeer(connected[p]);
     }
     // Connections close asynchronously (and slowly under a sanitizer): wait up to 15 s.
-    int fds = OpenFds(store_port);
-    for (auto end = Clock::now() + seconds(15); fds > fds_before && Clock::now() < end;) {
+    std::map<int, std::string> open = OpenFds(store_port);
+    for (auto end = Clock::now() + seconds(15);
+         static_cast<int>(open.size()) > fds_before && Clock::now() < end;) {
         std::this_thread::sleep_for(milliseconds(100));
-        fds = OpenFds(store_port);
+        open = OpenFds(store_port);
+    }
+    const int fds = static_cast<int>(open.size());
+    if (fds > fds_before) {  // name what was left open, for whoever chases the leak
+        for (const auto& [fd, what] : open) {
+            auto was = fds_at_start.find(fd);
+            if (was == fds_at_start.end() || was->second != what) {
+                fmt::print(stderr, "soak agent {}: fd {} still open: {}\n", index, fd, what);
+            }
+        }
     }
     int regions = static_cast<int>((*agent)->Regions().size());
     fmt::print("FINAL {} {} {} {} regions={} fds={} fds_before={}\n", completed, failed, lost,
