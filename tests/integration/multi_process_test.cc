@@ -48,12 +48,13 @@ struct Peer {
 class MultiProcess : public ::testing::TestWithParam<std::string> {
   protected:
     Peer StartPeer(const std::string& name, uint64_t seed, uint64_t region_size = 1 << 20,
-                   const std::string& secret = "") {
+                   const std::string& secret = "", bool ucx_rma = false) {
         std::vector<std::string> argv = {
             FERRY_TEST_PEER,      "--name",        name,
             "--backend",          GetParam(),      "--seed",
             std::to_string(seed), "--region-size", std::to_string(region_size)};
         if (!secret.empty()) argv.insert(argv.end(), {"--secret", secret});
+        if (ucx_rma) argv.push_back("--ucx-rma");
         std::string line;
         Peer p;
         // Generous: a sanitizer build fills a large region slowly.
@@ -71,9 +72,10 @@ class MultiProcess : public ::testing::TestWithParam<std::string> {
     }
 
     // Sends a command to a peer process and waits for its reply.
-    std::string Command(Agent& me, const std::string& peer, const std::string& cmd) {
+    std::string Command(Agent& me, const std::string& peer, const std::string& cmd,
+                        std::chrono::milliseconds wait = seconds(30)) {
         EXPECT_TRUE(me.Notify(peer, cmd).ok());
-        auto end = Clock::now() + seconds(30);
+        auto end = Clock::now() + wait;
         while (Clock::now() < end) {
             for (auto& n : me.WaitNotifications(end)) {
                 if (n.peer == peer) return n.payload;
@@ -244,6 +246,49 @@ TEST_P(MultiProcess, DeploymentSecretAcrossProcesses) {
     auto x = ValueOrDie(me->PostRead(std::vector<Descriptor>{{mine.id, 0, 4096}}, "guarded",
                                      std::vector<Descriptor>{{p.region, 0, 4096}}));
     FERRY_EXPECT_OK(x.Wait(seconds(10)));
+}
+
+TEST_P(MultiProcess, DeregisterDisconnectsAStoppedGranteeAndTheRegionGoes) {
+    if (GetParam() != "ucx") GTEST_SKIP() << "grants are the ucx backend's one-sided access";
+    // We grant our region to a peer (it reads it one-sided), then the peer stops (SIGSTOP) and we
+    // deregister: it cannot acknowledge the revocation, so after the grace period we disconnect
+    // it, and Deregister returns. Once it runs again, it cannot reach the region.
+    Peer p = StartPeer("grantee", 9, 1 << 20, "", /*ucx_rma=*/true);
+    auto me = ValueOrDie(Agent::Create(TestConfig("test-driver", "ucx_rma")));
+    ASSERT_EQ(ValueOrDie(me->Connect(p.address)), "grantee");
+    RegionInfo mine = ValueOrDie(me->AllocateRegion(1 << 20));
+    RegionInfo other = ValueOrDie(me->AllocateRegion(1 << 20));
+    for (uint64_t i = 0; i < (1 << 20); ++i) static_cast<uint8_t*>(mine.base)[i] = i * 13 >> 2;
+    EXPECT_EQ(Command(*me, "grantee", "connect " + me->ListenAddress()), "connected test-driver");
+    EXPECT_THAT(
+        Command(*me, "grantee", "copy-from test-driver " + std::to_string(mine.id) + " 1048576"),
+        ::testing::StartsWith("copied "));
+    ASSERT_TRUE(p.process.Stop());
+    auto t0 = Clock::now();
+    FERRY_ASSERT_OK(me->Deregister(mine.id));
+    auto took = Clock::now() - t0;
+    EXPECT_GE(took, milliseconds(1500)) << "Deregister did not wait for the grantee";
+    EXPECT_LT(took, seconds(10));
+    p.process.Signal(SIGCONT);
+    // The grantee was disconnected (both ways: UCX pairs the connections), and each side
+    // waits a moment before reconnecting to the other: commands and answers may be lost until
+    // then. The region it held is gone for it.
+    std::string again;
+    for (auto end = Clock::now() + seconds(20); Clock::now() < end;) {
+        again = Command(*me, "grantee",
+                        "copy-from test-driver " + std::to_string(mine.id) + " 4096", seconds(2));
+        if (again != "timeout") break;
+    }
+    EXPECT_THAT(again, ::testing::StartsWith("error ")) << again;
+    // And we still serve it what is still registered.
+    std::string ok;
+    for (auto end = Clock::now() + seconds(20); Clock::now() < end;) {
+        ok = Command(*me, "grantee", "copy-from test-driver " + std::to_string(other.id) + " 4096",
+                     seconds(2));
+        if (ok.rfind("copied ", 0) == 0) break;
+        std::this_thread::sleep_for(milliseconds(200));
+    }
+    EXPECT_THAT(ok, ::testing::StartsWith("copied "));
 }
 
 TEST_P(MultiProcess, KilledPeersLeaveNoDescriptorsBehind) {

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
     app.add_option("--secret", config.secret);
     app.add_option("--region-size", region_size);
     app.add_option("--seed", seed);
+    app.add_flag("--ucx-rma", config.ucx_rma, "ucx: take grants and move bytes one-sided");
     int64_t store_ttl_ms = 0;
     app.add_option("--store", config.store);
     app.add_option("--store-ttl-ms", store_ttl_ms);
