@@ -48,4 +48,14 @@ class ChildProcess {
     std::string pending_;  // read from stdout, not yet returned
 };
 
+// One open file descriptor of this process: what /proc says it is (a path, "socket:[inode]",
+// "anon_inode:[eventfd]"...), with a TCP/IPv4 socket's ports appended (" local :P peer :Q").
+struct OpenFd {
+    int fd = -1;
+    std::string what;
+    int peer_port = -1;  // a connected IPv4 socket's peer port, else -1
+};
+// This process's open descriptors (the one used to list them not included).
+std::vector<OpenFd> OpenFds();
+
 }  // namespace ferry::testing

@@ -1,6 +1,5 @@
 // Several real processes on loopback: data verified byte for byte, three agents relaying,
 // SIGKILL and SIGSTOP mid-transfer, and the deployment secret across processes.
-#include <dirent.h>
 #include <signal.h>
 
 #include <chrono>
@@ -15,6 +14,7 @@ namespace ferry {
 namespace {
 
 using ::ferry::testing::ChildProcess;
+using ::ferry::testing::OpenFds;
 using ::ferry::testing::StatusIs;
 using ::ferry::testing::TestConfig;
 using ::ferry::testing::ValueOrDie;
@@ -27,16 +27,6 @@ uint64_t Fnv1a(const uint8_t* p, size_t n) {
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
     return h;
-}
-
-// Open file descriptors of this process.
-int OpenFds() {
-    int n = 0;
-    if (DIR* d = opendir("/proc/self/fd")) {
-        while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
-        closedir(d);
-    }
-    return n - 1;  // the directory's own
 }
 
 struct Peer {
@@ -322,12 +312,12 @@ TEST_P(MultiProcess, KilledPeersLeaveNoDescriptorsBehind) {
     };
     // The first peer may bring process-wide resources that stay (UCX's async timer, say).
     cycle(0);
-    const int before = OpenFds();
+    const size_t before = OpenFds().size();
     for (int i = 1; i <= 3; ++i) cycle(i);
-    int fds = OpenFds();
+    size_t fds = OpenFds().size();
     for (auto end = Clock::now() + seconds(15); fds > before && Clock::now() < end;) {
         std::this_thread::sleep_for(milliseconds(100));
-        fds = OpenFds();
+        fds = OpenFds().size();
     }
     EXPECT_LE(fds, before) << "descriptors left open after three peers were killed and dropped";
 }

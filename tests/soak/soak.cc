@@ -17,13 +17,9 @@
 //
 //   ferry_soak --transfers 1000000          the nightly run (`make soak`)
 //   ferry_soak --duration-s 20              the short run in CI
-#include <arpa/inet.h>
-#include <dirent.h>
 #include <fmt/core.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -69,42 +65,15 @@ void Fill(uint8_t* p, uint64_t n, uint64_t writer, uint64_t counter) {
     std::memcpy(p + 16, &sum, 8);
 }
 
-// Open file descriptors and what each is (a socket's ends, a file's path), not counting
-// connections to the discovery store (its watch is a long poll on a fresh connection each time,
-// so their number changes from moment to moment).
+// Open file descriptors and what each is, not counting connections to the discovery store (its
+// watch is a long poll on a fresh connection each time, so their number changes from moment to
+// moment) nor UCX's async timer (its async thread opens one timerfd for the whole process when
+// the first endpoint with keepalive appears, and keeps it until exit; ferry opens no timerfd).
 std::map<int, std::string> OpenFds(uint16_t store_port) {
     std::map<int, std::string> fds;
-    if (DIR* d = opendir("/proc/self/fd")) {
-        int self = dirfd(d);
-        while (dirent* e = readdir(d)) {
-            if (e->d_name[0] == '.') continue;
-            int fd = atoi(e->d_name);
-            if (fd == self) continue;
-            sockaddr_in peer{}, local{};
-            socklen_t len = sizeof peer;
-            if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0 &&
-                peer.sin_family == AF_INET && ntohs(peer.sin_port) == store_port) {
-                continue;
-            }
-            char target[256] = {0};
-            ssize_t n = readlink(("/proc/self/fd/" + std::string(e->d_name)).c_str(), target,
-                                 sizeof target - 1);
-            std::string what = n > 0 ? std::string(target, n) : "?";
-            // UCX's async thread opens one timer for the whole process when the first endpoint
-            // with keepalive appears, and keeps it until exit; ferry opens no timerfd.
-            if (what == "anon_inode:[timerfd]") continue;
-            len = sizeof local;
-            if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
-                local.sin_family == AF_INET) {
-                what += fmt::format(" local :{}", ntohs(local.sin_port));
-                len = sizeof peer;
-                if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0) {
-                    what += fmt::format(" peer :{}", ntohs(peer.sin_port));
-                }
-            }
-            fds[fd] = what;
-        }
-        closedir(d);
+    for (ferry::testing::OpenFd& f : ferry::testing::OpenFds()) {
+        if (f.peer_port == store_port || f.what == "anon_inode:[timerfd]") continue;
+        fds[f.fd] = std::move(f.what);
     }
     return fds;
 }

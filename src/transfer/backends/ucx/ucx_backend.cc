@@ -299,9 +299,7 @@ class UcxBackend::Impl {
             PollClose(req, ep, handle);
             return;
         }
-        by_handle_.erase(handle);
-        closing_.erase(std::remove(closing_.begin(), closing_.end(), ep), closing_.end());
-        Closed(ep);
+        CloseDone(ep, handle);
     }
     // Checks an endpoint close request until it is done (from the deferred queue).
     void PollClose(void* req, const std::shared_ptr<Ep>& ep, ucp_ep_h handle) {
@@ -310,6 +308,10 @@ class UcxBackend::Impl {
             return;
         }
         ucp_request_free(req);
+        CloseDone(ep, handle);
+    }
+    // UCX is done with `handle`: forget it and release what `ep` held.
+    void CloseDone(const std::shared_ptr<Ep>& ep, ucp_ep_h handle) {
         by_handle_.erase(handle);
         closing_.erase(std::remove(closing_.begin(), closing_.end(), ep), closing_.end());
         Closed(ep);
