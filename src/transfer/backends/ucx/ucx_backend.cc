@@ -489,7 +489,10 @@ Result<std::string> UcxBackend::Impl::Init() {
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    // RMA only with ucx_rma: a worker with UCX's RMA feature runs UCX's software put/get
+    // handlers (what RMA becomes over tcp), and those write and read wherever the initiator says,
+    // under any rkey it makes up. Without the feature the worker has no such handler.
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | (rma_ ? UCP_FEATURE_RMA : 0);
     params.name = agent_.c_str();
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -1836,9 +1839,7 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
     uint64_t request_id = 0, proof = 0, value = 0;
     uint8_t code = 0;
     std::string message;
-    if (!r.U64(&request_id) || !r.U64(&proof) || !r.U8(&code) || !r.U64(&value) ||
-        !r.Str(&message, wire::kMaxMessageLen) || !r.Finish().ok() ||
-        code > static_cast<uint8_t>(Code::kDataLoss)) {
+    if (!r.U64(&request_id) || !r.U64(&proof)) {
         FERRY_LOG(kWarn, "ucx: malformed reply dropped");
         Release(data, param);
         return UCS_OK;
@@ -1853,6 +1854,16 @@ ucs_status_t UcxBackend::Impl::HandleReply(std::string_view header, void* data, 
         Release(data, param);
         Finish(p, PermissionDeniedError("peer " + p->ep->name +
                                         " did not prove the deployment secret (an impostor?)"));
+        return UCS_OK;
+    }
+    // The request it answers is known: fail it now rather than at its deadline.
+    if (!r.U8(&code) || !r.U64(&value) || !r.Str(&message, wire::kMaxMessageLen) ||
+        !r.Finish().ok() || code > static_cast<uint8_t>(Code::kDataLoss)) {
+        Release(data, param);
+        Finish(p, DataLossError("peer " + p->ep->name + " sent a malformed reply" +
+                                (code > static_cast<uint8_t>(Code::kDataLoss)
+                                     ? " (status code " + std::to_string(code) + ")"
+                                     : std::string())));
         return UCS_OK;
     }
     if (code != 0) {
