@@ -321,43 +321,50 @@ struct Case {
     const char* text;  // in the error
 };
 
+// An agent ("agent-t", 4 KiB region filled with pattern 1) and a fake peer that puts 4 KiB of
+// 0xab at the region's address under an rkey it made up, never asking for a grant.
+struct UnaskedPut {
+    explicit UnaskedPut(const std::string& backend)
+        : t(ValueOrDie(Agent::Create(TestConfig("agent-t", backend)), "t")),
+          rt(ValueOrDie(t->AllocateRegion(kBytes))) {
+        FillPattern(rt.base, kBytes, 1);
+    }
+    // True if UCX confirmed the put within `wait`.
+    bool Put(std::chrono::milliseconds wait) {
+        AgentMetadata md = DecodeMetadata(t->Metadata()).value();
+        return fake.PutUnasked(md.FindEndpoint("ucx")->address, reinterpret_cast<uint64_t>(rt.base),
+                               std::string(kBytes, '\xab'), wait);
+    }
+    static constexpr size_t kBytes = 4096;
+    std::unique_ptr<Agent> t;
+    RegionInfo rt;
+    LyingUcxTarget fake{Answer::kHonest};
+};
+
 // UCX's software RMA (what put/get become over tcp) writes wherever an initiator says, under an
 // rkey the initiator can make up. An agent without ucx_rma does not enable UCX's RMA feature, so
 // its worker runs no such handler: the bytes never land.
 TEST(UcxUnaskedPut, AnAgentWithoutRmaIsNotWrittenByARkeyThePeerMadeUp) {
-    auto t = ValueOrDie(Agent::Create(TestConfig("agent-t", "ucx")), "t");
-    const size_t n = 4096;
-    RegionInfo rt = ValueOrDie(t->AllocateRegion(n));
-    FillPattern(rt.base, n, 1);
-    AgentMetadata md = DecodeMetadata(t->Metadata()).value();
-    LyingUcxTarget fake(Answer::kHonest);
-    EXPECT_FALSE(fake.PutUnasked(md.FindEndpoint("ucx")->address,
-                                 reinterpret_cast<uint64_t>(rt.base), std::string(n, '\xab'),
-                                 std::chrono::milliseconds(1500)));
-    EXPECT_EQ(FirstMismatch(rt.base, n, 1), -1) << "a made-up rkey wrote into the agent";
+    UnaskedPut u("ucx");
+    const size_t n = UnaskedPut::kBytes;
+    EXPECT_FALSE(u.Put(std::chrono::milliseconds(1500)));
+    EXPECT_EQ(FirstMismatch(u.rt.base, n, 1), -1) << "a made-up rkey wrote into the agent";
 
     // The agent still serves an honest peer.
     auto a = ValueOrDie(Agent::Create(TestConfig("agent-a", "ucx")), "a");
     RegionInfo la = ValueOrDie(a->AllocateRegion(n));
-    ASSERT_TRUE(a->AddPeer(t->Metadata()).ok());
+    ASSERT_TRUE(a->AddPeer(u.t->Metadata()).ok());
     auto r = ValueOrDie(a->PostRead(std::vector<Descriptor>{{la.id, 0, n}}, "agent-t",
-                                    std::vector<Descriptor>{{rt.id, 0, n}}));
+                                    std::vector<Descriptor>{{u.rt.id, 0, n}}));
     FERRY_ASSERT_OK(r.Wait(seconds(10)));
     EXPECT_EQ(FirstMismatch(la.base, n, 1), -1);
 }
 
 // With ucx_rma on, the same put lands: the trust the docs ask for (transfer-engine.md, "ucx").
 TEST(UcxUnaskedPut, WithRmaOnAMadeUpRkeyWritesOverTcp) {
-    auto t = ValueOrDie(Agent::Create(TestConfig("agent-t", "ucx_rma")), "t");
-    const size_t n = 4096;
-    RegionInfo rt = ValueOrDie(t->AllocateRegion(n));
-    FillPattern(rt.base, n, 1);
-    AgentMetadata md = DecodeMetadata(t->Metadata()).value();
-    LyingUcxTarget fake(Answer::kHonest);
-    EXPECT_TRUE(fake.PutUnasked(md.FindEndpoint("ucx")->address,
-                                reinterpret_cast<uint64_t>(rt.base), std::string(n, '\xab'),
-                                std::chrono::milliseconds(5000)));
-    EXPECT_EQ(static_cast<uint8_t*>(rt.base)[0], 0xab);
+    UnaskedPut u("ucx_rma");
+    EXPECT_TRUE(u.Put(std::chrono::milliseconds(5000)));
+    EXPECT_EQ(static_cast<uint8_t*>(u.rt.base)[0], 0xab);
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
