@@ -111,7 +111,10 @@ struct AgentConfig {
     // transports; Deregister revokes every grant before it returns. This agent also uses the
     // grants of peers that offer them. Off: every transfer is an active message the target
     // checks. Over UCX_TLS=tcp, where UCX emulates RMA in software, the two move 4 MiB blocks
-    // equally fast (docs/benchmarks.md). docs/transfer-engine.md, "ucx".
+    // equally fast (docs/benchmarks.md). On: this agent's UCX worker also runs UCX's software
+    // put/get handler, which over tcp writes wherever a peer says, under any rkey; so turn it on
+    // only among agents that trust each other (docs/security.md). Off, UCX's RMA feature is not
+    // enabled at all. docs/transfer-engine.md, "ucx".
     bool ucx_rma = false;
     // The file backend (file regions, Agent::RegisterFile): "io_uring", or "pread" (pread/pwrite
     // on one thread). io_uring falls back to pread, with a warning, where the kernel refuses it
