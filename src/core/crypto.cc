@@ -61,4 +61,21 @@ std::string HexEncode(const uint8_t* p, size_t n) {
     return out;
 }
 
+bool HexDecode(std::string_view hex, std::string* out) {
+    if (hex.size() % 2 != 0) return false;
+    auto val = [](char c) -> int {
+        if (c >= '0' && c <= '9') return c - '0';
+        if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+        return -1;
+    };
+    out->clear();
+    out->reserve(hex.size() / 2);
+    for (size_t i = 0; i < hex.size(); i += 2) {
+        int hi = val(hex[i]), lo = val(hex[i + 1]);
+        if (hi < 0 || lo < 0) return false;
+        out->push_back(static_cast<char>(hi * 16 + lo));
+    }
+    return true;
+}
+
 }  // namespace ferry

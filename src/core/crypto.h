@@ -21,6 +21,9 @@ Digest HmacSha256(std::string_view key, std::string_view data);
 
 // Lower-case hexadecimal of `n` bytes.
 std::string HexEncode(const uint8_t* p, size_t n);
+// The bytes of lower-case hexadecimal `hex` into `out`; false for an odd length or any other
+// character.
+bool HexDecode(std::string_view hex, std::string* out);
 
 // Constant-time comparison, so a wrong proof leaks nothing through timing.
 bool DigestEqual(const Digest& a, const Digest& b);

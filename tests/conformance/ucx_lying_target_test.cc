@@ -1,9 +1,10 @@
-// A ucx target that lies in its grant answers. The fake below is a real UCX peer (its own context,
-// worker and progress thread) that speaks ferry's active-message protocol far enough to be
-// reached: it opens the reply endpoint an initiator announces (kAmHello) and answers grant
-// requests (kAmGrant) the way its Answer says, from an honest grant of a mapped buffer to
-// garbage. The initiator must fail that transfer with an error that names the lie, keep running,
-// and keep serving and reaching everyone else.
+// ucx peers that lie. The fake below is a real UCX peer (its own context, worker and progress
+// thread) that speaks ferry's active-message protocol far enough to be reached: as a target it
+// opens the reply endpoint an initiator announces (kAmHello) and answers grant requests
+// (kAmGrant) the way its Answer says, from an honest grant of a mapped buffer to garbage; the
+// initiator must fail that transfer with an error that names the lie, keep running, and keep
+// serving and reaching everyone else. As an initiator it puts into an agent under an rkey it
+// made up, never asking for a grant.
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <thread>
 
 #include "core/bytes.h"
+#include "core/crypto.h"
 #include "testing/testing.h"
 #include "transfer/metadata.h"
 
@@ -46,11 +48,11 @@ enum class Answer {
     kUnknownCode,         // a status code that does not exist
 };
 
-class LyingUcxTarget {
+class FakeUcxPeer {
   public:
     static constexpr size_t kMemory = 1u << 20;
 
-    explicit LyingUcxTarget(Answer answer) : answer_(answer), memory_(kMemory, 0) {
+    explicit FakeUcxPeer(Answer answer) : answer_(answer), memory_(kMemory, 0) {
         ucp_params_t params{};
         params.field_mask = UCP_PARAM_FIELD_FEATURES;
         params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
@@ -62,21 +64,16 @@ class LyingUcxTarget {
         ucp_address_t* addr = nullptr;
         size_t addr_len = 0;
         Check(ucp_worker_get_address(worker_, &addr, &addr_len), "ucp_worker_get_address");
-        static const char* digits = "0123456789abcdef";
-        for (size_t i = 0; i < addr_len; ++i) {
-            uint8_t b = reinterpret_cast<const uint8_t*>(addr)[i];
-            address_ += digits[b >> 4];
-            address_ += digits[b & 15];
-        }
+        address_ = HexEncode(reinterpret_cast<const uint8_t*>(addr), addr_len) +
+                   ".00000000c0ffee01";  // its endpoint token
         ucp_worker_release_address(worker_, addr);
-        address_ += ".00000000c0ffee01";  // its endpoint token
         for (uint16_t id = 1; id <= kLastAm; ++id) {
             args_[id] = {this, id};
             ucp_am_handler_param_t hp{};
             hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                             UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
             hp.id = id;
-            hp.cb = &LyingUcxTarget::OnAm;
+            hp.cb = &FakeUcxPeer::OnAm;
             hp.arg = &args_[id];
             hp.flags = UCP_AM_FLAG_WHOLE_MSG;
             Check(ucp_worker_set_am_recv_handler(worker_, &hp), "ucp_worker_set_am_recv_handler");
@@ -96,7 +93,7 @@ class LyingUcxTarget {
         thread_ = std::thread([this] { Loop(); });
     }
 
-    ~LyingUcxTarget() {
+    ~FakeUcxPeer() {
         stop_ = true;
         thread_.join();
         for (ucp_ep_h ep : eps_) {
@@ -139,7 +136,7 @@ class LyingUcxTarget {
 
   private:
     struct HandlerArg {
-        LyingUcxTarget* self = nullptr;
+        FakeUcxPeer* self = nullptr;
         uint16_t id = 0;
     };
 
@@ -156,7 +153,7 @@ class LyingUcxTarget {
         ByteReader r(std::string_view(static_cast<const char*>(header), header_length), "fake");
         uint64_t token = 0, proof = 0, initiator = 0, x = 0;
         if (!r.U64(&token) || !r.U64(&proof) || !r.U64(&initiator) || !r.U64(&x)) return UCS_OK;
-        LyingUcxTarget* self = a->self;
+        FakeUcxPeer* self = a->self;
         if (a->id == kAmHello) {
             std::string address(static_cast<const char*>(data), length);
             self->deferred_.push_back([self, address] { self->OpenReplyEp(address); });
@@ -166,19 +163,23 @@ class LyingUcxTarget {
         return UCS_OK;  // everything else is ignored
     }
 
-    void OpenReplyEp(const std::string& address) {
+    // An endpoint to the worker at `address` (its bytes), with peer error handling, closed
+    // with the fake; nullptr if UCX refuses.
+    ucp_ep_h Connect(const std::string& address) {
         ucp_ep_params_t params{};
         params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                             UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
         params.address = reinterpret_cast<const ucp_address_t*>(address.data());
         params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
         params.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
-        params.err_handler.arg = nullptr;
         ucp_ep_h ep = nullptr;
-        if (ucp_ep_create(worker_, &params, &ep) == UCS_OK) {
-            eps_.push_back(ep);
-            reply_ep_ = ep;
-        }
+        if (ucp_ep_create(worker_, &params, &ep) != UCS_OK) return nullptr;
+        eps_.push_back(ep);
+        return ep;
+    }
+
+    void OpenReplyEp(const std::string& address) {
+        if (ucp_ep_h ep = Connect(address)) reply_ep_ = ep;
     }
 
     void AnswerGrant(uint64_t request) {
@@ -222,10 +223,10 @@ class LyingUcxTarget {
         h.U8(code);
         h.U64(said);
         h.Str(code != 0 ? "a code nobody defined" : "");
-        replies_.push_back(h.Take());
-        const std::string& header = replies_.back();
-        replies_.push_back(std::move(body));
-        const std::string& data = replies_.back();
+        held_.push_back(h.Take());
+        const std::string& header = held_.back();
+        held_.push_back(std::move(body));
+        const std::string& data = held_.back();
         ucp_request_param_t p{};
         ucs_status_ptr_t r = ucp_am_send_nbx(reply_ep_, kAmReply, header.data(), header.size(),
                                              data.data(), data.size(), &p);
@@ -235,28 +236,17 @@ class LyingUcxTarget {
 
     bool DoPut(const std::string& agent, uint64_t remote, const std::string& data,
                std::chrono::milliseconds wait) {
-        size_t dot = agent.rfind('.');
         std::string worker;
-        for (size_t i = 0; i + 1 < dot; i += 2) {
-            worker += static_cast<char>(std::stoi(agent.substr(i, 2), nullptr, 16));
-        }
-        ucp_ep_params_t params{};
-        params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
-                            UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        params.address = reinterpret_cast<const ucp_address_t*>(worker.data());
-        params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-        params.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
-        ucp_ep_h ep = nullptr;
-        if (ucp_ep_create(worker_, &params, &ep) != UCS_OK) return false;
-        eps_.push_back(ep);
+        if (!HexDecode(std::string_view(agent).substr(0, agent.rfind('.')), &worker)) return false;
+        ucp_ep_h ep = Connect(worker);
+        if (ep == nullptr) return false;
         const std::string zeros(64, '\0');  // a packed rkey naming no memory domain
         ucp_rkey_h rkey = nullptr;
         if (ucp_ep_rkey_unpack(ep, zeros.data(), &rkey) != UCS_OK) return false;
         rkeys_.push_back(rkey);
-        replies_.push_back(data);
+        held_.push_back(data);
         ucp_request_param_t p{};
-        ucs_status_ptr_t put =
-            ucp_put_nbx(ep, replies_.back().data(), data.size(), remote, rkey, &p);
+        ucs_status_ptr_t put = ucp_put_nbx(ep, held_.back().data(), data.size(), remote, rkey, &p);
         if (UCS_PTR_IS_ERR(put)) return false;
         if (UCS_PTR_IS_PTR(put)) ucp_request_free(put);
         ucs_status_ptr_t flush = ucp_ep_flush_nbx(ep, &p);
@@ -299,7 +289,7 @@ class LyingUcxTarget {
     std::vector<ucp_ep_h> eps_;
     std::vector<ucp_rkey_h> rkeys_;
     ucp_ep_h reply_ep_ = nullptr;
-    std::deque<std::string> replies_;  // kept until the end: UCX may still send from them
+    std::deque<std::string> held_;  // what was sent, kept to the end: UCX may still read it
     std::mutex mu_;
     std::vector<std::function<void()>> commands_;  // from other threads
     std::atomic<bool> stop_{false};
@@ -309,7 +299,7 @@ class LyingUcxTarget {
 
 // `real`'s metadata with its ucx endpoint replaced by the fake's: the regions it lists are what
 // the initiator asks the fake to grant.
-std::string PointedAt(const std::string& real, const LyingUcxTarget& fake) {
+std::string PointedAt(const std::string& real, const FakeUcxPeer& fake) {
     AgentMetadata md = DecodeMetadata(real).value();
     md.endpoints = {EndpointInfo{"ucx", fake.address()}};
     return EncodeMetadata(md);
@@ -338,7 +328,7 @@ struct UnaskedPut {
     static constexpr size_t kBytes = 4096;
     std::unique_ptr<Agent> t;
     RegionInfo rt;
-    LyingUcxTarget fake{Answer::kHonest};
+    FakeUcxPeer fake{Answer::kHonest};
 };
 
 // UCX's software RMA (what put/get become over tcp) writes wherever an initiator says, under an
@@ -367,6 +357,26 @@ TEST(UcxUnaskedPut, WithRmaOnAMadeUpRkeyWritesOverTcp) {
     EXPECT_EQ(static_cast<uint8_t*>(u.rt.base)[0], 0xab);
 }
 
+// Metadata whose ucx endpoint is not "<hex worker address>.<16 hex digit token>": the transfer
+// fails naming it, before UCX is asked anything.
+TEST(UcxLyingMetadata, AnEndpointAddressThatIsNotHexFailsTheTransferNamingIt) {
+    auto a = ValueOrDie(Agent::Create(TestConfig("agent-a", "ucx")), "a");
+    auto b = ValueOrDie(Agent::Create(TestConfig("agent-b", "ucx")), "b");
+    RegionInfo rb = ValueOrDie(b->AllocateRegion(4096));
+    RegionInfo la = ValueOrDie(a->AllocateRegion(4096));
+    for (const char* bad : {"zz.00000000c0ffee01", "abc.00000000c0ffee01", "00ff.c0ffee01", "00ff",
+                            ".00000000c0ffee01"}) {
+        SCOPED_TRACE(bad);
+        AgentMetadata md = DecodeMetadata(b->Metadata()).value();
+        md.endpoints = {EndpointInfo{"ucx", bad}};
+        ASSERT_TRUE(a->AddPeer(EncodeMetadata(md)).ok());
+        auto x = a->PostWrite(std::vector<Descriptor>{{la.id, 0, 4096}}, "agent-b",
+                              std::vector<Descriptor>{{rb.id, 0, 4096}});
+        Status s = x.ok() ? x->Wait(seconds(10)) : x.status();
+        EXPECT_THAT(s, StatusHas(Code::kInvalidArgument, "is not <hex worker address>"));
+    }
+}
+
 std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
     static const char* const kNames[] = {"Honest",      "ShortGrant",         "Truncated",
                                          "GarbageRkey", "FewerBytesThanSaid", "TooLong",
@@ -378,11 +388,11 @@ class UcxLyingTarget : public ::testing::TestWithParam<Case> {};
 
 TEST(UcxLyingTargetHarness, AnHonestFakeIsWrittenAndReadOneSided) {
     // The fake is a real peer: with an honest grant the bytes land in its memory and come back.
-    LyingUcxTarget fake(Answer::kHonest);
+    FakeUcxPeer fake(Answer::kHonest);
     auto a = ValueOrDie(Agent::Create(TestConfig("agent-a", "ucx_rma")), "a");
     auto b = ValueOrDie(Agent::Create(TestConfig("agent-b", "ucx_rma")), "b");
-    RegionInfo rb = ValueOrDie(b->AllocateRegion(LyingUcxTarget::kMemory));
-    RegionInfo la = ValueOrDie(a->AllocateRegion(2 * LyingUcxTarget::kMemory));
+    RegionInfo rb = ValueOrDie(b->AllocateRegion(FakeUcxPeer::kMemory));
+    RegionInfo la = ValueOrDie(a->AllocateRegion(2 * FakeUcxPeer::kMemory));
     const size_t n = 256u << 10;
     FillPattern(la.base, n, 3);
     ASSERT_TRUE(a->AddPeer(PointedAt(b->Metadata(), fake)).ok());
@@ -390,23 +400,23 @@ TEST(UcxLyingTargetHarness, AnHonestFakeIsWrittenAndReadOneSided) {
                                      std::vector<Descriptor>{{rb.id, 4096, n}}));
     FERRY_ASSERT_OK(w.Wait(seconds(10)));
     EXPECT_EQ(FirstMismatch(fake.memory() + 4096, n, 3), -1);
-    auto r = ValueOrDie(a->PostRead(std::vector<Descriptor>{{la.id, LyingUcxTarget::kMemory, n}},
+    auto r = ValueOrDie(a->PostRead(std::vector<Descriptor>{{la.id, FakeUcxPeer::kMemory, n}},
                                     "agent-b", std::vector<Descriptor>{{rb.id, 4096, n}}));
     FERRY_ASSERT_OK(r.Wait(seconds(10)));
-    EXPECT_EQ(FirstMismatch(static_cast<uint8_t*>(la.base) + LyingUcxTarget::kMemory, n, 3), -1);
+    EXPECT_EQ(FirstMismatch(static_cast<uint8_t*>(la.base) + FakeUcxPeer::kMemory, n, 3), -1);
     EXPECT_EQ(fake.grants_answered(), 1);
     EXPECT_EQ(a->Stats().one_sided_transfers, 2u);
 }
 
 TEST_P(UcxLyingTarget, TheTransferFailsNamingTheLieAndTheInitiatorCarriesOn) {
     const Case& c = GetParam();
-    LyingUcxTarget fake(c.answer);
+    FakeUcxPeer fake(c.answer);
     auto a = ValueOrDie(Agent::Create(TestConfig("agent-a", "ucx_rma")), "a");
     auto b = ValueOrDie(Agent::Create(TestConfig("agent-b", "ucx_rma")), "b");
     auto honest = ValueOrDie(Agent::Create(TestConfig("agent-c", "ucx_rma")), "c");
-    RegionInfo rb = ValueOrDie(b->AllocateRegion(LyingUcxTarget::kMemory));
-    RegionInfo rc = ValueOrDie(honest->AllocateRegion(LyingUcxTarget::kMemory));
-    RegionInfo la = ValueOrDie(a->AllocateRegion(LyingUcxTarget::kMemory));
+    RegionInfo rb = ValueOrDie(b->AllocateRegion(FakeUcxPeer::kMemory));
+    RegionInfo rc = ValueOrDie(honest->AllocateRegion(FakeUcxPeer::kMemory));
+    RegionInfo la = ValueOrDie(a->AllocateRegion(FakeUcxPeer::kMemory));
     const size_t n = 64u << 10;
     FillPattern(la.base, n, 9);
     ASSERT_TRUE(a->AddPeer(PointedAt(b->Metadata(), fake)).ok());

@@ -52,42 +52,12 @@ constexpr auto kReconnectBackoff = std::chrono::seconds(1);
 // How long a clean close waits for what was sent to arrive before it forces the close.
 constexpr auto kFlushBeforeClose = std::chrono::seconds(2);
 
-std::string Hex(const void* p, size_t n) {
-    static const char* digits = "0123456789abcdef";
-    std::string s;
-    s.reserve(2 * n);
-    for (size_t i = 0; i < n; ++i) {
-        uint8_t b = static_cast<const uint8_t*>(p)[i];
-        s.push_back(digits[b >> 4]);
-        s.push_back(digits[b & 15]);
-    }
-    return s;
-}
-
-bool Unhex(std::string_view s, std::string* out) {
-    if (s.size() % 2 != 0) return false;
-    out->clear();
-    out->reserve(s.size() / 2);
-    auto val = [](char c) -> int {
-        if (c >= '0' && c <= '9') return c - '0';
-        if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-        return -1;
-    };
-    for (size_t i = 0; i < s.size(); i += 2) {
-        int hi = val(s[i]), lo = val(s[i + 1]);
-        if (hi < 0 || lo < 0) return false;
-        out->push_back(static_cast<char>(hi * 16 + lo));
-    }
-    return true;
-}
-
-// "<hex worker address>.<16 hex digits token>"
 Status ParseAddress(std::string_view address, std::string* worker, uint64_t* token) {
     size_t dot = address.rfind('.');
     std::string tok;
     if (dot == std::string_view::npos || address.size() - dot - 1 != 16 ||
-        !Unhex(address.substr(0, dot), worker) || worker->empty() ||
-        !Unhex(address.substr(dot + 1), &tok)) {
+        !HexDecode(address.substr(0, dot), worker) || worker->empty() ||
+        !HexDecode(address.substr(dot + 1), &tok)) {
         return InvalidArgumentError("ucx endpoint address '" + std::string(address.substr(0, 64)) +
                                     "' is not <hex worker address>.<16 hex digit token>");
     }
@@ -511,7 +481,8 @@ Result<std::string> UcxBackend::Impl::Init() {
     char tok[17];
     snprintf(tok, sizeof tok, "%016llx", static_cast<unsigned long long>(token_));
     my_address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
-    std::string address = Hex(attr.address, attr.address_length) + "." + tok;
+    std::string address =
+        HexEncode(reinterpret_cast<const uint8_t*>(attr.address), attr.address_length) + "." + tok;
     ucp_worker_release_address(worker_, attr.address);
     max_header_ = attr.max_am_header;
 
