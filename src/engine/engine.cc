@@ -143,13 +143,20 @@ Engine::~Engine() {
     if (thread_.joinable()) thread_.join();
     // Whatever is left gets its final callback.
     DrainInbox();
-    RequestOutput out;
     for (auto* list : {&running_}) {
-        for (auto& s : *list) Finish(s.get(), FinishReason::kAbort, &out);
+        for (auto& s : *list) {
+            RequestOutput out;
+            Finish(s.get(), FinishReason::kAbort, &out);
+        }
         list->clear();
     }
-    for (auto& s : waiting_) Finish(s.get(), FinishReason::kAbort, &out);
+    for (auto& s : waiting_) {
+        RequestOutput out;
+        Finish(s.get(), FinishReason::kAbort, &out);
+    }
     waiting_.clear();
+    PublishStats();
+    DeliverFinals();
 }
 
 Status Engine::Submit(Request request) {
@@ -208,8 +215,8 @@ void Engine::DrainInbox() {
         aborts.swap(aborts_);
     }
     for (auto& s : inbox) waiting_.push_back(std::move(s));
-    RequestOutput out;
     for (const std::string& id : aborts) {
+        RequestOutput out;
         auto it = std::find_if(running_.begin(), running_.end(),
                                [&](const auto& s) { return s->req.id == id; });
         if (it != running_.end()) {
@@ -330,17 +337,18 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
 }
 
 bool Engine::Step() {
+    bool more = StepBatch();
+    PublishStats();
+    DeliverFinals();
+    return more;
+}
+
+bool Engine::StepBatch() {
     DrainInbox();
-    if (running_.empty() && waiting_.empty()) {
-        PublishStats();
-        return false;
-    }
+    if (running_.empty() && waiting_.empty()) return false;
     std::vector<std::pair<Sequence*, int>> plan;
     Schedule(&plan);
-    if (plan.empty()) {  // only after preempting everything; the next step admits again
-        PublishStats();
-        return true;
-    }
+    if (plan.empty()) return true;  // only after preempting everything; the next step admits
 
     std::vector<model::SeqChunk> chunks;
     chunks.reserve(plan.size());
@@ -383,7 +391,6 @@ bool Engine::Step() {
                                [&](const auto& p) { return p.get() == s; });
         if (it != running_.end()) running_.erase(it);
     }
-    PublishStats();
     return true;
 }
 
@@ -471,7 +478,13 @@ void Engine::Finish(Sequence* s, FinishReason reason, RequestOutput* out) {
         std::lock_guard lock(mu_);
         live_ids_.erase(s->req.id);
     }
-    if (s->req.on_output) s->req.on_output(*out);
+    if (s->req.on_output) finals_.emplace_back(std::move(s->req.on_output), *out);
+}
+
+void Engine::DeliverFinals() {
+    std::vector<std::pair<OutputCallback, RequestOutput>> finals;
+    finals.swap(finals_);
+    for (auto& [callback, out] : finals) callback(out);
 }
 
 void Engine::PublishStats() {

@@ -123,7 +123,13 @@ class Engine {
     void DrainInbox();
     void Schedule(std::vector<std::pair<Sequence*, int>>* plan);
     void Preempt(Sequence* s);
+    // The body of Step, before its stats are published and its final outputs delivered.
+    bool StepBatch();
+    // Ends `s`: frees its blocks and queues its final output for DeliverFinals.
     void Finish(Sequence* s, FinishReason reason, RequestOutput* out);
+    // Runs the queued final callbacks. After PublishStats, so that a client that got its final
+    // output never finds the request still counted as running in Stats().
+    void DeliverFinals();
     void ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOutput* out);
     void CommitFullBlocks(Sequence* s);
     void PublishStats();
@@ -139,6 +145,7 @@ class Engine {
     std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
     std::vector<float> logits_;
     EngineStats counters_;
+    std::vector<std::pair<OutputCallback, RequestOutput>> finals_;  // for DeliverFinals
 
     // Shared with submitters.
     mutable std::mutex mu_;

@@ -293,6 +293,30 @@ TEST_F(EngineTest, AbortFreesBlocksAndEndsTheStream) {
     EXPECT_EQ(e->Stats().running, 0);
 }
 
+// A client that got its final output finds the request gone from the stats (ferry serve's
+// /metrics reads them right after answering).
+TEST_F(EngineTest, WhenTheFinalOutputArrivesTheStatsNoLongerCountTheRequest) {
+    auto e = Make(Config());
+    std::map<std::string, EngineStats> seen;  // by request, from inside its final callback
+    for (auto [id, max_tokens] : {std::pair<std::string, int>{"short", 2}, {"long", 6}}) {
+        Request r;
+        r.id = id;
+        r.prompt = Prompt(20, max_tokens);
+        r.sampling = Greedy();
+        r.sampling.max_tokens = max_tokens;
+        r.on_output = [&, id = id](const RequestOutput& o) {
+            if (o.finish != FinishReason::kNone) seen[id] = e->Stats();
+        };
+        FERRY_ASSERT_OK(e->Submit(std::move(r)));
+    }
+    e->RunUntilIdle();
+    ASSERT_EQ(seen.size(), 2u);
+    EXPECT_EQ(seen["short"].running, 1);  // only "long"
+    EXPECT_EQ(seen["short"].requests_finished, 1);
+    EXPECT_EQ(seen["long"].running, 0);
+    EXPECT_EQ(seen["long"].kv_blocks_used, 0);
+}
+
 TEST_F(EngineTest, StepThreadServesConcurrentSubmitters) {
     auto cfg = Config();
     cfg.manual_steps = false;
