@@ -461,6 +461,7 @@ FERRY_GGUF_SCALAR(SetUint32, uint32_t, kUint32)
 FERRY_GGUF_SCALAR(SetUint64, uint64_t, kUint64)
 FERRY_GGUF_SCALAR(SetInt32, int32_t, kInt32)
 FERRY_GGUF_SCALAR(SetFloat32, float, kFloat32)
+FERRY_GGUF_SCALAR(SetFloat64, double, kFloat64)
 #undef FERRY_GGUF_SCALAR
 
 void GgufWriter::SetBool(std::string key, bool value) {
@@ -479,23 +480,19 @@ void GgufWriter::SetStringArray(std::string key, std::vector<std::string> values
     Set(std::move(key), std::move(e));
 }
 
-void GgufWriter::SetInt32Array(std::string key, std::vector<int32_t> values) {
-    std::string e;
-    Put<uint32_t>(&e, static_cast<uint32_t>(GgufValueType::kArray));
-    Put<uint32_t>(&e, static_cast<uint32_t>(GgufValueType::kInt32));
-    Put<uint64_t>(&e, values.size());
-    for (int32_t v : values) Put<int32_t>(&e, v);
-    Set(std::move(key), std::move(e));
-}
-
-void GgufWriter::SetFloat32Array(std::string key, std::vector<float> values) {
-    std::string e;
-    Put<uint32_t>(&e, static_cast<uint32_t>(GgufValueType::kArray));
-    Put<uint32_t>(&e, static_cast<uint32_t>(GgufValueType::kFloat32));
-    Put<uint64_t>(&e, values.size());
-    for (float v : values) Put<float>(&e, v);
-    Set(std::move(key), std::move(e));
-}
+#define FERRY_GGUF_ARRAY(Name, T, Type)                                  \
+    void GgufWriter::Name(std::string key, std::vector<T> values) {      \
+        std::string e;                                                   \
+        Put<uint32_t>(&e, static_cast<uint32_t>(GgufValueType::kArray)); \
+        Put<uint32_t>(&e, static_cast<uint32_t>(GgufValueType::Type));   \
+        Put<uint64_t>(&e, values.size());                                \
+        for (T v : values) Put<T>(&e, v);                                \
+        Set(std::move(key), std::move(e));                               \
+    }
+FERRY_GGUF_ARRAY(SetInt32Array, int32_t, kInt32)
+FERRY_GGUF_ARRAY(SetFloat32Array, float, kFloat32)
+FERRY_GGUF_ARRAY(SetFloat64Array, double, kFloat64)
+#undef FERRY_GGUF_ARRAY
 
 Status GgufWriter::AddTensor(std::string name, std::vector<uint64_t> dims, TensorType type,
                              std::string data) {

@@ -98,10 +98,12 @@ class GgufWriter {
     void SetUint64(std::string key, uint64_t value);
     void SetInt32(std::string key, int32_t value);
     void SetFloat32(std::string key, float value);
+    void SetFloat64(std::string key, double value);
     void SetBool(std::string key, bool value);
     void SetStringArray(std::string key, std::vector<std::string> values);
     void SetInt32Array(std::string key, std::vector<int32_t> values);
     void SetFloat32Array(std::string key, std::vector<float> values);
+    void SetFloat64Array(std::string key, std::vector<double> values);
     // `data` holds elements(dims) values of `type`, little-endian.
     Status AddTensor(std::string name, std::vector<uint64_t> dims, TensorType type,
                      std::string data);

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -185,10 +186,21 @@ Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
     FERRY_RETURN_IF_ERROR(get("llama.context_length", &c.context_length, false, 2048));
     FERRY_RETURN_IF_ERROR(get("llama.attention.key_length", &c.head_dim, false,
                               c.num_heads ? c.dim / c.num_heads : 0));
-    auto theta = f.GetFloat("llama.rope.freq_base");
-    if (theta.ok()) c.rope_theta = static_cast<float>(*theta);
-    auto eps = f.GetFloat("llama.attention.layer_norm_rms_epsilon");
-    if (eps.ok()) c.norm_eps = static_cast<float>(*eps);
+    // An optional float keeps its default when absent; present, it must be a positive float.
+    auto get_float = [&](const char* key, float* out) -> Status {
+        auto v = f.GetFloat(key);
+        if (!v.ok()) {
+            return v.status().code() == Code::kNotFound ? Status::Ok() : v.status();
+        }
+        if (!(*v > 0 && *v <= std::numeric_limits<float>::max())) {
+            return InvalidArgumentError(
+                fmt::format("{}: {} = {} is not a positive float", f.path(), key, *v));
+        }
+        *out = static_cast<float>(*v);
+        return Status::Ok();
+    };
+    FERRY_RETURN_IF_ERROR(get_float("llama.rope.freq_base", &c.rope_theta));
+    FERRY_RETURN_IF_ERROR(get_float("llama.attention.layer_norm_rms_epsilon", &c.norm_eps));
     const GgufTensor* emb = f.FindTensor("token_embd.weight");
     if (!emb || emb->dims.size() != 2) {
         return InvalidArgumentError(f.path() + ": tensor token_embd.weight is missing or not 2-D");

@@ -316,6 +316,21 @@ TEST(Model, RefusesUnusableFiles) {
     EXPECT_THAT(
         Model::Load(path).status(),
         StatusHas(Code::kInvalidArgument, "tensor output_norm.weight has dims [7], expected [8]"));
+    // Optional floats present with values no float holds, or not positive.
+    for (double bad : {1e300, -1.0, 0.0, std::nan("")}) {
+        SCOPED_TRACE(bad);
+        GgufWriter f = w;
+        f.SetFloat64("llama.rope.freq_base", bad);
+        FERRY_ASSERT_OK(f.Write(path));
+        EXPECT_THAT(Model::Load(path).status(),
+                    StatusHas(Code::kInvalidArgument, "llama.rope.freq_base = "));
+    }
+    GgufWriter eps = w;
+    eps.SetString("llama.attention.layer_norm_rms_epsilon", "small");
+    FERRY_ASSERT_OK(eps.Write(path));
+    EXPECT_THAT(Model::Load(path).status(),
+                StatusHas(Code::kInvalidArgument,
+                          "'llama.attention.layer_norm_rms_epsilon' is not a float"));
     GgufWriter other;
     other.SetString("general.architecture", "gpt-neox");
     FERRY_ASSERT_OK(other.Write(path));

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <limits>
 #include <queue>
 
 namespace ferry::model {
@@ -329,7 +331,17 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& file) {
             return InvalidArgumentError(fmt::format(
                 "tokenizer.ggml.token_type: {} entries for {} tokens", types->size(), n));
         }
-        for (size_t i = 0; i < n; ++i) t->types_[i] = static_cast<int32_t>((*types)[i]);
+        for (size_t i = 0; i < n; ++i) {
+            // GGUF's token types are 0 (undefined) to 6 (byte); anything else (a fraction, a
+            // value no int holds) is a broken file, refused before it is converted.
+            const double type = (*types)[i];
+            if (!(type >= 0 && type <= static_cast<int>(kByte)) || type != std::floor(type)) {
+                return InvalidArgumentError(
+                    fmt::format("tokenizer.ggml.token_type[{}] = {} is not a token type (0 to {})",
+                                i, type, static_cast<int>(kByte)));
+            }
+            t->types_[i] = static_cast<int32_t>(type);
+        }
     }
     if (t->kind_ == Kind::kSentencePiece) {
         FERRY_ASSIGN_OR_RETURN(std::vector<double> scores,
@@ -338,7 +350,18 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& file) {
             return InvalidArgumentError(
                 fmt::format("tokenizer.ggml.scores: {} entries for {} tokens", scores.size(), n));
         }
-        t->scores_.assign(scores.begin(), scores.end());
+        t->scores_.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            // A score must be a float: NaN would make the merge order meaningless, and a double
+            // beyond float's range has no float to become.
+            if (std::isnan(scores[i]) ||
+                (std::isfinite(scores[i]) &&
+                 std::fabs(scores[i]) > std::numeric_limits<float>::max())) {
+                return InvalidArgumentError(fmt::format(
+                    "tokenizer.ggml.scores[{}] = {} is not a float score", i, scores[i]));
+            }
+            t->scores_[i] = static_cast<float>(scores[i]);
+        }
     } else {
         auto merges = file.GetStringArray("tokenizer.ggml.merges");
         if (merges.ok()) {

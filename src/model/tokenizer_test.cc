@@ -5,7 +5,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include "model/model.h"
 #include "testing/testing.h"
@@ -249,6 +251,38 @@ TEST(Tokenizer, RefusesInconsistentMetadata) {
     file = std::move(GgufFile::Open(path)).value();
     EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
                 StatusHas(Code::kInvalidArgument, "tokenizer.ggml.merges[0] 'ab'"));
+    std::remove(path.c_str());
+}
+
+// Numbers that no token type or float score can hold are refused by name, before any conversion
+// (the gguf fuzzer found a token type of 2^32 converted to int).
+TEST(Tokenizer, RefusesTokenTypesAndScoresOutOfRange) {
+    std::string path = TempPath("bad-tok-range");
+    auto load = [&](GgufWriter& w) {
+        w.SetString("tokenizer.ggml.model", "llama");
+        w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
+        EXPECT_TRUE(w.Write(path).ok());
+        auto file = std::move(GgufFile::Open(path)).value();
+        return Tokenizer::FromGguf(*file).status();
+    };
+    for (double type : {4294967296.0, -1.0, 7.0, 1.5, std::nan("")}) {
+        SCOPED_TRACE(type);
+        GgufWriter w;
+        w.SetFloat64Array("tokenizer.ggml.token_type", {1, type});
+        w.SetFloat32Array("tokenizer.ggml.scores", {0, 0});
+        EXPECT_THAT(load(w), StatusHas(Code::kInvalidArgument, "tokenizer.ggml.token_type[1] = "));
+    }
+    for (double score : {1e300, -1e39, std::nan("")}) {
+        SCOPED_TRACE(score);
+        GgufWriter w;
+        w.SetFloat64Array("tokenizer.ggml.scores", {0, score});
+        EXPECT_THAT(load(w), StatusHas(Code::kInvalidArgument, "tokenizer.ggml.scores[1] = "));
+    }
+    GgufWriter fine;
+    fine.SetFloat64Array("tokenizer.ggml.token_type", {0, 6});
+    fine.SetFloat64Array("tokenizer.ggml.scores",
+                         {-1e30, -std::numeric_limits<double>::infinity()});
+    FERRY_EXPECT_OK(load(fine));
     std::remove(path.c_str());
 }
 
