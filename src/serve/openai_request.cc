@@ -143,7 +143,19 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
             !std::all_of(s.begin(), s.end(), [](const Json& e) { return e.is_number_integer(); })) {
             f->Fail("'stop_token_ids' must be an array of integers", "stop_token_ids");
         } else {
-            for (const Json& e : s) sp.stop_token_ids.push_back(e.get<int32_t>());
+            for (size_t i = 0; i < s.size() && f->ok(); ++i) {
+                // An id outside the vocabulary could never stop anything: say so rather than
+                // narrow it to some other token's id.
+                const bool big = s[i].is_number_unsigned() && s[i].get<uint64_t>() > INT32_MAX;
+                const int64_t id = big ? INT64_MAX : s[i].get<int64_t>();
+                if (id < 0 || id >= tk.vocab_size()) {
+                    f->Fail(fmt::format("stop_token_ids[{}] = {} is outside the vocabulary (0..{})",
+                                        i, s[i].dump(), tk.vocab_size() - 1),
+                            "stop_token_ids");
+                } else {
+                    sp.stop_token_ids.push_back(static_cast<int32_t>(id));
+                }
+            }
         }
     }
     if (chat) {
