@@ -143,17 +143,9 @@ Engine::~Engine() {
     if (thread_.joinable()) thread_.join();
     // Whatever is left gets its final callback.
     DrainInbox();
-    for (auto* list : {&running_}) {
-        for (auto& s : *list) {
-            RequestOutput out;
-            Finish(s.get(), FinishReason::kAbort, &out);
-        }
-        list->clear();
-    }
-    for (auto& s : waiting_) {
-        RequestOutput out;
-        Finish(s.get(), FinishReason::kAbort, &out);
-    }
+    for (auto& s : running_) FinishAborted(s.get());
+    running_.clear();
+    for (auto& s : waiting_) FinishAborted(s.get());
     waiting_.clear();
     PublishStats();
     DeliverFinals();
@@ -216,18 +208,17 @@ void Engine::DrainInbox() {
     }
     for (auto& s : inbox) waiting_.push_back(std::move(s));
     for (const std::string& id : aborts) {
-        RequestOutput out;
         auto it = std::find_if(running_.begin(), running_.end(),
                                [&](const auto& s) { return s->req.id == id; });
         if (it != running_.end()) {
-            Finish(it->get(), FinishReason::kAbort, &out);
+            FinishAborted(it->get());
             running_.erase(it);
             continue;
         }
         auto wt = std::find_if(waiting_.begin(), waiting_.end(),
                                [&](const auto& s) { return s->req.id == id; });
         if (wt != waiting_.end()) {
-            Finish(wt->get(), FinishReason::kAbort, &out);
+            FinishAborted(wt->get());
             waiting_.erase(wt);
         }
     }
@@ -479,6 +470,11 @@ void Engine::Finish(Sequence* s, FinishReason reason, RequestOutput* out) {
         live_ids_.erase(s->req.id);
     }
     if (s->req.on_output) finals_.emplace_back(std::move(s->req.on_output), *out);
+}
+
+void Engine::FinishAborted(Sequence* s) {
+    RequestOutput out;  // its own: an aborted request's final output carries only its held text
+    Finish(s, FinishReason::kAbort, &out);
 }
 
 void Engine::DeliverFinals() {

@@ -127,6 +127,8 @@ class Engine {
     bool StepBatch();
     // Ends `s`: frees its blocks and queues its final output for DeliverFinals.
     void Finish(Sequence* s, FinishReason reason, RequestOutput* out);
+    // Finish with FinishReason::kAbort, outside a step's output.
+    void FinishAborted(Sequence* s);
     // Runs the queued final callbacks. After PublishStats, so that a client that got its final
     // output never finds the request still counted as running in Stats().
     void DeliverFinals();
