@@ -22,6 +22,19 @@ std::string TypeName(const Json& v) {
     return "an object";
 }
 
+// A JSON integer as int64_t; one beyond its range (only unsigned ones can be) becomes INT64_MAX.
+int64_t ClampedInt(const Json& v) {
+    return v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX
+                                                                             : v.get<int64_t>();
+}
+
+// A JSON integer that is a token id of `tk`, or nothing.
+std::optional<int32_t> TokenId(const Json& v, const model::Tokenizer& tk) {
+    const int64_t id = ClampedInt(v);
+    if (id < 0 || id >= tk.vocab_size()) return std::nullopt;
+    return static_cast<int32_t>(id);
+}
+
 // Reads optional typed fields, remembering the first error.
 class Fields {
   public:
@@ -51,9 +64,7 @@ class Fields {
         if (!v.is_number_integer()) {
             return Fail(fmt::format("'{}' must be an integer, not {}", key, TypeName(v)), key);
         }
-        int64_t i = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)
-                        ? INT64_MAX
-                        : v.get<int64_t>();
+        const int64_t i = ClampedInt(v);
         if (i < lo || i > hi) {
             return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, i, lo, hi),
                         key);
@@ -143,17 +154,15 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
             !std::all_of(s.begin(), s.end(), [](const Json& e) { return e.is_number_integer(); })) {
             f->Fail("'stop_token_ids' must be an array of integers", "stop_token_ids");
         } else {
+            // An id outside the vocabulary could never stop anything: say so rather than narrow
+            // it to some other token's id.
             for (size_t i = 0; i < s.size() && f->ok(); ++i) {
-                // An id outside the vocabulary could never stop anything: say so rather than
-                // narrow it to some other token's id.
-                const bool big = s[i].is_number_unsigned() && s[i].get<uint64_t>() > INT32_MAX;
-                const int64_t id = big ? INT64_MAX : s[i].get<int64_t>();
-                if (id < 0 || id >= tk.vocab_size()) {
+                if (auto id = TokenId(s[i], tk)) {
+                    sp.stop_token_ids.push_back(*id);
+                } else {
                     f->Fail(fmt::format("stop_token_ids[{}] = {} is outside the vocabulary (0..{})",
                                         i, s[i].dump(), tk.vocab_size() - 1),
                             "stop_token_ids");
-                } else {
-                    sp.stop_token_ids.push_back(static_cast<int32_t>(id));
                 }
             }
         }
@@ -234,16 +243,14 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
                        return e.is_number_integer();
                    })) {
             for (const Json& e : p) {
-                int64_t v = e.is_number_unsigned() && e.get<uint64_t>() > uint64_t(INT32_MAX)
-                                ? INT32_MAX
-                                : e.get<int64_t>();
-                if (v < 0 || v >= tk.vocab_size()) {
+                auto id = TokenId(e, tk);
+                if (!id) {
                     return f->Fail(fmt::format("prompt token id {} is outside the vocabulary "
                                                "(0..{})",
-                                               v, tk.vocab_size() - 1),
+                                               e.dump(), tk.vocab_size() - 1),
                                    "prompt");
                 }
-                out->prompt.push_back(static_cast<int32_t>(v));
+                out->prompt.push_back(*id);
             }
         } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
             out->prompt = tk.Encode(p[0].get<std::string>(), tk.add_bos());

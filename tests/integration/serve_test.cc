@@ -183,6 +183,8 @@ TEST_F(ServeTest, BadRequestsGet400WithAnOpenAiErrorAndTheServerKeepsServing) {
         {"/v1/completions", R"({"prompt":"x","temperature":9})", "'temperature' is 9"},
         {"/v1/completions", R"({"prompt":"x","model":"gpt-4"})", "`gpt-4` does not exist"},
         {"/v1/completions", R"({"prompt":[1,2,99999]})", "token id 99999"},
+        {"/v1/completions", R"({"prompt":[1,18446744073709551615]})",
+         "token id 18446744073709551615"},
         {"/v1/completions", R"({"prompt":["a","b"]})", "batched prompts"},
         {"/v1/completions", R"({"max_tokens":3})", "'prompt' is required"},
         {"/v1/completions", R"({"prompt":")" + std::string(4090, 'a') + R"("})",
