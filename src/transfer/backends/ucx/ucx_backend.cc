@@ -52,6 +52,7 @@ constexpr auto kReconnectBackoff = std::chrono::seconds(1);
 // How long a clean close waits for what was sent to arrive before it forces the close.
 constexpr auto kFlushBeforeClose = std::chrono::seconds(2);
 
+// "<hex worker address>.<16 hex digits token>"
 Status ParseAddress(std::string_view address, std::string* worker, uint64_t* token) {
     size_t dot = address.rfind('.');
     std::string tok;
