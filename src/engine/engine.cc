@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 
 #include "core/log.h"
@@ -77,6 +78,11 @@ struct Engine::Sequence {
     std::string held;           // text held back while a stop string may be forming
     size_t max_stop = 0;
     bool aborted = false;
+    // Disaggregation: parked (the connector does not allow scheduling yet) or loading remote KV
+    // (num_external tokens after num_computed), both in remote_.
+    enum class Phase : uint8_t { kLocal, kParked, kLoading } phase = Phase::kLocal;
+    int num_external = 0;
+    std::optional<kv::FirstToken> first;  // the first token sampled (for RequestFinished)
 
     Sequence(Request r, uint64_t seed) : req(std::move(r)), sampler(req.sampling, seed) {
         tokens = req.prompt;
@@ -129,6 +135,17 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Model> mod
     }
     e->pool_ = std::make_unique<kv::KvBlockPool>(c.num_blocks, c.block_tokens, c.prefix_caching);
     e->counters_.kv_blocks_total = c.num_blocks;
+    if (c.connector) {
+        Engine* p = e.get();
+        FERRY_RETURN_IF_ERROR(c.connector->Bind(e->cache_ptrs_, [p] {
+            {
+                std::lock_guard lock(p->mu_);
+                p->wake_ = true;
+            }
+            p->cv_.notify_one();
+        }));
+        e->connector_ = c.connector.get();
+    }
     e->PublishStats();
     if (!c.manual_steps) e->thread_ = std::thread([p = e.get()] { p->Loop(); });
     return e;
@@ -141,12 +158,23 @@ Engine::~Engine() {
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
+    // The connector stops moving bytes into or out of the caches before they go.
+    if (connector_) connector_->Unbind();
     // Whatever is left gets its final callback.
     DrainInbox();
+    for (auto& s : remote_) {
+        if (s->phase == Sequence::Phase::kLoading) {
+            s->phase = Sequence::Phase::kLocal;  // unbound: nothing touches its blocks now
+        }
+        FinishAborted(s.get());
+    }
+    remote_.clear();
     for (auto& s : running_) FinishAborted(s.get());
     running_.clear();
     for (auto& s : waiting_) FinishAborted(s.get());
     waiting_.clear();
+    for (auto& [id, blocks] : held_) pool_->Free(blocks);
+    held_.clear();
     PublishStats();
     DeliverFinals();
 }
@@ -155,6 +183,20 @@ Status Engine::Submit(Request request) {
     const model::ModelConfig& mc = model_->config();
     FERRY_RETURN_IF_ERROR(request.sampling.Validate());
     if (request.prompt.empty()) return InvalidArgumentError("the prompt is empty");
+    if (request.kv_transfer) {
+        const kv::KvTransferParams& p = *request.kv_transfer;
+        if (!connector_) {
+            return InvalidArgumentError(
+                "kv_transfer_params: this worker has no KV connector (start it with a prefill "
+                "or decode role)");
+        }
+        if (p.do_remote_decode && p.do_remote_prefill) {
+            return InvalidArgumentError(
+                "kv_transfer_params: do_remote_decode and do_remote_prefill are both true");
+        }
+        // A prefill for a remote decoder produces the first token only.
+        if (p.do_remote_decode) request.sampling.max_tokens = 1;
+    }
     for (int32_t t : request.prompt) {
         if (t < 0 || t >= mc.vocab_size) {
             return InvalidArgumentError(fmt::format(
@@ -220,6 +262,15 @@ void Engine::DrainInbox() {
         if (wt != waiting_.end()) {
             FinishAborted(wt->get());
             waiting_.erase(wt);
+            continue;
+        }
+        auto rt = std::find_if(remote_.begin(), remote_.end(),
+                               [&](const auto& s) { return s->req.id == id; });
+        if (rt != remote_.end()) {
+            // Its blocks (if loading) stay held until the connector reports it failed.
+            connector_->Abort(id);
+            FinishAborted(rt->get());
+            remote_.erase(rt);
         }
     }
 }
@@ -228,11 +279,15 @@ void Engine::Loop() {
     for (;;) {
         {
             std::unique_lock lock(mu_);
+            // After a step that did nothing (everything left waits for remote KV or for blocks
+            // that remote transfers hold), only news can change that: a request, an abort, or
+            // the connector's wake-up.
             cv_.wait(lock, [&] {
-                return stop_ || !inbox_.empty() || !aborts_.empty() || !running_.empty() ||
-                       !waiting_.empty();
+                return stop_ || !inbox_.empty() || !aborts_.empty() || wake_ ||
+                       (progressed_ && (!running_.empty() || !waiting_.empty()));
             });
             if (stop_) return;
+            wake_ = false;
         }
         Step();
     }
@@ -298,6 +353,14 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
            static_cast<int>(running_.size()) < config_.max_num_seqs) {
         Sequence* s = waiting_.front().get();
         const int len = static_cast<int>(s->tokens.size());
+        // A request with kv params asks the connector, once (a preempted one recomputes here).
+        const bool remote_kv = connector_ && s->req.kv_transfer && s->num_output == 0;
+        if (remote_kv && !connector_->ReadyToSchedule(Conn(s))) {
+            s->phase = Sequence::Phase::kParked;
+            remote_.push_back(std::move(waiting_.front()));
+            waiting_.pop_front();
+            continue;
+        }
         // Start from the longest cached prefix; at least the last token is computed, to have
         // its logits. Waiting sequences hold no blocks: on failure the prefix goes back.
         std::vector<uint64_t> hashes;
@@ -305,6 +368,32 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
             pool_->AcquireCachedPrefix(std::span(s->tokens).first(len - 1), SIZE_MAX, &hashes);
         s->hashes = std::move(hashes);
         s->num_computed = static_cast<int>(s->blocks.size()) * bt;
+        const int external = remote_kv
+                                 ? std::min(connector_->ExternalTokens(Conn(s), s->num_computed),
+                                            len - s->num_computed)
+                                 : 0;
+        if (external > 0) {
+            // Blocks for the tokens that arrive; the sequence waits for them off the batch.
+            int need = blocks_needed(*s, external);
+            if (pool_->num_free() < need) {
+                pool_->Free(s->blocks);
+                s->blocks.clear();
+                s->hashes.clear();
+                s->num_computed = 0;
+                break;
+            }
+            s->cached_tokens = s->num_computed;
+            counters_.prefix_query_tokens += len;
+            counters_.prefix_hit_tokens += s->num_computed;
+            auto fresh = pool_->Allocate(need);
+            s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
+            s->phase = Sequence::Phase::kLoading;
+            s->num_external = external;
+            connector_->StartLoad(Conn(s), s->blocks, s->num_computed, external);
+            remote_.push_back(std::move(waiting_.front()));
+            waiting_.pop_front();
+            continue;
+        }
         int remaining = len - s->num_computed;
         int n = limit_chunk(remaining);
         int need = blocks_needed(*s, n);
@@ -336,10 +425,17 @@ bool Engine::Step() {
 
 bool Engine::StepBatch() {
     DrainInbox();
-    if (running_.empty() && waiting_.empty()) return false;
+    progressed_ = connector_ && HandleConnectorEvents();
+    if (running_.empty() && waiting_.empty()) {
+        return !remote_.empty();
+    }
     std::vector<std::pair<Sequence*, int>> plan;
+    const uint64_t preemptions = counters_.preemptions;
+    const size_t parked = remote_.size();
     Schedule(&plan);
-    if (plan.empty()) return true;  // only after preempting everything; the next step admits
+    progressed_ = progressed_ || !plan.empty() || counters_.preemptions != preemptions ||
+                  remote_.size() != parked;
+    if (plan.empty()) return true;  // after preempting everything the next step admits
 
     std::vector<model::SeqChunk> chunks;
     chunks.reserve(plan.size());
@@ -354,7 +450,23 @@ bool Engine::StepBatch() {
         chunks.push_back(c);
     }
     logits_.resize(size_t(std::max(num_logits, 1)) * model_->config().vocab_size);
-    Status st = model_->Forward(chunks, cache_ptrs_, logits_.data());
+    kv::LayerHook* hook = nullptr;
+    bool began = false;
+    if (connector_) {
+        std::vector<kv::StepChunk> kc;
+        for (size_t k = 0; k < plan.size(); ++k) {
+            Sequence* s = plan[k].first;
+            if (!s->req.kv_transfer || s->num_output > 0) continue;
+            kc.push_back({&s->req.id, s->req.kv_transfer.get(), s->blocks, s->num_computed,
+                          plan[k].second, chunks[k].want_logits});
+        }
+        if (!kc.empty()) {
+            hook = connector_->BeginStep(kc);
+            began = true;
+        }
+    }
+    Status st = model_->Forward(chunks, cache_ptrs_, logits_.data(), hook);
+    if (began) connector_->EndStep();
     ++counters_.steps;
 
     std::vector<Sequence*> finished;
@@ -404,6 +516,9 @@ void Engine::ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOu
     s->tokens.push_back(tok.token);
     ++s->num_output;
     ++counters_.generation_tokens;
+    if (s->num_output == 1 && s->req.kv_transfer) {
+        s->first = kv::FirstToken{tok.token, tok.logprob, tok.top};
+    }
     out->tokens.push_back(tok.token);
     if (sp.logprobs >= 0) {
         out->logprobs.push_back(tok.logprob);
@@ -451,6 +566,7 @@ void Engine::ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOu
     out->prompt_tokens = s->prompt_len;
     out->completion_tokens = s->num_output;
     out->cached_tokens = s->cached_tokens;
+    out->external_tokens = s->num_external;
     s->req.on_output(*out);
 }
 
@@ -462,14 +578,93 @@ void Engine::Finish(Sequence* s, FinishReason reason, RequestOutput* out) {
     out->prompt_tokens = s->prompt_len;
     out->completion_tokens = s->num_output;
     out->cached_tokens = s->cached_tokens;
-    pool_->Free(s->blocks);
-    s->blocks.clear();
+    out->external_tokens = s->num_external;
+    const bool ok = reason == FinishReason::kStop || reason == FinishReason::kLength;
+    ReleaseBlocks(s, ok, out);
     ++counters_.requests_finished;
-    {
+    if (!held_.count(s->req.id)) {
         std::lock_guard lock(mu_);
         live_ids_.erase(s->req.id);
     }
     if (s->req.on_output) finals_.emplace_back(std::move(s->req.on_output), *out);
+}
+
+void Engine::ReleaseBlocks(Sequence* s, bool ok, RequestOutput* out) {
+    if (s->phase == Sequence::Phase::kLoading) {
+        // Remote KV may still be arriving: the connector reports when it no longer is.
+        held_[s->req.id] = std::move(s->blocks);
+        s->blocks.clear();
+        return;
+    }
+    if (connector_ && s->req.kv_transfer) {
+        kv::FinishAction a =
+            connector_->RequestFinished(Conn(s), s->blocks, ok, s->first ? &*s->first : nullptr);
+        out->kv_transfer = std::move(a.params);
+        if (a.hold_blocks) {
+            held_[s->req.id] = std::move(s->blocks);
+            s->blocks.clear();
+            return;
+        }
+    }
+    pool_->Free(s->blocks);
+    s->blocks.clear();
+}
+
+void Engine::FreeHeld(const std::string& id) {
+    auto it = held_.find(id);
+    if (it == held_.end()) return;
+    pool_->Free(it->second);
+    held_.erase(it);
+    std::lock_guard lock(mu_);
+    live_ids_.erase(id);
+}
+
+bool Engine::HandleConnectorEvents() {
+    std::vector<kv::ConnectorEvent> events = connector_->TakeEvents();
+    for (kv::ConnectorEvent& ev : events) {
+        auto it = std::find_if(remote_.begin(), remote_.end(),
+                               [&](const auto& s) { return s->req.id == ev.id; });
+        if (it == remote_.end()) {
+            // Blocks of an ended request: free once nothing touches them any more.
+            if (ev.kind != kv::ConnectorEvent::Kind::kReady) FreeHeld(ev.id);
+            continue;
+        }
+        Sequence* s = it->get();
+        using Kind = kv::ConnectorEvent::Kind;
+        if (ev.kind == Kind::kFailed) {
+            ++counters_.kv_load_failures;
+            s->phase = Sequence::Phase::kLocal;  // the connector is done with its blocks
+            RequestOutput out;
+            out.error = ev.status;
+            Finish(s, FinishReason::kError, &out);
+            remote_.erase(it);
+            continue;
+        }
+        if (ev.kind == Kind::kReady && s->phase == Sequence::Phase::kParked) {
+            s->phase = Sequence::Phase::kLocal;
+            waiting_.push_back(std::move(*it));
+            remote_.erase(it);
+            continue;
+        }
+        if (ev.kind != Kind::kLoaded || s->phase != Sequence::Phase::kLoading) continue;
+        s->phase = Sequence::Phase::kLocal;
+        s->num_computed += s->num_external;
+        counters_.kv_external_tokens += s->num_external;
+        CommitFullBlocks(s);
+        std::unique_ptr<Sequence> owned = std::move(*it);
+        remote_.erase(it);
+        if (ev.first_token && s->num_computed == static_cast<int>(s->tokens.size())) {
+            // The sender sampled the first token: continue from it, as if sampled here.
+            model::SampledToken tok{ev.first_token->token, ev.first_token->logprob,
+                                    std::move(ev.first_token->top)};
+            s->sampler.Skip();
+            RequestOutput out;
+            ProcessToken(s, tok, &out);
+            if (out.finish != FinishReason::kNone) continue;  // finished (owned goes)
+        }
+        running_.push_back(std::move(owned));
+    }
+    return !events.empty();
 }
 
 void Engine::FinishAborted(Sequence* s) {
@@ -483,9 +678,18 @@ void Engine::DeliverFinals() {
     for (auto& [callback, out] : finals) callback(out);
 }
 
+kv::ConnectorRequest Engine::Conn(const Sequence* s) const {
+    return {s->req.id, std::span(s->tokens).first(s->prompt_len), *s->req.kv_transfer};
+}
+
 void Engine::PublishStats() {
     counters_.running = static_cast<int>(running_.size());
     counters_.kv_blocks_used = pool_->num_used();
+    counters_.kv_parked = counters_.kv_loading = 0;
+    for (const auto& s : remote_) {
+        (s->phase == Sequence::Phase::kParked ? counters_.kv_parked : counters_.kv_loading)++;
+    }
+    counters_.kv_held = static_cast<int>(held_.size());
     std::lock_guard lock(mu_);
     int waiting = static_cast<int>(waiting_.size() + inbox_.size());
     stats_ = counters_;

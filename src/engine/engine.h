@@ -6,6 +6,11 @@
 // the most recently admitted sequence is preempted: its blocks are freed and it is recomputed
 // later from its prompt and the tokens it already produced.
 //
+// Disaggregation: with a KV connector (EngineConfig.connector, src/kv/connector.h) a request that
+// carries kv_transfer params may get its prompt's KV from another worker (it waits for it in a
+// scheduler state, holding its blocks, and never in a thread), or keep its blocks after it ends
+// for a remote reader. Without a connector none of this code runs.
+//
 // Thread-safety: Submit, Abort and Stats may be called from any thread. Output callbacks run on
 // the step thread and must not block.
 #pragma once
@@ -24,6 +29,7 @@
 
 #include "ferry/status.h"
 #include "kv/block_pool.h"
+#include "kv/connector.h"
 #include "kv/kv_cache.h"
 #include "model/model.h"
 #include "model/sampler.h"
@@ -45,6 +51,8 @@ struct EngineConfig {
     bool manual_steps = false;
     // Where the KV tensors live (one allocation per rank); default anonymous memory.
     kv::KvAllocator allocator;
+    // Moves KV to and from other workers (null: colocated). Bound to the caches at Create.
+    std::shared_ptr<kv::KvConnector> connector;
 };
 
 enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort, kError };
@@ -61,6 +69,10 @@ struct RequestOutput {
     int prompt_tokens = 0;
     int completion_tokens = 0;  // so far
     int cached_tokens = 0;      // prompt tokens served from the prefix cache
+    int external_tokens = 0;    // prompt tokens whose KV came from another worker
+    // Final output of a request that kept its KV for a remote reader: where it is (the
+    // response's kv_transfer_params).
+    std::shared_ptr<const kv::KvTransferParams> kv_transfer;
 };
 using OutputCallback = std::function<void(const RequestOutput&)>;
 
@@ -69,6 +81,9 @@ struct Request {
     std::vector<int32_t> prompt;
     model::SamplingParams sampling;
     OutputCallback on_output;
+    // Disaggregation (needs a connector): do_remote_decode prefills and keeps the KV (the request
+    // then stops after its first token); do_remote_prefill gets the prompt's KV from elsewhere.
+    std::shared_ptr<const kv::KvTransferParams> kv_transfer;
 };
 
 struct EngineStats {
@@ -83,6 +98,12 @@ struct EngineStats {
     uint64_t preemptions = 0;
     uint64_t steps = 0;
     uint64_t requests_finished = 0;
+    // Disaggregation.
+    int kv_parked = 0;   // waiting for the connector to allow scheduling (push prefill)
+    int kv_loading = 0;  // holding blocks while their KV arrives
+    int kv_held = 0;     // finished requests whose blocks a remote reader or writer still uses
+    uint64_t kv_external_tokens = 0;  // prompt tokens loaded from other workers
+    uint64_t kv_load_failures = 0;
 };
 
 class Engine {
@@ -100,11 +121,13 @@ class Engine {
     // sampling parameters, or a prompt plus max_tokens that exceeds max_model_len or the whole
     // cache; AlreadyExists for an id in use. Never blocks on the step loop.
     Status Submit(Request request);
-    // Ends a request (client gone): its blocks are freed at the next step and its callback gets
+    // Ends a request (client gone): its blocks are freed at the next step (a request loading
+    // remote KV: once the connector says nothing writes them any more) and its callback gets
     // kAbort. Unknown or finished ids are ignored.
     void Abort(const std::string& id);
 
-    // Manual mode: runs one step; returns false when there was nothing to do.
+    // Manual mode: runs one step; returns false when there was nothing to do (true while
+    // requests wait for remote KV).
     bool Step();
     // Manual mode: steps until no request is left.
     void RunUntilIdle();
@@ -123,6 +146,13 @@ class Engine {
     void DrainInbox();
     void Schedule(std::vector<std::pair<Sequence*, int>>* plan);
     void Preempt(Sequence* s);
+    // Applies the connector's events (kv loaded, failed, released, ready); true if any.
+    bool HandleConnectorEvents();
+    // The blocks of a request that ended are freed, or held for the connector (`ok`: it ended
+    // normally); fills out->kv_transfer.
+    void ReleaseBlocks(Sequence* s, bool ok, RequestOutput* out);
+    void FreeHeld(const std::string& id);
+    kv::ConnectorRequest Conn(const Sequence* s) const;
     // The body of Step, before its stats are published and its final outputs delivered.
     bool StepBatch();
     // Ends `s`: frees its blocks and queues its final output for DeliverFinals.
@@ -145,6 +175,12 @@ class Engine {
     // Step-thread state.
     std::deque<std::unique_ptr<Sequence>> waiting_;
     std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
+    // Disaggregation: sequences parked or loading remote KV, and blocks of ended requests that
+    // the connector still uses (by request id; the id stays in use until they are freed).
+    std::vector<std::unique_ptr<Sequence>> remote_;
+    std::unordered_map<std::string, std::vector<kv::BlockId>> held_;
+    kv::KvConnector* connector_ = nullptr;
+    bool progressed_ = true;  // the last step did something: stepping again may do more
     std::vector<float> logits_;
     EngineStats counters_;
     std::vector<std::pair<OutputCallback, RequestOutput>> finals_;  // for DeliverFinals
@@ -157,6 +193,7 @@ class Engine {
     std::unordered_map<std::string, bool> live_ids_;
     EngineStats stats_;
     bool stop_ = false;
+    bool wake_ = false;  // the connector queued events
     std::thread thread_;
 };
 

@@ -13,7 +13,9 @@
 #include <mutex>
 #include <thread>
 
+#include "core/crypto.h"
 #include "core/half.h"
+#include "kv/connector.h"
 
 namespace ferry::model {
 
@@ -343,6 +345,23 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
     }
     m->tp_ = tp;
     FERRY_RETURN_IF_ERROR(m->LoadWeights(*file));
+    {
+        // Metadata alone would not tell two random-weight files of one shape apart: a sample of
+        // every tensor's bytes goes in too.
+        std::string id = fmt::format("{} {} {} {} {} {} {} {} {}", c.vocab_size, c.dim,
+                                     c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                                     c.ffn_dim, c.rope_theta, c.norm_eps);
+        for (const GgufTensor& t : file->tensors()) {
+            id += fmt::format("|{}:{}:{}:{}:", t.name, static_cast<uint32_t>(t.type), t.offset,
+                              t.bytes);
+            for (uint64_t d : t.dims) id += fmt::format("{},", d);
+            size_t n = std::min<uint64_t>(t.bytes, 64);
+            id.append(reinterpret_cast<const char*>(t.data), n);
+            id.append(reinterpret_cast<const char*>(t.data + t.bytes - n), n);
+        }
+        Digest d = HmacSha256("ferry model fingerprint", id);
+        m->fingerprint_ = HexEncode(d.data(), 16);
+    }
     m->pool_ = std::make_unique<RankPool>(tp);
     if (tp > 1) {
         // Each rank calls sgemm on its own thread: share the cores out instead of oversubscribing.
@@ -438,7 +457,7 @@ kv::KvCacheSpec Model::CacheSpec(int block_tokens, int num_blocks, kv::KvDtype d
 // --- forward -----------------------------------------------------------------------------------
 
 Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* const> caches,
-                      float* logits) {
+                      float* logits, kv::LayerHook* hook) {
     const ModelConfig& c = config_;
     if (static_cast<int>(caches.size()) != tp_) {
         return InvalidArgumentError(
@@ -497,7 +516,7 @@ Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* co
         }
         if (ch.want_logits) logit_rows_.push_back(row - 1);
     }
-    pool_->Run([&](int r) { RankForward(r, batch, caches[r], logits); });
+    pool_->Run([&](int r) { RankForward(r, batch, caches[r], logits, hook); });
     return Status::Ok();
 }
 
@@ -625,7 +644,8 @@ void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqCh
     }
 }
 
-void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits) {
+void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits,
+                        kv::LayerHook* hook) {
     const ModelConfig& c = config_;
     Rank& rk = *ranks_[r];
     const int T = num_tokens_, dim = c.dim, hd = c.head_dim;
@@ -677,10 +697,17 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
                 }
                 i += cnt;
             }
+            t0 += n;
+        }
+        // Every chunk's K and V of this layer are stored: a connector may send them while this
+        // rank attends and computes the next layers.
+        if (hook) hook->OnLayerStored(r, l);
+        t0 = 0;
+        for (const SeqChunk& ch : batch) {
             for (int h = 0; h < rk.kv_heads; ++h) {
                 Attend(rk, *cache, l, h, ch, t0, W, qw, scale);
             }
-            t0 += n;
+            t0 += static_cast<int>(ch.tokens.size());
         }
         MatMulT(T, dim, qw, rk.attn.data(), qw, L.wo.data(), rk.partial.data(), dim);
         AllReduceAdd(r, x_.data(), T);

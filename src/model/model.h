@@ -24,6 +24,10 @@
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
+namespace ferry::kv {
+class LayerHook;
+}
+
 namespace ferry::model {
 
 struct ModelConfig {
@@ -75,6 +79,10 @@ class Model {
     const Tokenizer& tokenizer() const { return *tokenizer_; }
     Tokenizer& mutable_tokenizer() { return *tokenizer_; }
     int tp() const { return tp_; }
+    // Identity of the weights: a hash of the file's tensor metadata (names, shapes, types,
+    // offsets), the first and last bytes of every tensor, and the config (hex). Two workers
+    // exchange KV only when theirs are equal.
+    const std::string& fingerprint() const { return fingerprint_; }
     // The KV cache spec of each rank for the given pool geometry.
     kv::KvCacheSpec CacheSpec(int block_tokens, int num_blocks, kv::KvDtype dtype) const;
 
@@ -82,9 +90,11 @@ class Model {
     // together), writes each chunk's K and V into `caches` (one per rank) and the logits of every
     // chunk with want_logits, in batch order, into `logits` ([n][vocab_size]).
     // InvalidArgument for a token id outside the vocabulary, a position past the context or a
-    // block table too short; nothing is written then.
+    // block table too short; nothing is written then. `hook`, when given, is called on each
+    // rank's thread as soon as a layer's K and V of the whole batch are stored (a KV connector
+    // sends them from there while the next layers compute).
     Status Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* const> caches,
-                   float* logits);
+                   float* logits, kv::LayerHook* hook = nullptr);
 
   private:
     struct Rank;
@@ -94,10 +104,12 @@ class Model {
     Status LoadWeights(const GgufFile& file);
     void Attend(Rank& rk, const kv::KvCache& cache, int layer, int kv_head, const SeqChunk& ch,
                 int t0, int row_width, int q_width, float scale);
-    void RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits);
+    void RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits,
+                     kv::LayerHook* hook);
     void AllReduceAdd(int r, float* x, int rows);
 
     ModelConfig config_;
+    std::string fingerprint_;
     int tp_ = 1;
     std::unique_ptr<Tokenizer> tokenizer_;
     std::vector<float> embedding_;    // [vocab][dim]

@@ -31,6 +31,12 @@ Status SamplingParams::Validate() const {
 Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed)
     : params_(params), rng_(params.seed.value_or(fallback_seed)) {}
 
+void Sampler::Skip() {
+    // Sample makes one uniform draw when it samples at all; the bounds do not change how much of
+    // the stream a draw takes.
+    if (params_.temperature >= 1e-5f) (void)std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+}
+
 SampledToken Sampler::Sample(const float* logits, int vocab) {
     SampledToken out;
     float mx = logits[0];

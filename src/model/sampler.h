@@ -39,6 +39,10 @@ class Sampler {
     // `fallback_seed` is used when params.seed is unset.
     Sampler(const SamplingParams& params, uint64_t fallback_seed);
     SampledToken Sample(const float* logits, int vocab);
+    // Advances the random stream as Sample does for one token, without logits: a request that
+    // continues from a token sampled elsewhere (disaggregated decode) then draws what it would
+    // have drawn next.
+    void Skip();
 
   private:
     SamplingParams params_;

@@ -1,0 +1,151 @@
+// The KV connector seam: how the engine lets KV arrive from, or leave for, another worker
+// without knowing how it moves (vLLM's KVConnectorBase_V1 is the model). The engine calls the
+// scheduler side on its step thread and the worker side around the model's forward pass; with no
+// connector configured it calls nothing and behaves exactly as before.
+//
+// Request life on the receiving (decode) side: waiting -> [local prefix-cache lookup] ->
+// ExternalTokens > 0 -> blocks allocated -> StartLoad -> "waiting for remote KV" (a scheduler
+// state; no thread blocks) -> a kLoaded event -> running from the first token (carried by the
+// event when the sender sampled it) | a kFailed event -> the request ends with the error.
+// On the sending (prefill) side: ReadyToSchedule (push: the receiver's block list has arrived)
+// -> prefill, each layer handed to the LayerHook right after it is stored -> RequestFinished ->
+// blocks held for the remote reader -> a kReleased event -> blocks freed.
+//
+// Ownership: the engine owns its blocks; the connector never frees or allocates one. A block
+// handed to StartLoad, or held after RequestFinished, stays the connector's to write or read
+// until the connector reports that request kLoaded, kFailed or kReleased; only then does the
+// engine reuse it. That is the whole safety contract: a remote writer that might still be
+// writing is never given a block that another request uses.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/status.h"
+#include "kv/block_pool.h"
+#include "kv/kv_cache.h"
+
+namespace ferry::kv {
+
+// The first token the sending side sampled, and its log-probabilities: the receiver continues
+// from it instead of recomputing the last prompt token.
+struct FirstToken {
+    int32_t token = 0;
+    float logprob = 0;
+    std::vector<std::pair<int32_t, float>> top;
+};
+
+enum class KvTransferMode : uint8_t {
+    kPull,  // vLLM's NixlConnector protocol: the receiver READs the held blocks
+    kPush,  // SGLang / Mooncake style: the sender WRITEs each layer into the receiver's blocks
+};
+
+// What the router said about moving one request's KV: vLLM's `kv_transfer_params`, field for
+// field, plus ferry's own (which a vLLM router copies along unchanged, as it copies the whole
+// object from the prefill response to the decode request).
+struct KvTransferParams {
+    KvTransferMode mode = KvTransferMode::kPull;
+    bool do_remote_decode = false;   // this worker prefills; another decodes
+    bool do_remote_prefill = false;  // this worker decodes; the prompt's KV is elsewhere
+    // Where the other side is (pull: the prefill worker that holds the blocks; push: the
+    // prefill worker this decoder sends its block ids to).
+    std::string remote_engine_id;  // its agent name
+    std::string remote_host;
+    int remote_port = 0;  // its agent's listener
+    std::vector<BlockId> remote_block_ids;
+    std::string remote_request_id;
+    int tp_size = 1;
+    // ferry: pull, the prefill's sampled token; push, the id both sides were given.
+    std::optional<FirstToken> first_token;
+    std::string transfer_id;
+    uint64_t hold_nonce = 0;  // pull: which hold remote_request_id names (ids are reused)
+};
+
+// What the engine tells the connector about a request. Valid for the call only.
+struct ConnectorRequest {
+    const std::string& id;
+    std::span<const int32_t> prompt;
+    const KvTransferParams& params;
+};
+
+// One sequence's share of a forward pass, for the worker side.
+struct StepChunk {
+    const std::string* id = nullptr;
+    const KvTransferParams* params = nullptr;
+    std::span<const BlockId> block_table;
+    int start_pos = 0;
+    int num_tokens = 0;
+    bool last = false;  // the chunk ends the prompt
+};
+
+// Called by the model on each rank's thread right after layer `layer`'s K and V of every chunk
+// of the step are in `rank`'s cache. Must not block.
+class LayerHook {
+  public:
+    virtual ~LayerHook() = default;
+    virtual void OnLayerStored(int rank, int layer) = 0;
+};
+
+struct ConnectorEvent {
+    enum class Kind : uint8_t {
+        kReady,     // a request may now be scheduled (push: the receiver's blocks are known)
+        kLoaded,    // its external tokens are in its blocks
+        kFailed,    // it cannot go on (status); none of its blocks is touched any more
+        kReleased,  // blocks held after RequestFinished may be freed
+    };
+    Kind kind = Kind::kReady;
+    std::string id;
+    Status status;
+    std::optional<FirstToken> first_token;  // kLoaded
+};
+
+struct FinishAction {
+    bool hold_blocks = false;                        // freed on kReleased, not now
+    std::shared_ptr<const KvTransferParams> params;  // for the response (pull: where the KV is)
+};
+
+class KvConnector {
+  public:
+    virtual ~KvConnector() = default;
+
+    // Once, before the first step: the caches of every rank (the connector registers them with
+    // its transfer agent) and a callback that wakes the step loop when events are queued (any
+    // thread may call it). Unbind is called before the caches go away.
+    virtual Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) = 0;
+    virtual void Unbind() = 0;
+
+    // --- scheduler side (step thread) ---
+    // Whether a request with params may be scheduled now. When not, the engine parks it until a
+    // kReady or kFailed event names it.
+    virtual bool ReadyToSchedule(const ConnectorRequest& r) = 0;
+    // After the local prefix-cache lookup found `num_computed` tokens: how many of the following
+    // prompt tokens will arrive from elsewhere (0: compute them here).
+    virtual int ExternalTokens(const ConnectorRequest& r, int num_computed) = 0;
+    // Blocks are allocated for num_computed + num_external tokens: start moving KV into
+    // blocks[num_computed / block_tokens...].
+    virtual void StartLoad(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                           int num_computed, int num_external) = 0;
+    // The request ended (its last output is being delivered); `blocks` still hold its KV.
+    // `first` is the token it sampled first (null if none, e.g. on an error).
+    virtual FinishAction RequestFinished(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                                         bool ok, const FirstToken* first) = 0;
+    // The client went away while the request was parked or loading. The connector stops what it
+    // does for it and reports kFailed once none of its blocks is touched any more.
+    virtual void Abort(const std::string& id) = 0;
+    // Events since the last call, oldest first.
+    virtual std::vector<ConnectorEvent> TakeEvents() = 0;
+
+    // --- worker side (around the forward pass, step thread) ---
+    // The step's chunks of requests that carry params; returns the hook for the forward pass
+    // (null: none needed). EndStep follows the forward pass.
+    virtual LayerHook* BeginStep(std::span<const StepChunk> chunks) = 0;
+    virtual void EndStep() = 0;
+};
+
+}  // namespace ferry::kv
