@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -83,6 +84,16 @@ inline bool WaitForCount(const std::atomic<int>& n, int want,
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     return n.load() >= want;
+}
+
+// Waits until `pred` holds or `limit` passes (bounded, as WaitForCount); true if it held.
+inline bool WaitUntil(const std::function<bool()>& pred,
+                      std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+    auto until = std::chrono::steady_clock::now() + limit;
+    while (!pred() && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return pred();
 }
 
 // Backend variants of the conformance suites: "tcp", "shm" (one-sided copies through mapped

@@ -1,0 +1,1516 @@
+#include "kv/agent_connector.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "core/crypto.h"
+#include "core/log.h"
+#include "kv/kv_layout.h"
+
+namespace ferry::kv {
+
+namespace {
+
+using Json = nlohmann::json;
+using SteadyClock = std::chrono::steady_clock;
+constexpr int kProtocolVersion = 1;
+constexpr size_t kMaxMessageDepth = 8;
+constexpr size_t kProbeBytes = 64;
+constexpr size_t kProbeSlots = 1024;
+
+// A peer's words in a log line: printable ASCII only, bounded.
+std::string Esc(std::string_view s) {
+    std::string out;
+    for (char c : s.substr(0, 200)) {
+        auto u = static_cast<unsigned char>(c);
+        if (u >= 0x20 && u < 0x7f && c != '\\') {
+            out += c;
+        } else {
+            out += fmt::format("\\x{:02x}", u);
+        }
+    }
+    if (s.size() > 200) out += "...";
+    return out;
+}
+
+// Refuses nesting deeper than `max_depth` before the parser builds anything.
+bool DepthWithin(std::string_view text, size_t max_depth) {
+    size_t depth = 0;
+    bool in_string = false, escaped = false;
+    for (char c : text) {
+        if (in_string) {
+            if (escaped) {
+                escaped = false;
+            } else if (c == '\\') {
+                escaped = true;
+            } else if (c == '"') {
+                in_string = false;
+            }
+            continue;
+        }
+        if (c == '"') {
+            in_string = true;
+        } else if (c == '[' || c == '{') {
+            if (++depth > max_depth) return false;
+        } else if (c == ']' || c == '}') {
+            if (depth > 0) --depth;
+        }
+    }
+    return true;
+}
+
+uint64_t PromptHash(std::span<const int32_t> prompt) { return HashBlock(0, prompt); }
+
+// Typed reads of a peer's message; a missing or mistyped field is an error naming it.
+Result<std::string> Str(const Json& j, const char* key) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_string()) {
+        return InvalidArgumentError(fmt::format("field '{}' is missing or not a string", key));
+    }
+    return it->get<std::string>();
+}
+Result<uint64_t> U64(const Json& j, const char* key) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_number_unsigned()) {
+        return InvalidArgumentError(
+            fmt::format("field '{}' is missing or not an unsigned integer", key));
+    }
+    return it->get<uint64_t>();
+}
+Result<int> Int(const Json& j, const char* key, int64_t lo, int64_t hi) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_number_integer()) {
+        return InvalidArgumentError(fmt::format("field '{}' is missing or not an integer", key));
+    }
+    int64_t v =
+        it->is_number_unsigned()
+            ? static_cast<int64_t>(std::min<uint64_t>(it->get<uint64_t>(), uint64_t(INT64_MAX)))
+            : it->get<int64_t>();
+    if (v < lo || v > hi) {
+        return InvalidArgumentError(
+            fmt::format("field '{}' = {} is outside {}..{}", key, v, lo, hi));
+    }
+    return static_cast<int>(v);
+}
+Result<std::vector<BlockId>> Blocks(const Json& j, const char* key, size_t max) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_array() || it->size() > max) {
+        return InvalidArgumentError(
+            fmt::format("field '{}' is missing, not an array, or longer than {}", key, max));
+    }
+    std::vector<BlockId> out;
+    out.reserve(it->size());
+    for (const Json& b : *it) {
+        if (!b.is_number_integer() || b.get<int64_t>() < 0 || b.get<int64_t>() > INT32_MAX) {
+            return InvalidArgumentError(fmt::format("field '{}' holds a bad block id", key));
+        }
+        out.push_back(static_cast<BlockId>(b.get<int64_t>()));
+    }
+    return out;
+}
+
+struct PeerRank {
+    RegionId region = 0;
+    KvLayout layout;
+};
+
+struct Peer {
+    enum class State { kConnecting, kReady, kFailed } state = State::kConnecting;
+    Status error;
+    std::vector<PeerRank> ranks;
+    std::vector<std::string> waiting;  // loads (by id) to go on with once ready
+    SteadyClock::time_point deadline;
+    bool hello_sent = false;
+    // Liveness (push decoders waiting for this peer).
+    size_t probe_slot = 0;
+    Transfer probe;
+    SteadyClock::time_point next_probe;
+};
+
+// The receiving side of one request.
+struct Load {
+    KvTransferParams params;
+    std::string peer;
+    std::vector<BlockId> blocks;
+    int num_computed = 0, num_external = 0, prompt_len = 0;
+    uint64_t prompt_hash = 0;
+    enum class State {
+        kBootstrapping,
+        kWaitingForInput,
+        kTransferring,
+        kCancelling
+    } state = State::kBootstrapping;
+    Transfer xfer;  // pull
+    bool read_done = false, claim_acked = false;
+    uint64_t bytes = 0;
+    SteadyClock::time_point started, deadline;
+};
+
+// pull: a finished prefill request's blocks, held for a reader.
+struct Hold {
+    uint64_t nonce = 0;
+    uint64_t prompt_hash = 0;
+    bool claimed = false;
+    std::string claimer;
+    SteadyClock::time_point deadline;
+};
+
+// push: the sending side of one request.
+struct Push {
+    std::string xid;
+    uint64_t prompt_hash = 0;
+    int prompt_len = 0;
+    enum class State { kBootstrapping, kReady, kFinishing } state = State::kBootstrapping;
+    std::string lid;  // the decoder's request id, echoed in our messages
+    std::string peer;
+    std::vector<BlockId> target;
+    int next_send = 0;
+    std::vector<Transfer> transfers;
+    Status error;
+    bool cancelled = false;
+    std::optional<FirstToken> first;
+    uint64_t bytes = 0;
+    bool timing = false;
+    SteadyClock::time_point started, deadline;
+};
+
+// push: a decoder's block list that came before its prefill request.
+struct Target {
+    std::string peer, lid;
+    std::vector<BlockId> blocks;
+    int from = 0, len = 0;
+    uint64_t prompt_hash = 0;
+    SteadyClock::time_point deadline;
+};
+
+struct PlannedWrite {
+    std::string id, peer;
+    std::vector<Descriptor> local, remote;
+    uint64_t bytes = 0;
+};
+
+struct Posted {
+    std::string id;
+    Result<Transfer> xfer;
+    uint64_t bytes = 0;
+    size_t descriptors = 0;
+};
+
+struct ConnectJob {
+    bool inbound = false;  // a peer's hello to answer (connect back first)
+    std::string name, address;
+    Json hello;
+};
+
+std::string DtypeName(const KvCacheSpec& s) { return std::string(KvDtypeName(s.dtype)); }
+
+}  // namespace
+
+struct AgentKvConnector::Impl : LayerHook {
+    std::shared_ptr<Agent> agent;
+    AgentConnectorConfig cfg;
+
+    // Bound caches (immutable between Bind and Unbind).
+    std::vector<KvCache*> caches;
+    std::vector<KvLayout> layouts;
+    std::vector<RegionId> regions;
+    std::vector<RegionId> registered;  // the ones Bind registered (Unbind deregisters)
+    RegionInfo scratch;
+    std::function<void()> wake;
+    int tp = 0;
+
+    mutable std::mutex mu;
+    std::condition_variable cv, connect_cv;
+    bool stop = false, bound = false;
+    std::map<std::string, Peer> peers;
+    std::map<std::string, Load> loads;
+    std::map<std::string, Hold> holds;
+    std::map<std::string, Push> pushes;
+    std::map<std::string, std::string> push_by_xid;
+    std::map<std::string, Target> targets;
+    // push: transfer ids a decoder cancelled before its prefill request came, until the
+    // bootstrap timeout (the request then fails at once instead of waiting for it).
+    std::map<std::string, SteadyClock::time_point> cancelled_xids;
+    std::vector<ConnectorEvent> events;
+    std::deque<ConnectJob> connect_jobs;
+    KvConnectorStats stats;
+    size_t next_probe_slot = 0;
+
+    // One step's writes (push): planned on the step thread, posted on the rank threads.
+    std::vector<std::vector<std::vector<PlannedWrite>>> step_writes;  // [rank][layer]
+    std::vector<std::vector<Posted>> step_posted;                     // [rank]
+    std::vector<std::pair<std::string, int>> step_advance;
+
+    std::thread notify_thread, pump_thread, connect_thread;
+
+    // --- helpers (mu held) -----------------------------------------------------------------
+
+    int bt() const { return layouts[0].spec.block_tokens; }
+
+    Json Compat() const {
+        const KvCacheSpec& s = layouts[0].spec;
+        return Json{{"model", cfg.model_fingerprint},
+                    {"layers", s.num_layers},
+                    {"kv_heads", cfg.model_kv_heads},
+                    {"head_dim", s.head_dim},
+                    {"dtype", DtypeName(s)},
+                    {"block_tokens", s.block_tokens},
+                    {"layout", "HND"},
+                    {"tp", tp}};
+    }
+    Json Ranks() const {
+        Json out = Json::array();
+        for (int r = 0; r < tp; ++r) {
+            out.push_back({{"region", regions[r]}, {"blocks", layouts[r].spec.num_blocks}});
+        }
+        return out;
+    }
+    Json Hello(const char* type) const {
+        return Json{{"t", type},
+                    {"v", kProtocolVersion},
+                    {"compat", Compat()},
+                    {"ranks", Ranks()},
+                    {"addr", agent->ListenAddress()}};
+    }
+
+    // Checks a peer's compat object against ours; the error names the field and both values.
+    Status CheckCompat(const std::string& peer, const Json& theirs) const {
+        if (!theirs.is_object()) {
+            return InvalidArgumentError(
+                fmt::format("kv handshake with '{}': no compat", Esc(peer)));
+        }
+        Json ours = Compat();
+        for (auto& [key, want] : ours.items()) {
+            auto it = theirs.find(key);
+            if (it == theirs.end()) {
+                return InvalidArgumentError(
+                    fmt::format("kv handshake with '{}': {} is missing", Esc(peer), key));
+            }
+            if (*it != want) {
+                std::string a = want.is_string() ? want.get<std::string>() : want.dump();
+                std::string b = it->is_string() ? it->get<std::string>() : it->dump();
+                std::string what = key == "model" ? "model (weights fingerprint)" : key;
+                return FailedPreconditionError(
+                    fmt::format("kv handshake with '{}': {} differs (this worker {}, '{}' {})",
+                                Esc(peer), what, Esc(a), Esc(peer), Esc(b)));
+            }
+        }
+        return Status::Ok();
+    }
+
+    // The peer's ranks from its hello or ack.
+    Result<std::vector<PeerRank>> ParseRanks(const Json& j) const {
+        auto it = j.find("ranks");
+        if (it == j.end() || !it->is_array() || static_cast<int>(it->size()) != tp) {
+            return InvalidArgumentError(fmt::format("field 'ranks' must list {} ranks", tp));
+        }
+        std::vector<PeerRank> out;
+        for (int r = 0; r < tp; ++r) {
+            const Json& e = (*it)[r];
+            if (!e.is_object()) return InvalidArgumentError("field 'ranks' holds a non-object");
+            FERRY_ASSIGN_OR_RETURN(uint64_t region, U64(e, "region"));
+            FERRY_ASSIGN_OR_RETURN(int blocks, Int(e, "blocks", 1, 1 << 24));
+            PeerRank pr;
+            pr.region = region;
+            pr.layout = layouts[r];
+            pr.layout.spec.num_blocks = blocks;
+            out.push_back(pr);
+        }
+        return out;
+    }
+
+    void Emit(ConnectorEvent ev) {
+        events.push_back(std::move(ev));
+        if (wake) wake();
+    }
+
+    void Send(const std::string& peer, const Json& msg) {
+        Status s = agent->Notify(peer, msg.dump());
+        if (!s.ok()) {
+            FERRY_LOG(kWarn, "kv: message to '{}' not sent: {}", Esc(peer), s.ToString());
+        }
+    }
+
+    void CountFailure(const Status& s, const std::string& reason = "") {
+        ++stats.failed;
+        ++stats.failures[reason.empty() ? std::string(CodeName(s.code())) : reason];
+    }
+
+    void RecordTime(SteadyClock::time_point started) {
+        double sec = std::chrono::duration<double>(SteadyClock::now() - started).count();
+        ++stats.transfer_seconds_count;
+        stats.transfer_seconds_sum += sec;
+        size_t i = 0;
+        while (i < std::size(kTransferSecondsBuckets) && sec > kTransferSecondsBuckets[i]) ++i;
+        for (size_t k = i; k < stats.transfer_seconds_buckets.size(); ++k) {
+            ++stats.transfer_seconds_buckets[k];
+        }
+    }
+
+    void CountPosted(size_t descriptors) {
+        ++stats.transfers;
+        stats.descriptors += descriptors;
+        stats.max_descriptors = std::max<uint64_t>(stats.max_descriptors, descriptors);
+    }
+
+    // Builds descriptor lists for moving `move` of every rank (local rank r <-> peer rank r).
+    Status PlanAllRanks(const Peer& p, const KvMove& move, std::vector<Descriptor>* local,
+                        std::vector<Descriptor>* remote, uint64_t* bytes) const {
+        for (int r = 0; r < tp; ++r) {
+            FERRY_ASSIGN_OR_RETURN(KvPlan plan, PlanKvMove(layouts[r], p.ranks[r].layout, move));
+            for (size_t i = 0; i < plan.local.size(); ++i) {
+                const KvSpan& l = plan.local[i];
+                const KvSpan& m = plan.remote[i];
+                local->push_back({regions[r], l.offset, l.length, l.stride, l.count});
+                remote->push_back({p.ranks[r].region, m.offset, m.length, m.stride, m.count});
+            }
+            *bytes += plan.bytes;
+        }
+        return Status::Ok();
+    }
+
+    // --- receiving side --------------------------------------------------------------------
+
+    // A load ends badly; its blocks are free for the engine once this emits kFailed.
+    void FailLoad(const std::string& id, Status st, const std::string& reason = "") {
+        auto it = loads.find(id);
+        if (it == loads.end()) return;
+        Load& ld = it->second;
+        // Already stopping: it ends when the sender confirms (or is gone, or out of time).
+        if (ld.state == Load::State::kCancelling) return;
+        if (ld.xfer.valid()) (void)ld.xfer.Cancel();  // no byte lands in our blocks after this
+        auto pit = peers.find(ld.peer);
+        const bool peer_ready = pit != peers.end() && pit->second.state == Peer::State::kReady;
+        if (peer_ready && ld.params.mode == KvTransferMode::kPull) {
+            Send(ld.peer, {{"t", "release"},
+                           {"rid", ld.params.remote_request_id},
+                           {"nonce", ld.params.hold_nonce}});
+        }
+        if (peer_ready && ld.params.mode == KvTransferMode::kPush &&
+            ld.state != Load::State::kBootstrapping && ld.state != Load::State::kCancelling &&
+            reason != "peer_failed") {
+            // The prefill worker may still be writing into our blocks: ask it to stop, and
+            // release them once it says it has (or is gone, or cannot be writing any more).
+            Send(ld.peer, {{"t", "push-cancel"}, {"xid", ld.params.transfer_id}, {"lid", id}});
+            ld.state = Load::State::kCancelling;
+            ld.deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
+            FERRY_LOG(kInfo, "kv: request {} cancelling: {}", Esc(id), st.ToString());
+            CountFailure(st, reason);
+            return;
+        }
+        CountFailure(st, reason);
+        FERRY_LOG(kInfo, "kv: request {} failed: {}", Esc(id), st.ToString());
+        Emit({ConnectorEvent::Kind::kFailed, id, std::move(st), std::nullopt});
+        loads.erase(it);
+    }
+
+    void CompleteLoad(const std::string& id, std::optional<FirstToken> first) {
+        auto it = loads.find(id);
+        if (it == loads.end()) return;
+        Load& ld = it->second;
+        if (ld.params.mode == KvTransferMode::kPull) {
+            Send(ld.peer, {{"t", "read-done"},
+                           {"rid", ld.params.remote_request_id},
+                           {"nonce", ld.params.hold_nonce}});
+            stats.bytes_read += ld.bytes;
+        }
+        ++stats.succeeded;
+        RecordTime(ld.started);
+        FERRY_LOG(kInfo, "kv: request {} loaded {} tokens from '{}'", Esc(id), ld.num_external,
+                  Esc(ld.peer));
+        Emit({ConnectorEvent::Kind::kLoaded, id, Status::Ok(), std::move(first)});
+        loads.erase(it);
+    }
+
+    // The peer is ready: start moving.
+    void ProceedLoad(const std::string& id) {
+        auto it = loads.find(id);
+        if (it == loads.end()) return;
+        Load& ld = it->second;
+        Peer& p = peers[ld.peer];
+        ld.started = SteadyClock::now();
+        if (ld.params.mode == KvTransferMode::kPush) {
+            ld.state = Load::State::kWaitingForInput;
+            ld.deadline = ld.started + cfg.bootstrap_timeout + cfg.transfer_timeout;
+            Json blocks = Json::array();
+            for (BlockId b : ld.blocks) blocks.push_back(b);
+            Send(ld.peer, {{"t", "push-target"},
+                           {"xid", ld.params.transfer_id},
+                           {"lid", id},
+                           {"blocks", blocks},
+                           {"from", ld.num_computed},
+                           {"len", ld.prompt_len},
+                           {"prompt", ld.prompt_hash}});
+            if (p.next_probe == SteadyClock::time_point{}) {
+                p.next_probe = SteadyClock::now() + cfg.liveness_interval;
+            }
+            FERRY_LOG(kInfo, "kv: request {} waiting for input from '{}' (transfer {})", Esc(id),
+                      Esc(ld.peer), Esc(ld.params.transfer_id));
+            return;
+        }
+        // pull: claim the hold, and read at once (the data counts only once the claim is acked).
+        const int end = std::min<int>((ld.num_computed + ld.num_external + bt() - 1) / bt() * bt(),
+                                      static_cast<int>(ld.params.remote_block_ids.size()) * bt());
+        std::vector<Descriptor> local, remote;
+        KvMove move{ld.blocks, ld.params.remote_block_ids, ld.num_computed, end};
+        Status st = PlanAllRanks(p, move, &local, &remote, &ld.bytes);
+        if (!st.ok()) {
+            FailLoad(id, st.WithContext("kv_transfer_params"));
+            return;
+        }
+        Send(ld.peer, {{"t", "claim"},
+                       {"rid", ld.params.remote_request_id},
+                       {"nonce", ld.params.hold_nonce},
+                       {"lid", id},
+                       {"prompt", ld.prompt_hash}});
+        ld.state = Load::State::kTransferring;
+        ld.deadline = ld.started + cfg.transfer_timeout;
+        Result<Transfer> x = agent->PostRead(
+            local, ld.peer, remote, {.timeout = cfg.transfer_timeout, .backend = cfg.backend});
+        CountPosted(local.size());
+        if (!x.ok()) {
+            FailLoad(id, x.status());
+            return;
+        }
+        ld.xfer = std::move(*x);
+        FERRY_LOG(kInfo, "kv: request {} transferring {} bytes from '{}' in {} descriptors",
+                  Esc(id), ld.bytes, Esc(ld.peer), local.size());
+    }
+
+    void PeerReady(const std::string& name, std::vector<PeerRank> ranks) {
+        Peer& p = peers[name];
+        p.state = Peer::State::kReady;
+        p.ranks = std::move(ranks);
+        p.probe_slot = next_probe_slot++ % kProbeSlots;
+        ++stats.handshakes;
+        FERRY_LOG(kInfo, "kv: handshake with '{}' done", Esc(name));
+        std::vector<std::string> waiting = std::move(p.waiting);
+        for (const std::string& id : waiting) ProceedLoad(id);
+    }
+
+    void PeerFailed(const std::string& name, const Status& st) {
+        auto it = peers.find(name);
+        if (it == peers.end()) return;
+        std::vector<std::string> waiting = std::move(it->second.waiting);
+        peers.erase(it);  // the next request tries again
+        FERRY_LOG(kWarn, "kv: peer '{}': {}", Esc(name), st.ToString());
+        for (const std::string& id : waiting) FailLoad(id, st, "handshake");
+    }
+
+    // A peer that stopped answering: everything waiting on it fails now.
+    void PeerGone(const std::string& name, const Status& st) {
+        std::vector<std::string> ids;
+        for (auto& [id, ld] : loads) {
+            if (ld.peer == name) ids.push_back(id);
+        }
+        for (const std::string& id : ids) {
+            auto it = loads.find(id);
+            if (it != loads.end() && it->second.state == Load::State::kCancelling) {
+                Emit({ConnectorEvent::Kind::kFailed, id, CancelledError("kv transfer cancelled"),
+                      std::nullopt});
+                loads.erase(it);
+                continue;
+            }
+            FailLoad(id, st, "peer_failed");
+        }
+        peers.erase(name);
+    }
+
+    void EnsurePeer(const std::string& id, const KvTransferParams& kp) {
+        const std::string& name = kp.remote_engine_id;
+        auto it = peers.find(name);
+        if (it != peers.end() && it->second.state == Peer::State::kReady) {
+            ProceedLoad(id);
+            return;
+        }
+        if (it == peers.end()) {
+            Peer& p = peers[name];
+            p.deadline = SteadyClock::now() + cfg.handshake_timeout;
+            p.waiting.push_back(id);
+            std::string address =
+                kp.remote_host.empty() ? "" : fmt::format("{}:{}", kp.remote_host, kp.remote_port);
+            connect_jobs.push_back({false, name, address, {}});
+            connect_cv.notify_one();
+            return;
+        }
+        it->second.waiting.push_back(id);
+    }
+
+    // --- sending side, push ----------------------------------------------------------------
+
+    // Binds a decoder's block list to a prefill request. Returns false if they do not belong
+    // together (the request then fails).
+    bool BindTarget(const std::string& id, Push& ps, Target t) {
+        if (t.prompt_hash != ps.prompt_hash || t.len != ps.prompt_len) {
+            Status st = FailedPreconditionError(fmt::format(
+                "kv push {}: the decoder's prompt ({} tokens) is not this prefill's ({} tokens)",
+                Esc(ps.xid), t.len, ps.prompt_len));
+            Send(t.peer,
+                 {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
+            ps.error = st;
+            return false;
+        }
+        const int need = (ps.prompt_len + bt() - 1) / bt();
+        if (static_cast<int>(t.blocks.size()) < need || t.from < 0 || t.from % bt() != 0 ||
+            t.from >= ps.prompt_len) {
+            Status st = InvalidArgumentError(
+                fmt::format("kv push {}: the decoder sent {} blocks from token {} for {} tokens",
+                            Esc(ps.xid), t.blocks.size(), t.from, ps.prompt_len));
+            Send(t.peer,
+                 {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
+            ps.error = st;
+            return false;
+        }
+        ps.state = Push::State::kReady;
+        ps.peer = t.peer;
+        ps.lid = t.lid;
+        ps.target = std::move(t.blocks);
+        ps.next_send = t.from;
+        FERRY_LOG(kInfo, "kv: request {} has its target: '{}' from token {} (transfer {})", Esc(id),
+                  Esc(ps.peer), ps.next_send, Esc(ps.xid));
+        return true;
+    }
+
+    // A finished push: tell the decoder, free the blocks.
+    void EndPush(const std::string& id, bool ok, const Status& err) {
+        auto it = pushes.find(id);
+        if (it == pushes.end()) return;
+        Push& ps = it->second;
+        for (Transfer& x : ps.transfers) (void)x.Cancel();
+        if (ok) {
+            Json top = Json::array();
+            for (auto [t, lp] : ps.first->top) top.push_back({t, lp});
+            Send(ps.peer, {{"t", "push-done"},
+                           {"xid", ps.xid},
+                           {"lid", ps.lid},
+                           {"token", ps.first->token},
+                           {"logprob", ps.first->logprob},
+                           {"top", top}});
+            ++stats.succeeded;
+            stats.bytes_written += ps.bytes;
+            if (ps.timing) RecordTime(ps.started);
+            FERRY_LOG(kInfo, "kv: request {} pushed {} bytes to '{}'", Esc(id), ps.bytes,
+                      Esc(ps.peer));
+        } else {
+            if (!ps.peer.empty()) {
+                Send(ps.peer, {{"t", "push-failed"},
+                               {"xid", ps.xid},
+                               {"lid", ps.lid},
+                               {"error", err.message()}});
+            }
+            CountFailure(err);
+            FERRY_LOG(kInfo, "kv: request {} push failed: {}", Esc(id), err.ToString());
+        }
+        push_by_xid.erase(ps.xid);
+        pushes.erase(it);
+    }
+
+    // --- messages --------------------------------------------------------------------------
+
+    void OnMessage(const std::string& from, const std::string& payload) {
+        if (!DepthWithin(payload, kMaxMessageDepth)) {
+            FERRY_LOG(kWarn, "kv: message from '{}' nests too deep; dropped", Esc(from));
+            return;
+        }
+        Json m = Json::parse(payload, nullptr, false);
+        if (m.is_discarded() || !m.is_object() || !m.contains("t") || !m["t"].is_string()) {
+            FERRY_LOG(kWarn, "kv: message from '{}' is not a kv message; dropped", Esc(from));
+            return;
+        }
+        const std::string t = m["t"].get<std::string>();
+        Status st = Dispatch(from, t, m);
+        if (!st.ok()) {
+            FERRY_LOG(kWarn, "kv: '{}' message from '{}' refused: {}", Esc(t), Esc(from),
+                      st.ToString());
+        }
+    }
+
+    Status Dispatch(const std::string& from, const std::string& t, const Json& m) {
+        std::unique_lock lock(mu);
+        if (!bound) return FailedPreconditionError("not bound");
+        if (t == "hello") {
+            FERRY_ASSIGN_OR_RETURN(std::string addr, Str(m, "addr"));
+            connect_jobs.push_back({true, from, addr, m});
+            connect_cv.notify_one();
+            return Status::Ok();
+        }
+        if (t == "hello-ack") {
+            auto it = peers.find(from);
+            if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
+                return FailedPreconditionError("no handshake in progress");
+            }
+            // Our own view of a mismatch first (it names this worker and the peer the right
+            // way round), then the peer's reason.
+            Status c = CheckCompat(from, m.value("compat", Json()));
+            if (!c.ok()) {
+                PeerFailed(from, c);
+                return Status::Ok();
+            }
+            auto ok = m.find("ok");
+            if (ok == m.end() || !ok->is_boolean() || !ok->get<bool>()) {
+                auto e = Str(m, "error");
+                PeerFailed(from, FailedPreconditionError(
+                                     e.ok() ? Esc(*e) : "kv handshake refused by the peer"));
+                return Status::Ok();
+            }
+            auto ranks = ParseRanks(m);
+            if (!ranks.ok()) {
+                PeerFailed(from, ranks.status().WithContext("kv handshake"));
+                return Status::Ok();
+            }
+            PeerReady(from, std::move(*ranks));
+            return Status::Ok();
+        }
+        if (t == "claim" || t == "read-done" || t == "release") {
+            FERRY_ASSIGN_OR_RETURN(std::string rid, Str(m, "rid"));
+            FERRY_ASSIGN_OR_RETURN(uint64_t nonce, U64(m, "nonce"));
+            auto it = holds.find(rid);
+            const bool valid = it != holds.end() && it->second.nonce == nonce &&
+                               (!it->second.claimed || it->second.claimer == from);
+            if (t == "claim") {
+                FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
+                FERRY_ASSIGN_OR_RETURN(uint64_t prompt, U64(m, "prompt"));
+                std::string error;
+                if (!valid) {
+                    error = fmt::format(
+                        "no KV is held for request '{}' (its lease expired, or it was released)",
+                        Esc(rid));
+                } else if (it->second.prompt_hash != prompt) {
+                    error = fmt::format("request '{}' held KV for another prompt", Esc(rid));
+                } else {
+                    it->second.claimed = true;
+                    it->second.claimer = from;
+                    it->second.deadline =
+                        SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
+                }
+                Json ack = {{"t", "claim-ack"}, {"lid", lid}, {"ok", error.empty()}};
+                if (!error.empty()) ack["error"] = error;
+                Send(from, ack);
+                return Status::Ok();
+            }
+            if (!valid) return NotFoundError(fmt::format("no hold '{}'", Esc(rid)));
+            if (t == "read-done") {
+                ++stats.succeeded;
+            } else {
+                CountFailure(CancelledError(""), "released");
+            }
+            holds.erase(it);
+            FERRY_LOG(kInfo, "kv: request {} released by '{}' ({})", Esc(rid), Esc(from), t);
+            Emit({ConnectorEvent::Kind::kReleased, rid, Status::Ok(), std::nullopt});
+            return Status::Ok();
+        }
+        if (t == "claim-ack") {
+            FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
+            auto it = loads.find(lid);
+            if (it == loads.end() || it->second.peer != from ||
+                it->second.params.mode != KvTransferMode::kPull) {
+                return NotFoundError(fmt::format("no load '{}' from this peer", Esc(lid)));
+            }
+            auto ok = m.find("ok");
+            if (ok == m.end() || !ok->is_boolean() || !ok->get<bool>()) {
+                auto e = Str(m, "error");
+                FailLoad(
+                    lid,
+                    NotFoundError(fmt::format("prefill worker '{}': {}", Esc(from),
+                                              e.ok() ? Esc(*e) : std::string("claim refused"))),
+                    "claim_refused");
+                return Status::Ok();
+            }
+            it->second.claim_acked = true;
+            if (it->second.read_done) CompleteLoad(lid, it->second.params.first_token);
+            return Status::Ok();
+        }
+        if (t == "push-target") {
+            Target tg;
+            tg.peer = from;
+            FERRY_ASSIGN_OR_RETURN(std::string xid, Str(m, "xid"));
+            FERRY_ASSIGN_OR_RETURN(tg.lid, Str(m, "lid"));
+            FERRY_ASSIGN_OR_RETURN(tg.blocks, Blocks(m, "blocks", 1u << 24));
+            FERRY_ASSIGN_OR_RETURN(tg.from, Int(m, "from", 0, INT32_MAX));
+            FERRY_ASSIGN_OR_RETURN(tg.len, Int(m, "len", 1, INT32_MAX));
+            FERRY_ASSIGN_OR_RETURN(tg.prompt_hash, U64(m, "prompt"));
+            auto pit = peers.find(from);
+            if (pit == peers.end() || pit->second.state != Peer::State::kReady) {
+                Send(from, {{"t", "push-failed"},
+                            {"xid", xid},
+                            {"lid", tg.lid},
+                            {"error", "no kv handshake with this prefill worker"}});
+                return FailedPreconditionError("push-target before the handshake");
+            }
+            auto bx = push_by_xid.find(xid);
+            if (bx == push_by_xid.end()) {
+                // The prefill request has not arrived yet: keep the target for it.
+                tg.deadline = SteadyClock::now() + cfg.bootstrap_timeout;
+                if (targets.size() >= 65536) return ResourceExhaustedError("too many targets");
+                targets[xid] = std::move(tg);
+                return Status::Ok();
+            }
+            const std::string id = bx->second;
+            Push& ps = pushes[id];
+            if (ps.state != Push::State::kBootstrapping) {
+                Send(from, {{"t", "push-failed"},
+                            {"xid", xid},
+                            {"lid", tg.lid},
+                            {"error", "transfer id already has a decoder"}});
+                return AlreadyExistsError(fmt::format("transfer '{}' already bound", Esc(xid)));
+            }
+            if (BindTarget(id, ps, std::move(tg))) {
+                Emit({ConnectorEvent::Kind::kReady, id, Status::Ok(), std::nullopt});
+            } else {
+                Status err = ps.error;
+                push_by_xid.erase(ps.xid);
+                pushes.erase(id);
+                CountFailure(err);
+                Emit({ConnectorEvent::Kind::kFailed, id, err, std::nullopt});
+            }
+            return Status::Ok();
+        }
+        if (t == "push-cancel") {
+            FERRY_ASSIGN_OR_RETURN(std::string xid, Str(m, "xid"));
+            FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
+            if (targets.erase(xid) && cancelled_xids.size() < 65536) {
+                cancelled_xids[xid] = SteadyClock::now() + cfg.bootstrap_timeout;
+            }
+            auto bx = push_by_xid.find(xid);
+            if (bx != push_by_xid.end()) {
+                Push& ps = pushes[bx->second];
+                if (ps.peer == from) {
+                    for (Transfer& x : ps.transfers) (void)x.Cancel();
+                    ps.cancelled = true;
+                    ps.error = CancelledError(
+                        fmt::format("kv push {}: the decoder cancelled it", Esc(xid)));
+                }
+            }
+            Send(from, {{"t", "push-cancelled"}, {"xid", xid}, {"lid", lid}});
+            return Status::Ok();
+        }
+        if (t == "push-done" || t == "push-failed" || t == "push-cancelled") {
+            FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
+            auto it = loads.find(lid);
+            if (it == loads.end() || it->second.peer != from ||
+                it->second.params.mode != KvTransferMode::kPush) {
+                return NotFoundError(fmt::format("no push load '{}' from this peer", Esc(lid)));
+            }
+            Load& ld = it->second;
+            if (ld.state == Load::State::kCancelling || t != "push-done") {
+                if (ld.state == Load::State::kCancelling) {
+                    Emit({ConnectorEvent::Kind::kFailed, lid,
+                          CancelledError("kv transfer cancelled"), std::nullopt});
+                    loads.erase(it);
+                    return Status::Ok();
+                }
+                auto e = Str(m, "error");
+                CountFailure(UnavailableError(""), "remote_failed");
+                Emit({ConnectorEvent::Kind::kFailed, lid,
+                      UnavailableError(fmt::format("prefill worker '{}' failed the transfer: {}",
+                                                   Esc(from),
+                                                   e.ok() ? Esc(*e) : std::string("no reason"))),
+                      std::nullopt});
+                loads.erase(it);
+                return Status::Ok();
+            }
+            FirstToken ft;
+            FERRY_ASSIGN_OR_RETURN(ft.token, Int(m, "token", 0, INT32_MAX));
+            auto lp = m.find("logprob");
+            if (lp == m.end() || !lp->is_number()) {
+                return InvalidArgumentError("field 'logprob' is missing or not a number");
+            }
+            ft.logprob = lp->get<float>();
+            auto top = m.find("top");
+            if (top != m.end() && top->is_array()) {
+                for (const Json& e : *top) {
+                    if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
+                        !e[1].is_number()) {
+                        return InvalidArgumentError("field 'top' holds a bad entry");
+                    }
+                    ft.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
+                }
+            }
+            CompleteLoad(lid, std::move(ft));
+            return Status::Ok();
+        }
+        return InvalidArgumentError(fmt::format("unknown message type '{}'", Esc(t)));
+    }
+
+    // --- threads ---------------------------------------------------------------------------
+
+    void NotifyLoop() {
+        for (;;) {
+            {
+                std::lock_guard lock(mu);
+                if (stop) return;
+            }
+            auto batch =
+                agent->WaitNotifications(SteadyClock::now() + std::chrono::milliseconds(100));
+            for (Notification& n : batch) OnMessage(n.peer, n.payload);
+        }
+    }
+
+    void ConnectLoop() {
+        for (;;) {
+            ConnectJob job;
+            {
+                std::unique_lock lock(mu);
+                connect_cv.wait(lock, [&] { return stop || !connect_jobs.empty(); });
+                if (stop) return;
+                job = std::move(connect_jobs.front());
+                connect_jobs.pop_front();
+            }
+            Result<std::string> name = job.address.empty()
+                                           ? agent->ConnectByName(job.name)
+                                           : agent->Connect(job.address, cfg.handshake_timeout);
+            std::unique_lock lock(mu);
+            if (!bound) continue;
+            Status st = name.status();
+            if (st.ok() && *name != job.name) {
+                st = InvalidArgumentError(
+                    fmt::format("remote_engine_id is '{}' but the agent at {} is '{}'",
+                                Esc(job.name), Esc(job.address), Esc(*name)));
+            }
+            if (!job.inbound) {
+                if (!st.ok()) {
+                    PeerFailed(job.name,
+                               st.WithContext(fmt::format("kv: connect to '{}'", Esc(job.name))));
+                    continue;
+                }
+                auto it = peers.find(job.name);
+                if (it == peers.end()) continue;
+                it->second.hello_sent = true;
+                it->second.deadline = SteadyClock::now() + cfg.handshake_timeout;
+                Send(job.name, Hello("hello"));
+                continue;
+            }
+            // A peer's hello: answer it once we can reach it.
+            Json ack = Hello("hello-ack");
+            std::vector<PeerRank> ranks;
+            if (st.ok()) st = CheckCompat(job.name, job.hello.value("compat", Json()));
+            if (st.ok()) {
+                auto r = ParseRanks(job.hello);
+                if (r.ok()) {
+                    ranks = std::move(*r);
+                } else {
+                    st = r.status().WithContext("kv handshake");
+                }
+            }
+            if (!st.ok()) {
+                FERRY_LOG(kWarn, "kv: hello from '{}' refused: {}", Esc(job.name), st.ToString());
+                if (name.ok() && *name == job.name) {
+                    ack["ok"] = false;
+                    ack["error"] = st.message();
+                    Send(job.name, ack);
+                }
+                continue;
+            }
+            ack["ok"] = true;
+            auto it = peers.find(job.name);
+            if (it == peers.end() || it->second.state != Peer::State::kConnecting ||
+                !it->second.hello_sent) {
+                // Not our own handshake in flight: the peer is ready for us now. (If ours is in
+                // flight, its ack finishes it.)
+                if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
+                    PeerReady(job.name, ranks);
+                } else {
+                    it->second.ranks = ranks;
+                }
+            }
+            Send(job.name, ack);
+        }
+    }
+
+    void PumpLoop() {
+        std::unique_lock lock(mu);
+        while (!stop) {
+            const auto now = SteadyClock::now();
+            bool busy = false;
+            std::vector<std::pair<std::string, Status>> fail;
+            // Receiving side: reads done or failed, deadlines.
+            for (auto& [id, ld] : loads) {
+                if (ld.xfer.valid() && !ld.read_done) {
+                    auto s = ld.xfer.Poll();
+                    if (!s.ok()) {
+                        fail.emplace_back(id, s.status().WithContext(
+                                                  fmt::format("kv read from '{}'", Esc(ld.peer))));
+                        continue;
+                    }
+                    if (*s == TransferState::kDone) {
+                        ld.read_done = true;
+                    } else {
+                        busy = true;
+                    }
+                }
+                if (ld.deadline != SteadyClock::time_point{} && now > ld.deadline) {
+                    fail.emplace_back(
+                        id, DeadlineExceededError(fmt::format(
+                                "kv transfer from '{}' did not finish in time", Esc(ld.peer))));
+                }
+            }
+            for (auto& [id, st] : fail) {
+                auto it = loads.find(id);
+                if (it == loads.end()) continue;
+                if (it->second.state == Load::State::kCancelling) {
+                    Emit({ConnectorEvent::Kind::kFailed, id,
+                          CancelledError("kv transfer cancelled"), std::nullopt});
+                    loads.erase(it);
+                    continue;
+                }
+                FailLoad(id, st);
+            }
+            std::vector<std::string> complete;
+            for (auto& [id, ld] : loads) {
+                if (ld.read_done && ld.claim_acked) complete.push_back(id);
+            }
+            for (const std::string& id : complete) {
+                CompleteLoad(id, loads[id].params.first_token);
+            }
+            // Handshakes that got no answer.
+            std::vector<std::string> stale;
+            for (auto& [name, p] : peers) {
+                if (p.state == Peer::State::kConnecting && p.hello_sent && now > p.deadline) {
+                    stale.push_back(name);
+                }
+            }
+            for (const std::string& name : stale) {
+                PeerFailed(name, DeadlineExceededError(fmt::format(
+                                     "kv handshake with '{}' got no answer", Esc(name))));
+            }
+            // Liveness of peers that push decoders wait on.
+            std::vector<std::pair<std::string, Status>> gone;
+            for (auto& [name, p] : peers) {
+                if (p.state != Peer::State::kReady) continue;
+                bool waited_on = false;
+                for (auto& [id, ld] : loads) {
+                    if (ld.peer == name && ld.params.mode == KvTransferMode::kPush &&
+                        ld.state != Load::State::kBootstrapping) {
+                        waited_on = true;
+                    }
+                }
+                if (p.probe.valid()) {
+                    auto s = p.probe.Poll();
+                    if (!s.ok()) {
+                        gone.emplace_back(
+                            name, UnavailableError(fmt::format("prefill worker '{}' is gone: {}",
+                                                               Esc(name), s.status().ToString())));
+                        continue;
+                    }
+                    if (*s == TransferState::kDone) p.probe = Transfer();
+                    continue;
+                }
+                if (waited_on && now >= p.next_probe) {
+                    Descriptor l{scratch.id, p.probe_slot * kProbeBytes, kProbeBytes};
+                    Descriptor r{p.ranks[0].region, 0, kProbeBytes};
+                    auto x = agent->PostRead({&l, 1}, name, {&r, 1},
+                                             {.timeout = std::chrono::milliseconds(1500)});
+                    if (x.ok()) {
+                        p.probe = std::move(*x);
+                    } else {
+                        gone.emplace_back(name, x.status());
+                    }
+                    p.next_probe = now + cfg.liveness_interval;
+                }
+            }
+            for (auto& [name, st] : gone) PeerGone(name, st);
+            // Sending side: pushes finished or failed, deadlines.
+            std::vector<std::tuple<std::string, bool, Status>> ended;
+            for (auto& [id, ps] : pushes) {
+                if (ps.state == Push::State::kBootstrapping) {
+                    if (now > ps.deadline) {
+                        ended.emplace_back(
+                            id, false,
+                            DeadlineExceededError(fmt::format(
+                                "kv push {}: no decoder sent its blocks", Esc(ps.xid))));
+                    }
+                    continue;
+                }
+                if (ps.state != Push::State::kFinishing) continue;
+                bool pending = false;
+                Status err = ps.error;
+                for (Transfer& x : ps.transfers) {
+                    auto s = x.Poll();
+                    if (!s.ok()) {
+                        if (err.ok()) err = s.status();
+                    } else if (*s == TransferState::kPending) {
+                        pending = true;
+                    }
+                }
+                if (!err.ok()) {
+                    ended.emplace_back(id, false, err);
+                } else if (!pending) {
+                    ended.emplace_back(id, true, Status::Ok());
+                } else if (now > ps.deadline) {
+                    ended.emplace_back(id, false,
+                                       DeadlineExceededError(fmt::format(
+                                           "kv push {} did not finish in time", Esc(ps.xid))));
+                } else {
+                    busy = true;
+                }
+            }
+            for (auto& [id, ok, st] : ended) {
+                const bool was_bootstrapping =
+                    pushes.count(id) && pushes[id].state == Push::State::kBootstrapping;
+                EndPush(id, ok, st);
+                Emit({was_bootstrapping ? ConnectorEvent::Kind::kFailed
+                                        : ConnectorEvent::Kind::kReleased,
+                      id, st, std::nullopt});
+            }
+            // Holds whose lease lapsed; targets nobody came for.
+            std::vector<std::string> lapsed;
+            for (auto& [rid, h] : holds) {
+                if (now > h.deadline) lapsed.push_back(rid);
+            }
+            for (const std::string& rid : lapsed) {
+                holds.erase(rid);
+                CountFailure(DeadlineExceededError(""), "lease_expired");
+                FERRY_LOG(kInfo, "kv: request {}: hold lease expired, blocks freed", Esc(rid));
+                Emit({ConnectorEvent::Kind::kReleased, rid, Status::Ok(), std::nullopt});
+            }
+            for (auto it = targets.begin(); it != targets.end();) {
+                it = now > it->second.deadline ? targets.erase(it) : std::next(it);
+            }
+            for (auto it = cancelled_xids.begin(); it != cancelled_xids.end();) {
+                it = now > it->second ? cancelled_xids.erase(it) : std::next(it);
+            }
+            if (busy) {
+                // Transfers in flight: look again soon (completion has no wake-up of its own).
+                cv.wait_for(lock, std::chrono::microseconds(200));
+            } else {
+                cv.wait_for(lock, std::chrono::milliseconds(20));
+            }
+        }
+    }
+
+    // --- LayerHook (rank threads) ----------------------------------------------------------
+
+    void OnLayerStored(int rank, int layer) override {
+        for (PlannedWrite& w : step_writes[rank][layer]) {
+            Result<Transfer> x =
+                agent->PostWrite(w.local, w.peer, w.remote,
+                                 {.timeout = cfg.transfer_timeout, .backend = cfg.backend});
+            step_posted[rank].push_back({w.id, std::move(x), w.bytes, w.local.size()});
+        }
+    }
+};
+
+// --- AgentKvConnector ------------------------------------------------------------------------
+
+AgentKvConnector::AgentKvConnector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::shared_ptr<AgentKvConnector>> AgentKvConnector::Create(std::shared_ptr<Agent> agent,
+                                                                   AgentConnectorConfig config) {
+    if (!agent) return InvalidArgumentError("kv connector: no agent");
+    if (config.model_fingerprint.empty() || config.model_kv_heads <= 0) {
+        return InvalidArgumentError("kv connector: the model fingerprint and kv heads are needed");
+    }
+    auto impl = std::make_unique<Impl>();
+    impl->agent = std::move(agent);
+    impl->cfg = std::move(config);
+    impl->stats.transfer_seconds_buckets.assign(std::size(kTransferSecondsBuckets) + 1, 0);
+    return std::shared_ptr<AgentKvConnector>(new AgentKvConnector(std::move(impl)));
+}
+
+AgentKvConnector::~AgentKvConnector() { Unbind(); }
+
+Agent& AgentKvConnector::agent() const { return *impl_->agent; }
+
+KvConnectorStats AgentKvConnector::Stats() const {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    KvConnectorStats s = m.stats;
+    for (auto& [id, ld] : m.loads) {
+        switch (ld.state) {
+            case Load::State::kBootstrapping:
+                ++s.bootstrapping;
+                break;
+            case Load::State::kWaitingForInput:
+                ++s.waiting_for_input;
+                break;
+            case Load::State::kTransferring:
+            case Load::State::kCancelling:
+                ++s.transferring;
+                break;
+        }
+    }
+    for (auto& [id, ps] : m.pushes) {
+        (ps.state == Push::State::kBootstrapping ? s.bootstrapping : s.transferring)++;
+    }
+    s.holding = static_cast<int>(m.holds.size());
+    return s;
+}
+
+Status AgentKvConnector::Bind(std::span<KvCache* const> caches, std::function<void()> wake) {
+    Impl& m = *impl_;
+    if (caches.empty()) return InvalidArgumentError("kv connector: no caches");
+    if (m.bound) return FailedPreconditionError("kv connector: already bound");
+    const int tp = static_cast<int>(caches.size());
+    if (m.cfg.model_kv_heads % tp != 0 || caches[0]->spec().kv_heads * tp != m.cfg.model_kv_heads) {
+        return InvalidArgumentError(
+            fmt::format("kv connector: {} caches of {} kv heads for a model with {}", tp,
+                        caches[0]->spec().kv_heads, m.cfg.model_kv_heads));
+    }
+    std::vector<RegionInfo> existing = m.agent->Regions();
+    for (int r = 0; r < tp; ++r) {
+        KvCache* c = caches[r];
+        KvLayout l;
+        l.spec = c->spec();
+        l.head_begin = r * l.spec.kv_heads;
+        std::span<std::byte> mem = c->memory();
+        // A cache the agent allocated (the fast shm path: peers map it) is already a region.
+        auto it = std::find_if(existing.begin(), existing.end(), [&](const RegionInfo& ri) {
+            return ri.base == mem.data() && ri.length >= mem.size();
+        });
+        RegionId id;
+        if (it != existing.end()) {
+            id = it->id;
+        } else {
+            auto reg = m.agent->RegisterMemory(mem.data(), mem.size());
+            if (!reg.ok()) {
+                for (RegionId x : m.registered) (void)m.agent->Deregister(x);
+                m.registered.clear();
+                return reg.status().WithContext(fmt::format("kv connector: rank {} cache", r));
+            }
+            id = reg->id;
+            m.registered.push_back(id);
+        }
+        m.caches.push_back(c);
+        m.layouts.push_back(l);
+        m.regions.push_back(id);
+    }
+    auto scratch = m.agent->AllocateRegion(kProbeBytes * kProbeSlots);
+    if (!scratch.ok()) return scratch.status().WithContext("kv connector: scratch");
+    m.scratch = *scratch;
+    m.tp = tp;
+    m.wake = std::move(wake);
+    m.step_writes.assign(tp, std::vector<std::vector<PlannedWrite>>(m.layouts[0].spec.num_layers));
+    m.step_posted.clear();
+    m.step_posted.resize(tp);
+    {
+        std::lock_guard lock(m.mu);
+        m.bound = true;
+        m.stop = false;
+    }
+    m.notify_thread = std::thread([&m] { m.NotifyLoop(); });
+    m.pump_thread = std::thread([&m] { m.PumpLoop(); });
+    m.connect_thread = std::thread([&m] { m.ConnectLoop(); });
+    return Status::Ok();
+}
+
+void AgentKvConnector::Unbind() {
+    Impl& m = *impl_;
+    {
+        std::lock_guard lock(m.mu);
+        if (!m.bound) return;
+        m.stop = true;
+        m.bound = false;
+    }
+    m.cv.notify_all();
+    m.connect_cv.notify_all();
+    if (m.notify_thread.joinable()) m.notify_thread.join();
+    if (m.pump_thread.joinable()) m.pump_thread.join();
+    if (m.connect_thread.joinable()) m.connect_thread.join();
+    std::lock_guard lock(m.mu);
+    // Nothing may touch the caches after this: stop every transfer, then drop the regions.
+    for (auto& [id, ld] : m.loads) {
+        if (ld.xfer.valid()) (void)ld.xfer.Cancel();
+    }
+    for (auto& [id, ps] : m.pushes) {
+        for (Transfer& x : ps.transfers) (void)x.Cancel();
+    }
+    for (auto& [name, p] : m.peers) {
+        if (p.probe.valid()) (void)p.probe.Cancel();
+    }
+    m.loads.clear();
+    m.pushes.clear();
+    m.push_by_xid.clear();
+    m.holds.clear();
+    m.peers.clear();
+    for (RegionId id : m.registered) (void)m.agent->Deregister(id);
+    m.registered.clear();
+    if (m.scratch.id) (void)m.agent->Deregister(m.scratch.id);
+    m.scratch = {};
+    m.wake = nullptr;
+}
+
+bool AgentKvConnector::ReadyToSchedule(const ConnectorRequest& r) {
+    Impl& m = *impl_;
+    const KvTransferParams& p = r.params;
+    if (!p.do_remote_decode || p.mode != KvTransferMode::kPush) return true;
+    std::lock_guard lock(m.mu);
+    if (!m.bound) return true;
+    auto it = m.pushes.find(r.id);
+    if (it != m.pushes.end()) return it->second.state != Push::State::kBootstrapping;
+    Push& ps = m.pushes[r.id];
+    ps.xid = p.transfer_id;
+    ps.prompt_hash = PromptHash(r.prompt);
+    ps.prompt_len = static_cast<int>(r.prompt.size());
+    ps.deadline = SteadyClock::now() + m.cfg.bootstrap_timeout;
+    auto fail = [&](Status st) {
+        m.pushes.erase(r.id);
+        m.CountFailure(st);
+        m.Emit({ConnectorEvent::Kind::kFailed, r.id, std::move(st), std::nullopt});
+        return false;
+    };
+    if (p.transfer_id.empty()) {
+        return fail(InvalidArgumentError("kv_transfer_params: push needs a transfer_id"));
+    }
+    if (m.push_by_xid.count(p.transfer_id)) {
+        return fail(AlreadyExistsError(
+            fmt::format("kv_transfer_params: transfer_id '{}' is in use by another request",
+                        Esc(p.transfer_id))));
+    }
+    if (m.cancelled_xids.erase(p.transfer_id)) {
+        return fail(CancelledError(fmt::format(
+            "kv push {}: the decoder cancelled it before this request came", Esc(p.transfer_id))));
+    }
+    m.push_by_xid[p.transfer_id] = r.id;
+    auto t = m.targets.find(p.transfer_id);
+    if (t == m.targets.end()) {
+        FERRY_LOG(kInfo, "kv: request {} bootstrapping (transfer {})", Esc(r.id),
+                  Esc(p.transfer_id));
+        return false;
+    }
+    Target tg = std::move(t->second);
+    m.targets.erase(t);
+    if (!m.BindTarget(r.id, ps, std::move(tg))) {
+        Status err = ps.error;
+        m.push_by_xid.erase(p.transfer_id);
+        return fail(err);
+    }
+    return true;
+}
+
+int AgentKvConnector::ExternalTokens(const ConnectorRequest& r, int num_computed) {
+    const KvTransferParams& p = r.params;
+    if (!p.do_remote_prefill) return 0;
+    const int len = static_cast<int>(r.prompt.size());
+    if (p.mode == KvTransferMode::kPush) return len - num_computed;
+    // pull: what the held blocks cover; without the first token the last prompt token is
+    // computed here, for its logits.
+    Impl& m = *impl_;
+    const int bt = m.layouts.empty() ? 1 : m.bt();
+    int covered = std::min<int>(len, static_cast<int>(p.remote_block_ids.size()) * bt);
+    if (!p.first_token || covered < len) covered = std::min(covered, len - 1);
+    return std::max(0, covered - num_computed);
+}
+
+void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                                 int num_computed, int num_external) {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    Load& ld = m.loads[r.id];
+    ld.params = r.params;
+    ld.peer = r.params.remote_engine_id;
+    ld.blocks.assign(blocks.begin(), blocks.end());
+    ld.num_computed = num_computed;
+    ld.num_external = num_external;
+    ld.prompt_len = static_cast<int>(r.prompt.size());
+    ld.prompt_hash = PromptHash(r.prompt);
+    ld.started = SteadyClock::now();
+    ld.deadline = ld.started + m.cfg.handshake_timeout + m.cfg.transfer_timeout;
+    if (!m.bound) {
+        m.FailLoad(r.id, UnavailableError("kv connector: shutting down"));
+        return;
+    }
+    if (ld.peer.empty()) {
+        m.FailLoad(r.id, InvalidArgumentError("kv_transfer_params: remote_engine_id is missing"));
+        return;
+    }
+    if (ld.peer == m.agent->name()) {
+        m.FailLoad(r.id, InvalidArgumentError(
+                             "kv_transfer_params: remote_engine_id names this worker itself"));
+        return;
+    }
+    if (r.params.mode == KvTransferMode::kPush && r.params.transfer_id.empty()) {
+        m.FailLoad(r.id, InvalidArgumentError("kv_transfer_params: push needs a transfer_id"));
+        return;
+    }
+    FERRY_LOG(kInfo, "kv: request {} bootstrapping with '{}' ({} tokens to load)", Esc(r.id),
+              Esc(ld.peer), num_external);
+    m.EnsurePeer(r.id, r.params);
+}
+
+FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
+                                               std::span<const BlockId> blocks, bool ok,
+                                               const FirstToken* first) {
+    Impl& m = *impl_;
+    const KvTransferParams& p = r.params;
+    FinishAction a;
+    if (!p.do_remote_decode) return a;
+    std::lock_guard lock(m.mu);
+    if (!m.bound) return a;
+    if (p.mode == KvTransferMode::kPush) {
+        auto it = m.pushes.find(r.id);
+        if (it == m.pushes.end()) return a;
+        Push& ps = it->second;
+        if (!ok || !first || ps.state != Push::State::kReady || ps.cancelled) {
+            Status err = !ps.error.ok() ? ps.error : CancelledError("the prefill request ended");
+            m.EndPush(r.id, false, err);  // cancels its writes first: nothing reads the blocks
+            return a;
+        }
+        ps.first = *first;
+        ps.state = Push::State::kFinishing;
+        ps.deadline = (ps.timing ? ps.started : SteadyClock::now()) + m.cfg.transfer_timeout;
+        a.hold_blocks = true;
+        m.cv.notify_all();
+        return a;
+    }
+    if (!ok || !first) return a;
+    // pull: hold the blocks for the reader and say where they are.
+    const int bt = m.bt();
+    const size_t nblocks = std::min(blocks.size(), (r.prompt.size() + bt - 1) / bt);
+    Hold& h = m.holds[r.id];
+    h.nonce = SecureRandomU64();
+    h.prompt_hash = PromptHash(r.prompt);
+    h.deadline = SteadyClock::now() + m.cfg.hold_lease;
+    auto out = std::make_shared<KvTransferParams>();
+    out->mode = KvTransferMode::kPull;
+    out->do_remote_prefill = true;
+    out->do_remote_decode = false;
+    out->remote_engine_id = m.agent->name();
+    std::string addr = m.agent->ListenAddress();
+    size_t colon = addr.rfind(':');
+    out->remote_host = addr.substr(0, colon);
+    out->remote_port = std::atoi(addr.c_str() + colon + 1);
+    out->remote_block_ids.assign(blocks.begin(), blocks.begin() + nblocks);
+    out->remote_request_id = r.id;
+    out->tp_size = m.tp;
+    out->first_token = *first;
+    out->hold_nonce = h.nonce;
+    a.hold_blocks = true;
+    a.params = std::move(out);
+    FERRY_LOG(kInfo, "kv: request {} holding {} blocks for a reader", Esc(r.id), nblocks);
+    return a;
+}
+
+void AgentKvConnector::Abort(const std::string& id) {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    auto it = m.loads.find(id);
+    if (it == m.loads.end()) return;
+    if (it->second.state == Load::State::kBootstrapping) {
+        auto p = m.peers.find(it->second.peer);
+        if (p != m.peers.end()) std::erase(p->second.waiting, id);
+    }
+    m.FailLoad(id, CancelledError("the client went away"), "aborted");
+}
+
+std::vector<ConnectorEvent> AgentKvConnector::TakeEvents() {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    std::vector<ConnectorEvent> out;
+    out.swap(m.events);
+    return out;
+}
+
+LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    if (!m.bound) return nullptr;
+    bool any = false;
+    for (const StepChunk& c : chunks) {
+        if (!c.params->do_remote_decode || c.params->mode != KvTransferMode::kPush) continue;
+        auto it = m.pushes.find(*c.id);
+        if (it == m.pushes.end()) continue;
+        Push& ps = it->second;
+        if (ps.state != Push::State::kReady || ps.cancelled || !ps.error.ok()) continue;
+        const int end = c.start_pos + c.num_tokens;
+        if (end <= ps.next_send) continue;
+        auto pit = m.peers.find(ps.peer);
+        if (pit == m.peers.end() || pit->second.state != Peer::State::kReady) {
+            ps.error = UnavailableError(
+                fmt::format("kv push {}: no handshake with '{}'", Esc(ps.xid), Esc(ps.peer)));
+            continue;
+        }
+        if (!ps.timing) {
+            ps.timing = true;
+            ps.started = SteadyClock::now();
+        }
+        for (int r = 0; r < m.tp; ++r) {
+            for (int l = 0; l < m.layouts[r].spec.num_layers; ++l) {
+                KvMove move{c.block_table, ps.target, ps.next_send, end, l, l + 1};
+                auto plan = PlanKvMove(m.layouts[r], pit->second.ranks[r].layout, move);
+                if (!plan.ok()) {
+                    ps.error = plan.status().WithContext(fmt::format("kv push {}", Esc(ps.xid)));
+                    break;
+                }
+                PlannedWrite w;
+                w.id = *c.id;
+                w.peer = ps.peer;
+                for (size_t i = 0; i < plan->local.size(); ++i) {
+                    const KvSpan& a = plan->local[i];
+                    const KvSpan& b = plan->remote[i];
+                    w.local.push_back({m.regions[r], a.offset, a.length, a.stride, a.count});
+                    w.remote.push_back(
+                        {pit->second.ranks[r].region, b.offset, b.length, b.stride, b.count});
+                }
+                w.bytes = plan->bytes;
+                if (!w.local.empty()) {
+                    m.step_writes[r][l].push_back(std::move(w));
+                    any = true;
+                }
+            }
+        }
+        m.step_advance.emplace_back(*c.id, end);
+    }
+    return any ? &m : nullptr;
+}
+
+void AgentKvConnector::EndStep() {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    for (int r = 0; r < m.tp; ++r) {
+        for (Posted& p : m.step_posted[r]) {
+            m.CountPosted(p.descriptors);
+            auto it = m.pushes.find(p.id);
+            if (it == m.pushes.end()) {
+                if (p.xfer.ok()) (void)p.xfer->Cancel();
+                continue;
+            }
+            if (!p.xfer.ok()) {
+                if (it->second.error.ok()) it->second.error = p.xfer.status();
+                continue;
+            }
+            it->second.bytes += p.bytes;
+            it->second.transfers.push_back(std::move(*p.xfer));
+        }
+        m.step_posted[r].clear();
+        for (auto& layer : m.step_writes[r]) layer.clear();
+    }
+    for (auto& [id, end] : m.step_advance) {
+        auto it = m.pushes.find(id);
+        if (it != m.pushes.end()) it->second.next_send = end;
+    }
+    m.step_advance.clear();
+    // Drop handles of writes already done, so a long prompt does not pile them up.
+    for (auto& [id, ps] : m.pushes) {
+        std::erase_if(ps.transfers, [&](Transfer& x) {
+            auto s = x.Poll();
+            if (!s.ok()) {
+                if (ps.error.ok()) ps.error = s.status();
+                return true;
+            }
+            return *s == TransferState::kDone;
+        });
+    }
+}
+
+KvAllocator AgentKvAllocator(std::shared_ptr<Agent> agent) {
+    KvAllocator a;
+    a.allocate = [agent](size_t bytes) -> Result<std::span<std::byte>> {
+        FERRY_ASSIGN_OR_RETURN(RegionInfo r, agent->AllocateRegion(bytes));
+        return std::span(static_cast<std::byte*>(r.base), r.length);
+    };
+    a.release = [agent](std::span<std::byte> mem) {
+        for (const RegionInfo& r : agent->Regions()) {
+            if (r.base == mem.data()) (void)agent->Deregister(r.id);
+        }
+    };
+    return a;
+}
+
+}  // namespace ferry::kv

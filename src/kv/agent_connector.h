@@ -1,0 +1,111 @@
+// The KV connector over ferry's transfer engine: moves a request's paged KV between a prefill
+// and a decode worker, each with its own Agent, by one of two protocols (docs/disaggregation.md):
+//
+// pull (vLLM's NixlConnector protocol): the prefill worker finishes the request, holds its blocks
+//   under a lease and answers with kv_transfer_params naming its agent, host, port and block ids;
+//   the decode worker claims the hold and READs the blocks (one strided descriptor per run of
+//   adjacent blocks), then tells the prefill worker, which frees them.
+// push (SGLang / Mooncake style, layer-wise): the decode worker allocates blocks and sends their
+//   ids to the prefill worker under a transfer id; the prefill worker WRITEs each layer's KV the
+//   moment the layer is stored, while the forward pass goes on, then sends the first sampled
+//   token; the decode worker continues from it.
+//
+// Peers handshake once (cached): model fingerprint, layers, kv heads, head dim, dtype, block
+// size, layout and TP size must match, or the request fails with an error naming the field and
+// both values. Each TP rank's cache is one region, registered once at Bind.
+//
+// The connector owns its Agent's notifications (TakeNotifications): give it an Agent used for
+// nothing else that reads notifications. Thread-safe; three threads of its own (messages, timers
+// and transfer completions, connects) besides the Agent's.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/agent.h"
+#include "kv/connector.h"
+
+namespace ferry::kv {
+
+struct AgentConnectorConfig {
+    // Model::fingerprint() and the model's total kv heads (all ranks): checked at handshake.
+    std::string model_fingerprint;
+    int model_kv_heads = 0;
+    // pull: a held request's blocks are freed if no decoder claims them within this time.
+    std::chrono::milliseconds hold_lease{10000};
+    // A load or push not finished this long after it started fails (DeadlineExceeded).
+    std::chrono::milliseconds transfer_timeout{10000};
+    // push: a prefill request whose decoder has not sent its block ids by then fails.
+    std::chrono::milliseconds bootstrap_timeout{30000};
+    std::chrono::milliseconds handshake_timeout{5000};
+    // push: while a decoder waits for a prefill worker's KV it checks every interval that the
+    // peer is alive (a small READ), so a killed prefill fails the request within ~2 s.
+    std::chrono::milliseconds liveness_interval{500};
+    // Backend for KV transfers ("" = the agent's choice for the peer).
+    std::string backend;
+};
+
+// Seconds buckets of the transfer time histogram (upper bounds; the last bucket is +Inf).
+inline constexpr double kTransferSecondsBuckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                     0.1,   0.25,   0.5,   1,    2.5,   5};
+
+struct KvConnectorStats {
+    // Requests in each state now (both roles).
+    int bootstrapping = 0;      // waiting for the peer's handshake or (push) its block ids
+    int waiting_for_input = 0;  // push decoder: blocks sent, waiting for the KV
+    int transferring = 0;       // bytes moving
+    int holding = 0;            // pull prefill: blocks held for a reader
+    uint64_t succeeded = 0;
+    uint64_t failed = 0;
+    std::map<std::string, uint64_t> failures;  // by reason (canonical code name, "lease_expired")
+    uint64_t bytes_read = 0;
+    uint64_t bytes_written = 0;
+    uint64_t transfers = 0;        // posted READs and WRITEs
+    uint64_t descriptors = 0;      // local descriptors over all of them
+    uint64_t max_descriptors = 0;  // in one transfer
+    uint64_t handshakes = 0;
+    // Per request, from the first byte posted to the last byte in place.
+    uint64_t transfer_seconds_count = 0;
+    double transfer_seconds_sum = 0;
+    std::vector<uint64_t> transfer_seconds_buckets;  // cumulative, one more than the bounds
+};
+
+class AgentKvConnector final : public KvConnector {
+  public:
+    // InvalidArgument without a fingerprint or kv heads.
+    static Result<std::shared_ptr<AgentKvConnector>> Create(std::shared_ptr<Agent> agent,
+                                                            AgentConnectorConfig config);
+    ~AgentKvConnector() override;
+
+    Agent& agent() const;
+    KvConnectorStats Stats() const;
+
+    Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) override;
+    void Unbind() override;
+    bool ReadyToSchedule(const ConnectorRequest& r) override;
+    int ExternalTokens(const ConnectorRequest& r, int num_computed) override;
+    void StartLoad(const ConnectorRequest& r, std::span<const BlockId> blocks, int num_computed,
+                   int num_external) override;
+    FinishAction RequestFinished(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                                 bool ok, const FirstToken* first) override;
+    void Abort(const std::string& id) override;
+    std::vector<ConnectorEvent> TakeEvents() override;
+    LayerHook* BeginStep(std::span<const StepChunk> chunks) override;
+    void EndStep() override;
+
+    struct Impl;
+
+  private:
+    explicit AgentKvConnector(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+// Allocates KV caches as regions of `agent` (pre-faulted shared memory), so that same-host peers
+// map them and copy one-sided (EngineConfig.allocator).
+KvAllocator AgentKvAllocator(std::shared_ptr<Agent> agent);
+
+}  // namespace ferry::kv

@@ -1,0 +1,46 @@
+#include "testing/tiny_model.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+namespace ferry::testing {
+
+model::RandomModelSpec TinyModelSpec(int context_length) {
+    model::RandomModelSpec s;
+    s.name = "ferry-test-tiny";
+    s.dim = 64;
+    s.num_layers = 2;
+    s.num_heads = 4;
+    s.num_kv_heads = 2;
+    s.ffn_dim = 128;
+    s.context_length = context_length;
+    return s;
+}
+
+TinyModelFile::TinyModelFile(const std::string& tag, const model::RandomModelSpec& spec,
+                             uint64_t seed)
+    : path_((std::filesystem::temp_directory_path() /
+             (tag + "-" + std::to_string(getpid()) + ".gguf"))
+                .string()) {
+    Status s = model::WriteRandomModel(spec, seed, path_);
+    if (!s.ok()) {
+        std::fprintf(stderr, "tiny model %s: %s\n", path_.c_str(), s.ToString().c_str());
+        std::abort();
+    }
+}
+
+TinyModelFile::~TinyModelFile() { std::remove(path_.c_str()); }
+
+std::shared_ptr<model::Model> TinyModelFile::Load(int tp) const {
+    auto m = model::Model::Load(path_, {.tp = tp});
+    if (!m.ok()) {
+        std::fprintf(stderr, "tiny model %s: %s\n", path_.c_str(), m.status().ToString().c_str());
+        std::abort();
+    }
+    return std::shared_ptr<model::Model>(std::move(m).value());
+}
+
+}  // namespace ferry::testing

@@ -1,0 +1,606 @@
+// Prefill/decode disaggregation through the KV connector, two engines with their own Agents in
+// one process (the multi-process tests start `ferry serve` roles). The proof that the KV moved
+// right: the decode worker's answer equals a colocated engine's token for token, and the decode
+// worker computed none of the prompt itself (its prompt-token counter stays at zero).
+#include <fmt/core.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "engine/engine.h"
+#include "kv/agent_connector.h"
+#include "testing/testing.h"
+#include "testing/tiny_model.h"
+
+namespace ferry {
+namespace {
+
+using engine::Engine;
+using engine::FinishReason;
+using engine::RequestOutput;
+using ::ferry::testing::StatusHas;
+using kv::KvTransferMode;
+using kv::KvTransferParams;
+
+struct Answer {
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
+    FinishReason finish = FinishReason::kNone;
+    Status error;
+    std::shared_ptr<const KvTransferParams> kv;
+    int external = 0;
+    bool done = false;
+};
+
+// Collects what the engines produce, by request id, and waits for it (bounded).
+class Answers {
+  public:
+    engine::OutputCallback For(const std::string& id) {
+        return [this, id](const RequestOutput& o) {
+            std::lock_guard lock(mu_);
+            Answer& a = map_[id];
+            a.tokens.insert(a.tokens.end(), o.tokens.begin(), o.tokens.end());
+            a.logprobs.insert(a.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+            if (o.finish != FinishReason::kNone) {
+                a.finish = o.finish;
+                a.error = o.error;
+                a.kv = o.kv_transfer;
+                a.external = o.external_tokens;
+                a.done = true;
+                cv_.notify_all();
+            }
+        };
+    }
+    bool Wait(const std::vector<std::string>& ids,
+              std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+        std::unique_lock lock(mu_);
+        return cv_.wait_for(lock, limit, [&] {
+            for (const auto& id : ids) {
+                if (!map_[id].done) return false;
+            }
+            return true;
+        });
+    }
+    Answer Get(const std::string& id) {
+        std::lock_guard lock(mu_);
+        return map_[id];
+    }
+
+  private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::map<std::string, Answer> map_;
+};
+
+struct WorkerOptions {
+    int block_tokens = 8;
+    int num_blocks = 512;
+    std::chrono::milliseconds hold_lease{10000};
+    std::chrono::milliseconds transfer_timeout{10000};
+};
+
+// One worker: an Agent, its connector, an engine whose caches are the Agent's regions.
+struct Worker {
+    std::shared_ptr<Agent> agent;
+    std::shared_ptr<kv::AgentKvConnector> conn;
+    std::unique_ptr<Engine> engine;
+
+    std::string host() const {
+        std::string a = agent->ListenAddress();
+        return a.substr(0, a.rfind(':'));
+    }
+    int port() const {
+        std::string a = agent->ListenAddress();
+        return std::stoi(a.substr(a.rfind(':') + 1));
+    }
+};
+
+Worker MakeWorker(const std::string& name, const std::string& backend,
+                  std::shared_ptr<model::Model> model, const WorkerOptions& o = {}) {
+    Worker w;
+    w.agent = testing::ValueOrDie(Agent::Create(testing::TestConfig(name, backend)), "agent");
+    kv::AgentConnectorConfig cc;
+    cc.model_fingerprint = model->fingerprint();
+    cc.model_kv_heads = model->config().num_kv_heads;
+    cc.hold_lease = o.hold_lease;
+    cc.transfer_timeout = o.transfer_timeout;
+    w.conn = testing::ValueOrDie(kv::AgentKvConnector::Create(w.agent, cc), "connector");
+    engine::EngineConfig ec;
+    ec.block_tokens = o.block_tokens;
+    ec.num_blocks = o.num_blocks;
+    ec.max_batched_tokens = 512;
+    ec.allocator = kv::AgentKvAllocator(w.agent);
+    ec.connector = w.conn;
+    w.engine = testing::ValueOrDie(Engine::Create(std::move(model), ec), "engine");
+    return w;
+}
+
+std::vector<int32_t> Prompt(int n, int salt) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back((i * 31 + salt * 17 + 3 + i * i * salt) % 256);
+    return t;
+}
+
+model::SamplingParams Greedy(int max_tokens) {
+    model::SamplingParams sp;
+    sp.temperature = 0;
+    sp.ignore_eos = true;
+    sp.max_tokens = max_tokens;
+    sp.logprobs = 0;
+    return sp;
+}
+
+Status Submit(Engine* e, Answers* answers, const std::string& id, std::vector<int32_t> prompt,
+              model::SamplingParams sp, std::shared_ptr<const KvTransferParams> kv = nullptr) {
+    engine::Request r;
+    r.id = id;
+    r.prompt = std::move(prompt);
+    r.sampling = sp;
+    r.on_output = answers->For(id);
+    r.kv_transfer = std::move(kv);
+    return e->Submit(std::move(r));
+}
+
+// Waits (bounded) until `pred` holds on the engine's stats.
+template <typename Pred>
+bool WaitStats(Engine* e, Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+    auto until = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < until) {
+        if (pred(e->Stats())) return true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return pred(e->Stats());
+}
+
+class Disagg : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        file_ = new testing::TinyModelFile("kv-connector-test", testing::TinyModelSpec(1024), 5);
+        other_ = new testing::TinyModelFile("kv-connector-other", testing::TinyModelSpec(1024), 6);
+    }
+    static void TearDownTestSuite() {
+        delete file_;
+        delete other_;
+    }
+    // A model of its own for every engine: Model::Forward takes one caller at a time, and the
+    // two workers of a pair compute at the same time (as two processes would).
+    static std::shared_ptr<model::Model> Model(int tp) { return file_->Load(tp); }
+
+    // The colocated answers for `prompts` (id -> tokens and logprobs).
+    static std::map<std::string, Answer> Colocated(
+        const std::vector<std::pair<std::string, std::vector<int32_t>>>& prompts,
+        model::SamplingParams sp, int tp = 1) {
+        engine::EngineConfig ec;
+        ec.block_tokens = 8;
+        ec.num_blocks = 512;
+        ec.max_batched_tokens = 512;
+        auto e = testing::ValueOrDie(Engine::Create(Model(tp), ec), "colocated");
+        Answers answers;
+        std::vector<std::string> ids;
+        for (const auto& [id, p] : prompts) {
+            EXPECT_TRUE(Submit(e.get(), &answers, id, p, sp).ok());
+            ids.push_back(id);
+        }
+        EXPECT_TRUE(answers.Wait(ids));
+        std::map<std::string, Answer> out;
+        for (const auto& id : ids) out[id] = answers.Get(id);
+        return out;
+    }
+
+    static testing::TinyModelFile* file_;
+    static testing::TinyModelFile* other_;
+};
+testing::TinyModelFile* Disagg::file_;
+testing::TinyModelFile* Disagg::other_;
+
+std::shared_ptr<KvTransferParams> PushPrefillParams(const std::string& xid) {
+    auto p = std::make_shared<KvTransferParams>();
+    p->mode = KvTransferMode::kPush;
+    p->do_remote_decode = true;
+    p->transfer_id = xid;
+    return p;
+}
+
+std::shared_ptr<KvTransferParams> PushDecodeParams(const std::string& xid, const Worker& prefill) {
+    auto p = std::make_shared<KvTransferParams>();
+    p->mode = KvTransferMode::kPush;
+    p->do_remote_prefill = true;
+    p->transfer_id = xid;
+    p->remote_engine_id = prefill.agent->name();
+    p->remote_host = prefill.host();
+    p->remote_port = prefill.port();
+    return p;
+}
+
+struct Case {
+    std::string backend;
+    int tp;
+    KvTransferMode mode;
+};
+std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
+    return fmt::format("{}_tp{}_{}", i.param.backend, i.param.tp,
+                       i.param.mode == KvTransferMode::kPull ? "pull" : "push");
+}
+std::vector<Case> Cases() {
+    std::vector<Case> out;
+    std::vector<std::string> backends = {"shm", "tcp"};
+#ifdef FERRY_HAVE_UCX
+    backends.push_back("ucx");
+#endif
+    for (const auto& b : backends) {
+        for (int tp : {1, 2}) {
+            for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) out.push_back({b, tp, m});
+        }
+    }
+    return out;
+}
+
+class DisaggMatrix : public Disagg, public ::testing::WithParamInterface<Case> {
+  protected:
+    // Runs every prompt through prefill -> decode with the case's protocol, all in flight at
+    // once, and returns the decode worker's answers.
+    std::map<std::string, Answer> RunDisaggregated(
+        Worker& prefill, Worker& decode,
+        const std::vector<std::pair<std::string, std::vector<int32_t>>>& prompts,
+        model::SamplingParams sp) {
+        Answers pa, da;
+        std::vector<std::string> ids;
+        for (const auto& [id, prompt] : prompts) ids.push_back(id);
+        if (GetParam().mode == KvTransferMode::kPush) {
+            // Decode first for half of them, prefill first for the rest: either order works.
+            for (size_t i = 0; i < prompts.size(); ++i) {
+                const auto& [id, prompt] = prompts[i];
+                const std::string xid = "xfer-" + id;
+                auto d = [&] {
+                    FERRY_EXPECT_OK(Submit(decode.engine.get(), &da, id, prompt, sp,
+                                           PushDecodeParams(xid, prefill)));
+                };
+                auto p = [&] {
+                    auto psp = sp;
+                    FERRY_EXPECT_OK(
+                        Submit(prefill.engine.get(), &pa, id, prompt, psp, PushPrefillParams(xid)));
+                };
+                if (i % 2) {
+                    d();
+                    p();
+                } else {
+                    p();
+                    d();
+                }
+            }
+            EXPECT_TRUE(pa.Wait(ids));
+        } else {
+            // As vLLM's proxy does: prefill with max_tokens 1, then decode with its params.
+            for (const auto& [id, prompt] : prompts) {
+                auto psp = sp;
+                psp.max_tokens = 1;
+                auto kvp = std::make_shared<KvTransferParams>();
+                kvp->do_remote_decode = true;
+                FERRY_EXPECT_OK(Submit(prefill.engine.get(), &pa, id, prompt, psp, kvp));
+            }
+            EXPECT_TRUE(pa.Wait(ids));
+            for (const auto& [id, prompt] : prompts) {
+                Answer a = pa.Get(id);
+                EXPECT_EQ(a.finish, FinishReason::kLength) << id << " " << a.error.ToString();
+                if (!a.kv) {
+                    ADD_FAILURE() << id << ": no kv_transfer_params in the prefill answer";
+                    continue;
+                }
+                EXPECT_TRUE(a.kv->do_remote_prefill);
+                EXPECT_EQ(a.kv->remote_engine_id, prefill.agent->name());
+                EXPECT_EQ(a.kv->remote_request_id, id);
+                EXPECT_EQ(a.kv->tp_size, GetParam().tp);
+                FERRY_EXPECT_OK(Submit(decode.engine.get(), &da, id, prompt, sp, a.kv));
+            }
+        }
+        EXPECT_TRUE(da.Wait(ids));
+        std::map<std::string, Answer> out;
+        for (const auto& id : ids) out[id] = da.Get(id);
+        return out;
+    }
+};
+
+TEST_P(DisaggMatrix, DecodeAnswersEqualColocatedAndTheDecoderComputesNoPrompt) {
+    const Case c = GetParam();
+    // Lengths around block edges (8 tokens), one block, many blocks.
+    std::vector<std::pair<std::string, std::vector<int32_t>>> prompts;
+    int salt = 1;
+    for (int n : {1, 7, 8, 9, 16, 17, 63, 100, 257, 600}) {
+        prompts.push_back({fmt::format("r{}", n), Prompt(n, salt++)});
+    }
+    auto sp = Greedy(6);
+    auto want = Colocated(prompts, sp, c.tp);
+
+    Worker prefill = MakeWorker("prefill-0", c.backend, Model(c.tp));
+    Worker decode = MakeWorker("decode-0", c.backend, Model(c.tp));
+    auto got = RunDisaggregated(prefill, decode, prompts, sp);
+    int total = 0;
+    for (const auto& [id, prompt] : prompts) {
+        const Answer& a = got[id];
+        EXPECT_EQ(a.finish, FinishReason::kLength) << id << ": " << a.error.ToString();
+        EXPECT_EQ(a.tokens, want[id].tokens) << id;
+        ASSERT_EQ(a.logprobs.size(), want[id].logprobs.size()) << id;
+        for (size_t i = 0; i < a.logprobs.size(); ++i) {
+            EXPECT_NEAR(a.logprobs[i], want[id].logprobs[i], 1e-5) << id << " token " << i;
+        }
+        EXPECT_EQ(a.external, static_cast<int>(prompt.size())) << id;
+        total += static_cast<int>(prompt.size());
+    }
+    // The decoder computed no prompt token: every one came over the wire.
+    engine::EngineStats ds = decode.engine->Stats();
+    EXPECT_EQ(ds.prompt_tokens, 0u);
+    EXPECT_EQ(ds.kv_external_tokens, static_cast<uint64_t>(total));
+    // Blocks go back: the prefill worker holds nothing once the reads are done, and the decoder
+    // only keeps what its prefix cache holds (free for reuse).
+    EXPECT_TRUE(WaitStats(prefill.engine.get(),
+                          [](const auto& s) { return s.kv_held == 0 && s.kv_blocks_used == 0; }))
+        << "prefill held " << prefill.engine->Stats().kv_held << ", used "
+        << prefill.engine->Stats().kv_blocks_used;
+    EXPECT_TRUE(WaitStats(decode.engine.get(), [](const auto& s) {
+        return s.kv_blocks_used == 0 && s.kv_loading == 0;
+    }));
+    kv::KvConnectorStats cs = decode.conn->Stats();
+    EXPECT_EQ(cs.succeeded, prompts.size());
+    EXPECT_EQ(cs.failed, 0u);
+    kv::KvConnectorStats ps = prefill.conn->Stats();
+    EXPECT_EQ(ps.failed, 0u);
+    EXPECT_EQ(ps.holding, 0);
+    if (c.mode == KvTransferMode::kPull) {
+        // One READ per request, a few descriptors each (runs of adjacent blocks per rank).
+        EXPECT_EQ(cs.transfers, prompts.size());
+        EXPECT_LE(cs.max_descriptors, 2u * c.tp);
+        EXPECT_GT(cs.bytes_read, 0u);
+    } else {
+        EXPECT_GT(ps.bytes_written, 0u);
+        // Per layer, rank and chunk: one span per run of blocks adjacent on both sides (K and V
+        // together) and two per partial block at either end. The prefill pool hands out blocks
+        // freed by finished requests first, so a chunk's table has a few runs; one descriptor
+        // per block would be 75 for the 600-token prompt.
+        EXPECT_LE(ps.max_descriptors, 16u);
+        EXPECT_LE(ps.descriptors, 4 * ps.transfers);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggMatrix, ::testing::ValuesIn(Cases()), CaseName);
+
+// 64 requests in flight at once through one pair, every answer still its own (the SGLang thread
+// found requests matched to the wrong transfer under concurrency).
+class DisaggConcurrency : public DisaggMatrix {};
+TEST_P(DisaggConcurrency, SixtyFourAtOnceEachGetsItsOwnKv) {
+    std::vector<std::pair<std::string, std::vector<int32_t>>> prompts;
+    for (int i = 0; i < 64; ++i)
+        prompts.push_back({fmt::format("c{}", i), Prompt(20 + i * 5, i + 3)});
+    auto sp = Greedy(4);
+    auto want = Colocated(prompts, sp);
+    Worker prefill = MakeWorker("prefill-c", GetParam().backend, Model(1), {.num_blocks = 2048});
+    Worker decode = MakeWorker("decode-c", GetParam().backend, Model(1), {.num_blocks = 2048});
+    auto got = RunDisaggregated(prefill, decode, prompts, sp);
+    for (const auto& [id, p] : prompts) {
+        EXPECT_EQ(got[id].tokens, want[id].tokens) << id << ": " << got[id].error.ToString();
+    }
+    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggConcurrency,
+                         ::testing::Values(Case{"shm", 1, KvTransferMode::kPull},
+                                           Case{"shm", 1, KvTransferMode::kPush},
+                                           Case{"tcp", 1, KvTransferMode::kPush}),
+                         CaseName);
+
+// Seeded sampling continues the same random stream on the decoder.
+class DisaggSeeded : public DisaggMatrix {};
+TEST_P(DisaggSeeded, SeededSamplingGivesTheColocatedTokens) {
+    std::vector<std::pair<std::string, std::vector<int32_t>>> prompts;
+    for (int i = 0; i < 6; ++i) prompts.push_back({fmt::format("s{}", i), Prompt(10 + 30 * i, i)});
+    model::SamplingParams sp;
+    sp.temperature = 0.9f;
+    sp.top_p = 0.95f;
+    sp.seed = 1234;
+    sp.ignore_eos = true;
+    sp.max_tokens = 12;
+    auto want = Colocated(prompts, sp);
+    Worker prefill = MakeWorker("prefill-s", "shm", Model(1));
+    Worker decode = MakeWorker("decode-s", "shm", Model(1));
+    auto got = RunDisaggregated(prefill, decode, prompts, sp);
+    for (const auto& [id, p] : prompts) EXPECT_EQ(got[id].tokens, want[id].tokens) << id;
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggSeeded,
+                         ::testing::Values(Case{"shm", 1, KvTransferMode::kPull},
+                                           Case{"shm", 1, KvTransferMode::kPush}),
+                         CaseName);
+
+// The decoder's own prefix cache counts: only the blocks it lacks move.
+class DisaggPrefix : public DisaggMatrix {};
+TEST_P(DisaggPrefix, OnlyTheBlocksTheDecoderLacksMove) {
+    auto sp = Greedy(5);
+    std::vector<int32_t> shared = Prompt(160, 9);  // 20 blocks of 8
+    std::vector<int32_t> longer = shared;
+    for (int i = 0; i < 45; ++i) longer.push_back((i * 7 + 1) % 256);
+    auto want = Colocated({{"long", longer}}, sp);
+
+    Worker prefill = MakeWorker("prefill-p", "shm", Model(1));
+    Worker decode = MakeWorker("decode-p", "shm", Model(1));
+    // The decoder computes the shared prefix itself once (a colocated request).
+    Answers local;
+    FERRY_ASSERT_OK(Submit(decode.engine.get(), &local, "warm", shared, Greedy(1)));
+    ASSERT_TRUE(local.Wait({"warm"}));
+    const uint64_t computed = decode.engine->Stats().prompt_tokens;
+
+    auto got = RunDisaggregated(prefill, decode, {{"long", longer}}, sp);
+    EXPECT_EQ(got["long"].tokens, want["long"].tokens);
+    // 20 blocks hit locally; the other 45 tokens came from the prefill worker.
+    EXPECT_EQ(got["long"].external, 45);
+    EXPECT_EQ(decode.engine->Stats().prompt_tokens, computed);
+    EXPECT_EQ(decode.engine->Stats().prefix_hit_tokens, 160u);
+    const kv::KvCacheSpec& s = decode.engine->caches()[0]->spec();
+    const uint64_t per_token = 2ull * s.num_layers * s.kv_heads * s.head_dim * 4;
+    kv::KvConnectorStats cs = decode.conn->Stats(), ps = prefill.conn->Stats();
+    uint64_t moved = GetParam().mode == KvTransferMode::kPull ? cs.bytes_read : ps.bytes_written;
+    EXPECT_LE(moved, 48 * per_token);  // 45 tokens, rounded up to whole blocks at most
+    EXPECT_GE(moved, 45 * per_token);
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggPrefix,
+                         ::testing::Values(Case{"shm", 1, KvTransferMode::kPull},
+                                           Case{"shm", 1, KvTransferMode::kPush}),
+                         CaseName);
+
+TEST_F(Disagg, ChunkedPrefillPushesEachChunkAsItIsComputed) {
+    // The prefill worker takes 600 tokens in chunks of 64: every chunk's layers go out as they
+    // are stored, partial blocks included, and the answer is still the colocated one.
+    auto sp = Greedy(5);
+    auto prompt = Prompt(600, 4);
+    auto want = Colocated({{"x", prompt}}, sp);
+    engine::EngineConfig ec;
+    Worker prefill;
+    prefill.agent = testing::ValueOrDie(Agent::Create(testing::TestConfig("prefill-k", "shm")));
+    kv::AgentConnectorConfig cc;
+    auto model = Model(1);
+    cc.model_fingerprint = model->fingerprint();
+    cc.model_kv_heads = model->config().num_kv_heads;
+    prefill.conn = testing::ValueOrDie(kv::AgentKvConnector::Create(prefill.agent, cc));
+    ec.block_tokens = 8;
+    ec.num_blocks = 512;
+    ec.max_batched_tokens = 61;  // chunks end inside blocks
+    ec.allocator = kv::AgentKvAllocator(prefill.agent);
+    ec.connector = prefill.conn;
+    prefill.engine = testing::ValueOrDie(Engine::Create(model, ec));
+    Worker decode = MakeWorker("decode-k", "shm", Model(1));
+    Answers pa, da;
+    FERRY_ASSERT_OK(
+        Submit(decode.engine.get(), &da, "x", prompt, sp, PushDecodeParams("k", prefill)));
+    FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "x", prompt, sp, PushPrefillParams("k")));
+    ASSERT_TRUE(da.Wait({"x"}));
+    EXPECT_EQ(da.Get("x").tokens, want["x"].tokens) << da.Get("x").error.ToString();
+    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
+    EXPECT_GE(prefill.conn->Stats().transfers, 10u * 2);  // 10 chunks x 2 layers
+}
+
+TEST_F(Disagg, AModelMismatchIsRefusedAtHandshakeNamingTheField) {
+    Worker prefill = MakeWorker("prefill-m", "tcp", Model(1));
+    Worker decode = MakeWorker("decode-m", "tcp", other_->Load(1));
+    Answers pa, da;
+    auto prompt = Prompt(30, 2);
+    FERRY_ASSERT_OK(
+        Submit(decode.engine.get(), &da, "m", prompt, Greedy(4), PushDecodeParams("m", prefill)));
+    ASSERT_TRUE(da.Wait({"m"}));
+    Answer a = da.Get("m");
+    EXPECT_EQ(a.finish, FinishReason::kError);
+    EXPECT_THAT(a.error,
+                StatusHas(Code::kFailedPrecondition, "model (weights fingerprint) differs"));
+    EXPECT_TRUE(a.tokens.empty());
+    EXPECT_TRUE(
+        WaitStats(decode.engine.get(), [](const auto& s) { return s.kv_blocks_used == 0; }));
+}
+
+TEST_F(Disagg, ABlockSizeMismatchIsRefusedAtHandshakeWithBothValues) {
+    Worker prefill = MakeWorker("prefill-b", "tcp", Model(1), {.block_tokens = 16});
+    Worker decode = MakeWorker("decode-b", "tcp", Model(1), {.block_tokens = 8});
+    Answers pa, da;
+    auto prompt = Prompt(40, 2);
+    auto kvp = std::make_shared<KvTransferParams>();
+    kvp->do_remote_decode = true;
+    FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "b", prompt, Greedy(1), kvp));
+    ASSERT_TRUE(pa.Wait({"b"}));
+    ASSERT_TRUE(pa.Get("b").kv);
+    FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "b", prompt, Greedy(4), pa.Get("b").kv));
+    ASSERT_TRUE(da.Wait({"b"}));
+    EXPECT_THAT(da.Get("b").error,
+                StatusHas(Code::kFailedPrecondition,
+                          "block_tokens differs (this worker 8, 'prefill-b' 16)"));
+    // The hold is released by its lease (the decoder never claimed it) or at once on release.
+    EXPECT_TRUE(
+        WaitStats(decode.engine.get(), [](const auto& s) { return s.kv_blocks_used == 0; }));
+}
+
+TEST_F(Disagg, AnUnclaimedHoldIsFreedWhenItsLeaseLapsesAndALateReaderIsRefused) {
+    Worker prefill =
+        MakeWorker("prefill-l", "shm", Model(1), {.hold_lease = std::chrono::milliseconds(300)});
+    Worker decode = MakeWorker("decode-l", "shm", Model(1));
+    Answers pa, da;
+    auto prompt = Prompt(50, 3);
+    auto kvp = std::make_shared<KvTransferParams>();
+    kvp->do_remote_decode = true;
+    FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "l", prompt, Greedy(1), kvp));
+    ASSERT_TRUE(pa.Wait({"l"}));
+    EXPECT_EQ(prefill.engine->Stats().kv_held, 1);
+    EXPECT_GT(prefill.engine->Stats().kv_blocks_used, 0);
+    EXPECT_TRUE(WaitStats(prefill.engine.get(),
+                          [](const auto& s) { return s.kv_held == 0 && s.kv_blocks_used == 0; }));
+    EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 1u);
+    // A decoder that comes now is told the KV is gone, and produces no token.
+    FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "l", prompt, Greedy(4), pa.Get("l").kv));
+    ASSERT_TRUE(da.Wait({"l"}));
+    EXPECT_EQ(da.Get("l").finish, FinishReason::kError);
+    EXPECT_THAT(da.Get("l").error, StatusHas(Code::kNotFound, "lease expired"));
+    EXPECT_TRUE(da.Get("l").tokens.empty());
+    EXPECT_TRUE(
+        WaitStats(decode.engine.get(), [](const auto& s) { return s.kv_blocks_used == 0; }));
+}
+
+TEST_F(Disagg, APrefillWorkerThatDiesWhileADecoderWaitsFailsTheRequestWithinSeconds) {
+    Worker decode = MakeWorker("decode-d", "tcp", Model(1));
+    Answers pa, da;
+    auto prompt = Prompt(80, 5);
+    auto start = std::chrono::steady_clock::now();
+    {
+        Worker prefill = MakeWorker("prefill-d", "tcp", Model(1));
+        // The prefill request never comes: the decoder waits for input, holding its blocks.
+        FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "d", prompt, Greedy(4),
+                               PushDecodeParams("d", prefill)));
+        ASSERT_TRUE(
+            WaitStats(decode.engine.get(), [](const auto& s) { return s.kv_loading == 1; }));
+        ASSERT_TRUE(
+            testing::WaitUntil([&] { return decode.conn->Stats().waiting_for_input == 1; }));
+        start = std::chrono::steady_clock::now();
+    }  // the prefill worker goes: engine, connector, agent
+    ASSERT_TRUE(da.Wait({"d"}, std::chrono::seconds(10)));
+    auto took = std::chrono::steady_clock::now() - start;
+    Answer a = da.Get("d");
+    EXPECT_EQ(a.finish, FinishReason::kError);
+    EXPECT_THAT(a.error, StatusHas(Code::kUnavailable, "prefill-d"));
+    EXPECT_TRUE(a.tokens.empty());
+    EXPECT_LT(took, std::chrono::seconds(5));  // bounded by the liveness probe, not a timeout
+    EXPECT_TRUE(WaitStats(decode.engine.get(), [](const auto& s) {
+        return s.kv_blocks_used == 0 && s.kv_loading == 0;
+    }));
+}
+
+TEST_F(Disagg, AClientThatLeavesAPushDecoderFreesItsBlocksOnceThePrefillStops) {
+    Worker prefill = MakeWorker("prefill-a", "shm", Model(1));
+    Worker decode = MakeWorker("decode-a", "shm", Model(1));
+    Answers pa, da;
+    auto prompt = Prompt(120, 6);
+    FERRY_ASSERT_OK(
+        Submit(decode.engine.get(), &da, "a", prompt, Greedy(4), PushDecodeParams("a", prefill)));
+    ASSERT_TRUE(testing::WaitUntil([&] { return decode.conn->Stats().waiting_for_input == 1; }));
+    decode.engine->Abort("a");
+    ASSERT_TRUE(da.Wait({"a"}));
+    EXPECT_EQ(da.Get("a").finish, FinishReason::kAbort);
+    EXPECT_TRUE(WaitStats(decode.engine.get(),
+                          [](const auto& s) { return s.kv_blocks_used == 0 && s.kv_held == 0; }));
+    // The prefill request that comes later finds its decoder gone and frees its blocks too.
+    FERRY_ASSERT_OK(
+        Submit(prefill.engine.get(), &pa, "a", prompt, Greedy(1), PushPrefillParams("a")));
+    ASSERT_TRUE(pa.Wait({"a"}, std::chrono::seconds(60)));
+    EXPECT_TRUE(WaitStats(prefill.engine.get(), [](const auto& s) {
+        return s.kv_blocks_used == 0 && s.kv_held == 0 && s.kv_parked == 0;
+    }));
+}
+
+TEST_F(Disagg, ParamsWithoutAConnectorAreRefused) {
+    engine::EngineConfig ec;
+    ec.block_tokens = 8;
+    ec.num_blocks = 64;
+    auto e = testing::ValueOrDie(Engine::Create(Model(1), ec));
+    Answers a;
+    auto kvp = std::make_shared<KvTransferParams>();
+    kvp->do_remote_decode = true;
+    EXPECT_THAT(Submit(e.get(), &a, "x", Prompt(5, 1), Greedy(1), kvp),
+                StatusHas(Code::kInvalidArgument, "no KV connector"));
+}
+
+}  // namespace
+}  // namespace ferry
