@@ -1,0 +1,219 @@
+#include <fmt/core.h>
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "http/http.h"
+
+namespace ferry::http {
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = beast::http;
+using tcp = asio::ip::tcp;
+
+constexpr size_t kReadPiece = 64u << 10;
+
+class CallImpl : public ClientCall, public std::enable_shared_from_this<CallImpl> {
+  public:
+    CallImpl(asio::io_context& ioc, ClientRequest req, ClientCallbacks cb)
+        : strand_(asio::make_strand(ioc)),
+          resolver_(strand_),
+          stream_(strand_),
+          request_(std::move(req)),
+          cb_(std::move(cb)) {}
+
+    void Start() {
+        asio::post(strand_, [self = shared_from_this()] { self->Resolve(); });
+    }
+
+    void Cancel() override {
+        asio::post(strand_, [self = shared_from_this()] {
+            self->Finish(CancelledError("http: call cancelled"));
+        });
+    }
+
+  private:
+    void Resolve() {
+        if (request_.timeout.count() > 0) stream_.expires_after(request_.timeout);
+        resolver_.async_resolve(
+            request_.host, std::to_string(request_.port),
+            [self = shared_from_this()](beast::error_code ec, tcp::resolver::results_type r) {
+                if (ec) return self->Fail("resolve", ec);
+                self->stream_.async_connect(r, [self](beast::error_code ec, const tcp::endpoint&) {
+                    if (ec) return self->Fail("connect", ec);
+                    self->Send();
+                });
+            });
+    }
+
+    void Send() {
+        req_.method_string(request_.method);
+        req_.target(request_.target);
+        req_.version(11);
+        req_.set(bhttp::field::host, fmt::format("{}:{}", request_.host, request_.port));
+        req_.set(bhttp::field::connection, "close");
+        for (const Header& h : request_.headers) req_.set(h.name, h.value);
+        if (!request_.body.empty() || request_.method == "POST" || request_.method == "PUT") {
+            req_.set(bhttp::field::content_type, request_.content_type);
+            req_.body() = std::move(request_.body);
+            req_.prepare_payload();
+        }
+        bhttp::async_write(stream_, req_,
+                           [self = shared_from_this()](beast::error_code ec, size_t) {
+                               if (ec) return self->Fail("write", ec);
+                               self->parser_.body_limit(boost::none);
+                               bhttp::async_read_header(
+                                   self->stream_, self->buffer_, self->parser_,
+                                   [self](beast::error_code ec, size_t) { self->OnHead(ec); });
+                           });
+    }
+
+    void OnHead(beast::error_code ec) {
+        if (ec) return Fail("read", ec);
+        if (done_) return;
+        ClientHead head;
+        const auto& msg = parser_.get();
+        head.status = static_cast<int>(msg.result_int());
+        for (const auto& f : msg) {
+            head.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+        }
+        if (cb_.on_head) cb_.on_head(head);
+        ReadBody();
+    }
+
+    void ReadBody() {
+        if (done_) return;
+        if (parser_.is_done()) return Finish(Status::Ok());
+        piece_.resize(kReadPiece);
+        parser_.get().body().data = piece_.data();
+        parser_.get().body().size = piece_.size();
+        bhttp::async_read_some(stream_, buffer_, parser_,
+                               [self = shared_from_this()](beast::error_code ec, size_t) {
+                                   if (ec == bhttp::error::need_buffer) ec = {};
+                                   if (ec) return self->Fail("read", ec);
+                                   size_t n = self->piece_.size() - self->parser_.get().body().size;
+                                   if (n > 0 && self->cb_.on_data && !self->done_) {
+                                       self->cb_.on_data(std::string_view(self->piece_.data(), n));
+                                   }
+                                   self->ReadBody();
+                               });
+    }
+
+    void Fail(const char* what, beast::error_code ec) {
+        if (ec == beast::error::timeout) {
+            return Finish(DeadlineExceededError(
+                fmt::format("http {}:{}{}: no answer within {} ms", request_.host, request_.port,
+                            request_.target, request_.timeout.count())));
+        }
+        Finish(UnavailableError(fmt::format("http {}:{}{}: {}: {}", request_.host, request_.port,
+                                            request_.target, what, ec.message())));
+    }
+
+    void Finish(Status st) {
+        if (done_) return;
+        done_ = true;
+        beast::error_code ignore;
+        stream_.socket().shutdown(tcp::socket::shutdown_both, ignore);
+        stream_.close();
+        if (cb_.on_done) cb_.on_done(st);
+        cb_ = {};
+    }
+
+    asio::strand<asio::io_context::executor_type> strand_;
+    tcp::resolver resolver_;
+    beast::tcp_stream stream_;
+    ClientRequest request_;
+    ClientCallbacks cb_;
+    bhttp::request<bhttp::string_body> req_;
+    beast::flat_buffer buffer_;
+    bhttp::response_parser<bhttp::buffer_body> parser_;
+    std::vector<char> piece_;
+    bool done_ = false;
+};
+
+}  // namespace
+
+struct Client::Impl {
+    asio::io_context ioc;
+    std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+    std::vector<std::thread> threads;
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+std::unique_ptr<Client> Client::Create(int io_threads) {
+    auto impl = std::make_unique<Impl>();
+    impl->work.emplace(asio::make_work_guard(impl->ioc));
+    for (int i = 0; i < std::max(1, io_threads); ++i) {
+        impl->threads.emplace_back([p = impl.get()] { p->ioc.run(); });
+    }
+    return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Client::~Client() {
+    impl_->work.reset();
+    impl_->ioc.stop();
+    for (auto& t : impl_->threads) t.join();
+}
+
+std::shared_ptr<ClientCall> Client::Call(ClientRequest request, ClientCallbacks callbacks) {
+    auto call = std::make_shared<CallImpl>(impl_->ioc, std::move(request), std::move(callbacks));
+    call->Start();
+    return call;
+}
+
+Result<ClientReply> Fetch(const ClientRequest& request) {
+    // One client for every blocking call of the process (tools and tests).
+    static Client* shared = Client::Create(1).release();
+    auto reply = std::make_shared<ClientReply>();
+    auto done = std::make_shared<std::promise<Status>>();
+    auto fut = done->get_future();
+    ClientCallbacks cb;
+    cb.on_head = [reply](const ClientHead& h) {
+        reply->status = h.status;
+        reply->headers = h.headers;
+    };
+    cb.on_data = [reply](std::string_view d) { reply->body.append(d); };
+    cb.on_done = [done](const Status& s) { done->set_value(s); };
+    shared->Call(request, std::move(cb));
+    Status st = fut.get();
+    if (!st.ok()) return st;
+    return std::move(*reply);
+}
+
+Result<Endpoint> ParseEndpoint(std::string_view url) {
+    std::string_view s = url;
+    if (s.substr(0, 7) == "http://") s.remove_prefix(7);
+    s = s.substr(0, s.find('/'));
+    size_t colon = s.rfind(':');
+    if (colon == std::string_view::npos || colon == 0 || colon + 1 == s.size()) {
+        return InvalidArgumentError(fmt::format("'{}' is not host:port", url));
+    }
+    Endpoint ep;
+    ep.host = std::string(s.substr(0, colon));
+    if (ep.host.size() > 2 && ep.host.front() == '[' && ep.host.back() == ']') {
+        ep.host = ep.host.substr(1, ep.host.size() - 2);
+    }
+    int port = 0;
+    for (char c : s.substr(colon + 1)) {
+        if (c < '0' || c > '9' || port > 65535) {
+            return InvalidArgumentError(fmt::format("'{}': the port is not a number", url));
+        }
+        port = port * 10 + (c - '0');
+    }
+    if (port <= 0 || port > 65535) {
+        return InvalidArgumentError(fmt::format("'{}': port {} is not 1..65535", url, port));
+    }
+    ep.port = port;
+    return ep;
+}
+
+}  // namespace ferry::http

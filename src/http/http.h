@@ -1,0 +1,197 @@
+// ferry's one HTTP/1.1 layer, event-driven (Boost.Beast over Asio): a server where a fixed few
+// I/O threads serve any number of connections (an idle one costs a socket and a few KiB, never a
+// thread), and a client that streams responses the same way. Both serve the OpenAI API of a
+// worker, the proxy in front of workers, and the discovery store.
+//
+// Server: routes by method and path; a request must arrive whole within `request_deadline` of
+// the connection opening or of the previous response (slowloris), with headers within
+// `max_header_bytes` and a body within the route's limit (413 before the body is read). A
+// handler gets the exchange as a shared_ptr and may answer later from any thread: whole
+// (Reply) or streamed in chunks (StartStream / Write / End, e.g. server-sent events). While a
+// handler works the connection has no deadline, and a client that closes its end is noticed at
+// once (OnClose), so work done for it can be stopped. Keep-alive is honoured.
+//
+// Handlers must not block: an engine's work happens elsewhere and answers through the exchange.
+// Thread-safety: Server is started and stopped from one thread; Exchange methods may be called
+// from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/status.h"
+
+namespace ferry::http {
+
+struct Header {
+    std::string name;
+    std::string value;
+};
+
+// Case-insensitive lookup; null if absent.
+const std::string* FindHeader(const std::vector<Header>& headers, std::string_view name);
+
+struct Request {
+    std::string method;  // "GET", "POST", ...
+    std::string target;  // as sent: "/v1/completions?x=1"
+    std::string path;    // without the query
+    std::vector<Header> headers;
+    std::string body;
+    std::string remote;  // "addr:port" of the client
+    const std::string* Find(std::string_view name) const { return FindHeader(headers, name); }
+};
+
+struct Reply {
+    int status = 200;
+    std::string content_type = "application/json";
+    std::string body;
+    std::vector<Header> headers;
+};
+
+// One request being answered.
+class Exchange {
+  public:
+    virtual ~Exchange() = default;
+    virtual const Request& request() const = 0;
+    // The whole reply. Only the first Reply or StartStream counts; later calls are ignored.
+    virtual void Reply(http::Reply reply) = 0;
+    // Starts a streamed reply (chunked transfer encoding).
+    virtual void StartStream(int status, std::string content_type,
+                             std::vector<Header> headers = {}) = 0;
+    // Queues bytes of the stream. False once the connection is gone (the bytes are dropped).
+    virtual bool Write(std::string bytes) = 0;
+    // Ends the stream.
+    virtual void End() = 0;
+    // `fn` runs once, on an I/O thread, if the connection closes before the reply has been
+    // written (the client went away, or the server stops); at once if that already happened.
+    virtual void OnClose(std::function<void()> fn) = 0;
+    virtual bool closed() const = 0;
+    // Bytes queued and not yet written (a stream's backpressure).
+    virtual size_t pending_bytes() const = 0;
+};
+
+using Handler = std::function<void(std::shared_ptr<Exchange>)>;
+
+struct Route {
+    std::string method;
+    std::string path;
+    Handler handler;
+    size_t max_body = 0;  // 0: ServerConfig::max_body_bytes
+};
+
+struct ServerConfig {
+    std::string name = "http";  // in log lines
+    std::string host = "127.0.0.1";
+    int port = 0;        // 0: any free port
+    int io_threads = 0;  // 0: one per core, 1..4
+    // Open connections at most; one more is accepted and closed at once.
+    size_t max_connections = 65536;
+    size_t max_body_bytes = 1u << 20;
+    size_t max_header_bytes = 16u << 10;
+    std::chrono::milliseconds request_deadline{10000};
+    // The body of a refusal the server makes itself (400, 404, 405, 413, 503): default JSON
+    // {"error": {"message": ...}}.
+    std::function<http::Reply(int status, const std::string& message)> error_reply;
+};
+
+struct ServerStats {
+    uint64_t connections_open = 0;
+    uint64_t connections_accepted = 0;
+    uint64_t connections_refused = 0;  // over max_connections
+    uint64_t requests = 0;
+    uint64_t timed_out = 0;  // closed for not delivering a request in time
+    uint64_t too_large = 0;  // 413
+};
+
+class Server {
+  public:
+    // Binds and starts the I/O threads. Unavailable if the address cannot be bound,
+    // InvalidArgument for a bad config.
+    static Result<std::unique_ptr<Server>> Start(ServerConfig config, std::vector<Route> routes);
+    ~Server();  // Stop()
+    Server(const Server&) = delete;
+    Server& operator=(const Server&) = delete;
+
+    int port() const;
+    ServerStats Stats() const;
+    // Stops accepting, closes every connection (their OnClose callbacks run), joins the threads.
+    void Stop();
+
+    struct Impl;
+
+  private:
+    explicit Server(std::shared_ptr<Impl> impl);
+    std::shared_ptr<Impl> impl_;
+};
+
+// --- client ---------------------------------------------------------------------------------
+
+struct ClientRequest {
+    std::string method = "POST";
+    std::string host = "127.0.0.1";
+    int port = 0;
+    std::string target = "/";
+    std::vector<Header> headers;
+    std::string body;
+    std::string content_type = "application/json";
+    // The whole exchange, connect to last byte (0: none).
+    std::chrono::milliseconds timeout{0};
+};
+
+struct ClientHead {
+    int status = 0;
+    std::vector<Header> headers;
+};
+
+// Callbacks of one call, each on an I/O thread: on_head once, on_data for each piece of the
+// body as it arrives (chunked encoding decoded), on_done once at the end with OK or the error
+// (Unavailable: connect or read failed; DeadlineExceeded; Cancelled).
+struct ClientCallbacks {
+    std::function<void(const ClientHead&)> on_head;
+    std::function<void(std::string_view)> on_data;
+    std::function<void(const Status&)> on_done;
+};
+
+class ClientCall {
+  public:
+    virtual ~ClientCall() = default;
+    // Closes the connection; on_done gets Cancelled unless it already ran.
+    virtual void Cancel() = 0;
+};
+
+// Streams requests over fresh connections on a few I/O threads of its own.
+class Client {
+  public:
+    static std::unique_ptr<Client> Create(int io_threads = 1);
+    ~Client();
+    std::shared_ptr<ClientCall> Call(ClientRequest request, ClientCallbacks callbacks);
+
+    struct Impl;
+
+  private:
+    explicit Client(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+// A whole response, for callers that can block (tests, command-line tools).
+struct ClientReply {
+    int status = 0;
+    std::vector<Header> headers;
+    std::string body;
+};
+Result<ClientReply> Fetch(const ClientRequest& request);
+
+// "host:port" or "http://host:port[/...]" -> host and port.
+struct Endpoint {
+    std::string host;
+    int port = 0;
+};
+Result<Endpoint> ParseEndpoint(std::string_view url);
+
+}  // namespace ferry::http

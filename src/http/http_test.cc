@@ -1,0 +1,271 @@
+// The HTTP layer against real sockets: routing and refusals, limits before the body is read,
+// keep-alive, streamed replies that arrive piece by piece, a client that leaves mid-request,
+// slow and idle connections by the thousand while a request is still answered.
+#include "http/http.h"
+
+#include <arpa/inet.h>
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "core/fd.h"
+#include "testing/testing.h"
+
+namespace ferry::http {
+namespace {
+
+using ::ferry::testing::StatusIs;
+
+ScopedFd Dial(int port) {
+    ScopedFd fd(::socket(AF_INET, SOCK_STREAM, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    return fd;
+}
+
+std::string ReadAll(int fd, std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+    std::string out;
+    timeval tv{static_cast<time_t>(limit.count() / 1000),
+               static_cast<suseconds_t>(limit.count() % 1000 * 1000)};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char buf[4096];
+    for (;;) {
+        ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        out.append(buf, n);
+    }
+    return out;
+}
+
+ClientRequest Get(int port, std::string target) {
+    ClientRequest r;
+    r.method = "GET";
+    r.port = port;
+    r.target = std::move(target);
+    r.timeout = std::chrono::seconds(10);
+    return r;
+}
+
+class HttpTest : public ::testing::Test {
+  protected:
+    void StartServer(ServerConfig cfg = {}) {
+        std::vector<Route> routes;
+        routes.push_back({"GET", "/hello", [](std::shared_ptr<Exchange> ex) {
+                              ex->Reply({200, "text/plain", "hello " + ex->request().target, {}});
+                          }});
+        routes.push_back({"POST", "/echo",
+                          [](std::shared_ptr<Exchange> ex) {
+                              ex->Reply({200, "application/octet-stream", ex->request().body, {}});
+                          },
+                          1024});
+        // Answers later, from another thread, in pieces.
+        routes.push_back({"GET", "/stream", [this](std::shared_ptr<Exchange> ex) {
+                              ex->StartStream(200, "text/event-stream");
+                              std::thread([this, ex] {
+                                  for (int i = 0; i < 5; ++i) {
+                                      ex->Write(fmt::format("data: {}\n\n", i));
+                                      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                                  }
+                                  ex->End();
+                                  ++streams_done_;
+                              }).detach();
+                          }});
+        // Never answers until the client leaves.
+        routes.push_back({"GET", "/hang", [this](std::shared_ptr<Exchange> ex) {
+                              {
+                                  std::lock_guard lock(mu_);
+                                  hanging_.push_back(ex);
+                              }
+                              ex->OnClose([this] { ++closed_; });
+                          }});
+        server_ = testing::ValueOrDie(Server::Start(std::move(cfg), std::move(routes)));
+    }
+    void TearDown() override {
+        if (server_) server_->Stop();
+        std::lock_guard lock(mu_);
+        hanging_.clear();
+    }
+
+    std::unique_ptr<Server> server_;
+    std::mutex mu_;
+    std::vector<std::shared_ptr<Exchange>> hanging_;
+    std::atomic<int> closed_{0}, streams_done_{0};
+};
+
+TEST_F(HttpTest, RoutesAndRefusals) {
+    StartServer();
+    auto r = Fetch(Get(server_->port(), "/hello?x=1"));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->body, "hello /hello?x=1");
+    auto nf = Fetch(Get(server_->port(), "/nope"));
+    ASSERT_TRUE(nf.ok());
+    EXPECT_EQ(nf->status, 404);
+    EXPECT_NE(nf->body.find("no route GET /nope"), std::string::npos);
+    auto wrong = Fetch(Get(server_->port(), "/echo"));
+    ASSERT_TRUE(wrong.ok());
+    EXPECT_EQ(wrong->status, 405);
+    ClientRequest post = Get(server_->port(), "/echo");
+    post.method = "POST";
+    post.body = "abc";
+    auto echo = Fetch(post);
+    ASSERT_TRUE(echo.ok());
+    EXPECT_EQ(echo->body, "abc");
+}
+
+TEST_F(HttpTest, ABodyOverTheLimitIsRefusedBeforeItIsRead) {
+    StartServer();
+    ScopedFd fd = Dial(server_->port());
+    // Declares 100 MB and sends none of it: the answer comes from the header alone.
+    std::string req = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n";
+    ASSERT_EQ(::send(fd.get(), req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    std::string got = ReadAll(fd.get());
+    EXPECT_NE(got.find("HTTP/1.1 413"), std::string::npos) << got;
+    EXPECT_NE(got.find("larger than 1024 bytes"), std::string::npos) << got;
+    EXPECT_EQ(server_->Stats().too_large, 1u);
+    // A malformed request gets a 400 and the server goes on.
+    ScopedFd bad = Dial(server_->port());
+    std::string junk = "GET /hello HTTP/1.1\r\nHost x\r\n\r\n";
+    ::send(bad.get(), junk.data(), junk.size(), 0);
+    EXPECT_NE(ReadAll(bad.get()).find("HTTP/1.1 400"), std::string::npos);
+    EXPECT_EQ(Fetch(Get(server_->port(), "/hello"))->status, 200);
+}
+
+TEST_F(HttpTest, KeepAliveServesSeveralRequestsOnOneConnection) {
+    StartServer();
+    ScopedFd fd = Dial(server_->port());
+    std::string two =
+        "GET /hello?a HTTP/1.1\r\nHost: x\r\n\r\nGET /hello?b HTTP/1.1\r\nHost: x\r\n"
+        "Connection: close\r\n\r\n";
+    ASSERT_EQ(::send(fd.get(), two.data(), two.size(), 0), static_cast<ssize_t>(two.size()));
+    std::string got = ReadAll(fd.get());
+    EXPECT_NE(got.find("hello /hello?a"), std::string::npos) << got;
+    EXPECT_NE(got.find("hello /hello?b"), std::string::npos) << got;
+}
+
+TEST_F(HttpTest, AStreamArrivesPieceByPiece) {
+    StartServer();
+    auto client = Client::Create(1);
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<std::pair<std::string, std::chrono::steady_clock::time_point>> pieces;
+    Status done_status(Code::kUnknown, "not done");
+    bool done = false;
+    int status = 0;
+    ClientCallbacks cb;
+    cb.on_head = [&](const ClientHead& h) { status = h.status; };
+    cb.on_data = [&](std::string_view d) {
+        std::lock_guard lock(mu);
+        pieces.push_back({std::string(d), std::chrono::steady_clock::now()});
+    };
+    cb.on_done = [&](const Status& s) {
+        std::lock_guard lock(mu);
+        done_status = s;
+        done = true;
+        cv.notify_all();
+    };
+    client->Call(Get(server_->port(), "/stream"), cb);
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return done; }));
+    EXPECT_TRUE(done_status.ok()) << done_status.ToString();
+    EXPECT_EQ(status, 200);
+    std::string all;
+    for (auto& [p, t] : pieces) all += p;
+    EXPECT_EQ(all, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
+    // Several reads: the events came as they were written, not at the end.
+    EXPECT_GE(pieces.size(), 3u);
+}
+
+TEST_F(HttpTest, AClientThatLeavesMidRequestIsNoticedAtOnce) {
+    StartServer();
+    {
+        ScopedFd fd = Dial(server_->port());
+        std::string req = "GET /hang HTTP/1.1\r\nHost: x\r\n\r\n";
+        ::send(fd.get(), req.data(), req.size(), 0);
+        ASSERT_TRUE(testing::WaitUntil([&] {
+            std::lock_guard lock(mu_);
+            return hanging_.size() == 1;
+        }));
+        EXPECT_EQ(closed_.load(), 0);
+    }  // the client closes its end
+    EXPECT_TRUE(testing::WaitUntil([&] { return closed_.load() == 1; }));
+    std::lock_guard lock(mu_);
+    EXPECT_TRUE(hanging_[0]->closed());
+    EXPECT_FALSE(hanging_[0]->Write("late"));             // nothing to write to
+    hanging_[0]->Reply({200, "text/plain", "late", {}});  // ignored, no crash
+}
+
+TEST_F(HttpTest, SlowClientsAreCutOffAtTheirDeadlineAndOthersAreServed) {
+    ServerConfig cfg;
+    cfg.request_deadline = std::chrono::milliseconds(500);
+    StartServer(cfg);
+    testing::SlowLoris loris(static_cast<uint16_t>(server_->port()), 200,
+                             std::chrono::milliseconds(100));
+    ASSERT_EQ(loris.connected(), 200);
+    auto r = Fetch(Get(server_->port(), "/hello"));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(loris.WaitClosed(std::chrono::seconds(10)), 200);
+    EXPECT_EQ(server_->Stats().timed_out, 200u);
+}
+
+TEST_F(HttpTest, TwoThousandIdleConnectionsCostNoThreadAndTheServerStillAnswers) {
+    ServerConfig cfg;
+    cfg.io_threads = 1;
+    cfg.request_deadline = std::chrono::seconds(60);
+    StartServer(cfg);
+    std::vector<ScopedFd> idle;
+    for (int i = 0; i < 2000; ++i) idle.push_back(Dial(server_->port()));
+    ASSERT_TRUE(testing::WaitUntil([&] { return server_->Stats().connections_open == 2000; }));
+    for (int i = 0; i < 5; ++i) {
+        auto r = Fetch(Get(server_->port(), "/hello"));
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        EXPECT_EQ(r->status, 200);
+    }
+}
+
+TEST_F(HttpTest, OverTheConnectionLimitNewConnectionsAreClosed) {
+    ServerConfig cfg;
+    cfg.max_connections = 3;
+    StartServer(cfg);
+    std::vector<ScopedFd> held;
+    for (int i = 0; i < 3; ++i) held.push_back(Dial(server_->port()));
+    ASSERT_TRUE(testing::WaitUntil([&] { return server_->Stats().connections_open == 3; }));
+    auto r = Fetch(Get(server_->port(), "/hello"));
+    EXPECT_FALSE(r.ok());
+    EXPECT_EQ(server_->Stats().connections_refused, 1u);
+    held.clear();
+    EXPECT_TRUE(testing::WaitUntil([&] {
+        auto x = Fetch(Get(server_->port(), "/hello"));
+        return x.ok() && x->status == 200;
+    }));
+}
+
+TEST(HttpClient, ErrorsSayWhatFailed) {
+    // Nothing listens on the port we just closed.
+    int port;
+    {
+        auto s = testing::ValueOrDie(Server::Start({}, {}));
+        port = s->port();
+    }
+    auto r = Fetch(Get(port, "/x"));
+    EXPECT_THAT(r, StatusIs(Code::kUnavailable));
+    EXPECT_NE(r.status().message().find("connect"), std::string::npos) << r.status().ToString();
+    EXPECT_THAT(ParseEndpoint("http://127.0.0.1:80/v1"), StatusIs(Code::kOk));
+    EXPECT_EQ(ParseEndpoint("http://127.0.0.1:8080/v1")->port, 8080);
+    EXPECT_THAT(ParseEndpoint("127.0.0.1"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(ParseEndpoint("h:99999"), StatusIs(Code::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace ferry::http

@@ -1,0 +1,559 @@
+#include <fmt/core.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <deque>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/log.h"
+#include "http/http.h"
+
+namespace ferry::http {
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = beast::http;
+using tcp = asio::ip::tcp;
+using SteadyClock = std::chrono::steady_clock;
+
+std::string JsonEscape(std::string_view s) {
+    std::string out;
+    for (char c : s) {
+        auto u = static_cast<unsigned char>(c);
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += c;
+        } else if (u < 0x20) {
+            out += fmt::format("\\u{:04x}", u);
+        } else {
+            out += c;
+        }
+    }
+    return out;
+}
+
+const char* Reason(int status) {
+    switch (status) {
+        case 200:
+            return "OK";
+        case 201:
+            return "Created";
+        case 204:
+            return "No Content";
+        case 400:
+            return "Bad Request";
+        case 401:
+            return "Unauthorized";
+        case 403:
+            return "Forbidden";
+        case 404:
+            return "Not Found";
+        case 405:
+            return "Method Not Allowed";
+        case 408:
+            return "Request Timeout";
+        case 409:
+            return "Conflict";
+        case 413:
+            return "Payload Too Large";
+        case 429:
+            return "Too Many Requests";
+        case 431:
+            return "Request Header Fields Too Large";
+        case 500:
+            return "Internal Server Error";
+        case 502:
+            return "Bad Gateway";
+        case 503:
+            return "Service Unavailable";
+        case 504:
+            return "Gateway Timeout";
+    }
+    return "Status";
+}
+
+std::string Head(int status, const std::string& content_type, const std::vector<Header>& headers,
+                 bool keep_alive, std::optional<size_t> length) {
+    std::string h = fmt::format("HTTP/1.1 {} {}\r\n", status, Reason(status));
+    if (!content_type.empty()) h += fmt::format("Content-Type: {}\r\n", content_type);
+    for (const Header& x : headers) {
+        // A header value with a line break would forge headers: drop it.
+        if (x.name.find_first_of("\r\n:") != std::string::npos ||
+            x.value.find_first_of("\r\n") != std::string::npos) {
+            continue;
+        }
+        h += fmt::format("{}: {}\r\n", x.name, x.value);
+    }
+    if (length) {
+        h += fmt::format("Content-Length: {}\r\n", *length);
+    } else {
+        h += "Transfer-Encoding: chunked\r\n";
+    }
+    h += keep_alive ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    return h;
+}
+
+}  // namespace
+
+const std::string* FindHeader(const std::vector<Header>& headers, std::string_view name) {
+    for (const Header& h : headers) {
+        if (h.name.size() == name.size() &&
+            std::equal(h.name.begin(), h.name.end(), name.begin(), [](char a, char b) {
+                return std::tolower(static_cast<unsigned char>(a)) ==
+                       std::tolower(static_cast<unsigned char>(b));
+            })) {
+            return &h.value;
+        }
+    }
+    return nullptr;
+}
+
+class Session;
+
+struct Server::Impl {
+    ServerConfig cfg;
+    std::vector<Route> routes;
+    int port = 0;
+    std::atomic<bool> stopping{false};
+    std::mutex mu;
+    std::map<Session*, std::weak_ptr<Session>> sessions;
+    std::atomic<uint64_t> open{0}, accepted{0}, refused{0}, requests{0}, timed_out{0}, too_large{0};
+    // Declared last, destroyed first: sessions still queued in it go while the rest is alive.
+    asio::io_context ioc;
+    std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+    tcp::acceptor acceptor{ioc};
+    std::vector<std::thread> threads;
+
+    http::Reply ErrorReply(int status, const std::string& message) const {
+        if (cfg.error_reply) return cfg.error_reply(status, message);
+        http::Reply r;
+        r.status = status;
+        r.body = fmt::format("{{\"error\":{{\"message\":\"{}\",\"code\":{}}}}}",
+                             JsonEscape(message), status);
+        return r;
+    }
+    void Accept();
+};
+
+// One connection. All its I/O runs on its strand.
+class Session : public std::enable_shared_from_this<Session> {
+  public:
+    Session(Server::Impl* server, tcp::socket socket)
+        : server_(server), stream_(std::move(socket)) {
+        beast::error_code ec;
+        auto ep = stream_.socket().remote_endpoint(ec);
+        if (!ec) remote_ = fmt::format("{}:{}", ep.address().to_string(), ep.port());
+    }
+    ~Session() {
+        std::lock_guard lock(server_->mu);
+        server_->sessions.erase(this);
+        --server_->open;
+    }
+
+    auto executor() { return stream_.get_executor(); }
+
+    void Start() {
+        deadline_ = SteadyClock::now() + server_->cfg.request_deadline;
+        ReadHeader();
+    }
+
+    // From any thread.
+    void PostClose() {
+        asio::post(stream_.get_executor(), [self = shared_from_this()] { self->Close(); });
+    }
+
+    // --- what an exchange asks for (on the strand) ---
+    class Ex;
+    void Enqueue(std::string bytes, bool last);
+    size_t pending() const { return pending_.load(); }
+    bool closed() const { return closed_.load(); }
+
+  private:
+    void ReadHeader() {
+        parser_.emplace();
+        parser_->header_limit(static_cast<uint32_t>(server_->cfg.max_header_bytes));
+        // The route's limit is applied once the header says which route (OnHeader).
+        parser_->body_limit(std::numeric_limits<std::uint64_t>::max());
+        stream_.expires_at(deadline_);
+        bhttp::async_read_header(
+            stream_, buffer_, *parser_,
+            [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+    }
+
+    void OnHeader(beast::error_code ec) {
+        if (ec) return OnReadError(ec);
+        const auto& h = parser_->get();
+        std::string target(h.target());
+        std::string path = target.substr(0, target.find('?'));
+        std::string method(h.method_string());
+        route_ = nullptr;
+        bool path_known = false;
+        for (const Route& r : server_->routes) {
+            if (r.path != path) continue;
+            path_known = true;
+            if (r.method == method) route_ = &r;
+        }
+        if (!route_) {
+            keep_alive_ = false;
+            return Refuse(path_known ? 405 : 404,
+                          fmt::format("no route {} {}", method, path.substr(0, 200)));
+        }
+        const size_t limit = route_->max_body ? route_->max_body : server_->cfg.max_body_bytes;
+        parser_->body_limit(limit);
+        if (auto len = parser_->content_length(); len && *len > limit) {
+            ++server_->too_large;
+            keep_alive_ = false;
+            return Refuse(413,
+                          fmt::format("the body of {} bytes is larger than {} bytes", *len, limit));
+        }
+        bhttp::async_read(
+            stream_, buffer_, *parser_,
+            [self = shared_from_this()](beast::error_code ec, size_t) { self->OnBody(ec); });
+    }
+
+    void OnReadError(beast::error_code ec) {
+        if (ec == beast::error::timeout) {
+            ++server_->timed_out;
+            return Close();
+        }
+        if (ec == bhttp::error::body_limit) {
+            ++server_->too_large;
+            keep_alive_ = false;
+            return Refuse(413, "the body is larger than this endpoint takes");
+        }
+        if (ec == bhttp::error::header_limit) {
+            keep_alive_ = false;
+            return Refuse(431, "the request headers are too large");
+        }
+        if (ec.category() == bhttp::make_error_code(bhttp::error::bad_target).category() &&
+            ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message) {
+            keep_alive_ = false;
+            return Refuse(400, fmt::format("malformed request: {}", ec.message()));
+        }
+        Close();  // the client closed, or a socket error
+    }
+
+    void OnBody(beast::error_code ec);
+
+    // While a handler works, a client that closes its end is noticed at once.
+    void WatchClose() {
+        stream_.socket().async_wait(
+            tcp::socket::wait_read, [self = shared_from_this()](beast::error_code ec) {
+                if (ec || self->closed_ || !self->current_ || self->replied_) return;
+                char c;
+                ssize_t n =
+                    ::recv(self->stream_.socket().native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+                if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+                    self->Close();
+                }
+                // n > 0: the client sent more (a pipelined request): read after this reply.
+            });
+    }
+
+    void Refuse(int status, const std::string& message) {
+        http::Reply r = server_->ErrorReply(status, message);
+        replied_ = false;
+        current_.reset();
+        Enqueue(Head(r.status, r.content_type, r.headers, false, r.body.size()) + r.body, true);
+    }
+
+    void DoWrite() {
+        if (writing_ || out_.empty() || closed_) return;
+        writing_ = true;
+        asio::async_write(stream_.socket(), asio::buffer(out_.front()),
+                          [self = shared_from_this()](beast::error_code ec, size_t n) {
+                              self->writing_ = false;
+                              self->pending_ -= n;
+                              if (ec) return self->Close();
+                              self->out_.pop_front();
+                              if (!self->out_.empty()) return self->DoWrite();
+                              if (self->last_queued_) self->AfterReply();
+                          });
+    }
+
+    void AfterReply() {
+        last_queued_ = false;
+        replied_ = false;
+        current_.reset();
+        if (!keep_alive_ || server_->stopping) {
+            beast::error_code ec;
+            stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+            return Close();
+        }
+        deadline_ = SteadyClock::now() + server_->cfg.request_deadline;
+        ReadHeader();
+    }
+
+  public:
+    void Close();
+
+  private:
+    Server::Impl* server_;
+    beast::tcp_stream stream_;
+    beast::flat_buffer buffer_;
+    std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+    const Route* route_ = nullptr;
+    std::string remote_;
+    SteadyClock::time_point deadline_;
+    bool keep_alive_ = true;
+    std::shared_ptr<Ex> current_;
+    bool replied_ = false;      // the current exchange queued its last bytes
+    bool last_queued_ = false;  // the reply ends with what is queued
+    std::deque<std::string> out_;
+    bool writing_ = false;
+    std::atomic<size_t> pending_{0};
+    std::atomic<bool> closed_{false};
+};
+
+class Session::Ex : public Exchange {
+  public:
+    Ex(std::shared_ptr<Session> s, Request r) : session_(s), request_(std::move(r)) {}
+
+    const Request& request() const override { return request_; }
+
+    void Reply(http::Reply reply) override {
+        if (started_.exchange(true)) return;
+        bool keep = FindHeader(request_.headers, "connection") == nullptr ||
+                    *FindHeader(request_.headers, "connection") != "close";
+        std::string bytes =
+            Head(reply.status, reply.content_type, reply.headers, keep, reply.body.size()) +
+            reply.body;
+        Post(std::move(bytes), true);
+    }
+    void StartStream(int status, std::string content_type, std::vector<Header> headers) override {
+        if (started_.exchange(true)) return;
+        streaming_ = true;
+        Post(Head(status, content_type, headers, true, std::nullopt), false);
+    }
+    bool Write(std::string bytes) override {
+        if (!streaming_ || ended_ || closed()) return false;
+        if (bytes.empty()) return true;
+        Post(fmt::format("{:x}\r\n", bytes.size()) + bytes + "\r\n", false);
+        return true;
+    }
+    void End() override {
+        if (!streaming_ || ended_.exchange(true)) return;
+        Post("0\r\n\r\n", true);
+    }
+    void OnClose(std::function<void()> fn) override {
+        std::unique_lock lock(mu_);
+        if (close_fired_) {
+            lock.unlock();
+            fn();
+            return;
+        }
+        on_close_ = std::move(fn);
+    }
+    bool closed() const override {
+        auto s = session_.lock();
+        return !s || s->closed();
+    }
+    size_t pending_bytes() const override {
+        auto s = session_.lock();
+        return s ? s->pending() : 0;
+    }
+
+    // The connection went before the reply was out.
+    void FireClose() {
+        std::function<void()> fn;
+        {
+            std::lock_guard lock(mu_);
+            if (close_fired_) return;
+            close_fired_ = true;
+            fn = std::move(on_close_);
+        }
+        if (fn) fn();
+    }
+    bool finished() const { return finished_; }
+    void MarkFinished() { finished_ = true; }
+
+  private:
+    void Post(std::string bytes, bool last) {
+        auto s = session_.lock();
+        if (!s) return;
+        s->pending_ += bytes.size();
+        asio::post(s->stream_.get_executor(), [s, bytes = std::move(bytes), last]() mutable {
+            s->Enqueue(std::move(bytes), last);
+        });
+    }
+
+    std::weak_ptr<Session> session_;
+    Request request_;
+    std::atomic<bool> started_{false}, ended_{false};
+    bool streaming_ = false;
+    std::atomic<bool> finished_{false};
+    std::mutex mu_;
+    bool close_fired_ = false;
+    std::function<void()> on_close_;
+};
+
+void Session::OnBody(beast::error_code ec) {
+    if (ec) return OnReadError(ec);
+    stream_.expires_never();
+    ++server_->requests;
+    auto msg = parser_->release();
+    Request req;
+    req.method = std::string(msg.method_string());
+    req.target = std::string(msg.target());
+    req.path = req.target.substr(0, req.target.find('?'));
+    for (const auto& f : msg) {
+        req.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+    }
+    req.body = std::move(msg.body());
+    req.remote = remote_;
+    keep_alive_ = msg.keep_alive();
+    auto ex = std::make_shared<Ex>(shared_from_this(), std::move(req));
+    current_ = ex;
+    WatchClose();
+    try {
+        route_->handler(ex);
+    } catch (const std::exception& e) {
+        ex->Reply(server_->ErrorReply(500, e.what()));
+    } catch (...) {
+        ex->Reply(server_->ErrorReply(500, "internal error"));
+    }
+}
+
+void Session::Enqueue(std::string bytes, bool last) {
+    if (closed_) {
+        pending_ -= bytes.size();
+        return;
+    }
+    out_.push_back(std::move(bytes));
+    if (last) {
+        last_queued_ = true;
+        replied_ = true;
+        if (current_) current_->MarkFinished();
+    }
+    DoWrite();
+}
+
+void Session::Close() {
+    if (closed_.exchange(true)) return;
+    beast::error_code ec;
+    stream_.socket().close(ec);
+    if (current_ && !current_->finished()) current_->FireClose();
+    current_.reset();
+    out_.clear();
+}
+
+void Server::Impl::Accept() {
+    acceptor.async_accept(asio::make_strand(ioc), [this](beast::error_code ec, tcp::socket s) {
+        if (ec) {
+            if (!stopping && ec != asio::error::operation_aborted) {
+                FERRY_LOG(kWarn, "{}: accept: {}", cfg.name, ec.message());
+                // Out of descriptors and the like: back off a little instead of spinning.
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                Accept();
+            }
+            return;
+        }
+        ++accepted;
+        if (open.load() >= cfg.max_connections || stopping) {
+            ++refused;
+            beast::error_code ignore;
+            s.close(ignore);
+            return Accept();
+        }
+        ++open;
+        auto session = std::make_shared<Session>(this, std::move(s));
+        {
+            std::lock_guard lock(mu);
+            sessions[session.get()] = session;
+        }
+        asio::post(session->executor(), [session] { session->Start(); });
+        Accept();
+    });
+}
+
+Server::Server(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<Server>> Server::Start(ServerConfig cfg, std::vector<Route> routes) {
+    if (cfg.port < 0 || cfg.port > 65535) {
+        return InvalidArgumentError(fmt::format("{}: port {} is not 0..65535", cfg.name, cfg.port));
+    }
+    if (cfg.max_connections == 0 || cfg.io_threads < 0 || cfg.io_threads > 64) {
+        return InvalidArgumentError(fmt::format("{}: bad connection or thread limits", cfg.name));
+    }
+    auto impl = std::make_shared<Impl>();
+    impl->cfg = std::move(cfg);
+    impl->routes = std::move(routes);
+    const ServerConfig& c = impl->cfg;
+    beast::error_code ec;
+    std::string host = c.host == "localhost" ? "127.0.0.1" : c.host;
+    auto addr = asio::ip::make_address(host, ec);
+    if (ec) {
+        return InvalidArgumentError(
+            fmt::format("{}: listen address '{}' is not an IP address", c.name, c.host));
+    }
+    tcp::endpoint ep(addr, static_cast<uint16_t>(c.port));
+    impl->acceptor.open(ep.protocol(), ec);
+    if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) impl->acceptor.bind(ep, ec);
+    if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) {
+        return UnavailableError(
+            fmt::format("{}: cannot listen on {}:{}: {}", c.name, c.host, c.port, ec.message()));
+    }
+    impl->port = impl->acceptor.local_endpoint().port();
+    impl->work.emplace(asio::make_work_guard(impl->ioc));
+    impl->Accept();
+    int n = c.io_threads > 0 ? c.io_threads
+                             : std::clamp<int>(std::thread::hardware_concurrency(), 1, 4);
+    for (int i = 0; i < n; ++i) {
+        impl->threads.emplace_back([p = impl.get()] { p->ioc.run(); });
+    }
+    return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Server::~Server() { Stop(); }
+
+int Server::port() const { return impl_->port; }
+
+ServerStats Server::Stats() const {
+    ServerStats s;
+    s.connections_open = impl_->open;
+    s.connections_accepted = impl_->accepted;
+    s.connections_refused = impl_->refused;
+    s.requests = impl_->requests;
+    s.timed_out = impl_->timed_out;
+    s.too_large = impl_->too_large;
+    return s;
+}
+
+void Server::Stop() {
+    Impl& m = *impl_;
+    if (m.stopping.exchange(true)) return;
+    asio::post(m.ioc, [p = &m] {
+        beast::error_code ec;
+        p->acceptor.close(ec);
+    });
+    {
+        std::lock_guard lock(m.mu);
+        for (auto& [ptr, weak] : m.sessions) {
+            if (auto s = weak.lock()) s->PostClose();
+        }
+    }
+    auto until = SteadyClock::now() + std::chrono::seconds(2);
+    while (SteadyClock::now() < until) {
+        {
+            std::lock_guard lock(m.mu);
+            if (m.sessions.empty()) break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    m.work.reset();
+    m.ioc.stop();
+    for (auto& t : m.threads) t.join();
+    m.threads.clear();
+}
+
+}  // namespace ferry::http
