@@ -3,12 +3,16 @@
 #include <fmt/core.h>
 #include <signal.h>
 
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 
 #include "bench/model_bench.h"
 #include "engine/engine.h"
+#include "ferry/agent.h"
+#include "kv/agent_connector.h"
 #include "model/model.h"
 #include "serve/openai_server.h"
 
@@ -144,6 +148,42 @@ void AddServeCommand(CLI::App& app, int* rc) {
                      "connecting or after its previous response (slowloris)")
         ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
         ->capture_default_str();
+    // Disaggregation (docs/disaggregation.md).
+    static std::string role = "colocated", kv_transfer = "pull", kv_backend = "auto";
+    static std::string agent_listen = "127.0.0.1:0", agent_name, store, secret_file;
+    static int64_t hold_lease_ms = 10000, kv_timeout_ms = 10000;
+    serve
+        ->add_option("--role", role,
+                     "colocated (prefill and decode here), prefill or decode (KV moves to or "
+                     "from other workers through the transfer engine)")
+        ->check(CLI::IsMember({"colocated", "prefill", "decode"}))
+        ->capture_default_str();
+    serve
+        ->add_option("--kv-transfer", kv_transfer,
+                     "protocol of requests whose kv_transfer_params do not say: pull (vLLM's "
+                     "NixlConnector: the decoder reads the held blocks) or push (layer-wise "
+                     "writes from the prefill worker)")
+        ->check(CLI::IsMember({"pull", "push"}))
+        ->capture_default_str();
+    serve->add_option("--kv-backend", kv_backend, "transfer backend for KV: auto, shm, tcp, ucx")
+        ->check(CLI::IsMember({"auto", "shm", "tcp", "ucx"}))
+        ->capture_default_str();
+    serve->add_option("--agent-listen", agent_listen, "the transfer agent's HOST:PORT")
+        ->capture_default_str();
+    serve->add_option("--agent-name", agent_name,
+                      "the agent's name (remote_engine_id; default ferry-ROLE-PID)");
+    serve->add_option("--store", store, "discovery store for the agent (http://H:P, etcd://H:P)");
+    serve->add_option("--secret-file", secret_file, "deployment secret for the agent");
+    serve
+        ->add_option("--kv-hold-lease-ms", hold_lease_ms,
+                     "prefill: free held blocks no decoder claimed within this time")
+        ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
+        ->capture_default_str();
+    serve
+        ->add_option("--kv-transfer-timeout-ms", kv_timeout_ms,
+                     "fail a KV transfer not done this long after it started")
+        ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
+        ->capture_default_str();
     serve->callback([rc] {
         sc.request_deadline = std::chrono::milliseconds(request_deadline_ms);
         // SIGINT/SIGTERM are taken by sigwait below, in every thread started from here.
@@ -166,6 +206,72 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
         ec.chunked_prefill = !no_chunked;
         ec.prefix_caching = !no_prefix;
+        std::shared_ptr<Agent> agent;
+        std::shared_ptr<kv::AgentKvConnector> connector;
+        if (role != "colocated") {
+            AgentConfig ac;
+            ac.name = agent_name.empty() ? fmt::format("ferry-{}-{}", role, getpid()) : agent_name;
+            size_t colon = agent_listen.rfind(':');
+            if (colon == std::string::npos) {
+                return fail(InvalidArgumentError(
+                    fmt::format("--agent-listen '{}' is not HOST:PORT", agent_listen)));
+            }
+            ac.listen_host = agent_listen.substr(0, colon);
+            try {
+                int port = std::stoi(agent_listen.substr(colon + 1));
+                if (port < 0 || port > 65535) throw std::out_of_range("port");
+                ac.listen_port = static_cast<uint16_t>(port);
+            } catch (const std::exception&) {
+                return fail(InvalidArgumentError(
+                    fmt::format("--agent-listen '{}': the port is not 0..65535", agent_listen)));
+            }
+            if (kv_backend != "auto") {
+                ac.backends = {kv_backend};
+                ac.force_backend = kv_backend;
+            } else {
+                ac.backends = {"shm", "tcp"};
+#ifdef FERRY_HAVE_UCX
+                ac.backends.push_back("ucx");
+#endif
+            }
+            ac.store = store;
+            if (!secret_file.empty()) {
+                std::ifstream in(secret_file);
+                if (!in) {
+                    return fail(NotFoundError(
+                        fmt::format("--secret-file {}: cannot be read", secret_file)));
+                }
+                std::stringstream ss;
+                ss << in.rdbuf();
+                ac.secret = ss.str();
+                while (!ac.secret.empty() &&
+                       (ac.secret.back() == '\n' || ac.secret.back() == '\r')) {
+                    ac.secret.pop_back();
+                }
+                if (ac.secret.empty()) {
+                    return fail(InvalidArgumentError(
+                        fmt::format("--secret-file {}: the file is empty", secret_file)));
+                }
+            }
+            auto a = Agent::Create(ac);
+            if (!a.ok()) return fail(a.status().WithContext("--agent-listen"));
+            agent = std::shared_ptr<Agent>(std::move(a).value());
+            kv::AgentConnectorConfig cc;
+            cc.model_fingerprint = m->fingerprint();
+            cc.model_kv_heads = m->config().num_kv_heads;
+            cc.hold_lease = std::chrono::milliseconds(hold_lease_ms);
+            cc.transfer_timeout = std::chrono::milliseconds(kv_timeout_ms);
+            auto c = kv::AgentKvConnector::Create(agent, cc);
+            if (!c.ok()) return fail(c.status());
+            connector = *c;
+            ec.connector = connector;
+            ec.allocator = kv::AgentKvAllocator(agent);
+            sc.default_kv_mode =
+                kv_transfer == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
+            sc.extra_metrics = [connector] {
+                return kv::RenderKvConnectorMetrics(connector->Stats());
+            };
+        }
         auto created = engine::Engine::Create(m, ec);
         if (!created.ok()) return fail(created.status());
         std::shared_ptr<engine::Engine> e(std::move(created).value());
@@ -178,12 +284,17 @@ void AddServeCommand(CLI::App& app, int* rc) {
             "{} tokens ({}), max model len {}\n",
             (*server)->model_name(), c.ParamCount() / 1e6, c.num_layers, tp, got.num_blocks,
             got.block_tokens, kv_dtype, got.max_model_len);
+        if (agent) {
+            fmt::print("ferry serve: role {}, kv agent {} at {}\n", role, agent->name(),
+                       agent->ListenAddress());
+        }
         fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, (*server)->port());
         std::fflush(stdout);
         int sig = 0;
         sigwait(&signals, &sig);
         fmt::print("ferry serve: signal {}, stopping\n", sig);
         (*server)->Stop();
+        e.reset();  // the engine unbinds the connector before the agent goes
     });
 }
 

@@ -1499,6 +1499,59 @@ void AgentKvConnector::EndStep() {
     }
 }
 
+std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
+    std::string out;
+    out +=
+        "# HELP ferry_kv_connector_requests Requests in each KV transfer state.\n"
+        "# TYPE ferry_kv_connector_requests gauge\n";
+    for (auto [state, n] : {std::pair{"bootstrapping", s.bootstrapping},
+                            {"waiting_for_input", s.waiting_for_input},
+                            {"transferring", s.transferring},
+                            {"holding", s.holding}}) {
+        out += fmt::format("ferry_kv_connector_requests{{state=\"{}\"}} {}\n", state, n);
+    }
+    auto counter = [&](const char* name, const char* help, double v) {
+        out += fmt::format("# HELP {} {}\n# TYPE {} counter\n{} {}\n", name, help, name, name, v);
+    };
+    counter("ferry_kv_connector_succeeded_total", "KV transfers that completed.",
+            double(s.succeeded));
+    out +=
+        "# HELP ferry_kv_connector_failed_total KV transfers that failed, by reason.\n"
+        "# TYPE ferry_kv_connector_failed_total counter\n";
+    for (const auto& [reason, n] : s.failures) {
+        out += fmt::format("ferry_kv_connector_failed_total{{reason=\"{}\"}} {}\n", reason, n);
+    }
+    counter("ferry_kv_connector_bytes_read_total", "KV bytes READ from other workers.",
+            double(s.bytes_read));
+    counter("ferry_kv_connector_bytes_written_total", "KV bytes WRITTEN to other workers.",
+            double(s.bytes_written));
+    counter("ferry_kv_connector_transfers_total", "READs and WRITEs posted.", double(s.transfers));
+    counter("ferry_kv_connector_descriptors_total", "Local descriptors over all transfers.",
+            double(s.descriptors));
+    out += fmt::format(
+        "# HELP ferry_kv_connector_descriptors_max Most descriptors in one transfer.\n"
+        "# TYPE ferry_kv_connector_descriptors_max gauge\nferry_kv_connector_descriptors_max "
+        "{}\n",
+        s.max_descriptors);
+    counter("ferry_kv_connector_handshakes_total", "Peer handshakes completed.",
+            double(s.handshakes));
+    out +=
+        "# HELP ferry_kv_connector_transfer_seconds KV transfer time per request.\n"
+        "# TYPE ferry_kv_connector_transfer_seconds histogram\n";
+    for (size_t i = 0; i < std::size(kTransferSecondsBuckets); ++i) {
+        out +=
+            fmt::format("ferry_kv_connector_transfer_seconds_bucket{{le=\"{}\"}} {}\n",
+                        kTransferSecondsBuckets[i],
+                        i < s.transfer_seconds_buckets.size() ? s.transfer_seconds_buckets[i] : 0);
+    }
+    out += fmt::format(
+        "ferry_kv_connector_transfer_seconds_bucket{{le=\"+Inf\"}} {}\n"
+        "ferry_kv_connector_transfer_seconds_sum {}\nferry_kv_connector_transfer_seconds_count "
+        "{}\n",
+        s.transfer_seconds_count, s.transfer_seconds_sum, s.transfer_seconds_count);
+    return out;
+}
+
 KvAllocator AgentKvAllocator(std::shared_ptr<Agent> agent) {
     KvAllocator a;
     a.allocate = [agent](size_t bytes) -> Result<std::span<std::byte>> {

@@ -104,6 +104,9 @@ class AgentKvConnector final : public KvConnector {
     std::unique_ptr<Impl> impl_;
 };
 
+// The stats as Prometheus text (ferry_kv_connector_* families), for a worker's /metrics.
+std::string RenderKvConnectorMetrics(const KvConnectorStats& s);
+
 // Allocates KV caches as regions of `agent` (pre-faulted shared memory), so that same-host peers
 // map them and copy one-sided (EngineConfig.allocator).
 KvAllocator AgentKvAllocator(std::shared_ptr<Agent> agent);

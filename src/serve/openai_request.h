@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "kv/connector.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 
@@ -25,7 +27,19 @@ struct ParsedRequest {
     bool stream = false;
     bool include_usage = false;
     bool want_logprobs = false;  // completions: logprobs >= 0; chat: logprobs true
+    // "kv_transfer_params" (vLLM's disaggregation fields, and ferry's): null when absent.
+    std::shared_ptr<kv::KvTransferParams> kv_transfer;
+    bool kv_mode_given = false;  // kv_transfer_params named its transfer_mode
 };
+
+// Nesting deeper than this is refused before any JSON tree is built.
+inline constexpr size_t kMaxJsonDepth = 64;
+// False if `text` nests arrays and objects deeper than `max_depth` (strings are skipped).
+bool JsonDepthWithin(std::string_view text, size_t max_depth);
+
+// The kv_transfer_params object of a response (vLLM's field names; ferry's fields beside them:
+// a vLLM router copies the object whole from the prefill response to the decode request).
+std::string KvTransferParamsJson(const kv::KvTransferParams& p);
 
 // Parses `body`; false with `error` filled for anything malformed. Chat requests without a token
 // limit get what is left of `max_model_len` after the prompt.

@@ -1,12 +1,6 @@
 #include "serve/openai_server.h"
 
-#include <arpa/inet.h>
-#include <dirent.h>
 #include <fmt/core.h>
-#include <httplib.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <atomic>
 #include <chrono>
@@ -19,7 +13,7 @@
 #include <thread>
 
 #include "core/log.h"
-#include "discovery/http_guard.h"
+#include "http/http.h"
 #include "serve/openai_request.h"
 
 namespace ferry::serve {
@@ -105,39 +99,14 @@ struct Metrics {
     }
 };
 
-// --- client liveness --------------------------------------------------------------------------
-
-// The accepted socket of the request's connection, found by its peer address among our fds:
-// cpp-httplib does not expose it, and a closed connection must abort its request even while
-// nothing is being written to it.
-int FindClientSocket(const std::string& addr, int port, int local_port) {
-    const std::string want = addr + "|" + std::to_string(port);
-    DIR* d = opendir("/proc/self/fd");
-    if (!d) return -1;
-    int found = -1;
-    while (dirent* e = readdir(d)) {
-        int fd = atoi(e->d_name);
-        if (fd > 2 && discovery::AcceptedPeer(fd, static_cast<uint16_t>(local_port)) == want) {
-            found = fd;
-            break;
-        }
-    }
-    closedir(d);
-    return found;
-}
-
-bool ClientGone(int fd) {
-    if (fd < 0) return false;
-    pollfd p{fd, POLLRDHUP, 0};
-    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
-}
-
-// One request's outputs, handed from the engine thread to the HTTP thread.
-struct Stream {
+// One request's state between the engine's step thread and the connection.
+struct Pending {
     std::mutex mu;
-    std::condition_variable cv;
-    std::deque<engine::RequestOutput> events;
-    bool done = false;
+    engine::RequestOutput all;  // non-streamed: everything so far
+    bool finished = false;
+    // Streamed.
+    bool sent_role = false;
+    size_t text_offset = 0;
 };
 
 }  // namespace
@@ -147,10 +116,7 @@ struct OpenAiServer::Impl {
     ServerConfig config;
     std::string model_name;
     int64_t created = UnixSeconds();
-    httplib::Server http;
-    std::unique_ptr<discovery::HttpGuard> guard;
-    std::thread thread;
-    int port = 0;
+    std::unique_ptr<http::Server> http;
     std::atomic<bool> stopping{false};
     std::mutex stop_mu;
     std::condition_variable stop_cv;
@@ -159,13 +125,13 @@ struct OpenAiServer::Impl {
     std::atomic<uint64_t> next_id{0};
     uint64_t id_salt = std::random_device{}();
 
-    void Install();
-    void Error(httplib::Response& res, int status, const BadRequest& e);
-    void Completions(const httplib::Request& req, httplib::Response& res, bool chat);
+    std::vector<http::Route> Routes();
+    http::Reply Error(int status, const BadRequest& e);
+    void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
     std::string RenderMetrics();
 };
 
-void OpenAiServer::Impl::Error(httplib::Response& res, int status, const BadRequest& e) {
+http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e) {
     Json err = {{"message", e.message},
                 {"type", status == 400 || status == 413 ? "invalid_request_error"
                          : status == 404                ? "not_found_error"
@@ -173,122 +139,60 @@ void OpenAiServer::Impl::Error(httplib::Response& res, int status, const BadRequ
                                                         : "server_error"},
                 {"param", e.param.empty() ? Json() : Json(e.param)},
                 {"code", e.code.empty() ? Json() : Json(e.code)}};
-    res.status = status;
-    res.set_content(Dump({{"error", err}}), "application/json");
     if (status == 400) {
         std::lock_guard lock(metrics.mu);
         ++metrics.bad_requests;
     }
+    return {status, "application/json", Dump({{"error", err}}), {}};
 }
 
-void OpenAiServer::Impl::Install() {
-    http.new_task_queue = [n = config.max_connections] {
-        return new httplib::ThreadPool(static_cast<size_t>(n));
-    };
-    http.set_payload_max_length(config.max_body_bytes);
-    http.set_read_timeout(30, 0);
-    http.set_keep_alive_timeout(5);
-    guard = std::make_unique<discovery::HttpGuard>(config.request_deadline);
-    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response&) {
-        guard->RequestStarted(req.remote_addr, req.remote_port);
-        return httplib::Server::HandlerResponse::Unhandled;
-    });
-    http.set_logger([this](const httplib::Request& req, const httplib::Response&) {
-        guard->ResponseDone(req.remote_addr, req.remote_port);
-    });
-
-    http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
-        res.set_content("{\"status\":\"ok\"}", "application/json");
-    });
-    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-        Json m = {{"id", model_name},   {"object", "model"},
-                  {"created", created}, {"owned_by", "ferry"},
-                  {"root", model_name}, {"max_model_len", engine->max_model_len()}};
-        res.set_content(Dump({{"object", "list"}, {"data", Json::array({m})}}), "application/json");
-    });
-    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-        res.set_content(RenderMetrics(), "text/plain; version=0.0.4");
-    });
-    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-        Completions(req, res, false);
-    });
-    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-        Completions(req, res, true);
-    });
-    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
-        if (res.status == 404) {
-            Error(res, 404, {fmt::format("no route {} {}", req.method, req.path), "", ""});
-        } else if (res.status == 413) {
-            Error(res, 413,
-                  {fmt::format("the body is larger than {} bytes", config.max_body_bytes), "", ""});
-        }
-    });
-    http.set_exception_handler(
-        [this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-            std::string what = "internal error";
-            try {
-                std::rethrow_exception(ep);
-            } catch (const std::exception& e) {
-                what = e.what();
-            } catch (...) {
-            }
-            Error(res, 500, {what, "", ""});
-        });
+std::vector<http::Route> OpenAiServer::Impl::Routes() {
+    std::vector<http::Route> r;
+    r.push_back({"GET", "/health", [](std::shared_ptr<http::Exchange> ex) {
+                     ex->Reply({200, "application/json", "{\"status\":\"ok\"}", {}});
+                 }});
+    r.push_back({"GET", "/v1/models", [this](std::shared_ptr<http::Exchange> ex) {
+                     Json m = {{"id", model_name},   {"object", "model"},
+                               {"created", created}, {"owned_by", "ferry"},
+                               {"root", model_name}, {"max_model_len", engine->max_model_len()}};
+                     ex->Reply({200,
+                                "application/json",
+                                Dump({{"object", "list"}, {"data", Json::array({m})}}),
+                                {}});
+                 }});
+    r.push_back({"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
+                     ex->Reply({200, "text/plain; version=0.0.4", RenderMetrics(), {}});
+                 }});
+    r.push_back({"POST", "/v1/completions",
+                 [this](std::shared_ptr<http::Exchange> ex) { Completions(ex, false); },
+                 config.max_body_bytes});
+    r.push_back({"POST", "/v1/chat/completions",
+                 [this](std::shared_ptr<http::Exchange> ex) { Completions(ex, true); },
+                 config.max_body_bytes});
+    return r;
 }
 
-void OpenAiServer::Impl::Completions(const httplib::Request& req, httplib::Response& res,
-                                     bool chat) {
+void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, bool chat) {
     const model::Tokenizer& tk = engine->model().tokenizer();
     ParsedRequest pr;
     BadRequest bad;
-    if (!ParseOpenAiRequest(req.body, chat, tk, model_name, engine->max_model_len(), &pr, &bad)) {
-        return Error(res, 400, bad);
+    if (!ParseOpenAiRequest(ex->request().body, chat, tk, model_name, engine->max_model_len(), &pr,
+                            &bad)) {
+        return ex->Reply(Error(400, bad));
     }
-
+    if (pr.kv_transfer && !pr.kv_mode_given) pr.kv_transfer->mode = config.default_kv_mode;
+    if (pr.kv_transfer && pr.kv_transfer->do_remote_decode && pr.stream) {
+        // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
+        pr.stream = false;
+    }
     const std::string id =
         fmt::format("{}-{:x}{:08x}", chat ? "chatcmpl" : "cmpl", id_salt, next_id.fetch_add(1));
-    auto stream = std::make_shared<Stream>();
     const Clock::time_point submitted = Clock::now();
     auto last = std::make_shared<Clock::time_point>(submitted);
     auto first = std::make_shared<bool>(true);
-    engine::Request er;
-    er.id = id;
-    er.prompt = pr.prompt;
-    er.sampling = pr.sampling;
-    er.on_output = [this, stream, submitted, last, first](const engine::RequestOutput& o) {
-        Clock::time_point now = Clock::now();
-        {
-            std::lock_guard lock(metrics.mu);
-            if (!o.tokens.empty()) {
-                if (*first) {
-                    metrics.ttft.Observe(std::chrono::duration<double>(now - submitted).count());
-                    *first = false;
-                } else {
-                    metrics.itl.Observe(std::chrono::duration<double>(now - *last).count());
-                }
-                metrics.AddTokens(o.tokens.size(), std::chrono::duration_cast<std::chrono::seconds>(
-                                                       now.time_since_epoch())
-                                                       .count());
-            }
-            *last = now;
-            if (o.finish != engine::FinishReason::kNone) {
-                metrics.e2e.Observe(std::chrono::duration<double>(now - submitted).count());
-                ++metrics.finished[engine::FinishReasonName(o.finish)];
-            }
-        }
-        std::lock_guard lock(stream->mu);
-        stream->events.push_back(o);
-        if (o.finish != engine::FinishReason::kNone) stream->done = true;
-        stream->cv.notify_all();
-    };
-    Status st = engine->Submit(std::move(er));
-    if (!st.ok()) {
-        int status = st.code() == Code::kUnavailable ? 503 : 400;
-        return Error(res, status,
-                     {st.message(), st.code() == Code::kInvalidArgument ? "prompt" : "", ""});
-    }
-    const int client_fd = FindClientSocket(req.remote_addr, req.remote_port, port);
+    auto pending = std::make_shared<Pending>();
     const std::string object = chat ? "chat.completion" : "text_completion";
+    const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
     const int64_t created_at = UnixSeconds();
 
     auto usage_json = [](const engine::RequestOutput& o) {
@@ -334,138 +238,144 @@ void OpenAiServer::Impl::Completions(const httplib::Request& req, httplib::Respo
                     {"top_logprobs", tops},
                     {"text_offset", offsets}};
     };
-
-    if (!pr.stream) {
-        engine::RequestOutput all;
-        {
-            std::unique_lock lock(stream->mu);
-            for (;;) {
-                stream->cv.wait_for(lock, std::chrono::milliseconds(100),
-                                    [&] { return stream->done; });
-                if (stream->done) break;
-                if (ClientGone(client_fd) || stopping) {
-                    lock.unlock();
-                    engine->Abort(id);
-                    lock.lock();
-                    stream->cv.wait(lock, [&] { return stream->done; });
-                    break;
-                }
-            }
-            for (engine::RequestOutput& o : stream->events) {
-                all.tokens.insert(all.tokens.end(), o.tokens.begin(), o.tokens.end());
-                all.logprobs.insert(all.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
-                all.top_logprobs.insert(all.top_logprobs.end(), o.top_logprobs.begin(),
-                                        o.top_logprobs.end());
-                all.text += o.text;
-                all.finish = o.finish;
-                all.error = o.error;
-                all.prompt_tokens = o.prompt_tokens;
-                all.completion_tokens = o.completion_tokens;
-                all.cached_tokens = o.cached_tokens;
-            }
-        }
-        if (all.finish == engine::FinishReason::kError) {
-            return Error(res, 500, {all.error.message(), "", ""});
-        }
-        size_t offset = 0;
-        Json choice = {{"index", 0}, {"finish_reason", engine::FinishReasonName(all.finish)}};
-        if (chat) {
-            choice["message"] = {{"role", "assistant"}, {"content", all.text}};
-        } else {
-            choice["text"] = all.text;
-        }
-        choice["logprobs"] = pr.want_logprobs ? logprobs_json(all, &offset) : Json();
-        Json out = {{"id", id},
-                    {"object", object},
+    auto sse = [](const Json& j) { return "data: " + Dump(j) + "\n\n"; };
+    auto chunk = [this, id, chunk_object, created_at](Json choice) {
+        return Json{{"id", id},
+                    {"object", chunk_object},
                     {"created", created_at},
                     {"model", model_name},
-                    {"choices", Json::array({choice})},
-                    {"usage", usage_json(all)}};
-        res.set_content(Dump(out), "application/json");
-        return;
-    }
-
-    // Streaming: one SSE event per engine output.
-    struct StreamState {
-        bool sent_role = false;
-        bool finished = false;
-        size_t text_offset = 0;
+                    {"choices", Json::array({std::move(choice)})}};
     };
-    auto state = std::make_shared<StreamState>();
-    const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, stream, state, id, chat, chunk_object, created_at, client_fd, pr, usage_json,
-         logprobs_json](size_t, httplib::DataSink& sink) {
-            auto send = [&](const Json& j) {
-                std::string line = "data: " + Dump(j) + "\n\n";
-                return sink.write(line.data(), line.size());
-            };
-            auto chunk = [&](Json choice) {
-                return Json{{"id", id},
-                            {"object", chunk_object},
-                            {"created", created_at},
-                            {"model", model_name},
-                            {"choices", Json::array({std::move(choice)})}};
-            };
-            if (chat && !state->sent_role) {
-                state->sent_role = true;
-                Json c = {{"index", 0},
-                          {"delta", {{"role", "assistant"}, {"content", ""}}},
-                          {"logprobs", Json()},
-                          {"finish_reason", Json()}};
-                if (!send(chunk(c))) return false;
-            }
-            std::deque<engine::RequestOutput> events;
-            {
-                std::unique_lock lock(stream->mu);
-                stream->cv.wait_for(lock, std::chrono::milliseconds(100),
-                                    [&] { return !stream->events.empty(); });
-                events.swap(stream->events);
-            }
-            if (events.empty() && (ClientGone(client_fd) || stopping)) return false;
-            for (const engine::RequestOutput& o : events) {
-                const bool last = o.finish != engine::FinishReason::kNone;
-                if (o.finish == engine::FinishReason::kError) {
-                    Json err = {
-                        {"error", {{"message", o.error.message()}, {"type", "server_error"}}}};
-                    send(err);
-                    break;
-                }
-                Json c = {{"index", 0}};
-                if (chat) {
-                    c["delta"] =
-                        o.text.empty() && last ? Json::object() : Json{{"content", o.text}};
+
+    const bool stream = pr.stream;
+    std::weak_ptr<http::Exchange> weak = ex;
+    engine::Request er;
+    er.id = id;
+    er.prompt = pr.prompt;
+    er.sampling = pr.sampling;
+    er.kv_transfer = pr.kv_transfer;
+    // Runs on the engine's step thread: formats and hands bytes to the connection, never waits.
+    er.on_output = [this, weak, pending, submitted, last, first, stream, chat, id, object,
+                    created_at, chunk_object, pr, usage_json, logprobs_json, sse,
+                    chunk](const engine::RequestOutput& o) {
+        Clock::time_point now = Clock::now();
+        {
+            std::lock_guard lock(metrics.mu);
+            if (!o.tokens.empty()) {
+                if (*first) {
+                    metrics.ttft.Observe(std::chrono::duration<double>(now - submitted).count());
+                    *first = false;
                 } else {
-                    c["text"] = o.text;
+                    metrics.itl.Observe(std::chrono::duration<double>(now - *last).count());
                 }
-                c["logprobs"] = pr.want_logprobs ? logprobs_json(o, &state->text_offset) : Json();
-                c["finish_reason"] = last ? Json(engine::FinishReasonName(o.finish)) : Json();
-                if (!send(chunk(c))) return false;
-                if (last && pr.include_usage) {
-                    Json u = {{"id", id},
-                              {"object", chunk_object},
-                              {"created", created_at},
-                              {"model", model_name},
-                              {"choices", Json::array()},
-                              {"usage", usage_json(o)}};
-                    if (!send(u)) return false;
-                }
-                if (last) state->finished = true;
+                metrics.AddTokens(o.tokens.size(), std::chrono::duration_cast<std::chrono::seconds>(
+                                                       now.time_since_epoch())
+                                                       .count());
             }
-            if (state->finished ||
-                (!events.empty() && events.back().finish == engine::FinishReason::kError)) {
-                static const char kDone[] = "data: [DONE]\n\n";
-                sink.write(kDone, sizeof(kDone) - 1);
-                state->finished = true;
-                sink.done();
+            *last = now;
+            if (o.finish != engine::FinishReason::kNone) {
+                metrics.e2e.Observe(std::chrono::duration<double>(now - submitted).count());
+                ++metrics.finished[engine::FinishReasonName(o.finish)];
             }
-            return true;
-        },
-        [this, state, id](bool) {
-            if (!state->finished) engine->Abort(id);  // the client went away mid-stream
-        });
+        }
+        const bool final = o.finish != engine::FinishReason::kNone;
+        std::shared_ptr<http::Exchange> ex = weak.lock();
+        std::lock_guard lock(pending->mu);
+        if (final) pending->finished = true;
+        if (!ex || ex->closed()) return;
+        if (!stream) {
+            engine::RequestOutput& all = pending->all;
+            all.tokens.insert(all.tokens.end(), o.tokens.begin(), o.tokens.end());
+            all.logprobs.insert(all.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+            all.top_logprobs.insert(all.top_logprobs.end(), o.top_logprobs.begin(),
+                                    o.top_logprobs.end());
+            all.text += o.text;
+            if (!final) return;
+            all.finish = o.finish;
+            all.prompt_tokens = o.prompt_tokens;
+            all.completion_tokens = o.completion_tokens;
+            all.cached_tokens = o.cached_tokens;
+            if (o.finish == engine::FinishReason::kError) {
+                // A transfer that failed is the remote worker's fault, not the client's.
+                const bool remote = o.error.code() == Code::kUnavailable ||
+                                    o.error.code() == Code::kDeadlineExceeded;
+                return ex->Reply(Error(remote ? 503 : 500, {o.error.message(), "", ""}));
+            }
+            size_t offset = 0;
+            Json choice = {{"index", 0}, {"finish_reason", engine::FinishReasonName(all.finish)}};
+            if (chat) {
+                choice["message"] = {{"role", "assistant"}, {"content", all.text}};
+            } else {
+                choice["text"] = all.text;
+            }
+            choice["logprobs"] = pr.want_logprobs ? logprobs_json(all, &offset) : Json();
+            Json out = {{"id", id},
+                        {"object", object},
+                        {"created", created_at},
+                        {"model", model_name},
+                        {"choices", Json::array({choice})},
+                        {"usage", usage_json(all)}};
+            if (o.kv_transfer) {
+                out["kv_transfer_params"] = Json::parse(KvTransferParamsJson(*o.kv_transfer));
+            }
+            return ex->Reply({200, "application/json", Dump(out), {}});
+        }
+        std::string bytes;
+        if (chat && !pending->sent_role) {
+            pending->sent_role = true;
+            bytes += sse(chunk({{"index", 0},
+                                {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                {"logprobs", Json()},
+                                {"finish_reason", Json()}}));
+        }
+        if (o.finish == engine::FinishReason::kError) {
+            bytes += sse({{"error", {{"message", o.error.message()}, {"type", "server_error"}}}});
+            bytes += "data: [DONE]\n\n";
+            ex->Write(std::move(bytes));
+            return ex->End();
+        }
+        Json c = {{"index", 0}};
+        if (chat) {
+            c["delta"] = o.text.empty() && final ? Json::object() : Json{{"content", o.text}};
+        } else {
+            c["text"] = o.text;
+        }
+        c["logprobs"] = pr.want_logprobs ? logprobs_json(o, &pending->text_offset) : Json();
+        c["finish_reason"] = final ? Json(engine::FinishReasonName(o.finish)) : Json();
+        bytes += sse(chunk(c));
+        if (final && pr.include_usage) {
+            bytes += sse({{"id", id},
+                          {"object", chunk_object},
+                          {"created", created_at},
+                          {"model", model_name},
+                          {"choices", Json::array()},
+                          {"usage", usage_json(o)}});
+        }
+        if (final) bytes += "data: [DONE]\n\n";
+        ex->Write(std::move(bytes));
+        if (final) ex->End();
+    };
+    if (stream) {
+        ex->StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
+    }
+    Status st = engine->Submit(std::move(er));
+    if (!st.ok()) {
+        int status = st.code() == Code::kUnavailable ? 503 : 400;
+        BadRequest e{st.message(), st.code() == Code::kInvalidArgument ? "prompt" : "", ""};
+        if (!stream) return ex->Reply(Error(status, e));
+        Json err = {{"error", {{"message", e.message}, {"type", "invalid_request_error"}}}};
+        ex->Write(sse(err) + "data: [DONE]\n\n");
+        return ex->End();
+    }
+    // A client that goes away has its request aborted and its blocks freed.
+    ex->OnClose([engine = engine, id, pending] {
+        bool finished;
+        {
+            std::lock_guard lock(pending->mu);
+            finished = pending->finished;
+        }
+        if (!finished) engine->Abort(id);
+    });
 }
 
 std::string OpenAiServer::Impl::RenderMetrics() {
@@ -497,6 +407,25 @@ std::string OpenAiServer::Impl::RenderMetrics() {
     counter("ferry_num_preemptions_total", "Sequences preempted (recomputed later).",
             double(s.preemptions));
     counter("ferry_engine_steps_total", "Engine steps run.", double(s.steps));
+    gauge("ferry_kv_requests_parked", "Requests waiting for a decoder's block ids (push).",
+          s.kv_parked);
+    gauge("ferry_kv_requests_loading", "Requests holding blocks while their KV arrives.",
+          s.kv_loading);
+    gauge("ferry_kv_requests_held", "Finished requests whose blocks a remote worker still uses.",
+          s.kv_held);
+    counter("ferry_kv_external_tokens_total", "Prompt tokens whose KV came from another worker.",
+            double(s.kv_external_tokens));
+    counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
+            double(s.kv_load_failures));
+    if (config.extra_metrics) out += config.extra_metrics();
+    {
+        http::ServerStats hs = http->Stats();
+        gauge("ferry_http_connections_open", "Open HTTP connections.", double(hs.connections_open));
+        counter("ferry_http_requests_total", "HTTP requests read.", double(hs.requests));
+        counter("ferry_http_timed_out_total",
+                "Connections closed for not sending a whole request in time.",
+                double(hs.timed_out));
+    }
     std::lock_guard lock(metrics.mu);
     int64_t now_s =
         std::chrono::duration_cast<std::chrono::seconds>(Clock::now().time_since_epoch()).count();
@@ -522,58 +451,38 @@ OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine::Engine> engine,
                                                           const ServerConfig& config) {
     if (!engine) return InvalidArgumentError("serve: no engine");
-    if (config.max_connections < 1 || config.max_connections > 65536) {
-        return InvalidArgumentError("serve: max connections must be 1..65536");
+    if (config.max_connections < 1) {
+        return InvalidArgumentError("serve: max connections must be at least 1");
     }
     auto impl = std::make_unique<Impl>();
     impl->engine = std::move(engine);
     impl->config = config;
     impl->model_name = config.served_model_name.empty() ? impl->engine->model().config().name
                                                         : config.served_model_name;
-    impl->Install();
-    // cpp-httplib listens with a backlog of 5, compiled into Debian's library: a burst of
-    // connections (a benchmark opening a thousand streams) overflows it and the kernel resets
-    // some. Take the socket as it is made and listen again with the system's limit after bind.
-    int listen_fd = -1;
-    impl->http.set_socket_options([&listen_fd](int sock) {
-        int yes = 1;
-        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-        if (listen_fd < 0) listen_fd = sock;
-    });
-    if (config.port == 0) {
-        impl->port = impl->http.bind_to_any_port(config.host);
-        if (impl->port <= 0) {
-            return UnavailableError(fmt::format("serve: cannot bind {}:0", config.host));
-        }
-    } else {
-        if (!impl->http.bind_to_port(config.host, config.port)) {
-            return UnavailableError(
-                fmt::format("serve: cannot bind {}:{} (in use?)", config.host, config.port));
-        }
-        impl->port = config.port;
-    }
-    if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
-    impl->http.set_socket_options([](int sock) {
-        int yes = 1;
-        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    });
+    http::ServerConfig hc;
+    hc.name = "serve";
+    hc.host = config.host;
+    hc.port = config.port;
+    hc.io_threads = config.io_threads;
+    hc.max_connections = static_cast<size_t>(config.max_connections);
+    hc.max_body_bytes = config.max_body_bytes;
+    hc.request_deadline = config.request_deadline;
     Impl* p = impl.get();
-    impl->thread = std::thread([p] { p->http.listen_after_bind(); });
-    while (!impl->http.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    impl->guard->Start(static_cast<uint16_t>(impl->port));
+    hc.error_reply = [p](int status, const std::string& message) {
+        return p->Error(status, {message, "", ""});
+    };
+    FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
 
 OpenAiServer::~OpenAiServer() { Stop(); }
 
-int OpenAiServer::port() const { return impl_->port; }
+int OpenAiServer::port() const { return impl_->http->port(); }
 const std::string& OpenAiServer::model_name() const { return impl_->model_name; }
 
 void OpenAiServer::Stop() {
     if (impl_->stopping.exchange(true)) return;
-    impl_->guard->Stop();
-    impl_->http.stop();
-    if (impl_->thread.joinable()) impl_->thread.join();
+    impl_->http->Stop();
     std::lock_guard lock(impl_->stop_mu);
     impl_->stopped = true;
     impl_->stop_cv.notify_all();

@@ -3,10 +3,16 @@
 // (Prometheus text). Requests go to an Engine; a client that goes away has its request aborted and
 // its KV blocks freed. Bad input gets HTTP 400 with an OpenAI-style error object naming the field.
 //
-// Thread-safety: Start/Stop from one thread; requests are served on a pool of threads.
+// Served on the event-driven HTTP layer (src/http): a few I/O threads for any number of
+// connections; engine outputs are formatted on the engine's thread and handed to the connection.
+// Requests may carry vLLM's kv_transfer_params (prefill and decode roles, docs/disaggregation.md);
+// a held request's response carries them back.
+//
+// Thread-safety: Start/Stop from one thread.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,11 +25,16 @@ struct ServerConfig {
     std::string host = "127.0.0.1";
     int port = 8000;                // 0: any free port (see OpenAiServer::port())
     std::string served_model_name;  // default: the model's name
-    int max_connections = 1024;     // concurrent connections (threads)
+    int max_connections = 65536;    // open connections at most
+    int io_threads = 0;             // 0: one per core, 1..4
     size_t max_body_bytes = 16u << 20;
     // A connection must deliver a complete request within this long of connecting or of its
-    // previous response, else it is closed (slowloris; discovery/http_guard.h).
+    // previous response, else it is closed (slowloris).
     std::chrono::milliseconds request_deadline{10000};
+    // The protocol of kv_transfer_params that do not name one ("transfer_mode").
+    kv::KvTransferMode default_kv_mode = kv::KvTransferMode::kPull;
+    // Appended to /metrics (e.g. the KV connector's families).
+    std::function<std::string()> extra_metrics;
 };
 
 class OpenAiServer {
