@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "discovery_cmd.h"
 #include "model_cmd.h"
+#include "proxy_cmd.h"
 #include "transfer/backend.h"
 
 namespace {
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
     ferry::cli::AddDiscoveryCommand(app, &rc);
     ferry::cli::AddModelCommand(app, &rc);
     ferry::cli::AddServeCommand(app, &rc);
+    ferry::cli::AddProxyCommand(app, &rc);
 
     CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
     bench->require_subcommand(1);

@@ -268,6 +268,13 @@ void AddServeCommand(CLI::App& app, int* rc) {
             ec.allocator = kv::AgentKvAllocator(agent);
             sc.default_kv_mode =
                 kv_transfer == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
+            sc.kv_agent_info = [agent, tp_size = tp] {
+                std::string a = agent->ListenAddress();
+                size_t c = a.rfind(':');
+                return fmt::format(
+                    "{{\"engine_id\":\"{}\",\"host\":\"{}\",\"port\":{},\"tp_size\":{}}}",
+                    agent->name(), a.substr(0, c), a.substr(c + 1), tp_size);
+            };
             sc.extra_metrics = [connector] {
                 return kv::RenderKvConnectorMetrics(connector->Stats());
             };

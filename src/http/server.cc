@@ -245,17 +245,19 @@ class Session : public std::enable_shared_from_this<Session> {
 
     // While a handler works, a client that closes its end is noticed at once.
     void WatchClose() {
-        stream_.socket().async_wait(
-            tcp::socket::wait_read, [self = shared_from_this()](beast::error_code ec) {
-                if (ec || self->closed_ || !self->current_ || self->replied_) return;
-                char c;
-                ssize_t n =
-                    ::recv(self->stream_.socket().native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
-                if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
-                    self->Close();
-                }
-                // n > 0: the client sent more (a pipelined request): read after this reply.
-            });
+        stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this()](
+                                                                beast::error_code ec) {
+            if (ec || self->closed_ || !self->current_ || self->replied_) return;
+            char c;
+            ssize_t n =
+                ::recv(self->stream_.socket().native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+                return self->Close();
+            }
+            // Woken with nothing to read: watch again. n > 0: the client sent more (a
+            // pipelined request), read after this reply.
+            if (n < 0) self->WatchClose();
+        });
     }
 
     void Refuse(int status, const std::string& message) {
@@ -283,6 +285,7 @@ class Session : public std::enable_shared_from_this<Session> {
         last_queued_ = false;
         replied_ = false;
         current_.reset();
+        hold_.reset();
         if (!keep_alive_ || server_->stopping) {
             beast::error_code ec;
             stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
@@ -305,6 +308,9 @@ class Session : public std::enable_shared_from_this<Session> {
     SteadyClock::time_point deadline_;
     bool keep_alive_ = true;
     std::shared_ptr<Ex> current_;
+    // While an exchange is pending no I/O of ours may be outstanding (a handler answers later):
+    // the session keeps itself alive until the reply is out or the connection closes.
+    std::shared_ptr<Session> hold_;
     bool replied_ = false;      // the current exchange queued its last bytes
     bool last_queued_ = false;  // the reply ends with what is queued
     std::deque<std::string> out_;
@@ -412,6 +418,7 @@ void Session::OnBody(beast::error_code ec) {
     keep_alive_ = msg.keep_alive();
     auto ex = std::make_shared<Ex>(shared_from_this(), std::move(req));
     current_ = ex;
+    hold_ = shared_from_this();
     WatchClose();
     try {
         route_->handler(ex);
@@ -443,6 +450,7 @@ void Session::Close() {
     if (current_ && !current_->finished()) current_->FireClose();
     current_.reset();
     out_.clear();
+    hold_.reset();  // the last reference may be this: nothing below touches the session
 }
 
 void Server::Impl::Accept() {

@@ -448,9 +448,6 @@ struct AgentKvConnector::Impl : LayerHook {
                            {"from", ld.num_computed},
                            {"len", ld.prompt_len},
                            {"prompt", ld.prompt_hash}});
-            if (p.next_probe == SteadyClock::time_point{}) {
-                p.next_probe = SteadyClock::now() + cfg.liveness_interval;
-            }
             FERRY_LOG(kInfo, "kv: request {} waiting for input from '{}' (transfer {})", Esc(id),
                       Esc(ld.peer), Esc(ld.params.transfer_id));
             return;
@@ -476,7 +473,8 @@ struct AgentKvConnector::Impl : LayerHook {
             local, ld.peer, remote, {.timeout = cfg.transfer_timeout, .backend = cfg.backend});
         CountPosted(local.size());
         if (!x.ok()) {
-            FailLoad(id, x.status());
+            FailLoad(id, x.status().WithContext(
+                             fmt::format("kv read from prefill worker '{}'", Esc(ld.peer))));
             return;
         }
         ld.xfer = std::move(*x);
@@ -986,8 +984,9 @@ struct AgentKvConnector::Impl : LayerHook {
                 if (p.state != Peer::State::kReady) continue;
                 bool waited_on = false;
                 for (auto& [id, ld] : loads) {
-                    if (ld.peer == name && ld.params.mode == KvTransferMode::kPush &&
-                        ld.state != Load::State::kBootstrapping) {
+                    // push: waiting for the writes; pull: waiting for the claim's answer (a
+                    // one-sided shm read completes whether or not the peer lives).
+                    if (ld.peer == name && ld.state != Load::State::kBootstrapping) {
                         waited_on = true;
                     }
                 }
@@ -1010,7 +1009,9 @@ struct AgentKvConnector::Impl : LayerHook {
                     if (x.ok()) {
                         p.probe = std::move(*x);
                     } else {
-                        gone.emplace_back(name, x.status());
+                        gone.emplace_back(
+                            name, UnavailableError(fmt::format("prefill worker '{}' is gone: {}",
+                                                               Esc(name), x.status().ToString())));
                     }
                     p.next_probe = now + cfg.liveness_interval;
                 }

@@ -42,8 +42,9 @@ struct AgentConnectorConfig {
     // push: a prefill request whose decoder has not sent its block ids by then fails.
     std::chrono::milliseconds bootstrap_timeout{30000};
     std::chrono::milliseconds handshake_timeout{5000};
-    // push: while a decoder waits for a prefill worker's KV it checks every interval that the
-    // peer is alive (a small READ), so a killed prefill fails the request within ~2 s.
+    // While a decoder waits on a prefill worker (push: for its writes; pull: for the answer to
+    // its claim) it checks every interval that the peer is alive (a small READ, which fails once
+    // the peer's streams are closed), so a killed prefill fails the request within ~2 s.
     std::chrono::milliseconds liveness_interval{500};
     // Backend for KV transfers ("" = the agent's choice for the peer).
     std::string backend;

@@ -118,6 +118,7 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
         if (f->ok()) sp.seed = static_cast<uint64_t>(seed);
     }
     f->Bool("stream", &out->stream);
+    f->Bool("return_tokens_as_token_ids", &out->tokens_as_ids);
     f->Bool("ignore_eos", &sp.ignore_eos);
     double penalty = 0;
     for (const char* k : {"presence_penalty", "frequency_penalty"}) {

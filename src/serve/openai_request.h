@@ -27,6 +27,8 @@ struct ParsedRequest {
     bool stream = false;
     bool include_usage = false;
     bool want_logprobs = false;  // completions: logprobs >= 0; chat: logprobs true
+    // vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:<id>".
+    bool tokens_as_ids = false;
     // "kv_transfer_params" (vLLM's disaggregation fields, and ferry's): null when absent.
     std::shared_ptr<kv::KvTransferParams> kv_transfer;
     bool kv_mode_given = false;  // kv_transfer_params named its transfer_mode

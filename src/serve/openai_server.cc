@@ -163,6 +163,11 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
     r.push_back({"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
                      ex->Reply({200, "text/plain; version=0.0.4", RenderMetrics(), {}});
                  }});
+    if (config.kv_agent_info) {
+        r.push_back({"GET", "/v1/kv/agent", [this](std::shared_ptr<http::Exchange> ex) {
+                         ex->Reply({200, "application/json", config.kv_agent_info(), {}});
+                     }});
+    }
     r.push_back({"POST", "/v1/completions",
                  [this](std::shared_ptr<http::Exchange> ex) { Completions(ex, false); },
                  config.max_body_bytes});
@@ -202,14 +207,18 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
                     {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}}};
     };
     // Log-probabilities of one output event, in the endpoint's format.
-    auto logprobs_json = [&tk, chat](const engine::RequestOutput& o, size_t* text_offset) {
+    const bool as_ids = pr.tokens_as_ids;
+    auto logprobs_json = [&tk, chat, as_ids](const engine::RequestOutput& o, size_t* text_offset) {
+        auto name = [&](int32_t t) {
+            return as_ids ? fmt::format("token_id:{}", t) : tk.TokenBytes(t);
+        };
         if (chat) {
             Json content = Json::array();
             for (size_t i = 0; i < o.tokens.size() && i < o.logprobs.size(); ++i) {
-                std::string t = tk.TokenBytes(o.tokens[i]);
+                std::string t = name(o.tokens[i]);
                 Json top = Json::array();
                 for (auto [tid, lp] : o.top_logprobs[i]) {
-                    std::string tt = tk.TokenBytes(tid);
+                    std::string tt = name(tid);
                     top.push_back({{"token", tt},
                                    {"logprob", lp},
                                    {"bytes", std::vector<uint8_t>(tt.begin(), tt.end())}});
@@ -224,14 +233,14 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         Json tokens = Json::array(), lps = Json::array(), tops = Json::array(),
              offsets = Json::array();
         for (size_t i = 0; i < o.tokens.size() && i < o.logprobs.size(); ++i) {
-            std::string t = tk.TokenBytes(o.tokens[i]);
+            std::string t = name(o.tokens[i]);
             tokens.push_back(t);
             lps.push_back(o.logprobs[i]);
             Json top = Json::object();
-            for (auto [tid, lp] : o.top_logprobs[i]) top[tk.TokenBytes(tid)] = lp;
+            for (auto [tid, lp] : o.top_logprobs[i]) top[name(tid)] = lp;
             tops.push_back(o.top_logprobs[i].empty() ? Json() : top);
             offsets.push_back(*text_offset);
-            *text_offset += t.size();
+            *text_offset += tk.TokenBytes(o.tokens[i]).size();
         }
         return Json{{"tokens", tokens},
                     {"token_logprobs", lps},

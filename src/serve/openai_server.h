@@ -33,6 +33,9 @@ struct ServerConfig {
     std::chrono::milliseconds request_deadline{10000};
     // The protocol of kv_transfer_params that do not name one ("transfer_mode").
     kv::KvTransferMode default_kv_mode = kv::KvTransferMode::kPull;
+    // GET /v1/kv/agent: where this worker's transfer agent is (JSON: engine_id, host, port,
+    // tp_size), for a proxy that drives push; absent without a connector.
+    std::function<std::string()> kv_agent_info;
     // Appended to /metrics (e.g. the KV connector's families).
     std::function<std::string()> extra_metrics;
 };

@@ -64,7 +64,7 @@ ChildProcess::ChildProcess(ChildProcess&& o) noexcept
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
     if (this != &o) {
-        this->~ChildProcess();
+        Release();  // not ~ChildProcess(): that would end pending_'s lifetime too
         pid_ = std::exchange(o.pid_, -1);
         stdin_fd_ = std::exchange(o.stdin_fd_, -1);
         stdout_fd_ = std::exchange(o.stdout_fd_, -1);
@@ -73,7 +73,9 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
     return *this;
 }
 
-ChildProcess::~ChildProcess() {
+ChildProcess::~ChildProcess() { Release(); }
+
+void ChildProcess::Release() {
     if (stdin_fd_ >= 0) close(stdin_fd_);
     if (pid_ > 0) {
         // Give it a moment to exit on its own (stdin closed), then insist.

@@ -42,6 +42,8 @@ class ChildProcess {
                                  std::vector<std::string>* others = nullptr);
 
   private:
+    // Closes the pipes and ends the child (waiting a moment for it to exit by itself).
+    void Release();
     pid_t pid_ = -1;
     int stdin_fd_ = -1;
     int stdout_fd_ = -1;

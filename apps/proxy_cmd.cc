@@ -1,0 +1,95 @@
+#include "proxy_cmd.h"
+
+#include <fmt/core.h>
+#include <signal.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/discovery.h"
+#include "serve/proxy.h"
+
+namespace ferry::cli {
+
+void AddProxyCommand(CLI::App& app, int* rc) {
+    CLI::App* px = app.add_subcommand(
+        "proxy",
+        "Serve the OpenAI API in front of prefill and decode workers (pull: vLLM's NixlConnector "
+        "protocol; push: layer-wise), and the discovery store the workers' agents register in");
+    static std::vector<std::string> prefill, decode;
+    static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0";
+    static int port = 8000;
+    static bool no_store = false;
+    static int64_t timeout_ms = 600000;
+    px->add_option("--prefill", prefill, "prefill workers' OpenAI servers (HOST:PORT or URL)")
+        ->required();
+    px->add_option("--decode", decode, "decode workers' OpenAI servers (HOST:PORT or URL)")
+        ->required();
+    px->add_option("--host", host, "address to listen on")->capture_default_str();
+    px->add_option("--port", port, "port (0: any free port, printed)")
+        ->check(CLI::Range(0, 65535))
+        ->capture_default_str();
+    px->add_option("--kv-transfer", mode, "pull or push")
+        ->check(CLI::IsMember({"pull", "push"}))
+        ->capture_default_str();
+    px->add_option("--store", store,
+                   "a discovery store the workers use instead of the embedded one");
+    px->add_option("--store-listen", store_listen, "where the embedded store listens")
+        ->capture_default_str();
+    px->add_flag("--no-store", no_store, "run no embedded store");
+    px->add_option("--worker-timeout-ms", timeout_ms, "fail a request a worker has not answered")
+        ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
+        ->capture_default_str();
+    px->callback([rc] {
+        auto fail = [rc](const Status& st) {
+            fmt::print(stderr, "ferry proxy: {}\n", st.ToString());
+            *rc = 1;
+        };
+        serve::ProxyConfig pc;
+        pc.host = host;
+        pc.port = port;
+        pc.mode = mode == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
+        pc.worker_timeout = std::chrono::milliseconds(timeout_ms);
+        for (const auto& [list, dst] : {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}}) {
+            for (const std::string& u : *list) {
+                auto ep = http::ParseEndpoint(u);
+                if (!ep.ok()) return fail(ep.status());
+                dst->push_back(*ep);
+            }
+        }
+        sigset_t signals;
+        sigemptyset(&signals);
+        sigaddset(&signals, SIGINT);
+        sigaddset(&signals, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+        std::unique_ptr<StoreServer> embedded;
+        if (store.empty() && !no_store) {
+            StoreServerConfig sc;
+            size_t colon = store_listen.rfind(':');
+            if (colon == std::string::npos) {
+                return fail(InvalidArgumentError(
+                    fmt::format("--store-listen '{}' is not HOST:PORT", store_listen)));
+            }
+            sc.listen_host = store_listen.substr(0, colon);
+            sc.listen_port = static_cast<uint16_t>(std::atoi(store_listen.c_str() + colon + 1));
+            auto s = StoreServer::Start(sc);
+            if (!s.ok()) return fail(s.status().WithContext("--store-listen"));
+            embedded = std::move(s).value();
+            fmt::print("ferry proxy: discovery store at {}\n", embedded->url());
+        }
+        auto proxy = serve::Proxy::Start(std::move(pc));
+        if (!proxy.ok()) return fail(proxy.status());
+        fmt::print("ferry proxy: {} prefill, {} decode workers, {} protocol\n", prefill.size(),
+                   decode.size(), mode);
+        fmt::print("ferry proxy: listening on http://{}:{}\n", host, (*proxy)->port());
+        std::fflush(stdout);
+        int sig = 0;
+        sigwait(&signals, &sig);
+        fmt::print("ferry proxy: signal {}, stopping\n", sig);
+        (*proxy)->Stop();
+        if (embedded) embedded->Stop();
+    });
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,51 @@
+// A `ferry serve` or `ferry proxy` process for multi-process tests: started with its flags,
+// ready once /health answers, its /metrics read by name, killed (SIGKILL) and restarted with the
+// same flags (and ports, so peers find it again).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/status.h"
+#include "testing/process.h"
+
+namespace ferry::testing {
+
+class ServerProcess {
+  public:
+    // Starts `binary` with `args` (e.g. {"serve", "--model", path, ...}); the HTTP port is taken
+    // from its "listening on http://HOST:PORT" line, and it is ready when GET /health is 200.
+    static Result<std::unique_ptr<ServerProcess>> Start(
+        std::string binary, std::vector<std::string> args,
+        std::chrono::milliseconds timeout = std::chrono::seconds(60));
+    ~ServerProcess();
+
+    int port() const { return port_; }
+    // The agent line of a worker ("NAME at HOST:PORT"), empty for a colocated worker or a proxy.
+    const std::string& agent() const { return agent_; }
+    pid_t pid() const { return child_.pid(); }
+    void Kill() { child_.Kill(); }
+    bool Stop() const { return child_.Stop(); }  // SIGSTOP, all threads stopped
+    void Signal(int sig) const { child_.Signal(sig); }
+    // Starts it again with the same arguments, on the same HTTP port.
+    Status Restart();
+
+    // A sample of /metrics: `name` exactly, or `name{labels}`; -1 when absent or unreachable.
+    double Metric(const std::string& name_and_labels) const;
+    // Waits (bounded) until Metric(name) == value.
+    bool WaitMetric(const std::string& name, double value,
+                    std::chrono::milliseconds limit = std::chrono::seconds(20)) const;
+
+  private:
+    ServerProcess() = default;
+    Status Launch(std::chrono::milliseconds timeout);
+    std::string binary_;
+    std::vector<std::string> args_;
+    ChildProcess child_;
+    int port_ = 0;
+    std::string agent_;
+};
+
+}  // namespace ferry::testing

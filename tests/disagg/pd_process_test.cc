@@ -1,0 +1,563 @@
+// Prefill/decode disaggregation with real processes: `ferry serve --role prefill|decode` behind
+// `ferry proxy`, against a colocated `ferry serve` on the same model file. Answers must equal the
+// colocated ones token for token (token ids, via vLLM's return_tokens_as_token_ids), and the
+// decode worker must compute no prompt token itself (its ferry_prompt_tokens_total stays 0).
+// Then the failures of issue 17: a prefill worker SIGKILLed mid-transfer, a client that leaves,
+// a decode worker killed; after each, every worker's KV blocks return to their baseline.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "http/http.h"
+#include "testing/testing.h"
+#include "testing/tiny_model.h"
+#include "testing/worker_process.h"
+
+namespace ferry {
+namespace {
+
+using Json = nlohmann::json;
+using testing::ServerProcess;
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int kPrompts = 24;  // sanitizer builds run every step several times slower
+constexpr int kMaxPromptLen = 600;
+#else
+constexpr int kPrompts = 100;
+constexpr int kMaxPromptLen = 2000;
+#endif
+
+std::vector<int32_t> RandomPrompt(int n, uint32_t seed) {
+    std::mt19937 g(seed);
+    std::vector<int32_t> p(n);
+    for (auto& t : p) t = static_cast<int32_t>(g() % 256);
+    return p;
+}
+
+// Lengths 1..kMaxPromptLen: the edges of blocks and a spread between.
+std::vector<std::vector<int32_t>> Prompts() {
+    std::vector<std::vector<int32_t>> out;
+    std::mt19937 g(7);
+    for (int i = 0; i < kPrompts; ++i) {
+        int n = i < 6 ? std::vector<int>{1, 15, 16, 17, 31, kMaxPromptLen}[i]
+                      : 1 + static_cast<int>(g() % kMaxPromptLen);
+        out.push_back(RandomPrompt(n, 100 + i));
+    }
+    return out;
+}
+
+struct Answer {
+    int status = 0;
+    std::vector<int32_t> tokens;
+    std::string body;
+    Status error;
+};
+
+Json CompletionBody(const std::vector<int32_t>& prompt, int max_tokens, bool stream,
+                    std::optional<uint64_t> seed = std::nullopt) {
+    Json b = {{"prompt", prompt}, {"max_tokens", max_tokens},
+              {"temperature", 0}, {"ignore_eos", true},
+              {"logprobs", 0},    {"return_tokens_as_token_ids", true},
+              {"stream", stream}};
+    if (seed) {
+        b["temperature"] = 0.8;
+        b["seed"] = *seed;
+    }
+    return b;
+}
+
+// The token ids of a completion answer, whole or streamed.
+std::vector<int32_t> TokensOf(const std::string& body, bool stream) {
+    std::vector<int32_t> out;
+    auto take = [&](const Json& choice) {
+        if (!choice.contains("logprobs") || !choice["logprobs"].is_object()) return;
+        for (const Json& t : choice["logprobs"]["tokens"]) {
+            std::string s = t.get<std::string>();
+            out.push_back(std::stoi(s.substr(s.find(':') + 1)));
+        }
+    };
+    if (!stream) {
+        Json j = Json::parse(body, nullptr, false);
+        if (j.is_object() && j.contains("choices")) take(j["choices"][0]);
+        return out;
+    }
+    size_t pos = 0;
+    while ((pos = body.find("data: ", pos)) != std::string::npos) {
+        size_t end = body.find("\n\n", pos);
+        std::string ev = body.substr(pos + 6, end - pos - 6);
+        pos = end;
+        if (ev == "[DONE]") break;
+        Json j = Json::parse(ev, nullptr, false);
+        if (j.is_object() && j.contains("choices") && !j["choices"].empty()) take(j["choices"][0]);
+    }
+    return out;
+}
+
+http::ClientRequest Post(int port, const Json& body, const std::string& path = "/v1/completions") {
+    http::ClientRequest r;
+    r.port = port;
+    r.target = path;
+    r.body = body.dump();
+    r.timeout = std::chrono::seconds(120);
+    return r;
+}
+
+// Sends every body at once (at most `parallel` in flight) and collects the answers.
+std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int parallel = 16) {
+    auto client = http::Client::Create(2);
+    std::vector<Answer> out(bodies.size());
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t next = 0, done = 0;
+    int inflight = 0;
+    std::function<void()> launch = [&] {
+        // mu held
+        while (inflight < parallel && next < bodies.size()) {
+            size_t i = next++;
+            ++inflight;
+            auto status = std::make_shared<int>(0);
+            auto body = std::make_shared<std::string>();
+            http::ClientCallbacks cb;
+            cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
+            cb.on_data = [body](std::string_view d) { body->append(d); };
+            const bool stream = bodies[i]["stream"].get<bool>();
+            cb.on_done = [&, i, status, body, stream](const Status& st) {
+                std::lock_guard lock(mu);
+                out[i].status = *status;
+                out[i].body = *body;
+                out[i].error = st;
+                out[i].tokens = TokensOf(*body, stream);
+                --inflight;
+                ++done;
+                launch();
+                cv.notify_all();
+            };
+            client->Call(Post(port, bodies[i]), std::move(cb));
+        }
+    };
+    std::unique_lock lock(mu);
+    launch();
+    cv.wait_for(lock, std::chrono::seconds(600), [&] { return done == bodies.size(); });
+    return out;
+}
+
+std::unique_ptr<ServerProcess> StartOrDie(std::vector<std::string> args) {
+    auto p = ServerProcess::Start(FERRY_BIN, std::move(args));
+    if (!p.ok()) {
+        ADD_FAILURE() << p.status().ToString();
+        return nullptr;
+    }
+    return std::move(p).value();
+}
+
+class PdProcess : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        // UCX's shared-memory transports refuse peer error handling: tcp (docs/transfer-engine).
+        setenv("UCX_TLS", "tcp", 1);
+        model_ = new testing::TinyModelFile("pd-process-test", testing::TinyModelSpec(4096), 21);
+    }
+    static void TearDownTestSuite() {
+        delete model_;
+        model_ = nullptr;
+    }
+    static std::vector<std::string> WorkerArgs(const std::string& role, const std::string& backend,
+                                               int tp, std::vector<std::string> extra = {}) {
+        std::vector<std::string> a = {"serve",
+                                      "--model",
+                                      model_->path(),
+                                      "--port",
+                                      "0",
+                                      "--block-size",
+                                      "16",
+                                      "--num-kv-blocks",
+                                      "6000",
+                                      "--tp",
+                                      std::to_string(tp),
+                                      "--max-model-len",
+                                      "4096",
+                                      "--role",
+                                      role};
+        if (role != "colocated") {
+            a.insert(a.end(), {"--kv-backend", backend});
+        }
+        a.insert(a.end(), extra.begin(), extra.end());
+        return a;
+    }
+    // The colocated answers of Prompts() (computed once per TP and sampling).
+    static const std::vector<Answer>& Reference(int tp) {
+        static std::map<int, std::vector<Answer>> cache;
+        auto it = cache.find(tp);
+        if (it != cache.end()) return it->second;
+        auto colocated = StartOrDie(WorkerArgs("colocated", "", tp));
+        std::vector<Json> bodies;
+        for (const auto& p : Prompts()) bodies.push_back(CompletionBody(p, 6, false));
+        return cache[tp] = SendAll(colocated->port(), bodies);
+    }
+    static testing::TinyModelFile* model_;
+};
+testing::TinyModelFile* PdProcess::model_ = nullptr;
+
+struct Deployment {
+    std::unique_ptr<ServerProcess> prefill, decode, proxy_pull, proxy_push;
+};
+
+Deployment Deploy(const std::vector<std::string>& prefill_args,
+                  const std::vector<std::string>& decode_args) {
+    Deployment d;
+    d.prefill = StartOrDie(prefill_args);
+    d.decode = StartOrDie(decode_args);
+    if (!d.prefill || !d.decode) return d;
+    std::string p = fmt::format("127.0.0.1:{}", d.prefill->port());
+    std::string q = fmt::format("127.0.0.1:{}", d.decode->port());
+    d.proxy_pull =
+        StartOrDie({"proxy", "--prefill", p, "--decode", q, "--port", "0", "--no-store"});
+    d.proxy_push = StartOrDie({"proxy", "--prefill", p, "--decode", q, "--port", "0", "--no-store",
+                               "--kv-transfer", "push"});
+    return d;
+}
+
+class PdMatrix : public PdProcess,
+                 public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
+
+TEST_P(PdMatrix, HundredPromptsThroughTheProxyEqualColocatedForPullAndPush) {
+    const auto [backend, tp] = GetParam();
+    const std::vector<Answer>& want = Reference(tp);
+    ASSERT_EQ(want.size(), static_cast<size_t>(kPrompts));
+    for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(want[i].status, 200) << i << " " << want[i].body << want[i].error.ToString();
+    }
+    Deployment d = Deploy(WorkerArgs("prefill", backend, tp), WorkerArgs("decode", backend, tp));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    const auto prompts = Prompts();
+    int64_t total = 0;
+    for (const auto& p : prompts) total += static_cast<int64_t>(p.size());
+    for (ServerProcess* proxy : {d.proxy_pull.get(), d.proxy_push.get()}) {
+        const bool push = proxy == d.proxy_push.get();
+        std::vector<Json> bodies;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            bodies.push_back(CompletionBody(prompts[i], 6, i % 2 == 1));  // half streamed
+        }
+        const double external_before = d.decode->Metric("ferry_kv_external_tokens_total");
+        auto got = SendAll(proxy->port(), bodies);
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            EXPECT_EQ(got[i].status, 200) << (push ? "push " : "pull ") << i << ": "
+                                          << got[i].body.substr(0, 300) << got[i].error.ToString();
+            EXPECT_EQ(got[i].tokens, want[i].tokens) << (push ? "push" : "pull") << " prompt " << i
+                                                     << " of " << prompts[i].size() << " tokens";
+        }
+        // Every prompt token came over the wire (push: less what the decoder's prefix cache
+        // already held from the pull round, which saw the same prompts).
+        const double external =
+            d.decode->Metric("ferry_kv_external_tokens_total") - external_before;
+        if (push) {
+            EXPECT_GT(external, 0);
+            EXPECT_LE(external, double(total));
+        } else {
+            EXPECT_EQ(external, double(total));
+        }
+    }
+    EXPECT_EQ(d.decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_GT(d.prefill->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_EQ(d.decode->Metric("ferry_kv_connector_failed_total"), -1);  // no failure reason seen
+    // A 2000-token prompt is 125 blocks per rank: one descriptor per run of blocks adjacent on
+    // both sides (the pools reuse freed blocks, so a few runs), not one per block.
+    EXPECT_LE(d.decode->Metric("ferry_kv_connector_descriptors_max"), 16 * tp);
+}
+
+std::vector<std::tuple<std::string, int>> MatrixCases() {
+    std::vector<std::tuple<std::string, int>> out;
+    std::vector<std::string> backends = {"shm", "tcp"};
+#ifdef FERRY_HAVE_UCX
+    backends.push_back("ucx");
+#endif
+    for (const auto& b : backends) {
+        for (int tp : {1, 2}) out.emplace_back(b, tp);
+    }
+    return out;
+}
+INSTANTIATE_TEST_SUITE_P(Backends, PdMatrix, ::testing::ValuesIn(MatrixCases()), [](const auto& i) {
+    return fmt::format("{}_tp{}", std::get<0>(i.param), std::get<1>(i.param));
+});
+
+TEST_F(PdProcess, SixtyFourInFlightAndSeededSamplingMatchColocated) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1), WorkerArgs("decode", "shm", 1));
+    ASSERT_TRUE(colocated && d.proxy_pull && d.proxy_push);
+    std::vector<Json> bodies;
+    for (int i = 0; i < 64; ++i) {
+        bodies.push_back(
+            CompletionBody(RandomPrompt(30 + 7 * i, 900 + i), 8, i % 2 == 0,
+                           i % 4 == 0 ? std::optional<uint64_t>(77 + i) : std::nullopt));
+    }
+    auto want = SendAll(colocated->port(), bodies, 64);
+    for (ServerProcess* proxy : {d.proxy_pull.get(), d.proxy_push.get()}) {
+        auto got = SendAll(proxy->port(), bodies, 64);
+        for (size_t i = 0; i < bodies.size(); ++i) {
+            EXPECT_EQ(got[i].status, 200) << got[i].body.substr(0, 300);
+            EXPECT_EQ(got[i].tokens, want[i].tokens) << "request " << i;
+        }
+    }
+    EXPECT_EQ(d.decode->Metric("ferry_prompt_tokens_total"), 0);
+}
+
+// A router of our own that follows vLLM's protocol exactly as its toy_proxy_server does (not
+// `ferry proxy`): the prefill request carries kv_transfer_params with do_remote_decode and the
+// other fields null, max_tokens 1, stream false; the decode request carries the prefill
+// answer's kv_transfer_params as they came.
+TEST_F(PdProcess, AVllmStyleRouterWorksUnchanged) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    auto prefill = StartOrDie(WorkerArgs("prefill", "tcp", 1));
+    auto decode = StartOrDie(WorkerArgs("decode", "tcp", 1));
+    ASSERT_TRUE(colocated && prefill && decode);
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+        const bool chat = std::string(path) == "/v1/chat/completions";
+        Json req = chat ? Json{{"messages", {{{"role", "user"}, {"content", "tell me more"}}}},
+                               {"max_tokens", 10},
+                               {"temperature", 0},
+                               {"ignore_eos", true}}
+                        : Json{{"prompt", "a vLLM router in front"},
+                               {"max_tokens", 10},
+                               {"temperature", 0},
+                               {"ignore_eos", true}};
+        auto want = http::Fetch(Post(colocated->port(), req, path));
+        ASSERT_TRUE(want.ok() && want->status == 200);
+        Json p = req;
+        p["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                                   {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                   {"remote_host", nullptr},      {"remote_port", nullptr}};
+        p["stream"] = false;
+        p["max_tokens"] = 1;
+        auto pr = http::Fetch(Post(prefill->port(), p, path));
+        ASSERT_TRUE(pr.ok());
+        ASSERT_EQ(pr->status, 200) << pr->body;
+        Json pj = Json::parse(pr->body);
+        ASSERT_TRUE(pj.contains("kv_transfer_params")) << pr->body;
+        const Json& kv = pj["kv_transfer_params"];
+        EXPECT_EQ(kv["do_remote_prefill"], true);
+        EXPECT_EQ(kv["do_remote_decode"], false);
+        EXPECT_TRUE(kv["remote_engine_id"].is_string());
+        EXPECT_TRUE(kv["remote_block_ids"].is_array());
+        EXPECT_TRUE(kv["remote_host"].is_string());
+        EXPECT_TRUE(kv["remote_port"].is_number_integer());
+        EXPECT_TRUE(kv["remote_request_id"].is_string());
+        EXPECT_EQ(kv["tp_size"], 1);
+        Json dreq = req;
+        dreq["kv_transfer_params"] = kv;
+        auto dr = http::Fetch(Post(decode->port(), dreq, path));
+        ASSERT_TRUE(dr.ok());
+        ASSERT_EQ(dr->status, 200) << dr->body;
+        Json a = Json::parse(want->body), b = Json::parse(dr->body);
+        if (chat) {
+            EXPECT_EQ(b["choices"][0]["message"]["content"], a["choices"][0]["message"]["content"]);
+        } else {
+            EXPECT_EQ(b["choices"][0]["text"], a["choices"][0]["text"]);
+        }
+        EXPECT_EQ(b["usage"]["completion_tokens"], 10);
+    }
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+}
+
+// Waits until `pred` (bounded).
+bool Eventually(const std::function<bool()>& pred,
+                std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+    return testing::WaitUntil(pred, limit);
+}
+
+// Streams a request through a proxy in the background; its outcome once done.
+class Background {
+  public:
+    Background(int port, Json body) : client_(http::Client::Create(1)) {
+        http::ClientCallbacks cb;
+        cb.on_head = [this](const http::ClientHead& h) {
+            std::lock_guard lock(mu_);
+            status_ = h.status;
+        };
+        cb.on_data = [this](std::string_view d) {
+            std::lock_guard lock(mu_);
+            body_.append(d);
+        };
+        cb.on_done = [this](const Status& st) {
+            std::lock_guard lock(mu_);
+            done_ = true;
+            error_ = st;
+            end_ = std::chrono::steady_clock::now();
+            cv_.notify_all();
+        };
+        call_ = client_->Call(Post(port, body), std::move(cb));
+    }
+    bool Wait(std::chrono::milliseconds limit) {
+        std::unique_lock lock(mu_);
+        return cv_.wait_for(lock, limit, [&] { return done_; });
+    }
+    void Cancel() { call_->Cancel(); }
+    int status() {
+        std::lock_guard lock(mu_);
+        return status_;
+    }
+    std::string body() {
+        std::lock_guard lock(mu_);
+        return body_;
+    }
+    std::chrono::steady_clock::time_point end() {
+        std::lock_guard lock(mu_);
+        return end_;
+    }
+
+  private:
+    std::unique_ptr<http::Client> client_;
+    std::shared_ptr<http::ClientCall> call_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    int status_ = 0;
+    std::string body_;
+    bool done_ = false;
+    Status error_;
+    std::chrono::steady_clock::time_point end_;
+};
+
+// A complete answer: HTTP 200 and a stream that ended with [DONE] and no error event.
+bool Succeeded(Background& b) {
+    std::string body = b.body();
+    return b.status() == 200 && body.find("\"error\"") == std::string::npos &&
+           body.find("[DONE]") != std::string::npos;
+}
+
+class PdFailure : public PdProcess, public ::testing::WithParamInterface<std::string> {};
+
+// The prefill worker is SIGKILLed while the decode worker waits for its KV: the client gets an
+// error (never a 200 with tokens), within seconds, and the decoder's blocks come back.
+TEST_P(PdFailure, APrefillWorkerKilledMidTransferFailsTheRequestAndFreesTheBlocks) {
+    const std::string mode = GetParam();
+    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1), WorkerArgs("decode", "shm", 1));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    ServerProcess* proxy = mode == "push" ? d.proxy_push.get() : d.proxy_pull.get();
+    // One request first, so the handshake is done and cached.
+    auto warm = SendAll(proxy->port(), {CompletionBody(RandomPrompt(40, 1), 2, false)});
+    ASSERT_EQ(warm[0].status, 200) << warm[0].body;
+    const double blocks = d.decode->Metric("ferry_kv_blocks_used");
+    if (mode == "push") {
+        // The prefill worker stops before it writes anything; the decoder names its blocks and
+        // waits for them.
+        ASSERT_TRUE(d.prefill->Stop());
+        Background b(proxy->port(), CompletionBody(RandomPrompt(700, 2), 50, true));
+        ASSERT_TRUE(Eventually([&] {
+            return d.decode->Metric("ferry_kv_connector_requests{state=\"waiting_for_input\"}") ==
+                   1;
+        }));
+        const auto killed = std::chrono::steady_clock::now();
+        d.prefill->Kill();
+        ASSERT_TRUE(b.Wait(std::chrono::seconds(20)));
+        EXPECT_FALSE(Succeeded(b)) << b.status() << " " << b.body().substr(0, 400);
+        EXPECT_EQ(TokensOf(b.body(), true).size(), 0u) << "tokens sent for a request without KV";
+        EXPECT_LT(b.end() - killed, std::chrono::seconds(5));
+    } else {
+        // pull: the prefill worker holds the KV and stops before it answers the decoder's claim.
+        Json body = CompletionBody(RandomPrompt(700, 3), 50, false);
+        Json p = body;
+        p["kv_transfer_params"] = {{"do_remote_decode", true}};
+        p["max_tokens"] = 1;
+        auto pr = http::Fetch(Post(d.prefill->port(), p));
+        ASSERT_TRUE(pr.ok() && pr->status == 200);
+        body["kv_transfer_params"] = Json::parse(pr->body)["kv_transfer_params"];
+        ASSERT_TRUE(d.prefill->Stop());
+        Background b(d.decode->port(), body);
+        ASSERT_TRUE(Eventually([&] {
+            return d.decode->Metric("ferry_kv_connector_requests{state=\"transferring\"}") == 1;
+        }));
+        const auto killed = std::chrono::steady_clock::now();
+        d.prefill->Kill();
+        ASSERT_TRUE(b.Wait(std::chrono::seconds(20)));
+        EXPECT_NE(b.status(), 200) << b.body().substr(0, 400);
+        EXPECT_NE(b.body().find("prefill"), std::string::npos) << b.body();
+        EXPECT_LT(b.end() - killed, std::chrono::seconds(5));
+    }
+    EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_blocks_used", blocks));
+    EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_requests_loading", 0));
+    // The decoder goes on serving once a prefill worker is back. The restarted worker has a
+    // new agent (name and port): push may fail the first request while the proxy learns it.
+    ASSERT_TRUE(d.prefill->Restart().ok());
+    int status = 0;
+    std::string body;
+    for (int attempt = 0; attempt < 2 && status != 200; ++attempt) {
+        auto again = SendAll(proxy->port(), {CompletionBody(RandomPrompt(40, 4), 3, false)});
+        status = again[0].status;
+        body = again[0].body;
+    }
+    EXPECT_EQ(status, 200) << body;
+}
+
+// A client that goes away at any stage: both workers free the request's blocks.
+TEST_P(PdFailure, AClientThatLeavesFreesTheBlocksOnBothWorkers) {
+    const std::string mode = GetParam();
+    // pull: a client that leaves between the prefill answer and the decode request leaves a
+    // hold no decoder claims; its lease frees it.
+    Deployment d = Deploy(WorkerArgs("prefill", "tcp", 1, {"--kv-hold-lease-ms", "1500"}),
+                          WorkerArgs("decode", "tcp", 1));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    ServerProcess* proxy = mode == "push" ? d.proxy_push.get() : d.proxy_pull.get();
+    for (int delay_ms : {0, 5, 30, 200}) {
+        Background b(proxy->port(), CompletionBody(RandomPrompt(1500, delay_ms), 3000, true));
+        std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        b.Cancel();
+        EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0)) << "after " << delay_ms;
+        EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_requests_held", 0)) << "after " << delay_ms;
+        EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_blocks_used", 0)) << "after " << delay_ms;
+        EXPECT_TRUE(d.decode->WaitMetric("ferry_num_requests_running", 0));
+    }
+}
+
+// The decode worker is killed: the prefill worker frees what it held for it (lease, or failed
+// writes) within seconds.
+TEST_P(PdFailure, ADecodeWorkerKilledLeavesNothingHeldOnThePrefillWorker) {
+    const std::string mode = GetParam();
+    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1, {"--kv-hold-lease-ms", "1500"}),
+                          WorkerArgs("decode", "shm", 1));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    auto warm = SendAll(d.proxy_push->port(), {CompletionBody(RandomPrompt(40, 1), 2, false)});
+    ASSERT_EQ(warm[0].status, 200) << warm[0].body;
+    if (mode == "pull") {
+        // The prefill worker answered and holds the blocks; the decoder dies before reading.
+        Json p = CompletionBody(RandomPrompt(900, 5), 1, false);
+        p["kv_transfer_params"] = {{"do_remote_decode", true}};
+        auto pr = http::Fetch(Post(d.prefill->port(), p));
+        ASSERT_TRUE(pr.ok() && pr->status == 200);
+        EXPECT_EQ(d.prefill->Metric("ferry_kv_requests_held"), 1);
+        d.decode->Kill();
+        const auto t0 = std::chrono::steady_clock::now();
+        EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_requests_held", 0));
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+        EXPECT_EQ(d.prefill->Metric("ferry_kv_connector_failed_total{reason=\"lease_expired\"}"),
+                  1);
+    } else {
+        // push: the decoder is stopped, so the prefill worker waits for its block ids; then it
+        // is killed (the proxy sees its connection drop and ends the prefill request).
+        ASSERT_TRUE(d.decode->Stop());
+        Background b(d.proxy_push->port(), CompletionBody(RandomPrompt(1800, 6), 30, true));
+        ASSERT_TRUE(Eventually([&] { return d.prefill->Metric("ferry_kv_requests_parked") == 1; }));
+        d.decode->Kill();
+        ASSERT_TRUE(b.Wait(std::chrono::seconds(20)));
+        EXPECT_FALSE(Succeeded(b));
+    }
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_requests_held", 0));
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_requests_parked", 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, PdFailure, ::testing::Values("pull", "push"),
+                         [](const auto& i) { return i.param; });
+
+}  // namespace
+}  // namespace ferry
