@@ -8,10 +8,12 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "bench/model_bench.h"
 #include "engine/engine.h"
 #include "ferry/agent.h"
+#include "http/http.h"
 #include "kv/agent_connector.h"
 #include "model/model.h"
 #include "serve/openai_server.h"
@@ -184,6 +186,14 @@ void AddServeCommand(CLI::App& app, int* rc) {
                      "fail a KV transfer not done this long after it started")
         ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
         ->capture_default_str();
+    static std::vector<std::string> remote_prefill;
+    serve->add_option("--remote-prefill", remote_prefill,
+                      "decode-first: prefill workers (HOST:PORT) that prefill prompts for this "
+                      "decode worker and push the KV (needs --role decode)");
+    serve
+        ->add_option("--remote-prefill-min-tokens", sc.remote_prefill_min_tokens,
+                     "decode-first: shorter prompts are prefilled here")
+        ->check(CLI::Range(0, 1 << 24));
     serve->callback([rc] {
         sc.request_deadline = std::chrono::milliseconds(request_deadline_ms);
         // SIGINT/SIGTERM are taken by sigwait below, in every thread started from here.
@@ -206,6 +216,14 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
         ec.chunked_prefill = !no_chunked;
         ec.prefix_caching = !no_prefix;
+        if (!remote_prefill.empty() && role != "decode") {
+            return fail(InvalidArgumentError("--remote-prefill needs --role decode"));
+        }
+        for (const std::string& u : remote_prefill) {
+            auto ep = http::ParseEndpoint(u);
+            if (!ep.ok()) return fail(ep.status().WithContext("--remote-prefill"));
+            sc.remote_prefill.push_back(*ep);
+        }
         std::shared_ptr<Agent> agent;
         std::shared_ptr<kv::AgentKvConnector> connector;
         if (role != "colocated") {

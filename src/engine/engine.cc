@@ -231,36 +231,36 @@ Status Engine::Submit(Request request) {
     return Status::Ok();
 }
 
-void Engine::Abort(const std::string& id) {
+void Engine::Abort(const std::string& id, Status reason) {
     {
         std::lock_guard lock(mu_);
         if (!live_ids_.count(id)) return;
-        aborts_.push_back(id);
+        aborts_.emplace_back(id, std::move(reason));
     }
     cv_.notify_one();
 }
 
 void Engine::DrainInbox() {
     std::vector<std::unique_ptr<Sequence>> inbox;
-    std::vector<std::string> aborts;
+    std::vector<std::pair<std::string, Status>> aborts;
     {
         std::lock_guard lock(mu_);
         inbox.swap(inbox_);
         aborts.swap(aborts_);
     }
     for (auto& s : inbox) waiting_.push_back(std::move(s));
-    for (const std::string& id : aborts) {
+    for (const auto& [id, reason] : aborts) {
         auto it = std::find_if(running_.begin(), running_.end(),
                                [&](const auto& s) { return s->req.id == id; });
         if (it != running_.end()) {
-            FinishAborted(it->get());
+            FinishAborted(it->get(), reason);
             running_.erase(it);
             continue;
         }
         auto wt = std::find_if(waiting_.begin(), waiting_.end(),
                                [&](const auto& s) { return s->req.id == id; });
         if (wt != waiting_.end()) {
-            FinishAborted(wt->get());
+            FinishAborted(wt->get(), reason);
             waiting_.erase(wt);
             continue;
         }
@@ -269,7 +269,7 @@ void Engine::DrainInbox() {
         if (rt != remote_.end()) {
             // Its blocks (if loading) stay held until the connector reports it failed.
             connector_->Abort(id);
-            FinishAborted(rt->get());
+            FinishAborted(rt->get(), reason);
             remote_.erase(rt);
         }
     }
@@ -667,8 +667,13 @@ bool Engine::HandleConnectorEvents() {
     return !events.empty();
 }
 
-void Engine::FinishAborted(Sequence* s) {
+void Engine::FinishAborted(Sequence* s, Status reason) {
     RequestOutput out;  // its own: an aborted request's final output carries only its held text
+    if (!reason.ok()) {
+        out.error = std::move(reason);
+        Finish(s, FinishReason::kError, &out);
+        return;
+    }
     Finish(s, FinishReason::kAbort, &out);
 }
 

@@ -123,8 +123,9 @@ class Engine {
     Status Submit(Request request);
     // Ends a request (client gone): its blocks are freed at the next step (a request loading
     // remote KV: once the connector says nothing writes them any more) and its callback gets
-    // kAbort. Unknown or finished ids are ignored.
-    void Abort(const std::string& id);
+    // kAbort (kError with `reason` when one is given: the request cannot go on, e.g. its remote
+    // prefill failed). Unknown or finished ids are ignored.
+    void Abort(const std::string& id, Status reason = Status::Ok());
 
     // Manual mode: runs one step; returns false when there was nothing to do (true while
     // requests wait for remote KV).
@@ -157,8 +158,8 @@ class Engine {
     bool StepBatch();
     // Ends `s`: frees its blocks and queues its final output for DeliverFinals.
     void Finish(Sequence* s, FinishReason reason, RequestOutput* out);
-    // Finish with FinishReason::kAbort, outside a step's output.
-    void FinishAborted(Sequence* s);
+    // Finish with FinishReason::kAbort (kError with a non-OK `reason`), outside a step's output.
+    void FinishAborted(Sequence* s, Status reason = Status::Ok());
     // Runs the queued final callbacks. After PublishStats, so that a client that got its final
     // output never finds the request still counted as running in Stats().
     void DeliverFinals();
@@ -189,7 +190,7 @@ class Engine {
     mutable std::mutex mu_;
     std::condition_variable cv_;
     std::vector<std::unique_ptr<Sequence>> inbox_;
-    std::vector<std::string> aborts_;
+    std::vector<std::pair<std::string, Status>> aborts_;
     std::unordered_map<std::string, bool> live_ids_;
     EngineStats stats_;
     bool stop_ = false;

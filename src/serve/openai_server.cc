@@ -7,8 +7,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -125,9 +127,22 @@ struct OpenAiServer::Impl {
     std::atomic<uint64_t> next_id{0};
     uint64_t id_salt = std::random_device{}();
 
+    // Decode-first.
+    std::mutex rp_mu;
+    std::vector<http::Endpoint> remote_prefill;
+    size_t rp_next = 0;
+    std::map<std::string, Json> rp_agents;  // "host:port" -> its GET /v1/kv/agent answer
+    std::unique_ptr<http::Client> client;   // for the prefill workers
+
     std::vector<http::Route> Routes();
     http::Reply Error(int status, const BadRequest& e);
     void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
+    // Submits a parsed request and streams or returns its answer; the engine request id.
+    std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
+    // Sends the prompt to `ep` to prefill and push here, then dispatches locally.
+    void DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                     http::Endpoint ep);
+    void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);
     std::string RenderMetrics();
 };
 
@@ -168,6 +183,8 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
                          ex->Reply({200, "application/json", config.kv_agent_info(), {}});
                      }});
     }
+    r.push_back({"POST", "/add_remote_prefill_eps",
+                 [this](std::shared_ptr<http::Exchange> ex) { AddRemotePrefill(ex); }, 1u << 20});
     r.push_back({"POST", "/v1/completions",
                  [this](std::shared_ptr<http::Exchange> ex) { Completions(ex, false); },
                  config.max_body_bytes});
@@ -190,6 +207,156 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
         pr.stream = false;
     }
+    if (!pr.kv_transfer && config.kv_agent_info &&
+        static_cast<int>(pr.prompt.size()) >= config.remote_prefill_min_tokens) {
+        std::optional<http::Endpoint> ep;
+        {
+            std::lock_guard lock(rp_mu);
+            if (!remote_prefill.empty()) ep = remote_prefill[rp_next++ % remote_prefill.size()];
+        }
+        if (ep) return DecodeFirst(ex, chat, std::move(pr), *ep);
+    }
+    Dispatch(ex, chat, std::move(pr));
+}
+
+void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                                     ParsedRequest pr, http::Endpoint ep) {
+    const std::string key = fmt::format("{}:{}", ep.host, ep.port);
+    Json agent;
+    {
+        std::lock_guard lock(rp_mu);
+        auto it = rp_agents.find(key);
+        if (it != rp_agents.end()) agent = it->second;
+    }
+    if (agent.is_null()) {
+        // Once per prefill worker: where its agent is; then go on.
+        http::ClientRequest r;
+        r.method = "GET";
+        r.host = ep.host;
+        r.port = ep.port;
+        r.target = "/v1/kv/agent";
+        r.timeout = std::chrono::seconds(10);
+        auto status = std::make_shared<int>(0);
+        auto body = std::make_shared<std::string>();
+        auto shared = std::make_shared<ParsedRequest>(std::move(pr));
+        http::ClientCallbacks cb;
+        cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
+        cb.on_data = [body](std::string_view d) { body->append(d); };
+        cb.on_done = [this, ex, chat, shared, ep, key, status, body](const Status& st) {
+            Json j = st.ok() && *status == 200 ? Json::parse(*body, nullptr, false) : Json();
+            if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
+                !j.contains("port") || !j["port"].is_number_integer()) {
+                return ex->Reply(Error(
+                    503, {fmt::format("remote prefill worker {} has no KV agent: {}", key,
+                                      st.ok() ? fmt::format("GET /v1/kv/agent answered {}", *status)
+                                              : st.message()),
+                          "", ""}));
+            }
+            {
+                std::lock_guard lock(rp_mu);
+                rp_agents[key] = j;
+            }
+            DecodeFirst(ex, chat, std::move(*shared), ep);
+        };
+        client->Call(std::move(r), std::move(cb));
+        return;
+    }
+    const std::string xid = fmt::format("df-{:x}-{:08x}", id_salt, next_id.fetch_add(1));
+    auto kvp = std::make_shared<kv::KvTransferParams>();
+    kvp->mode = kv::KvTransferMode::kPush;
+    kvp->do_remote_prefill = true;
+    kvp->transfer_id = xid;
+    kvp->remote_engine_id = agent["engine_id"].get<std::string>();
+    kvp->remote_host = agent.value("host", ep.host);
+    kvp->remote_port = agent["port"].get<int>();
+    // The prefill worker gets the prompt as token ids (the chat template is applied here) and
+    // the sampling parameters: it samples the first token, which comes back with the KV.
+    const model::SamplingParams& sp = pr.sampling;
+    Json body = {{"prompt", pr.prompt},
+                 {"max_tokens", 1},
+                 {"stream", false},
+                 {"temperature", sp.temperature},
+                 {"top_p", sp.top_p},
+                 {"top_k", sp.top_k},
+                 {"ignore_eos", sp.ignore_eos},
+                 {"kv_transfer_params",
+                  {{"do_remote_decode", true}, {"transfer_mode", "push"}, {"transfer_id", xid}}}};
+    if (sp.seed) body["seed"] = static_cast<int64_t>(*sp.seed);
+    if (sp.logprobs >= 0) body["logprobs"] = sp.logprobs;
+    pr.kv_transfer = kvp;
+    pr.kv_mode_given = true;
+    const std::string id = Dispatch(ex, chat, std::move(pr));
+    if (id.empty()) return;
+    http::ClientRequest r;
+    r.host = ep.host;
+    r.port = ep.port;
+    r.target = "/v1/completions";
+    r.body = Dump(body);
+    r.timeout = std::chrono::minutes(10);
+    auto status = std::make_shared<int>(0);
+    auto answer = std::make_shared<std::string>();
+    http::ClientCallbacks cb;
+    cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
+    cb.on_data = [answer](std::string_view d) {
+        if (answer->size() < 4096) answer->append(d);
+    };
+    cb.on_done = [this, id, key, status, answer](const Status& st) {
+        if (st.ok() && *status == 200) return;
+        // The KV will not come: the request ends with the prefill worker's error, and the next
+        // request asks it again where its agent is (it may have restarted).
+        {
+            std::lock_guard lock(rp_mu);
+            rp_agents.erase(key);
+        }
+        engine->Abort(id,
+                      UnavailableError(fmt::format(
+                          "remote prefill worker {} failed: {}", key,
+                          st.ok() ? fmt::format("HTTP {}: {}", *status, *answer) : st.message())));
+    };
+    client->Call(std::move(r), std::move(cb));
+}
+
+void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex) {
+    if (!config.kv_agent_info) {
+        return ex->Reply(Error(400, {"this worker has no KV connector: start it with --role "
+                                     "decode to use remote prefill workers",
+                                     "", ""}));
+    }
+    const std::string& text = ex->request().body;
+    Json j = JsonDepthWithin(text, kMaxJsonDepth) ? Json::parse(text, nullptr, false) : Json();
+    if (!j.is_object() || !j.contains("endpoints") || !j["endpoints"].is_array() ||
+        j["endpoints"].empty() || j["endpoints"].size() > 1024) {
+        return ex->Reply(Error(
+            400, {"the body must be {\"endpoints\": [\"HOST:PORT\", ...]}", "endpoints", ""}));
+    }
+    std::vector<http::Endpoint> eps;
+    for (const Json& e : j["endpoints"]) {
+        if (!e.is_string())
+            return ex->Reply(Error(400, {"an endpoint is not a string", "endpoints", ""}));
+        auto ep = http::ParseEndpoint(e.get<std::string>());
+        if (!ep.ok()) return ex->Reply(Error(400, {ep.status().message(), "endpoints", ""}));
+        eps.push_back(*ep);
+    }
+    Json all = Json::array();
+    {
+        std::lock_guard lock(rp_mu);
+        for (const http::Endpoint& ep : eps) {
+            bool known = false;
+            for (const http::Endpoint& x : remote_prefill) {
+                known = known || (x.host == ep.host && x.port == ep.port);
+            }
+            if (!known) remote_prefill.push_back(ep);
+        }
+        for (const http::Endpoint& x : remote_prefill) {
+            all.push_back(fmt::format("{}:{}", x.host, x.port));
+        }
+    }
+    ex->Reply({200, "application/json", Dump({{"status", "ok"}, {"remote_prefill", all}}), {}});
+}
+
+std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                                         ParsedRequest pr) {
+    const model::Tokenizer& tk = engine->model().tokenizer();
     const std::string id =
         fmt::format("{}-{:x}{:08x}", chat ? "chatcmpl" : "cmpl", id_salt, next_id.fetch_add(1));
     const Clock::time_point submitted = Clock::now();
@@ -371,10 +538,14 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
     if (!st.ok()) {
         int status = st.code() == Code::kUnavailable ? 503 : 400;
         BadRequest e{st.message(), st.code() == Code::kInvalidArgument ? "prompt" : "", ""};
-        if (!stream) return ex->Reply(Error(status, e));
+        if (!stream) {
+            ex->Reply(Error(status, e));
+            return "";
+        }
         Json err = {{"error", {{"message", e.message}, {"type", "invalid_request_error"}}}};
         ex->Write(sse(err) + "data: [DONE]\n\n");
-        return ex->End();
+        ex->End();
+        return "";
     }
     // A client that goes away has its request aborted and its blocks freed.
     ex->OnClose([engine = engine, id, pending] {
@@ -385,6 +556,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         }
         if (!finished) engine->Abort(id);
     });
+    return id;
 }
 
 std::string OpenAiServer::Impl::RenderMetrics() {
@@ -480,6 +652,8 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     hc.error_reply = [p](int status, const std::string& message) {
         return p->Error(status, {message, "", ""});
     };
+    impl->remote_prefill = config.remote_prefill;
+    impl->client = http::Client::Create(1);
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
@@ -492,6 +666,7 @@ const std::string& OpenAiServer::model_name() const { return impl_->model_name; 
 void OpenAiServer::Stop() {
     if (impl_->stopping.exchange(true)) return;
     impl_->http->Stop();
+    impl_->client.reset();
     std::lock_guard lock(impl_->stop_mu);
     impl_->stopped = true;
     impl_->stop_cv.notify_all();

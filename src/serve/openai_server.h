@@ -15,9 +15,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/engine.h"
 #include "ferry/status.h"
+#include "http/http.h"
 
 namespace ferry::serve {
 
@@ -36,6 +38,12 @@ struct ServerConfig {
     // GET /v1/kv/agent: where this worker's transfer agent is (JSON: engine_id, host, port,
     // tp_size), for a proxy that drives push; absent without a connector.
     std::function<std::string()> kv_agent_info;
+    // Decode-first (Dynamo style; needs kv_agent_info): prompts of at least
+    // remote_prefill_min_tokens are prefilled by one of these prefill workers (round robin),
+    // which push the KV here; shorter ones locally. More can be added at run time with
+    // POST /add_remote_prefill_eps {"endpoints": ["HOST:PORT", ...]}.
+    std::vector<http::Endpoint> remote_prefill;
+    int remote_prefill_min_tokens = 0;
     // Appended to /metrics (e.g. the KV connector's families).
     std::function<std::string()> extra_metrics;
 };

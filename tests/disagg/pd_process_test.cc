@@ -312,6 +312,47 @@ TEST_F(PdProcess, SixtyFourInFlightAndSeededSamplingMatchColocated) {
     EXPECT_EQ(d.decode->Metric("ferry_prompt_tokens_total"), 0);
 }
 
+// Decode-first (Dynamo style): the client talks to the decode worker, which sends prompts of at
+// least --remote-prefill-min-tokens to a prefill worker added at run time and gets their KV
+// pushed; shorter prompts it prefills itself.
+TEST_F(PdProcess, DecodeFirstRemotePrefillEqualsColocated) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
+    auto decode = StartOrDie(WorkerArgs("decode", "shm", 1, {"--remote-prefill-min-tokens", "64"}));
+    ASSERT_TRUE(colocated && prefill && decode);
+    http::ClientRequest add =
+        Post(decode->port(), Json{{"endpoints", {fmt::format("127.0.0.1:{}", prefill->port())}}},
+             "/add_remote_prefill_eps");
+    auto added = http::Fetch(add);
+    ASSERT_TRUE(added.ok());
+    EXPECT_EQ(added->status, 200) << added->body;
+    auto bad =
+        http::Fetch(Post(decode->port(), Json{{"endpoints", "x"}}, "/add_remote_prefill_eps"));
+    ASSERT_TRUE(bad.ok());
+    EXPECT_EQ(bad->status, 400);
+    std::vector<Json> bodies;
+    int64_t remote = 0, local = 0;
+    const auto prompts = Prompts();
+    for (size_t i = 0; i < prompts.size() && i < 40; ++i) {
+        bodies.push_back(CompletionBody(prompts[i], 6, i % 2 == 0));
+        (prompts[i].size() >= 64 ? remote : local) += static_cast<int64_t>(prompts[i].size());
+    }
+    auto want = SendAll(colocated->port(), bodies);
+    auto got = SendAll(decode->port(), bodies);
+    for (size_t i = 0; i < bodies.size(); ++i) {
+        EXPECT_EQ(got[i].status, 200) << got[i].body.substr(0, 300);
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
+    }
+    EXPECT_EQ(decode->Metric("ferry_kv_external_tokens_total"), double(remote));
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), double(local));
+    // A prefill worker that is gone: the request fails with an error naming it, no hang.
+    prefill->Kill();
+    auto dead = SendAll(decode->port(), {CompletionBody(RandomPrompt(300, 9), 4, false)});
+    EXPECT_EQ(dead[0].status, 503) << dead[0].body;
+    EXPECT_NE(dead[0].body.find("remote prefill worker"), std::string::npos) << dead[0].body;
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
 // A router of our own that follows vLLM's protocol exactly as its toy_proxy_server does (not
 // `ferry proxy`): the prefill request carries kv_transfer_params with do_remote_decode and the
 // other fields null, max_tokens 1, stream false; the decode request carries the prefill
@@ -458,6 +499,9 @@ TEST_P(PdFailure, APrefillWorkerKilledMidTransferFailsTheRequestAndFreesTheBlock
                    1;
         }));
         const auto killed = std::chrono::steady_clock::now();
+        // SIGKILL while stopped: it never runs again (Kill() resumes it first, and a resumed
+        // prefill worker could still answer).
+        d.prefill->Signal(SIGKILL);
         d.prefill->Kill();
         ASSERT_TRUE(b.Wait(std::chrono::seconds(20)));
         EXPECT_FALSE(Succeeded(b)) << b.status() << " " << b.body().substr(0, 400);
@@ -478,6 +522,9 @@ TEST_P(PdFailure, APrefillWorkerKilledMidTransferFailsTheRequestAndFreesTheBlock
             return d.decode->Metric("ferry_kv_connector_requests{state=\"transferring\"}") == 1;
         }));
         const auto killed = std::chrono::steady_clock::now();
+        // SIGKILL while stopped: it never runs again (Kill() resumes it first, and a resumed
+        // prefill worker could still answer).
+        d.prefill->Signal(SIGKILL);
         d.prefill->Kill();
         ASSERT_TRUE(b.Wait(std::chrono::seconds(20)));
         EXPECT_NE(b.status(), 200) << b.body().substr(0, 400);
