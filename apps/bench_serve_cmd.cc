@@ -12,6 +12,8 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "bench/plot.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
+#include "http/http.h"
 #include "model/model.h"
 
 namespace ferry::cli {
@@ -287,15 +290,35 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             }
             fmt::print("ferry demo: model {} (random weights, {} preset)\n", model_path, preset);
         }
-        // Deployments to compare; disaggregated ones (proxy + prefill + decode workers) become
-        // further entries with their own start-up.
+        // Deployments to compare: colocated, and prefill + decode workers behind the proxy (pull:
+        // vLLM's NixlConnector protocol; push: layer-wise). "{N}" in an argument is the
+        // host:port of the deployment's N-th process; the last process is the one served.
         struct Deployment {
             std::string label;
-            std::vector<std::string> args;
+            std::vector<std::vector<std::string>> procs;
         };
-        std::vector<Deployment> deployments = {{"colocated",
-                                                {SelfExe(), "serve", "--model", model_path,
-                                                 "--port", "0", "--max-model-len", "4096"}}};
+        auto worker = [&](const std::string& role) {
+            return std::vector<std::string>{SelfExe(), "serve", "--model",         model_path,
+                                            "--port",  "0",     "--max-model-len", "4096",
+                                            "--role",  role};
+        };
+        auto proxy = [&](const std::string& mode) {
+            return std::vector<std::string>{SelfExe(),    "proxy",         "--prefill", "{0}",
+                                            "--decode",   "{1}",           "--port",    "0",
+                                            "--no-store", "--kv-transfer", mode};
+        };
+        std::vector<Deployment> deployments = {
+            {"colocated", {worker("colocated")}},
+            {"pull", {worker("prefill"), worker("decode"), proxy("pull")}},
+            {"push", {worker("prefill"), worker("decode"), proxy("push")}}};
+        // The check before the benchmark: greedy answers of every deployment, token ids.
+        std::vector<std::vector<int32_t>> check_prompts;
+        for (int i = 0; i < 16; ++i) {
+            std::vector<int32_t> p;
+            for (int k = 0; k < 8 + i * 97; ++k) p.push_back((k * 31 + i * 7 + k * k) % 256);
+            check_prompts.push_back(std::move(p));
+        }
+        std::vector<std::vector<int32_t>> reference;
         std::vector<std::string> results;
         std::vector<double> rate_list;
         {
@@ -313,14 +336,71 @@ void AddDemoCommand(CLI::App& app, int* rc) {
                                           "deployment", "rate", "req/s", "out tok/s", "mean TTFT",
                                           "P99 TTFT", "mean TPOT", "P99 TPOT");
         for (const Deployment& d : deployments) {
-            ServerProcess server;
+            std::vector<std::unique_ptr<ServerProcess>> procs;
+            std::vector<std::string> addrs;
             std::string url, error;
-            if (!server.Start(d.args, &url, &error)) {
-                fmt::print(stderr, "ferry demo: {}\n", error);
-                *rc = 1;
-                return;
+            for (std::vector<std::string> args : d.procs) {
+                for (std::string& a : args) {
+                    if (a.size() == 3 && a[0] == '{' && a[2] == '}') a = addrs.at(a[1] - '0');
+                }
+                procs.push_back(std::make_unique<ServerProcess>());
+                if (!procs.back()->Start(args, &url, &error)) {
+                    fmt::print(stderr, "ferry demo: {}\n", error);
+                    *rc = 1;
+                    return;
+                }
+                addrs.push_back(url.substr(url.find("//") + 2));
             }
-            fmt::print("ferry demo: {} deployment serving at {}\n\n", d.label, url);
+            fmt::print("ferry demo: {} deployment serving at {} ({} processes)\n", d.label, url,
+                       procs.size());
+            {
+                // Token for token against the colocated answers.
+                auto ep = http::ParseEndpoint(url);
+                std::vector<std::vector<int32_t>> got;
+                for (const auto& p : check_prompts) {
+                    http::ClientRequest req;
+                    req.host = ep->host;
+                    req.port = ep->port;
+                    req.target = "/v1/completions";
+                    req.timeout = std::chrono::seconds(120);
+                    req.body = nlohmann::json({{"prompt", p},
+                                               {"max_tokens", 16},
+                                               {"temperature", 0},
+                                               {"ignore_eos", true},
+                                               {"logprobs", 0},
+                                               {"return_tokens_as_token_ids", true}})
+                                   .dump();
+                    std::vector<int32_t> tokens;
+                    auto r = http::Fetch(req);
+                    if (r.ok() && r->status == 200) {
+                        auto j = nlohmann::json::parse(r->body, nullptr, false);
+                        if (j.is_object()) {
+                            for (const auto& t : j["choices"][0]["logprobs"]["tokens"]) {
+                                std::string s = t.get<std::string>();
+                                tokens.push_back(std::stoi(s.substr(s.find(':') + 1)));
+                            }
+                        }
+                    }
+                    got.push_back(std::move(tokens));
+                }
+                if (reference.empty()) {
+                    reference = got;
+                    fmt::print(
+                        "ferry demo: {} answers to {} prompts (8..1463 tokens) are the "
+                        "reference\n\n",
+                        d.label, got.size());
+                } else {
+                    int equal = 0;
+                    for (size_t i = 0; i < got.size(); ++i) {
+                        equal += !got[i].empty() && got[i] == reference[i];
+                    }
+                    fmt::print(
+                        "ferry demo: {}: {}/{} answers equal the colocated ones token for "
+                        "token\n\n",
+                        d.label, equal, got.size());
+                    if (equal != static_cast<int>(got.size())) *rc = 1;
+                }
+            }
             for (double r : rate_list) {
                 bench::ServeBenchOptions o;
                 o.base_url = url;
@@ -360,7 +440,7 @@ void AddDemoCommand(CLI::App& app, int* rc) {
                     m.tpot_ms.percentiles.back().second);
                 if (m.failed > 0) *rc = 1;
             }
-            server.Stop();
+            for (auto it = procs.rbegin(); it != procs.rend(); ++it) (*it)->Stop();
         }
         fmt::print("=== Serving, side by side\n{}\n", summary);
 

@@ -178,7 +178,7 @@ struct Push {
     std::optional<FirstToken> first;
     uint64_t bytes = 0;
     bool timing = false;
-    SteadyClock::time_point started, deadline;
+    SteadyClock::time_point started, deadline, computed;
 };
 
 // push: a decoder's block list that came before its prefill request.
@@ -593,7 +593,12 @@ struct AgentKvConnector::Impl : LayerHook {
                            {"top", top}});
             ++stats.succeeded;
             stats.bytes_written += ps.bytes;
-            if (ps.timing) RecordTime(ps.started);
+            if (ps.timing) {
+                RecordTime(ps.started);
+                stats.transfer_exposed_seconds_sum +=
+                    std::chrono::duration<double>(SteadyClock::now() - ps.computed).count();
+                ++stats.transfer_exposed_count;
+            }
             FERRY_LOG(kInfo, "kv: request {} pushed {} bytes to '{}'", Esc(id), ps.bytes,
                       Esc(ps.peer));
         } else {
@@ -1355,6 +1360,7 @@ FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
         }
         ps.first = *first;
         ps.state = Push::State::kFinishing;
+        ps.computed = SteadyClock::now();
         ps.deadline = (ps.timing ? ps.started : SteadyClock::now()) + m.cfg.transfer_timeout;
         a.hold_blocks = true;
         m.cv.notify_all();
@@ -1536,6 +1542,11 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
         s.max_descriptors);
     counter("ferry_kv_connector_handshakes_total", "Peer handshakes completed.",
             double(s.handshakes));
+    counter("ferry_kv_connector_transfer_exposed_seconds_sum",
+            "push: transfer time after the prefill's compute ended (not hidden by it).",
+            s.transfer_exposed_seconds_sum);
+    counter("ferry_kv_connector_transfer_exposed_seconds_count", "push: requests timed so.",
+            double(s.transfer_exposed_count));
     out +=
         "# HELP ferry_kv_connector_transfer_seconds KV transfer time per request.\n"
         "# TYPE ferry_kv_connector_transfer_seconds histogram\n";

@@ -73,6 +73,10 @@ struct KvConnectorStats {
     uint64_t transfer_seconds_count = 0;
     double transfer_seconds_sum = 0;
     std::vector<uint64_t> transfer_seconds_buckets;  // cumulative, one more than the bounds
+    // push, prefill side: of the transfer time, the part after the prefill's compute ended
+    // (the rest ran under the forward pass, layer by layer).
+    double transfer_exposed_seconds_sum = 0;
+    uint64_t transfer_exposed_count = 0;
 };
 
 class AgentKvConnector final : public KvConnector {
