@@ -13,6 +13,7 @@
 
 #include "ferry/agent.h"
 #include "testing/testing.h"
+#include "testing/tiny_model.h"
 
 namespace ferry::engine {
 namespace {
@@ -37,14 +38,8 @@ class EngineTest : public ::testing::Test {
         path_ = (std::filesystem::temp_directory_path() /
                  ("engine-test-" + std::to_string(getpid()) + ".gguf"))
                     .string();
-        model::RandomModelSpec s;
+        model::RandomModelSpec s = testing::TinyModelSpec(512);
         s.name = "engine-test";
-        s.dim = 64;
-        s.num_layers = 2;
-        s.num_heads = 4;
-        s.num_kv_heads = 2;
-        s.ffn_dim = 128;
-        s.context_length = 512;
         ASSERT_TRUE(model::WriteRandomModel(s, 11, path_).ok());
         model1_ = std::shared_ptr<model::Model>(std::move(model::Model::Load(path_)).value());
         model2_ =

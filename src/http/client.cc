@@ -170,23 +170,33 @@ std::shared_ptr<ClientCall> Client::Call(ClientRequest request, ClientCallbacks 
     return call;
 }
 
-Result<ClientReply> Fetch(const ClientRequest& request) {
-    // One client for every blocking call of the process (tools and tests).
-    static Client* shared = Client::Create(1).release();
+std::shared_ptr<ClientCall> Client::CallWhole(ClientRequest request,
+                                              std::function<void(Result<ClientReply>)> done,
+                                              size_t max_body) {
     auto reply = std::make_shared<ClientReply>();
-    auto done = std::make_shared<std::promise<Status>>();
-    auto fut = done->get_future();
     ClientCallbacks cb;
     cb.on_head = [reply](const ClientHead& h) {
         reply->status = h.status;
         reply->headers = h.headers;
     };
-    cb.on_data = [reply](std::string_view d) { reply->body.append(d); };
-    cb.on_done = [done](const Status& s) { done->set_value(s); };
-    shared->Call(request, std::move(cb));
-    Status st = fut.get();
-    if (!st.ok()) return st;
-    return std::move(*reply);
+    cb.on_data = [reply, max_body](std::string_view d) {
+        if (reply->body.size() < max_body)
+            reply->body.append(d.substr(0, max_body - reply->body.size()));
+    };
+    cb.on_done = [reply, done = std::move(done)](const Status& s) {
+        if (!s.ok()) return done(s);
+        done(std::move(*reply));
+    };
+    return Call(std::move(request), std::move(cb));
+}
+
+Result<ClientReply> Fetch(const ClientRequest& request) {
+    // One client for every blocking call of the process (tools and tests).
+    static Client* shared = Client::Create(1).release();
+    auto done = std::make_shared<std::promise<Result<ClientReply>>>();
+    auto fut = done->get_future();
+    shared->CallWhole(request, [done](Result<ClientReply> r) { done->set_value(std::move(r)); });
+    return fut.get();
 }
 
 Result<Endpoint> ParseEndpoint(std::string_view url) {

@@ -166,11 +166,17 @@ class ClientCall {
 };
 
 // Streams requests over fresh connections on a few I/O threads of its own.
+struct ClientReply;
+
 class Client {
   public:
     static std::unique_ptr<Client> Create(int io_threads = 1);
     ~Client();
     std::shared_ptr<ClientCall> Call(ClientRequest request, ClientCallbacks callbacks);
+    // The whole answer (body up to `max_body` bytes kept) to `done`, on an I/O thread.
+    std::shared_ptr<ClientCall> CallWhole(ClientRequest request,
+                                          std::function<void(Result<ClientReply>)> done,
+                                          size_t max_body = 64u << 20);
 
     struct Impl;
 

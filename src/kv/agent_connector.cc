@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/crypto.h"
+#include "core/json_depth.h"
 #include "core/log.h"
 #include "kv/kv_layout.h"
 
@@ -38,32 +39,6 @@ std::string Esc(std::string_view s) {
     }
     if (s.size() > 200) out += "...";
     return out;
-}
-
-// Refuses nesting deeper than `max_depth` before the parser builds anything.
-bool DepthWithin(std::string_view text, size_t max_depth) {
-    size_t depth = 0;
-    bool in_string = false, escaped = false;
-    for (char c : text) {
-        if (in_string) {
-            if (escaped) {
-                escaped = false;
-            } else if (c == '\\') {
-                escaped = true;
-            } else if (c == '"') {
-                in_string = false;
-            }
-            continue;
-        }
-        if (c == '"') {
-            in_string = true;
-        } else if (c == '[' || c == '{') {
-            if (++depth > max_depth) return false;
-        } else if (c == ']' || c == '}') {
-            if (depth > 0) --depth;
-        }
-    }
-    return true;
 }
 
 uint64_t PromptHash(std::span<const int32_t> prompt) { return HashBlock(0, prompt); }
@@ -618,7 +593,7 @@ struct AgentKvConnector::Impl : LayerHook {
     // --- messages --------------------------------------------------------------------------
 
     void OnMessage(const std::string& from, const std::string& payload) {
-        if (!DepthWithin(payload, kMaxMessageDepth)) {
+        if (!JsonDepthWithin(payload, kMaxMessageDepth)) {
             FERRY_LOG(kWarn, "kv: message from '{}' nests too deep; dropped", Esc(from));
             return;
         }

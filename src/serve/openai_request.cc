@@ -361,29 +361,6 @@ void ParseKvTransferParams(const Json& v, ParsedRequest* out, Fields* f) {
 
 }  // namespace
 
-bool JsonDepthWithin(std::string_view text, size_t max_depth) {
-    size_t depth = 0;
-    bool in_string = false, escaped = false;
-    for (char c : text) {
-        if (in_string) {
-            if (escaped) {
-                escaped = false;
-            } else if (c == '\\') {
-                escaped = true;
-            } else if (c == '"') {
-                in_string = false;
-            }
-        } else if (c == '"') {
-            in_string = true;
-        } else if (c == '[' || c == '{') {
-            if (++depth > max_depth) return false;
-        } else if ((c == ']' || c == '}') && depth > 0) {
-            --depth;
-        }
-    }
-    return true;
-}
-
 std::string KvTransferParamsJson(const kv::KvTransferParams& p) {
     Json j = {{"do_remote_decode", p.do_remote_decode},
               {"do_remote_prefill", p.do_remote_prefill},

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/json_depth.h"
 #include "kv/connector.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -34,10 +35,8 @@ struct ParsedRequest {
     bool kv_mode_given = false;  // kv_transfer_params named its transfer_mode
 };
 
-// Nesting deeper than this is refused before any JSON tree is built.
+// Nesting deeper than this is refused before any JSON tree is built (JsonDepthWithin).
 inline constexpr size_t kMaxJsonDepth = 64;
-// False if `text` nests arrays and objects deeper than `max_depth` (strings are skipped).
-bool JsonDepthWithin(std::string_view text, size_t max_depth);
 
 // The kv_transfer_params object of a response (vLLM's field names; ferry's fields beside them:
 // a vLLM router copies the object whole from the prefill response to the decode request).

@@ -236,29 +236,26 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
         r.port = ep.port;
         r.target = "/v1/kv/agent";
         r.timeout = std::chrono::seconds(10);
-        auto status = std::make_shared<int>(0);
-        auto body = std::make_shared<std::string>();
         auto shared = std::make_shared<ParsedRequest>(std::move(pr));
-        http::ClientCallbacks cb;
-        cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
-        cb.on_data = [body](std::string_view d) { body->append(d); };
-        cb.on_done = [this, ex, chat, shared, ep, key, status, body](const Status& st) {
-            Json j = st.ok() && *status == 200 ? Json::parse(*body, nullptr, false) : Json();
+        client->CallWhole(std::move(r), [this, ex, chat, shared, ep,
+                                         key](Result<http::ClientReply> got) {
+            Json j =
+                got.ok() && got->status == 200 ? Json::parse(got->body, nullptr, false) : Json();
             if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
                 !j.contains("port") || !j["port"].is_number_integer()) {
                 return ex->Reply(Error(
-                    503, {fmt::format("remote prefill worker {} has no KV agent: {}", key,
-                                      st.ok() ? fmt::format("GET /v1/kv/agent answered {}", *status)
-                                              : st.message()),
-                          "", ""}));
+                    503,
+                    {fmt::format("remote prefill worker {} has no KV agent: {}", key,
+                                 got.ok() ? fmt::format("GET /v1/kv/agent answered {}", got->status)
+                                          : got.status().message()),
+                     "", ""}));
             }
             {
                 std::lock_guard lock(rp_mu);
                 rp_agents[key] = j;
             }
             DecodeFirst(ex, chat, std::move(*shared), ep);
-        };
-        client->Call(std::move(r), std::move(cb));
+        });
         return;
     }
     const std::string xid = fmt::format("df-{:x}-{:08x}", id_salt, next_id.fetch_add(1));
@@ -293,27 +290,22 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     r.target = "/v1/completions";
     r.body = Dump(body);
     r.timeout = std::chrono::minutes(10);
-    auto status = std::make_shared<int>(0);
-    auto answer = std::make_shared<std::string>();
-    http::ClientCallbacks cb;
-    cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
-    cb.on_data = [answer](std::string_view d) {
-        if (answer->size() < 4096) answer->append(d);
-    };
-    cb.on_done = [this, id, key, status, answer](const Status& st) {
-        if (st.ok() && *status == 200) return;
-        // The KV will not come: the request ends with the prefill worker's error, and the next
-        // request asks it again where its agent is (it may have restarted).
-        {
-            std::lock_guard lock(rp_mu);
-            rp_agents.erase(key);
-        }
-        engine->Abort(id,
-                      UnavailableError(fmt::format(
-                          "remote prefill worker {} failed: {}", key,
-                          st.ok() ? fmt::format("HTTP {}: {}", *status, *answer) : st.message())));
-    };
-    client->Call(std::move(r), std::move(cb));
+    client->CallWhole(
+        std::move(r),
+        [this, id, key](Result<http::ClientReply> got) {
+            if (got.ok() && got->status == 200) return;
+            // The KV will not come: the request ends with the prefill worker's error, and the
+            // next request asks it again where its agent is (it may have restarted).
+            {
+                std::lock_guard lock(rp_mu);
+                rp_agents.erase(key);
+            }
+            engine->Abort(id, UnavailableError(fmt::format(
+                                  "remote prefill worker {} failed: {}", key,
+                                  got.ok() ? fmt::format("HTTP {}: {}", got->status, got->body)
+                                           : got.status().message())));
+        },
+        4096);
 }
 
 void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex) {

@@ -200,22 +200,15 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
     void CallWhole(const std::shared_ptr<Flow>& f, http::ClientRequest req, std::string what,
                    std::function<void(int, std::string)> done) {
         auto self = shared_from_this();
-        auto head = std::make_shared<int>(0);
-        auto body = std::make_shared<std::string>();
-        http::ClientCallbacks cb;
-        cb.on_head = [head](const http::ClientHead& h) { *head = h.status; };
-        cb.on_data = [body](std::string_view d) {
-            if (body->size() < (64u << 20)) body->append(d);
-        };
-        cb.on_done = [self, f, head, body, what, done = std::move(done)](const Status& st) {
-            if (!st.ok()) {
-                if (st.code() == Code::kCancelled) return;
-                return self->Fail(f, st.code() == Code::kDeadlineExceeded ? 504 : 502,
-                                  fmt::format("{}: {}", what, st.message()));
-            }
-            done(*head, std::move(*body));
-        };
-        f->Add(client->Call(std::move(req), std::move(cb)));
+        f->Add(client->CallWhole(
+            std::move(req), [self, f, what, done = std::move(done)](Result<http::ClientReply> r) {
+                if (!r.ok()) {
+                    if (r.status().code() == Code::kCancelled) return;
+                    return self->Fail(f, r.status().code() == Code::kDeadlineExceeded ? 504 : 502,
+                                      fmt::format("{}: {}", what, r.status().message()));
+                }
+                done(r->status, std::move(r->body));
+            }));
     }
 
     void Pull(const std::shared_ptr<Flow>& f) {
@@ -411,16 +404,10 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
                          req.port = cfg.decode[0].port;
                          req.target = "/v1/models";
                          req.timeout = std::chrono::seconds(10);
-                         auto status = std::make_shared<int>(0);
-                         auto body = std::make_shared<std::string>();
-                         http::ClientCallbacks cb;
-                         cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
-                         cb.on_data = [body](std::string_view d) { body->append(d); };
-                         cb.on_done = [ex, status, body](const Status& st) {
-                             if (!st.ok()) return ex->Reply(ErrorReply(502, st.message()));
-                             ex->Reply({*status, "application/json", std::move(*body), {}});
-                         };
-                         client->Call(req, std::move(cb));
+                         client->CallWhole(req, [ex](Result<http::ClientReply> r) {
+                             if (!r.ok()) return ex->Reply(ErrorReply(502, r.status().message()));
+                             ex->Reply({r->status, "application/json", std::move(r->body), {}});
+                         });
                      }});
         return r;
     }

@@ -8,6 +8,20 @@
 
 namespace ferry::testing {
 
+namespace {
+
+Result<http::ClientReply> Get(int port, const std::string& path,
+                              std::chrono::milliseconds timeout) {
+    http::ClientRequest r;
+    r.method = "GET";
+    r.port = port;
+    r.target = path;
+    r.timeout = timeout;
+    return http::Fetch(r);
+}
+
+}  // namespace
+
 Result<std::unique_ptr<ServerProcess>> ServerProcess::Start(std::string binary,
                                                             std::vector<std::string> args,
                                                             std::chrono::milliseconds timeout) {
@@ -58,12 +72,7 @@ Status ServerProcess::Launch(std::chrono::milliseconds timeout) {
         FERRY_ASSIGN_OR_RETURN(rest, child_.ReadLine("", left));
     }
     while (std::chrono::steady_clock::now() < until) {
-        http::ClientRequest r;
-        r.method = "GET";
-        r.port = port_;
-        r.target = "/health";
-        r.timeout = std::chrono::seconds(2);
-        auto h = http::Fetch(r);
+        auto h = Get(port_, "/health", std::chrono::seconds(2));
         if (h.ok() && h->status == 200) return Status::Ok();
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -77,12 +86,7 @@ Status ServerProcess::Restart() {
 }
 
 double ServerProcess::Metric(const std::string& name) const {
-    http::ClientRequest r;
-    r.method = "GET";
-    r.port = port_;
-    r.target = "/metrics";
-    r.timeout = std::chrono::seconds(5);
-    auto m = http::Fetch(r);
+    auto m = Get(port_, "/metrics", std::chrono::seconds(5));
     if (!m.ok() || m->status != 200) return -1;
     const std::string& body = m->body;
     size_t pos = 0;

@@ -17,6 +17,7 @@
 #include "model/model.h"
 #include "testing/process.h"
 #include "testing/testing.h"
+#include "testing/tiny_model.h"
 
 namespace ferry {
 namespace {
@@ -30,13 +31,8 @@ class ServeTest : public ::testing::Test {
         model_ = (std::filesystem::temp_directory_path() /
                   ("serve-test-" + std::to_string(getpid()) + ".gguf"))
                      .string();
-        model::RandomModelSpec s;
+        model::RandomModelSpec s = testing::TinyModelSpec(4096);
         s.name = "serve-test";
-        s.dim = 64;
-        s.num_layers = 2;
-        s.num_heads = 4;
-        s.num_kv_heads = 2;
-        s.ffn_dim = 128;
         ASSERT_TRUE(model::WriteRandomModel(s, 3, model_).ok());
         std::string line;
         auto child = testing::ChildProcess::Start(
