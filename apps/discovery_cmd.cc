@@ -14,6 +14,8 @@ namespace ferry::cli {
 namespace {
 
 // --secret-file, else $FERRY_SECRET: never on the command line, where `ps` shows it.
+}  // namespace
+
 std::string LoadSecret(const std::string& file) {
     if (file.empty()) {
         const char* env = std::getenv("FERRY_SECRET");
@@ -28,8 +30,6 @@ std::string LoadSecret(const std::string& file) {
     if (s.empty()) throw CLI::ValidationError("--secret-file", "'" + file + "' is empty");
     return s;
 }
-
-}  // namespace
 
 void AddDiscoveryCommand(CLI::App& app, int* rc) {
     CLI::App* cmd = app.add_subcommand(

@@ -3,14 +3,13 @@
 #include <fmt/core.h>
 #include <signal.h>
 
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "bench/model_bench.h"
+#include "discovery_cmd.h"
 #include "engine/engine.h"
 #include "ferry/agent.h"
 #include "http/http.h"
@@ -253,23 +252,10 @@ void AddServeCommand(CLI::App& app, int* rc) {
 #endif
             }
             ac.store = store;
-            if (!secret_file.empty()) {
-                std::ifstream in(secret_file);
-                if (!in) {
-                    return fail(NotFoundError(
-                        fmt::format("--secret-file {}: cannot be read", secret_file)));
-                }
-                std::stringstream ss;
-                ss << in.rdbuf();
-                ac.secret = ss.str();
-                while (!ac.secret.empty() &&
-                       (ac.secret.back() == '\n' || ac.secret.back() == '\r')) {
-                    ac.secret.pop_back();
-                }
-                if (ac.secret.empty()) {
-                    return fail(InvalidArgumentError(
-                        fmt::format("--secret-file {}: the file is empty", secret_file)));
-                }
+            try {
+                ac.secret = LoadSecret(secret_file);
+            } catch (const CLI::ValidationError& e) {
+                return fail(InvalidArgumentError(e.what()));
             }
             auto a = Agent::Create(ac);
             if (!a.ok()) return fail(a.status().WithContext("--agent-listen"));

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "discovery_cmd.h"
 #include "ferry/discovery.h"
 #include "serve/proxy.h"
 
@@ -21,6 +22,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0";
     static int port = 8000;
     static bool no_store = false;
+    static std::string secret_file;
     static int64_t timeout_ms = 600000;
     px->add_option("--prefill", prefill, "prefill workers' OpenAI servers (HOST:PORT or URL)")
         ->required();
@@ -38,6 +40,8 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     px->add_option("--store-listen", store_listen, "where the embedded store listens")
         ->capture_default_str();
     px->add_flag("--no-store", no_store, "run no embedded store");
+    px->add_option("--secret-file", secret_file,
+                   "deployment secret the embedded store requires (default $FERRY_SECRET)");
     px->add_option("--worker-timeout-ms", timeout_ms, "fail a request a worker has not answered")
         ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
         ->capture_default_str();
@@ -66,6 +70,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         std::unique_ptr<StoreServer> embedded;
         if (store.empty() && !no_store) {
             StoreServerConfig sc;
+            sc.secret = LoadSecret(secret_file);
             size_t colon = store_listen.rfind(':');
             if (colon == std::string::npos) {
                 return fail(InvalidArgumentError(
