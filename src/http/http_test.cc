@@ -71,14 +71,15 @@ class HttpTest : public ::testing::Test {
         // Answers later, from another thread, in pieces.
         routes.push_back({"GET", "/stream", [this](std::shared_ptr<Exchange> ex) {
                               ex->StartStream(200, "text/event-stream");
-                              std::thread([this, ex] {
+                              std::lock_guard lock(mu_);
+                              writers_.emplace_back([this, ex] {
                                   for (int i = 0; i < 5; ++i) {
                                       ex->Write(fmt::format("data: {}\n\n", i));
                                       std::this_thread::sleep_for(std::chrono::milliseconds(20));
                                   }
                                   ex->End();
                                   ++streams_done_;
-                              }).detach();
+                              });
                           }});
         // Never answers until the client leaves.
         routes.push_back({"GET", "/hang", [this](std::shared_ptr<Exchange> ex) {
@@ -91,6 +92,12 @@ class HttpTest : public ::testing::Test {
         server_ = testing::ValueOrDie(Server::Start(std::move(cfg), std::move(routes)));
     }
     void TearDown() override {
+        std::vector<std::thread> writers;
+        {
+            std::lock_guard lock(mu_);
+            writers.swap(writers_);
+        }
+        for (auto& t : writers) t.join();
         if (server_) server_->Stop();
         std::lock_guard lock(mu_);
         hanging_.clear();
@@ -99,6 +106,7 @@ class HttpTest : public ::testing::Test {
     std::unique_ptr<Server> server_;
     std::mutex mu_;
     std::vector<std::shared_ptr<Exchange>> hanging_;
+    std::vector<std::thread> writers_;
     std::atomic<int> closed_{0}, streams_done_{0};
 };
 

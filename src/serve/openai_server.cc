@@ -119,6 +119,8 @@ struct OpenAiServer::Impl {
     std::string model_name;
     int64_t created = UnixSeconds();
     std::unique_ptr<http::Server> http;
+    // The same, for handlers: they may run before Start has stored `http`.
+    std::atomic<http::Server*> http_ready{nullptr};
     std::atomic<bool> stopping{false};
     std::mutex stop_mu;
     std::condition_variable stop_cv;
@@ -591,8 +593,8 @@ std::string OpenAiServer::Impl::RenderMetrics() {
     counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
             double(s.kv_load_failures));
     if (config.extra_metrics) out += config.extra_metrics();
-    {
-        http::ServerStats hs = http->Stats();
+    if (http::Server* server = http_ready.load()) {
+        http::ServerStats hs = server->Stats();
         gauge("ferry_http_connections_open", "Open HTTP connections.", double(hs.connections_open));
         counter("ferry_http_requests_total", "HTTP requests read.", double(hs.requests));
         counter("ferry_http_timed_out_total",
@@ -647,6 +649,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     impl->remote_prefill = config.remote_prefill;
     impl->client = http::Client::Create(1);
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
+    impl->http_ready = impl->http.get();
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
 

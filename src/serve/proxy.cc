@@ -53,6 +53,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
     ProxyConfig cfg;
     std::unique_ptr<http::Client> client;
     std::unique_ptr<http::Server> server;
+    std::atomic<http::Server*> server_ready{nullptr};  // for handlers that run before Start ends
     std::mutex mu;
     std::map<size_t, AgentInfo> agents;  // by prefill index
     std::atomic<uint64_t> next_id{0};
@@ -369,7 +370,8 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
             "# HELP ferry_proxy_requests_in_flight Requests being relayed.\n# TYPE "
             "ferry_proxy_requests_in_flight gauge\nferry_proxy_requests_in_flight {}\n",
             inflight.load());
-        http::ServerStats hs = server->Stats();
+        http::Server* srv = server_ready.load();
+        http::ServerStats hs = srv ? srv->Stats() : http::ServerStats{};
         out += fmt::format(
             "# HELP ferry_http_connections_open Open HTTP connections.\n# TYPE "
             "ferry_http_connections_open gauge\nferry_http_connections_open {}\n",
@@ -432,6 +434,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     hc.request_deadline = impl->cfg.request_deadline;
     hc.error_reply = ErrorReply;
     FERRY_ASSIGN_OR_RETURN(impl->server, http::Server::Start(std::move(hc), impl->Routes()));
+    impl->server_ready = impl->server.get();
     return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));
 }
 
