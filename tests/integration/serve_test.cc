@@ -195,6 +195,24 @@ TEST_F(ServeTest, BadRequestsGet400WithAnOpenAiErrorAndTheServerKeepsServing) {
          "part type 'image_url'"},
         {"/v1/chat/completions", R"({"messages":[{"role":"robot","content":"x"}]})",
          "role 'robot'"},
+        // Disaggregation: malformed params name the field; well-formed ones on a colocated
+        // worker say it has no connector.
+        {"/v1/completions", R"({"prompt":"x","kv_transfer_params":[1]})",
+         "'kv_transfer_params' must be an object"},
+        {"/v1/completions",
+         R"({"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_port":70000}})",
+         "'kv_transfer_params.remote_port' must be an integer in range"},
+        {"/v1/completions",
+         R"({"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,-2]}})",
+         "'kv_transfer_params.remote_block_ids' must be an array of block ids"},
+        {"/v1/completions",
+         R"({"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_mode":"teleport"}})",
+         "'kv_transfer_params.transfer_mode' must be"},
+        {"/v1/completions", R"({"prompt":"x","kv_transfer_params":{"do_remote_decode":true}})",
+         "no KV connector"},
+        {"/v1/completions",
+         "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]",
+         "nests deeper than 64"},
     };
     for (const Case& c : cases) {
         auto r = Post(c.path, c.body);
