@@ -147,6 +147,8 @@ std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int paral
     std::unique_lock lock(mu);
     launch();
     cv.wait_for(lock, std::chrono::seconds(600), [&] { return done == bodies.size(); });
+    lock.unlock();
+    client.reset();  // its threads are joined before what the callbacks touch goes
     return out;
 }
 
@@ -458,8 +460,6 @@ class Background {
     }
 
   private:
-    std::unique_ptr<http::Client> client_;
-    std::shared_ptr<http::ClientCall> call_;
     std::mutex mu_;
     std::condition_variable cv_;
     int status_ = 0;
@@ -467,6 +467,9 @@ class Background {
     bool done_ = false;
     Status error_;
     std::chrono::steady_clock::time_point end_;
+    std::shared_ptr<http::ClientCall> call_;
+    // Last: destroyed first, so its I/O thread is joined before the callbacks' state goes.
+    std::unique_ptr<http::Client> client_;
 };
 
 // A complete answer: HTTP 200 and a stream that ended with [DONE] and no error event.
