@@ -21,7 +21,9 @@ using tcp = asio::ip::tcp;
 
 constexpr size_t kReadPiece = 64u << 10;
 
-class CallImpl : public ClientCall, public std::enable_shared_from_this<CallImpl> {
+// One call's I/O objects; owned by its pending handlers only, so they go with the io_context
+// (a handle the caller keeps must not keep them past it).
+class CallImpl : public std::enable_shared_from_this<CallImpl> {
   public:
     CallImpl(asio::io_context& ioc, ClientRequest req, ClientCallbacks cb)
         : strand_(asio::make_strand(ioc)),
@@ -34,7 +36,7 @@ class CallImpl : public ClientCall, public std::enable_shared_from_this<CallImpl
         asio::post(strand_, [self = shared_from_this()] { self->Resolve(); });
     }
 
-    void Cancel() override {
+    void Cancel() {
         asio::post(strand_, [self = shared_from_this()] {
             self->Finish(CancelledError("http: call cancelled"));
         });
@@ -139,6 +141,18 @@ class CallImpl : public ClientCall, public std::enable_shared_from_this<CallImpl
     bool done_ = false;
 };
 
+// What the caller holds: a weak reference.
+class Handle : public ClientCall {
+  public:
+    explicit Handle(std::weak_ptr<CallImpl> call) : call_(std::move(call)) {}
+    void Cancel() override {
+        if (auto c = call_.lock()) c->Cancel();
+    }
+
+  private:
+    std::weak_ptr<CallImpl> call_;
+};
+
 }  // namespace
 
 struct Client::Impl {
@@ -167,7 +181,7 @@ Client::~Client() {
 std::shared_ptr<ClientCall> Client::Call(ClientRequest request, ClientCallbacks callbacks) {
     auto call = std::make_shared<CallImpl>(impl_->ioc, std::move(request), std::move(callbacks));
     call->Start();
-    return call;
+    return std::make_shared<Handle>(call);
 }
 
 std::shared_ptr<ClientCall> Client::CallWhole(ClientRequest request,

@@ -161,11 +161,13 @@ struct ClientCallbacks {
 class ClientCall {
   public:
     virtual ~ClientCall() = default;
-    // Closes the connection; on_done gets Cancelled unless it already ran.
+    // Closes the connection; on_done gets Cancelled unless it already ran. A no-op once the
+    // call is over or its Client is gone.
     virtual void Cancel() = 0;
 };
 
-// Streams requests over fresh connections on a few I/O threads of its own.
+// Streams requests over fresh connections on a few I/O threads of its own. Destroying it stops
+// its calls: callbacks not run by then never run.
 struct ClientReply;
 
 class Client {
