@@ -13,8 +13,10 @@ build: deps
 	@cmake --preset $(PRESET) >/dev/null
 	@cmake --build --preset $(PRESET) -j $(JOBS)
 
-# The main job: serve a model on loopback, run the serving benchmark at several request rates,
-# the transfer benchmark on every backend, print the tables and write plots (demo-results/).
+# The main job: serve a model on loopback colocated and disaggregated (prefill + decode workers
+# behind ferry proxy, pull and push), check their answers token for token, run the serving
+# benchmark at several request rates for each, the transfer benchmark on every backend, print
+# the tables and write plots (demo-results/).
 demo: build
 	@$(BUILD)/ferry demo
 
