@@ -249,7 +249,9 @@ void Engine::DrainInbox() {
         aborts.swap(aborts_);
     }
     for (auto& s : inbox) waiting_.push_back(std::move(s));
-    for (const auto& [id, reason] : aborts) {
+    for (const auto& abort : aborts) {
+        const std::string& id = abort.first;
+        const Status& reason = abort.second;
         auto it = std::find_if(running_.begin(), running_.end(),
                                [&](const auto& s) { return s->req.id == id; });
         if (it != running_.end()) {
