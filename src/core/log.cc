@@ -32,6 +32,30 @@ std::atomic<LogLevel>& Level() {
 
 }  // namespace
 
+std::string EscapeForLog(std::string_view text) {
+    std::string out;
+    out.reserve(text.size());
+    for (unsigned char c : text) {
+        if (c == '\\') {
+            out += "\\\\";
+        } else if (c >= 0x20 && c < 0x7f) {
+            out += static_cast<char>(c);
+        } else if (c == '\n') {
+            out += "\\n";
+        } else if (c == '\t') {
+            out += "\\t";
+        } else if (c == '\r') {
+            out += "\\r";
+        } else {
+            static constexpr char kHex[] = "0123456789abcdef";
+            out += "\\x";
+            out += kHex[c >> 4];
+            out += kHex[c & 15];
+        }
+    }
+    return out;
+}
+
 LogLevel CurrentLogLevel() { return Level().load(std::memory_order_relaxed); }
 void SetLogLevel(LogLevel level) { Level().store(level, std::memory_order_relaxed); }
 
@@ -39,9 +63,10 @@ void LogLine(LogLevel level, std::string_view text) {
     static constexpr const char* kNames[] = {"D", "I", "W", "E", "-"};
     auto now = std::chrono::system_clock::now().time_since_epoch();
     auto us = std::chrono::duration_cast<std::chrono::microseconds>(now).count();
-    // One fwrite per line keeps lines from different threads whole.
+    // One fwrite per line keeps lines from different threads whole. Messages carry what peers
+    // and clients sent (names, paths, keys): escaped, so none can forge a line of its own.
     std::string line = fmt::format("{} {}.{:06d} ferry[{}] {}\n", kNames[static_cast<int>(level)],
-                                   us / 1000000, us % 1000000, getpid(), text);
+                                   us / 1000000, us % 1000000, getpid(), EscapeForLog(text));
     std::fwrite(line.data(), 1, line.size(), stderr);
 }
 

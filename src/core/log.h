@@ -4,6 +4,7 @@
 
 #include <fmt/core.h>
 
+#include <string>
 #include <string_view>
 
 namespace ferry {
@@ -12,7 +13,10 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3, kOff = 4 };
 
 LogLevel CurrentLogLevel();
 void SetLogLevel(LogLevel level);
+// Writes one line: `text` with every byte outside printable ASCII (and the backslash) escaped
+// (\n, \t, \r, \\, \xNN), so a line always stays one line.
 void LogLine(LogLevel level, std::string_view text);
+std::string EscapeForLog(std::string_view text);
 
 }  // namespace ferry
 
