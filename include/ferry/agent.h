@@ -94,6 +94,9 @@ struct AgentConfig {
     std::string secret{};
     // Deadline applied to a transfer that does not set its own.
     std::chrono::milliseconds default_timeout{30000};
+    // A frame from a peer that stays incomplete this long (a header whose body stops coming,
+    // a payload that stops arriving) closes that connection and drops what it held.
+    std::chrono::milliseconds stalled_frame_timeout{10000};
     // Parallel connections per tcp peer; 0 = sized to the machine (number of cores, 2..8).
     int tcp_streams = 0;
     // Parallel connections per shm peer; 0 = sized to the machine (cores, 1..4).
@@ -137,6 +140,16 @@ struct AgentStats {
     uint64_t transfers_posted = 0;     // READs and WRITEs accepted by PostRead/PostWrite
     uint64_t one_sided_transfers = 0;  // of those, copied in this process (shm mapping)
     uint64_t bytes_posted = 0;
+    // Resource bounds (docs/security.md). Accepted connections still in their handshake now,
+    // and those refused for being over the limit per source (64) or in all (1024).
+    uint64_t handshakes_pending = 0;
+    uint64_t handshakes_refused = 0;
+    // Connections closed because a frame stayed incomplete for 10 s.
+    uint64_t stalled_frames_dropped = 0;
+    // Bytes of frame bodies held beyond the base read buffers (at most 256 MiB per agent), and
+    // how often a connection paused reading because that budget was spent.
+    uint64_t receive_budget_used = 0;
+    uint64_t receive_budget_waits = 0;
 };
 
 struct TransferOptions {

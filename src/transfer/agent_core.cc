@@ -1,7 +1,9 @@
 #include "transfer/agent_core.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/core.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -26,6 +28,12 @@ namespace {
 
 constexpr auto kTickPeriod = std::chrono::milliseconds(10);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
+constexpr int kStallCheckEveryTicks = 25;  // 250 ms
+// Connections in their handshake (not yet authenticated), from one source and in all.
+constexpr size_t kMaxHandshakingPerSource = 64;
+constexpr size_t kMaxHandshaking = 1024;
+// Frame bodies beyond the connections' base buffers, for the whole agent.
+constexpr size_t kReceiveBudget = 256u << 20;
 constexpr auto kDeregisterGrace = std::chrono::seconds(2);
 // How long the first one-sided transfer to a region waits for the peer to grant its mapping
 // before the peer copies it instead.
@@ -108,12 +116,16 @@ AgentCore::AgentCore(AgentConfig config)
     : config_(std::move(config)),
       epoch_(SecureRandomU64() | 1),
       host_id_(LocalHostId()),
-      cma_probe_(std::make_unique<uint64_t>(SecureRandomU64())) {}
+      cma_probe_(std::make_unique<uint64_t>(SecureRandomU64())),
+      receive_budget_(std::make_shared<ReceiveBudget>(kReceiveBudget)) {}
 
 Result<std::shared_ptr<AgentCore>> AgentCore::Create(AgentConfig config) {
     FERRY_RETURN_IF_ERROR(ValidateAgentName(config.name).WithContext("AgentConfig.name"));
     if (config.backends.empty()) {
         return InvalidArgumentError("AgentConfig.backends: no backend enabled");
+    }
+    if (config.stalled_frame_timeout.count() <= 0) {
+        return InvalidArgumentError("AgentConfig.stalled_frame_timeout: must be positive");
     }
     for (const std::string& b : config.backends) {
         auto known = KnownBackends();
@@ -650,7 +662,19 @@ AgentStats AgentCore::Stats() const {
 #ifdef FERRY_HAVE_UCX
     if (ucx_ != nullptr) one_sided += ucx_->one_sided_transfers();
 #endif
-    return AgentStats{transfers_posted_.load(), one_sided, bytes_posted_.load()};
+    AgentStats st;
+    st.transfers_posted = transfers_posted_.load();
+    st.one_sided_transfers = one_sided;
+    st.bytes_posted = bytes_posted_.load();
+    st.handshakes_refused = handshakes_refused_.load();
+    st.stalled_frames_dropped = stalled_frames_dropped_.load();
+    st.receive_budget_used = receive_budget_->used.load();
+    st.receive_budget_waits = receive_budget_->waits.load();
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        st.handshakes_pending = handshaking_.size();
+    }
+    return st;
 }
 
 Result<std::string> AgentCore::PeerBackend(std::string_view name) const {
@@ -688,6 +712,7 @@ Result<std::shared_ptr<Connection>> AgentCore::Dial(Backend& backend, std::strin
     hc.epoch = epoch_;
     hc.secret = config_.secret;
     hc.purpose = purpose;
+    hc.budget = receive_budget_;
     hc.expect_epoch = expect_epoch;
     if (backend.data_mode() == wire::DataMode::kCma) {
         hc.probe_addr = reinterpret_cast<uint64_t>(cma_probe_.get());
@@ -700,7 +725,53 @@ Result<std::shared_ptr<Connection>> AgentCore::Dial(Backend& backend, std::strin
     return conn;
 }
 
+namespace {
+
+// Where an accepted socket comes from: the peer's IP, or the process at the other end of a
+// Unix socket.
+std::string SourceOf(int fd) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+        char buf[INET6_ADDRSTRLEN] = {};
+        if (addr.ss_family == AF_INET) {
+            inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, buf, sizeof(buf));
+            return buf;
+        }
+        if (addr.ss_family == AF_INET6) {
+            inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr, buf,
+                      sizeof(buf));
+            return buf;
+        }
+    }
+    ucred cred{};
+    socklen_t clen = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) == 0 && cred.pid > 0) {
+        return "pid " + std::to_string(cred.pid);
+    }
+    return "unknown";
+}
+
+}  // namespace
+
 void AgentCore::Accept(Backend* backend, ScopedFd fd) {
+    std::string source = SourceOf(fd.get());
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        auto it = handshaking_by_source_.find(source);
+        size_t from_source = it == handshaking_by_source_.end() ? 0 : it->second;
+        if (from_source >= kMaxHandshakingPerSource || handshaking_.size() >= kMaxHandshaking) {
+            uint64_t n = handshakes_refused_.fetch_add(1) + 1;
+            if ((n & (n - 1)) == 0) {  // 1, 2, 4, 8, ...: a flood is not a log flood
+                FERRY_LOG(kWarn,
+                          "{}: refused a connection from {}: {} handshakes pending from it, {} in "
+                          "all (at most {} and {}; {} refused so far)",
+                          backend->name(), source, from_source, handshaking_.size(),
+                          kMaxHandshakingPerSource, kMaxHandshaking, n);
+            }
+            return;  // fd closes
+        }
+    }
     backend->Configure(fd.get());
     HandshakeConfig hc;
     hc.backend = std::string(backend->name());
@@ -708,12 +779,32 @@ void AgentCore::Accept(Backend* backend, ScopedFd fd) {
     hc.epoch = epoch_;
     hc.secret = config_.secret;
     hc.verify_cma = backend->verify_cma();
+    hc.budget = receive_budget_;
+    hc.source = source;
     auto conn =
         Connection::Create(NextLoop(), std::move(fd), Connection::Role::kServer, std::move(hc),
-                           this, std::string(backend->name()) + " client", false);
+                           this, std::string(backend->name()) + " client from " + source, false);
+    {
+        std::lock_guard<std::mutex> lock(conns_mu_);
+        handshaking_[conn.get()] = source;
+        ++handshaking_by_source_[source];
+    }
     TrackConnection(conn);
     conn->Start();
 }
+
+void AgentCore::HandshakeOver(const Connection& conn) {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    auto it = handshaking_.find(&conn);
+    if (it == handshaking_.end()) return;
+    auto src = handshaking_by_source_.find(it->second);
+    if (src != handshaking_by_source_.end() && --src->second == 0) {
+        handshaking_by_source_.erase(src);
+    }
+    handshaking_.erase(it);
+}
+
+void AgentCore::OnReady(Connection& conn) { HandshakeOver(conn); }
 
 Result<std::vector<std::shared_ptr<Connection>>> AgentCore::Streams(Peer& peer, Backend& backend) {
     std::lock_guard<std::mutex> lock(peer.mu);
@@ -1707,6 +1798,10 @@ void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::str
 }
 
 void AgentCore::OnClosed(Connection& conn, const Status& why) {
+    HandshakeOver(conn);
+    if (why.code() == Code::kDeadlineExceeded && conn.ready()) {
+        stalled_frames_dropped_.fetch_add(1);
+    }
     std::shared_ptr<Connection> self = conn.shared_from_this();
     pid_t pid = conn.peer_pid();
     bool pid_still_connected = false;
@@ -2155,6 +2250,22 @@ void AgentCore::Tick() {
     }
     for (auto& c : stale) {
         c->Close(DeadlineExceededError("handshake not completed within 10 s"));
+    }
+    if (++ticks_ % kStallCheckEveryTicks == 0) {
+        // Each connection is checked on its own loop thread.
+        std::map<IoLoop*, std::vector<std::shared_ptr<Connection>>> by_loop;
+        {
+            std::lock_guard<std::mutex> lock(conns_mu_);
+            for (const auto& c : conns_) {
+                if (c->ready() && !c->closed()) by_loop[c->loop()].push_back(c);
+            }
+        }
+        for (auto& entry : by_loop) {
+            entry.first->Post(
+                [conns = std::move(entry.second), now, deadline = config_.stalled_frame_timeout] {
+                    for (const auto& c : conns) c->CheckStalled(now, deadline);
+                });
+        }
     }
 }
 

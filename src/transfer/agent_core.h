@@ -74,6 +74,8 @@ class AgentCore final : public ConnectionOwner,
     // ConnectionOwner (loop threads).
     void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) override;
     void OnClosed(Connection& conn, const Status& why) override;
+    void OnReady(Connection& conn) override;
+    void HandshakeOver(const Connection& conn);
 
     // UcxHost (the ucx progress thread).
     Status PinSegments(const std::vector<wire::Segment>& segs, bool write,
@@ -204,8 +206,16 @@ class AgentCore final : public ConnectionOwner,
     mutable std::mutex peers_mu_;
     std::map<std::string, std::shared_ptr<Peer>, std::less<>> peers_;
 
-    std::mutex conns_mu_;
+    mutable std::mutex conns_mu_;
     std::set<std::shared_ptr<Connection>> conns_;
+    // Accepted connections still in their handshake, by source (under conns_mu_): bounded per
+    // source and in all, so strangers cannot hold many sockets or buffers.
+    std::map<const Connection*, std::string> handshaking_;
+    std::map<std::string, size_t, std::less<>> handshaking_by_source_;
+    std::atomic<uint64_t> handshakes_refused_{0};
+    std::atomic<uint64_t> stalled_frames_dropped_{0};
+    std::shared_ptr<ReceiveBudget> receive_budget_;
+    uint64_t ticks_ = 0;  // loop 0
 
     std::mutex ops_mu_;
     std::unordered_map<uint64_t, std::weak_ptr<TransferOp>> ops_;

@@ -12,6 +12,7 @@
 
 #include "core/log.h"
 #include "core/tsan.h"
+#include "transfer/metadata.h"
 
 namespace ferry::internal {
 
@@ -64,7 +65,7 @@ Connection::Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig con
       created_(std::chrono::steady_clock::now()),
       state_(role == Role::kServer ? State::kAwaitHello
                                    : (connecting ? State::kConnecting : State::kAwaitHelloAck)),
-      rbuf_(kReadBufferSize) {
+      rbuf_(role == Role::kServer ? kHandshakeBufferSize : kReadBufferSize) {
     purpose_ = config_.purpose;
     my_nonce_ = RandomNonce();
 }
@@ -188,6 +189,7 @@ void Connection::BecomeReady() {
     }
     state_ = State::kReady;
     ready_.store(true);
+    owner_->OnReady(*this);
     std::vector<OutFrame> held;
     held.swap(held_);
     for (OutFrame& f : held) {
@@ -243,6 +245,9 @@ void Connection::CloseNow(const Status& why) {
         loop_->Unwatch(fd_.get());
         fd_.Reset();
     }
+    std::vector<char>().swap(rbuf_);
+    rpos_ = rlen_ = 0;
+    ReleaseBudget();
     auto pending = std::move(pending_);
     pending_.clear();
     for (auto& [id, e] : pending) {
@@ -288,9 +293,13 @@ void Connection::UpdateInterest() {
         return;
     }
     bool want = !sendq_.empty();
-    if (want != want_write_) {
+    if (want != want_write_ || budget_paused_ != read_paused_) {
         want_write_ = want;
-        loop_->Modify(fd_.get(), EPOLLIN | EPOLLRDHUP | (want ? EPOLLOUT : 0u));
+        read_paused_ = budget_paused_;
+        // Paused for the receive budget: no EPOLLIN (level-triggered, it would spin); a hang-up
+        // still comes as EPOLLHUP.
+        loop_->Modify(fd_.get(),
+                      (read_paused_ ? 0u : EPOLLIN | EPOLLRDHUP) | (want ? EPOLLOUT : 0u));
     }
 }
 
@@ -432,12 +441,19 @@ void Connection::OnEvents(uint32_t events) {
         TryWrite();
         if (closed_.load()) return;
     }
+    if (budget_paused_ && (events & (EPOLLHUP | EPOLLERR))) {
+        CloseNow(UnavailableError("peer closed the connection"));
+        return;
+    }
     if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
         ReadSome();
     }
 }
 
 void Connection::ReadSome() {
+    if (budget_paused_) {
+        return;  // CheckStalled resumes it
+    }
     size_t budget = kMaxBytesPerEvent;
     int frames = 0;
     while (!closed_.load() && budget > 0) {
@@ -458,6 +474,7 @@ void Connection::ReadSome() {
         }
         // Parse whatever whole frames the buffer holds.
         size_t avail = rlen_ - rpos_;
+        size_t need = 0;  // bytes of the frame at rpos_, once its header is in
         if (avail >= wire::kHeaderSize) {
             Result<wire::FrameHeader> h =
                 wire::DecodeHeader(std::string_view(rbuf_.data() + rpos_, wire::kHeaderSize));
@@ -465,46 +482,61 @@ void Connection::ReadSome() {
                 ProtocolError(h.status().message());
                 return;
             }
-            size_t need = wire::kHeaderSize + h->body_len;
+            if (state_ != State::kReady &&
+                (h->body_len > kMaxHandshakeBody || h->payload_len > 0)) {
+                // Nothing is allocated for a peer that has not proven the secret.
+                ProtocolError(fmt::format(
+                    "a {} frame of {} body and {} payload bytes during the handshake (at most {} "
+                    "body bytes and no payload before the peer is authenticated)",
+                    wire::FrameTypeName(h->type), h->body_len, h->payload_len, kMaxHandshakeBody));
+                return;
+            }
+            need = wire::kHeaderSize + h->body_len;
             if (avail >= need) {
                 std::string_view body(rbuf_.data() + rpos_ + wire::kHeaderSize, h->body_len);
                 rpos_ += need;
+                partial_since_ = {};
                 if (h->payload_len > 0) {
                     in_payload_ = true;
                     payload_left_ = h->payload_len;
                     sink_ = PayloadSink{};
                     sink_pos_ = IovCursor{};
+                    partial_since_ = std::chrono::steady_clock::now();
                 }
                 Dispatch(*h, body);
                 continue;
             }
-            if (need > rbuf_.size()) {
-                // A big body (large descriptor list): grow up to header + kMaxBody.
-                std::vector<char> bigger(need);
-                std::memcpy(bigger.data(), rbuf_.data() + rpos_, avail);
-                rbuf_.swap(bigger);
-                rpos_ = 0;
-                rlen_ = avail;
+            if (partial_since_ == std::chrono::steady_clock::time_point{}) {
+                partial_since_ = std::chrono::steady_clock::now();
             }
         }
         // Need more bytes: compact and read. Read only what the current frame's header and body
         // need (at least a few KiB for runs of small frames), so that a payload that follows is
         // read straight into its destination instead of through this buffer.
-        size_t want = kSmallRead;
-        if (avail >= wire::kHeaderSize) {
-            Result<wire::FrameHeader> h =
-                wire::DecodeHeader(std::string_view(rbuf_.data() + rpos_, wire::kHeaderSize));
-            if (h.ok()) {
-                want = std::max(want, wire::kHeaderSize + h->body_len - avail);
-            }
-        }
+        size_t want = std::max(kSmallRead, need > avail ? need - avail : 0);
         if (rpos_ > 0) {
             std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rlen_ - rpos_);
             rlen_ -= rpos_;
             rpos_ = 0;
         }
-        if (rlen_ == 0 && rbuf_.size() > kReadBufferSize) {
-            std::vector<char>(kReadBufferSize).swap(rbuf_);
+        const size_t base = BaseBufferSize();
+        if (rlen_ == 0 && rbuf_.size() > base) {
+            std::vector<char>(base).swap(rbuf_);
+            ReleaseBudget();
+        }
+        if (rlen_ == rbuf_.size() && need > rbuf_.size()) {
+            // A big body (a long descriptor list): the buffer grows as its bytes arrive,
+            // doubling up to the frame's size, never ahead of them, within the agent's budget.
+            size_t target = std::min(need, std::max(rbuf_.size() * 2, kReadBufferSize));
+            size_t extra = target - rbuf_.size();
+            if (config_.budget && !config_.budget->TryTake(extra)) {
+                config_.budget->waits.fetch_add(1);
+                budget_paused_ = true;
+                UpdateInterest();
+                return;
+            }
+            if (config_.budget) charged_.fetch_add(extra, std::memory_order_relaxed);
+            rbuf_.resize(target);
         }
         ssize_t r = recv(fd_.get(), rbuf_.data() + rlen_, std::min(want, rbuf_.size() - rlen_),
                          MSG_DONTWAIT);
@@ -522,6 +554,33 @@ void Connection::ReadSome() {
         rlen_ += static_cast<size_t>(r);
         budget -= std::min(budget, static_cast<size_t>(r));
     }
+}
+
+size_t Connection::BaseBufferSize() const {
+    return state_ == State::kReady ? kReadBufferSize : kHandshakeBufferSize;
+}
+
+void Connection::ReleaseBudget() {
+    size_t held = charged_.exchange(0, std::memory_order_relaxed);
+    if (held > 0 && config_.budget) config_.budget->Give(held);
+}
+
+bool Connection::CheckStalled(std::chrono::steady_clock::time_point now,
+                              std::chrono::milliseconds deadline) {
+    if (closed_.load()) return false;
+    if (partial_since_ != std::chrono::steady_clock::time_point{} &&
+        now - partial_since_ > deadline) {
+        CloseNow(DeadlineExceededError(fmt::format(
+            "a frame from {} stayed incomplete for over {} ms (stalled); its bytes are dropped",
+            peer_name_.empty() ? label_ : peer_name_, deadline.count())));
+        return true;
+    }
+    if (budget_paused_) {
+        budget_paused_ = false;
+        UpdateInterest();
+        ReadSome();
+    }
+    return false;
 }
 
 bool Connection::ReadPayload() {
@@ -585,6 +644,7 @@ bool Connection::ReadPayload() {
         FERRY_TSAN_SOCKET_RECEIVED();
         payload_left_ -= static_cast<size_t>(r);
         sink_pos_.Advance(sink_.iov, static_cast<size_t>(r));
+        partial_since_ = std::chrono::steady_clock::now();  // progress
     }
     if (op_lock.owns_lock()) {
         op_lock.unlock();
@@ -597,11 +657,26 @@ bool Connection::ReadPayload() {
 
 void Connection::FinishPayload(const Status& s) {
     in_payload_ = false;
+    partial_since_ = {};
     PayloadSink sink = std::move(sink_);
     sink_ = PayloadSink{};
     if (sink.done) {
         sink.done(s);
     }
+}
+
+Status Connection::CheckPeerName(std::string_view name) const {
+    // Names end up in logs, metrics and maps: only the documented alphabet.
+    if (Status ok = ValidateAgentName(name); !ok.ok()) {
+        return InvalidArgumentError("handshake from " + label_ +
+                                    ": peer name refused: " + ok.message());
+    }
+    if (name == config_.name) {
+        return InvalidArgumentError("handshake from " + label_ +
+                                    ": the peer claims this agent's own name '" +
+                                    std::string(name) + "'");
+    }
+    return Status::Ok();
 }
 
 void Connection::ProtocolError(const std::string& why) {
@@ -696,6 +771,10 @@ void Connection::HandleHandshake(const wire::FrameHeader& h, std::string_view bo
                 ProtocolError(hello.status().message());
                 return;
             }
+            if (Status named = CheckPeerName(hello->name); !named.ok()) {
+                RefuseAndClose(named);
+                return;
+            }
             peer_name_ = hello->name;
             peer_epoch_ = hello->epoch;
             purpose_ = hello->purpose;
@@ -756,6 +835,10 @@ void Connection::HandleHandshake(const wire::FrameHeader& h, std::string_view bo
             Result<wire::HelloAck> ack = wire::DecodeHelloAck(body);
             if (!ack.ok()) {
                 ProtocolError(ack.status().message());
+                return;
+            }
+            if (Status named = CheckPeerName(ack->name); !named.ok()) {
+                CloseNow(named);
                 return;
             }
             peer_name_ = ack->name;

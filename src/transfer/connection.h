@@ -77,7 +77,33 @@ class ConnectionOwner {
     // conn.SetPayloadSink (required for frames with a payload) and conn.SendNow.
     virtual void OnRequest(Connection& conn, const wire::FrameHeader& h, std::string_view body) = 0;
     virtual void OnClosed(Connection& conn, const Status& why) = 0;
+    // The handshake completed (loop thread).
+    virtual void OnReady(Connection& conn) {}
 };
+
+// Bytes of frame bodies this agent's connections hold beyond their base read buffers, shared by
+// every connection of the agent: a big body (a long descriptor list) is read into a buffer
+// that grows as its bytes arrive, within this budget; a connection that would exceed it stops
+// reading until others give bytes back.
+struct ReceiveBudget {
+    explicit ReceiveBudget(size_t limit) : limit(limit) {}
+    const size_t limit;
+    std::atomic<size_t> used{0};
+    std::atomic<uint64_t> waits{0};  // times a connection paused for it
+    bool TryTake(size_t n) {
+        size_t cur = used.load();
+        do {
+            if (cur + n > limit) return false;
+        } while (!used.compare_exchange_weak(cur, cur + n));
+        return true;
+    }
+    void Give(size_t n) { used.fetch_sub(n); }
+};
+
+// Before the peer has proven the secret a connection reads only frames of at most this body
+// (a hello is a few hundred bytes), into a buffer of this size.
+inline constexpr size_t kMaxHandshakeBody = 1024;
+inline constexpr size_t kHandshakeBufferSize = 2048;
 
 struct HandshakeConfig {
     std::string backend;  // "tcp", "shm": for messages
@@ -89,6 +115,8 @@ struct HandshakeConfig {
     uint64_t probe_addr = 0;                       // client
     uint64_t expect_epoch = 0;  // client: refuse a peer whose epoch differs (0 = any)
     uint64_t probe_value = 0;
+    std::shared_ptr<ReceiveBudget> budget;  // null: unbounded (tests)
+    std::string source;  // server: the peer's address ("ip" or "pid N"), for per-source bounds
 };
 
 class Connection final : public EventHandler, public std::enable_shared_from_this<Connection> {
@@ -128,6 +156,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     // ptrace access check.
     pid_t peer_pid() const { return peer_pid_.load(std::memory_order_acquire); }
     const std::string& label() const { return label_; }
+    const std::string& source() const { return config_.source; }
     const std::string& backend() const { return config_.backend; }
     IoLoop* loop() const { return loop_; }
     std::chrono::steady_clock::time_point created() const { return created_; }
@@ -135,6 +164,13 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     wire::Purpose purpose() const { return purpose_; }
     // Health check before a cma copy: false if the peer has hung up.
     bool PeerStillThere() const;
+    // Loop thread (the agent's tick): closes the connection if a frame has been incomplete
+    // past `deadline` (a header whose body stalls, a payload that stopped arriving), and
+    // resumes reading if it paused for the receive budget. True if it closed.
+    bool CheckStalled(std::chrono::steady_clock::time_point now,
+                      std::chrono::milliseconds deadline);
+    // Bytes of the receive budget this connection holds (any thread, approximate).
+    size_t budget_held() const { return charged_.load(std::memory_order_relaxed); }
 
   private:
     enum class State { kConnecting, kAwaitHello, kAwaitHelloAck, kAwaitAuth, kAwaitReady, kReady };
@@ -151,6 +187,8 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     void TryWrite();
     void UpdateInterest();
     void ReadSome();
+    size_t BaseBufferSize() const;
+    void ReleaseBudget();
     bool ReadPayload();  // false: stop reading for now (EAGAIN or closed)
     void FinishPayload(const Status& s);
     void Dispatch(const wire::FrameHeader& h, std::string_view body);
@@ -159,6 +197,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     void SendHandshakeFrame(wire::FrameType type, std::string_view body);
     void BecomeReady();
     void ProtocolError(const std::string& why);
+    Status CheckPeerName(std::string_view name) const;
     void RefuseAndClose(const Status& why);
     Status VerifyCmaProbe(const wire::Hello& hello);
 
@@ -199,6 +238,12 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     std::unordered_map<uint64_t, Expectation> pending_;
 
     std::vector<char> rbuf_;
+    std::atomic<size_t> charged_{0};  // of rbuf_, taken from config_.budget
+    bool budget_paused_ = false;
+    bool read_paused_ = false;  // as told to epoll
+    // When the frame now incomplete started (its header known, body or payload not yet in),
+    // or of its last payload progress; epoch when none is.
+    std::chrono::steady_clock::time_point partial_since_{};
     size_t rpos_ = 0;
     size_t rlen_ = 0;
     bool in_payload_ = false;

@@ -101,8 +101,11 @@ void TransferOp::SetLocalWork(std::vector<LocalCopy> work, bool to_remote,
     keep_ = std::move(keep);
 }
 
-void TransferOp::RunLocalWork() {
+void TransferOp::RunLocalWork(std::optional<Clock::time_point> until) {
     for (;;) {
+        // A waiter with a deadline helps only until it passes (between chunks): the loop
+        // threads copy the rest.
+        if (until && Clock::now() >= *until) return;
         size_t i = 0;
         {
             std::lock_guard<std::mutex> io(io_mu);
@@ -204,7 +207,7 @@ Result<TransferState> TransferOp::Poll() const {
 }
 
 Status TransferOp::Wait(Clock::time_point deadline) {
-    RunLocalWork();  // one-sided chunks nobody has started yet: copy them here
+    RunLocalWork(deadline);  // one-sided chunks nobody has started yet: copy them here
     // Most transfers finish within microseconds of being waited on: spin briefly before paying
     // for a sleep and a wake-up.
     auto spin_until = std::min(deadline, Clock::now() + std::chrono::microseconds(30));

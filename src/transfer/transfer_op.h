@@ -75,7 +75,8 @@ class TransferOp {
     std::optional<uint64_t> one_sided_epoch() const;
     // Copies chunks until none is left or the op has ended (any thread: the I/O loops run it, and
     // Wait does, so a waiting caller never waits for a wake-up).
-    void RunLocalWork();
+    // Copies one-sided chunks nobody has started yet, until none is left or `until` passes.
+    void RunLocalWork(std::optional<Clock::time_point> until = std::nullopt);
 
     Result<TransferState> Poll() const;
     Status Wait(Clock::time_point deadline);

@@ -33,12 +33,15 @@ int main(int argc, char** argv) {
     app.add_option("--region-size", region_size);
     app.add_option("--seed", seed);
     app.add_flag("--ucx-rma", config.ucx_rma, "ucx: take grants and move bytes one-sided");
-    int64_t store_ttl_ms = 0;
+    int64_t store_ttl_ms = 0, stalled_frame_ms = 0;
+    app.add_option("--stalled-frame-ms", stalled_frame_ms);
     app.add_option("--store", config.store);
     app.add_option("--store-ttl-ms", store_ttl_ms);
     CLI11_PARSE(app, argc, argv);
     config.backends = {backend};
     if (store_ttl_ms > 0) config.store_ttl = std::chrono::milliseconds(store_ttl_ms);
+    if (stalled_frame_ms > 0)
+        config.stalled_frame_timeout = std::chrono::milliseconds(stalled_frame_ms);
     auto agent = ferry::Agent::Create(config);
     if (!agent.ok()) {
         std::fprintf(stderr, "test peer: %s\n", agent.status().ToString().c_str());
