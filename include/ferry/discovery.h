@@ -102,12 +102,35 @@ struct StoreServerConfig {
     size_t max_value_bytes = 16u << 20;
     size_t max_keys = 100000;
     size_t history = 10000;  // events kept for Watch
+    // ... and their keys and values in bytes at most. A put or delete of a key releases the
+    // value of its previous event (watchers get the newer one), so the history of one key
+    // holds one value, and a deleted key's value is gone.
+    size_t history_bytes = 64u << 20;
     // A connection must deliver a complete request within this long of connecting or of its
-    // previous response, else it is closed: a slow client cannot hold a server thread.
+    // previous response, else it is closed. Served event-driven: an idle or slow connection
+    // costs a socket, never a thread.
     std::chrono::milliseconds request_deadline{10000};
+    // With a secret: a fresh connection must deliver its first request within this long, and a
+    // request that fails authentication closes its connection.
+    std::chrono::milliseconds auth_grace{2000};
+    // Long-poll watches open at once per client address (429 beyond).
+    size_t max_watches_per_client = 64;
+    // Request bodies being read or handled at once, over all connections (503 beyond).
+    size_t max_inflight_body_bytes = 128u << 20;
     // Checks a value before it is stored (400 with its message if not OK). `ferry discovery`
     // checks that entries under "ferry/agents/" are metadata blobs of the agent they name.
     std::function<Status(std::string_view key, std::string_view value)> validate{};
+};
+
+struct StoreServerStats {
+    size_t keys = 0;
+    size_t history_events = 0;
+    size_t history_bytes = 0;
+    size_t watches = 0;
+    uint64_t watches_refused = 0;  // over max_watches_per_client
+    uint64_t unauthorized = 0;     // requests refused for the secret
+    uint64_t connections_open = 0;
+    uint64_t connections_timed_out = 0;  // closed for not delivering a request in time
 };
 
 class StoreServer {
@@ -118,6 +141,7 @@ class StoreServer {
     StoreServer& operator=(const StoreServer&) = delete;
 
     uint16_t port() const;
+    StoreServerStats Stats() const;
     // "http://host:port", for MetadataStore::Open and AgentConfig.store.
     std::string url() const;
     // Stops serving; idempotent. Blocked watches return.

@@ -1,6 +1,5 @@
 #include "discovery/http_json.h"
 
-#include <httplib.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -13,6 +12,7 @@
 
 #include "core/crypto.h"
 #include "core/fd.h"
+#include "http/http.h"
 
 namespace ferry::discovery {
 namespace {
@@ -123,9 +123,12 @@ std::string SignRequest(std::string_view secret, std::string_view method, std::s
     return "Ferry-HMAC t=" + t + ",n=" + n + ",m=" + HexEncode(mac.data(), mac.size());
 }
 
-Result<std::string> VerifyRequest(std::string_view secret, std::string_view header,
-                                  std::string_view method, std::string_view path,
-                                  std::string_view body, std::chrono::milliseconds skew) {
+namespace {
+
+Result<std::string> CheckAuthorization(std::string_view secret, std::string_view header,
+                                       std::string_view method, std::string_view path,
+                                       std::string_view body, std::chrono::milliseconds skew,
+                                       bool check_mac) {
     constexpr std::string_view kScheme = "Ferry-HMAC ";
     if (header.empty()) {
         return PermissionDeniedError(
@@ -168,15 +171,29 @@ Result<std::string> VerifyRequest(std::string_view secret, std::string_view head
     if (!Unhex(n, nonce_bytes, sizeof(nonce_bytes))) {
         return PermissionDeniedError("Authorization: malformed Ferry-HMAC nonce");
     }
-    Digest want = HmacSha256(secret, SignedText(method, path, t, n, body));
-    if (!DigestEqual(got, want)) {
-        return PermissionDeniedError("Authorization: wrong deployment secret (HMAC mismatch)");
+    if (check_mac) {
+        Digest want = HmacSha256(secret, SignedText(method, path, t, n, body));
+        if (!DigestEqual(got, want)) {
+            return PermissionDeniedError("Authorization: wrong deployment secret (HMAC mismatch)");
+        }
     }
     int64_t ts = std::stoll(std::string(t));
     if (std::abs(NowMs() - ts) > skew.count()) {
         return PermissionDeniedError("Authorization: timestamp outside the allowed clock skew");
     }
     return std::string(n);
+}
+
+}  // namespace
+
+Result<std::string> VerifyRequest(std::string_view secret, std::string_view header,
+                                  std::string_view method, std::string_view path,
+                                  std::string_view body, std::chrono::milliseconds skew) {
+    return CheckAuthorization(secret, header, method, path, body, skew, /*check_mac=*/true);
+}
+
+Status PrecheckRequest(std::string_view header, std::chrono::milliseconds skew) {
+    return CheckAuthorization({}, header, {}, {}, {}, skew, /*check_mac=*/false).status();
 }
 
 Result<Endpoint> ParseHostPort(std::string_view s) {
@@ -217,19 +234,21 @@ Result<HttpReply> PostJson(const Endpoint& ep, const std::string& path, const Js
     for (;;) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
-        httplib::Client client(ep.host, ep.port);
+        http::ClientRequest req;
+        req.method = "POST";
+        req.host = ep.host;
+        req.port = ep.port;
+        req.target = path;
+        req.body = text;
+        if (!secret.empty()) {
+            req.headers.push_back({"Authorization", SignRequest(secret, "POST", path, text)});
+        }
+        // One attempt: connecting (bounded by what is left, 50 ms..2 s) and the answer.
         auto connect =
             std::clamp(left, std::chrono::milliseconds(50), std::chrono::milliseconds(2000));
-        client.set_connection_timeout(connect);
-        client.set_read_timeout(read_timeout);
-        client.set_write_timeout(std::max(read_timeout, std::chrono::milliseconds(1000)));
-        client.set_keep_alive(false);
-        httplib::Headers headers;
-        if (!secret.empty()) {
-            headers.emplace("Authorization", SignRequest(secret, "POST", path, text));
-        }
-        httplib::Result r = client.Post(path, headers, text, "application/json");
-        if (r) {
+        req.timeout = connect + read_timeout;
+        Result<http::ClientReply> r = http::Fetch(req);
+        if (r.ok()) {
             if (r->status < 500) {
                 HttpReply reply;
                 reply.status = r->status;
@@ -246,7 +265,7 @@ Result<HttpReply> PostJson(const Endpoint& ep, const std::string& path, const Js
             }
             last_error = "HTTP " + std::to_string(r->status);
         } else {
-            last_error = httplib::to_string(r.error());
+            last_error = r.status().message();
         }
         if (std::chrono::steady_clock::now() + backoff >= deadline) {
             return UnavailableError("store at " + ep.host + ":" + std::to_string(ep.port) +
@@ -381,6 +400,7 @@ Status ReplyError(const HttpReply& r, std::string_view what) {
         case 404:
             return NotFoundError(text);
         case 413:
+        case 429:
             return ResourceExhaustedError(text);
         default:
             return UnavailableError(text);

@@ -28,6 +28,10 @@ Result<std::string> VerifyRequest(std::string_view secret, std::string_view head
                                   std::string_view method, std::string_view path,
                                   std::string_view body, std::chrono::milliseconds skew);
 
+// What VerifyRequest checks without the body (the scheme, the parameters' form, the
+// timestamp): for refusing a request before reading its body.
+Status PrecheckRequest(std::string_view header, std::chrono::milliseconds skew);
+
 struct Endpoint {
     std::string host;
     uint16_t port = 0;
@@ -63,8 +67,8 @@ Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std:
                          const std::string& authorization = "");
 
 // An error reply ({"error": {"message": ...}} or etcd's {"error": ..., "message": ...}) as a
-// Status: 400 InvalidArgument, 401/403 PermissionDenied, 404 NotFound, 413 ResourceExhausted or
-// InvalidArgument, else Unavailable.
+// Status: 400 InvalidArgument, 401/403 PermissionDenied, 404 NotFound, 413 and 429
+// ResourceExhausted or InvalidArgument, else Unavailable.
 Status ReplyError(const HttpReply& r, std::string_view what);
 
 }  // namespace ferry::discovery

@@ -59,7 +59,8 @@ class Exchange {
   public:
     virtual ~Exchange() = default;
     virtual const Request& request() const = 0;
-    // The whole reply. Only the first Reply or StartStream counts; later calls are ignored.
+    // The whole reply. Only the first Reply or StartStream counts; later calls are ignored. A
+    // "Connection: close" header in it closes the connection after it.
     virtual void Reply(http::Reply reply) = 0;
     // Starts a streamed reply (chunked transfer encoding).
     virtual void StartStream(int status, std::string content_type,
@@ -83,6 +84,10 @@ struct Route {
     std::string path;
     Handler handler;
     size_t max_body = 0;  // 0: ServerConfig::max_body_bytes
+    // Runs on the head (method, target, headers, remote; no body) before any of the body is
+    // read: a reply refuses the request (and closes the connection), nullopt admits it. For
+    // checks that need no body, so that strangers cannot make the server read bodies.
+    std::function<std::optional<http::Reply>(const Request& head)> admit{};
 };
 
 struct ServerConfig {
@@ -95,6 +100,13 @@ struct ServerConfig {
     size_t max_body_bytes = 1u << 20;
     size_t max_header_bytes = 16u << 10;
     std::chrono::milliseconds request_deadline{10000};
+    // The deadline of a connection's first request (0: request_deadline): a short grace for
+    // servers whose clients authenticate, so unauthenticated sockets do not linger.
+    std::chrono::milliseconds first_request_deadline{0};
+    // Bytes of request bodies being read or handled, over all connections (the Content-Length,
+    // or the route's limit for a chunked body, counts from the moment the head is in): a
+    // request over it gets 503 before its body is read.
+    size_t max_inflight_body_bytes = 256u << 20;
     // The body of a refusal the server makes itself (400, 404, 405, 413, 503): default JSON
     // {"error": {"message": ...}}.
     std::function<http::Reply(int status, const std::string& message)> error_reply;
@@ -107,6 +119,8 @@ struct ServerStats {
     uint64_t requests = 0;
     uint64_t timed_out = 0;  // closed for not delivering a request in time
     uint64_t too_large = 0;  // 413
+    uint64_t busy = 0;       // 503 for the body budget
+    uint64_t inflight_body_bytes = 0;
 };
 
 class Server {

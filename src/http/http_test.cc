@@ -119,7 +119,7 @@ TEST_F(HttpTest, RoutesAndRefusals) {
     auto nf = Fetch(Get(server_->port(), "/nope"));
     ASSERT_TRUE(nf.ok());
     EXPECT_EQ(nf->status, 404);
-    EXPECT_NE(nf->body.find("no route GET /nope"), std::string::npos);
+    EXPECT_NE(nf->body.find("no such endpoint: GET /nope"), std::string::npos);
     auto wrong = Fetch(Get(server_->port(), "/echo"));
     ASSERT_TRUE(wrong.ok());
     EXPECT_EQ(wrong->status, 405);

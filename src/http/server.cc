@@ -1,6 +1,7 @@
 #include <fmt/core.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
@@ -125,7 +126,9 @@ struct Server::Impl {
     std::atomic<bool> stopping{false};
     std::mutex mu;
     std::map<Session*, std::weak_ptr<Session>> sessions;
-    std::atomic<uint64_t> open{0}, accepted{0}, refused{0}, requests{0}, timed_out{0}, too_large{0};
+    std::atomic<uint64_t> open{0}, accepted{0}, refused{0}, requests{0}, timed_out{0}, too_large{0},
+        busy{0};
+    std::atomic<size_t> inflight_body{0};
     // Declared last, destroyed first: sessions still queued in it go while the rest is alive.
     asio::io_context ioc;
     std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
@@ -161,7 +164,10 @@ class Session : public std::enable_shared_from_this<Session> {
     auto executor() { return stream_.get_executor(); }
 
     void Start() {
-        deadline_ = SteadyClock::now() + server_->cfg.request_deadline;
+        auto first = server_->cfg.first_request_deadline.count() > 0
+                         ? server_->cfg.first_request_deadline
+                         : server_->cfg.request_deadline;
+        deadline_ = SteadyClock::now() + first;
         ReadHeader();
     }
 
@@ -204,15 +210,55 @@ class Session : public std::enable_shared_from_this<Session> {
         if (!route_) {
             keep_alive_ = false;
             return Refuse(path_known ? 405 : 404,
-                          fmt::format("no route {} {}", method, path.substr(0, 200)));
+                          fmt::format("no such endpoint: {} {}", method, path.substr(0, 200)));
         }
         const size_t limit = route_->max_body ? route_->max_body : server_->cfg.max_body_bytes;
         parser_->body_limit(limit);
-        if (auto len = parser_->content_length(); len && *len > limit) {
+        auto len = parser_->content_length();
+        if (len && *len > limit) {
             ++server_->too_large;
             keep_alive_ = false;
             return Refuse(413,
                           fmt::format("the body of {} bytes is larger than {} bytes", *len, limit));
+        }
+        if (route_->admit) {
+            Request head;
+            head.method = method;
+            head.target = target;
+            head.path = path;
+            for (const auto& f : h) {
+                head.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+            }
+            head.remote = remote_;
+            std::optional<http::Reply> refusal;
+            try {
+                refusal = route_->admit(head);
+            } catch (const std::exception& e) {
+                refusal = server_->ErrorReply(500, e.what());
+            }
+            if (refusal) {
+                keep_alive_ = false;
+                current_.reset();
+                return Enqueue(Head(refusal->status, refusal->content_type, refusal->headers, false,
+                                    refusal->body.size()) +
+                                   refusal->body,
+                               true);
+            }
+        }
+        // The body budget: what this body may take, from now until the reply is out.
+        size_t want = len ? static_cast<size_t>(*len) : (parser_->chunked() ? limit : 0);
+        if (want > 0) {
+            size_t cur = server_->inflight_body.load();
+            do {
+                if (cur + want > server_->cfg.max_inflight_body_bytes) {
+                    ++server_->busy;
+                    keep_alive_ = false;
+                    return Refuse(503, fmt::format("busy: {} bytes of request bodies are in "
+                                                   "flight (at most {}); retry later",
+                                                   cur, server_->cfg.max_inflight_body_bytes));
+                }
+            } while (!server_->inflight_body.compare_exchange_weak(cur, cur + want));
+            body_reserved_ = want;
         }
         bhttp::async_read(
             stream_, buffer_, *parser_,
@@ -281,7 +327,13 @@ class Session : public std::enable_shared_from_this<Session> {
                           });
     }
 
+    void ReleaseBody() {
+        if (body_reserved_ > 0) server_->inflight_body -= body_reserved_;
+        body_reserved_ = 0;
+    }
+
     void AfterReply() {
+        ReleaseBody();
         last_queued_ = false;
         replied_ = false;
         current_.reset();
@@ -307,6 +359,7 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string remote_;
     SteadyClock::time_point deadline_;
     bool keep_alive_ = true;
+    size_t body_reserved_ = 0;  // of Impl::inflight_body
     std::shared_ptr<Ex> current_;
     // While an exchange is pending no I/O of ours may be outstanding (a handler answers later):
     // the session keeps itself alive until the reply is out or the connection closes.
@@ -329,10 +382,18 @@ class Session::Ex : public Exchange {
         if (started_.exchange(true)) return;
         bool keep = FindHeader(request_.headers, "connection") == nullptr ||
                     *FindHeader(request_.headers, "connection") != "close";
+        if (const std::string* c = FindHeader(reply.headers, "connection")) {
+            if (*c == "close") keep = false;
+            reply.headers.erase(std::remove_if(reply.headers.begin(), reply.headers.end(),
+                                               [](const Header& h) {
+                                                   return FindHeader({h}, "connection") != nullptr;
+                                               }),
+                                reply.headers.end());
+        }
         std::string bytes =
             Head(reply.status, reply.content_type, reply.headers, keep, reply.body.size()) +
             reply.body;
-        Post(std::move(bytes), true);
+        Post(std::move(bytes), true, !keep);
     }
     void StartStream(int status, std::string content_type, std::vector<Header> headers) override {
         if (started_.exchange(true)) return;
@@ -382,13 +443,15 @@ class Session::Ex : public Exchange {
     void MarkFinished() { finished_ = true; }
 
   private:
-    void Post(std::string bytes, bool last) {
+    void Post(std::string bytes, bool last, bool close_after = false) {
         auto s = session_.lock();
         if (!s) return;
         s->pending_ += bytes.size();
-        asio::post(s->stream_.get_executor(), [s, bytes = std::move(bytes), last]() mutable {
-            s->Enqueue(std::move(bytes), last);
-        });
+        asio::post(s->stream_.get_executor(),
+                   [s, bytes = std::move(bytes), last, close_after]() mutable {
+                       if (close_after) s->keep_alive_ = false;
+                       s->Enqueue(std::move(bytes), last);
+                   });
     }
 
     std::weak_ptr<Session> session_;
@@ -445,6 +508,7 @@ void Session::Enqueue(std::string bytes, bool last) {
 
 void Session::Close() {
     if (closed_.exchange(true)) return;
+    ReleaseBody();
     beast::error_code ec;
     stream_.socket().close(ec);
     if (current_ && !current_->finished()) current_->FireClose();
@@ -534,6 +598,8 @@ ServerStats Server::Stats() const {
     s.requests = impl_->requests;
     s.timed_out = impl_->timed_out;
     s.too_large = impl_->too_large;
+    s.busy = impl_->busy;
+    s.inflight_body_bytes = impl_->inflight_body;
     return s;
 }
 

@@ -319,6 +319,106 @@ TEST(EmbeddedStore, SlowClientsAreCutOffAndCannotStarveTheStore) {
     EXPECT_EQ(loris.WaitClosed(seconds(10)), 40);
 }
 
+// docs/security.md "Store bounds": the watch history is bounded in bytes, one key's history
+// holds one value, and a deleted key's value is released.
+TEST(EmbeddedStore, TheWatchHistoryIsBoundedInBytesAndDeletedValuesAreReleased) {
+    StoreServerConfig cfg;
+    cfg.max_value_bytes = 256u << 10;
+    cfg.history_bytes = 1u << 20;
+    auto server = ValueOrDie(StoreServer::Start(cfg));
+    auto store = ValueOrDie(MetadataStore::Open(server->url()));
+    const std::string big((256u << 10) - 8, 'v');
+    for (int i = 0; i < 45; ++i) {
+        FERRY_ASSERT_OK(store->Put("one/key", big + std::to_string(i)));
+    }
+    StoreServerStats st = server->Stats();
+    // 45 puts of 256 KiB to one key: the history keeps 45 events but one value.
+    EXPECT_EQ(st.history_events, 45u);
+    EXPECT_LT(st.history_bytes, (256u << 10) + 64 * 1024) << st.history_bytes;
+    // A watcher from the start sees the newest value only, not 45 of them.
+    WatchResult w = ValueOrDie(store->Watch("one/", 0, milliseconds(0)));
+    ASSERT_EQ(w.events.size(), 1u);
+    EXPECT_EQ(w.events[0].value, big + "44");
+    EXPECT_FALSE(w.compacted);
+    FERRY_ASSERT_OK(store->Delete("one/key"));
+    EXPECT_LT(server->Stats().history_bytes, 64u * 1024) << "the deleted key's value is held";
+    w = ValueOrDie(store->Watch("one/", 0, milliseconds(0)));
+    ASSERT_EQ(w.events.size(), 1u);
+    EXPECT_EQ(w.events[0].type, StoreEvent::Type::kDelete);
+    // Many keys: the byte bound trims the oldest events, and a watcher from before them is
+    // told it was compacted (it lists again) rather than served a gap.
+    for (int i = 0; i < 12; ++i) {
+        FERRY_ASSERT_OK(store->Put("many/" + std::to_string(i), big));
+    }
+    st = server->Stats();
+    EXPECT_LE(st.history_bytes, cfg.history_bytes);
+    EXPECT_TRUE(ValueOrDie(store->Watch("many/", 0, milliseconds(0))).compacted);
+    EXPECT_EQ(ValueOrDie(store->List("many/")).size(), 12u) << "entries are not history";
+}
+
+TEST(EmbeddedStore, WatchesPerClientAreBoundedAndPutsStayFastWhileTheyWait) {
+    StoreServerConfig cfg;
+    cfg.max_watches_per_client = 40;
+    auto server = ValueOrDie(StoreServer::Start(cfg));
+    StoreOptions options;
+    options.timeout = seconds(10);
+    // 40 long polls (each its own connection, none holding a thread of the store).
+    std::vector<std::thread> watchers;
+    std::atomic<int> woken{0};
+    for (int i = 0; i < 40; ++i) {
+        watchers.emplace_back([&] {
+            auto s = ValueOrDie(MetadataStore::Open(server->url(), options));
+            auto w = s->Watch("w/", 0, seconds(20));
+            if (w.ok() && !w->events.empty()) ++woken;
+        });
+    }
+    ASSERT_TRUE(testing::WaitUntil([&] { return server->Stats().watches == 40; }, seconds(10)))
+        << server->Stats().watches;
+    // The 41st from the same client is refused with a reason.
+    auto extra = ValueOrDie(MetadataStore::Open(server->url(), options));
+    auto refused = extra->Watch("w/", 0, seconds(5));
+    EXPECT_THAT(refused, StatusIs(Code::kResourceExhausted));
+    EXPECT_NE(refused.status().message().find("watches open"), std::string::npos)
+        << refused.status().ToString();
+    EXPECT_EQ(server->Stats().watches_refused, 1u);
+    // An ordinary put is served at once (it waited 59 s behind 40 watches on a thread pool),
+    // and it wakes every watch.
+    auto t0 = Clock::now();
+    FERRY_ASSERT_OK(extra->Put("w/k", "v"));
+    EXPECT_LT(Clock::now() - t0, seconds(5));
+    for (auto& t : watchers) t.join();
+    EXPECT_EQ(woken.load(), 40);
+    EXPECT_EQ(server->Stats().watches, 0u);
+}
+
+TEST(EmbeddedStore, UnauthenticatedConnectionsAreClosedAndTheirBodiesNeverRead) {
+    StoreServerConfig cfg;
+    cfg.secret = "store-secret";
+    cfg.auth_grace = milliseconds(300);
+    auto server = ValueOrDie(StoreServer::Start(cfg));
+    // Connected and silent: closed after the grace, well before the request deadline (10 s).
+    ScopedFd idle = testing::DialLoopback(server->port());
+    ASSERT_TRUE(idle.valid());
+    EXPECT_TRUE(testing::ClosedWithin(idle.get(), seconds(5)));
+    // A head without proof of the secret, announcing 10 MiB: refused before the body is read.
+    ScopedFd big = testing::DialLoopback(server->port());
+    ASSERT_TRUE(testing::SendAll(big.get(),
+                                 "POST /v1/kv/put HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                 "application/json\r\nContent-Length: 10485760\r\n\r\n"));
+    std::string got;
+    EXPECT_TRUE(testing::ClosedWithin(big.get(), seconds(5), &got));
+    EXPECT_EQ(got.rfind("HTTP/1.1 401", 0), 0u) << got;
+    EXPECT_NE(got.find("no Authorization header"), std::string::npos) << got;
+    // A forged proof: 401 and the connection closes.
+    auto forged = ValueOrDie(MetadataStore::Open(server->url(), StoreOptions{.secret = "guess"}));
+    EXPECT_THAT(forged->Put("k", "v"), StatusIs(Code::kPermissionDenied));
+    // The honest client is served.
+    auto honest =
+        ValueOrDie(MetadataStore::Open(server->url(), StoreOptions{.secret = "store-secret"}));
+    FERRY_ASSERT_OK(honest->Put("k", "v"));
+    EXPECT_GE(server->Stats().unauthorized, 2u);
+}
+
 TEST(EmbeddedStore, AValidatorRefusesBadValuesWithItsMessage) {
     StoreServerConfig cfg;
     cfg.validate = [](std::string_view key, std::string_view value) -> Status {
