@@ -1,5 +1,6 @@
 // The single `ferry` binary. Subcommands stay thin: parse flags, call into the libraries.
 #include <fmt/core.h>
+#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -39,6 +40,15 @@ std::vector<uint64_t> ParseSizeList(const std::string& flag, const std::string& 
 }  // namespace
 
 int main(int argc, char** argv) {
+    // Servers and the proxy hold a socket per client connection (and relay streams): raise the
+    // open-file limit to what the system allows, as vLLM does (Debian's soft default is 1024).
+    {
+        rlimit lim{};
+        if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+            lim.rlim_cur = lim.rlim_max;
+            setrlimit(RLIMIT_NOFILE, &lim);
+        }
+    }
     CLI::App app{"ferry: disaggregated LLM serving — transfer engine, connectors, serving"};
     app.require_subcommand(1);
     bool verbose = false;

@@ -4,9 +4,13 @@
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "transfer/backend.h"
@@ -125,6 +129,66 @@ bool CanConnect(const std::string& ipv4, uint16_t port) {
     a.sin_port = htons(port);
     if (inet_pton(AF_INET, ipv4.c_str(), &a.sin_addr) != 1) return false;
     return connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+}
+
+ScopedFd DialLoopback(uint16_t port) {
+    ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return ScopedFd();
+    return fd;
+}
+
+bool SendAll(int fd, std::string_view bytes) {
+    while (!bytes.empty()) {
+        ssize_t n = send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+        if (n <= 0) {
+            if (n < 0 && errno == EINTR) continue;
+            return false;
+        }
+        bytes.remove_prefix(static_cast<size_t>(n));
+    }
+    return true;
+}
+
+bool ClosedWithin(int fd, std::chrono::milliseconds timeout, std::string* got) {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    char buf[4096];
+    while (std::chrono::steady_clock::now() < end) {
+        pollfd p{fd, POLLIN, 0};
+        if (poll(&p, 1, 20) > 0) {
+            ssize_t n = recv(fd, buf, sizeof(buf), 0);
+            if (n <= 0) return true;
+            if (got) got->append(buf, static_cast<size_t>(n));
+        }
+    }
+    return false;
+}
+
+size_t RssBytes(int pid) {
+    FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/status").c_str(), "r");
+    if (!f) return 0;
+    char line[256];
+    size_t kb = 0;
+    while (std::fgets(line, sizeof line, f)) {
+        if (std::strncmp(line, "VmRSS:", 6) == 0) {
+            kb = std::strtoull(line + 6, nullptr, 10);
+            break;
+        }
+    }
+    std::fclose(f);
+    return kb * 1024;
+}
+
+size_t RaiseFdLimit() {
+    rlimit lim{};
+    getrlimit(RLIMIT_NOFILE, &lim);
+    lim.rlim_cur = lim.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &lim);
+    getrlimit(RLIMIT_NOFILE, &lim);
+    return lim.rlim_cur;
 }
 
 SlowLoris::SlowLoris(uint16_t port, int n, std::chrono::milliseconds drip) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -128,6 +129,19 @@ std::string BlackholeMetadata(const std::string& name, const std::string& backen
 // connection to it succeeds: a service bound to loopback only must refuse it.
 std::string NonLoopbackAddress();
 bool CanConnect(const std::string& ipv4, uint16_t port);
+
+// A blocking TCP connection to 127.0.0.1:`port` (invalid if refused).
+ScopedFd DialLoopback(uint16_t port);
+// Sends all of `bytes` (false if the connection broke).
+bool SendAll(int fd, std::string_view bytes);
+// True if the peer closes `fd` within `timeout` (what it sends first is read and dropped;
+// *got, if given, receives it).
+bool ClosedWithin(int fd, std::chrono::milliseconds timeout, std::string* got = nullptr);
+// Resident memory of process `pid` (VmRSS), in bytes; 0 if unknown.
+size_t RssBytes(int pid);
+// Raises this process's open-file limit to its hard limit (tests that hold thousands of
+// sockets); returns the soft limit now in force.
+size_t RaiseFdLimit();
 
 // `n` connections to 127.0.0.1:`port` that each start an HTTP request and then send one more
 // header byte every `drip` (a slowloris), until destroyed.
