@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/core.h>
-#include <httplib.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -25,6 +24,7 @@
 #include <unordered_set>
 
 #include "discovery/http_json.h"
+#include "http/http.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
@@ -686,11 +686,14 @@ Result<std::vector<RequestRecord>> StreamingRun::Run(double* duration) {
 }
 
 std::string FetchModel(const Url& url) {
-    httplib::Client c(url.host, url.port);
-    c.set_connection_timeout(5, 0);
-    c.set_read_timeout(10, 0);
-    auto r = c.Get("/v1/models");
-    if (!r || r->status != 200) return "";
+    http::ClientRequest req;
+    req.method = "GET";
+    req.host = url.host;
+    req.port = url.port;
+    req.target = "/v1/models";
+    req.timeout = std::chrono::seconds(10);
+    auto r = http::Fetch(req);
+    if (!r.ok() || r->status != 200) return "";
     Json j = Json::parse(r->body, nullptr, false);
     if (!j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
         !j["data"][0].contains("id") || !j["data"][0]["id"].is_string()) {

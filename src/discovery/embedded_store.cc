@@ -264,7 +264,7 @@ class StoreServer::Impl {
             return ex->Reply(JsonReply(e.status, ErrorBody(e)));
         }
         std::string client = ClientOf(req.remote);
-        std::lock_guard<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock(mu_);
         if (auto now = WatchNowLocked(spec, spec.timeout.count() == 0 || stopped_)) {
             return ex->Reply(JsonReply(200, *now));
         }
@@ -281,6 +281,7 @@ class StoreServer::Impl {
         ++mine;
         uint64_t id = ++next_watch_id_;
         watchers_[id] = Watcher{spec, Clock::now() + spec.timeout, ex, client};
+        lock.unlock();  // OnClose runs its function at once if the client is already gone
         ex->OnClose([this, id] {
             std::lock_guard<std::mutex> lock(mu_);
             DropWatcherLocked(id);

@@ -320,7 +320,9 @@ class Session : public std::enable_shared_from_this<Session> {
                           [self = shared_from_this()](beast::error_code ec, size_t n) {
                               self->writing_ = false;
                               self->pending_ -= n;
-                              if (ec) return self->Close();
+                              // Closed meanwhile (a deadline, the client's hang-up, Stop):
+                              // out_ is already cleared, even if this write got through.
+                              if (ec || self->closed_) return self->Close();
                               self->out_.pop_front();
                               if (!self->out_.empty()) return self->DoWrite();
                               if (self->last_queued_) self->AfterReply();

@@ -523,6 +523,8 @@ void Connection::ReadSome() {
         if (rlen_ == 0 && rbuf_.size() > base) {
             std::vector<char>(base).swap(rbuf_);
             ReleaseBudget();
+        } else if (rbuf_.size() < base) {
+            rbuf_.resize(base);  // authenticated now: the full buffer, not charged
         }
         if (rlen_ == rbuf_.size() && need > rbuf_.size()) {
             // A big body (a long descriptor list): the buffer grows as its bytes arrive,
