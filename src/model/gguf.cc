@@ -90,67 +90,67 @@ bool ReadValue(Reader& r, GgufValueType type, GgufValue* out, bool in_array) {
     out->type = type;
     switch (type) {
         case GgufValueType::kUint8: {
-            uint8_t v;
+            uint8_t v = 0;
             if (!r.Scalar(&v, "u8")) return false;
             out->scalar = uint64_t{v};
             return true;
         }
         case GgufValueType::kInt8: {
-            int8_t v;
+            int8_t v = 0;
             if (!r.Scalar(&v, "i8")) return false;
             out->scalar = int64_t{v};
             return true;
         }
         case GgufValueType::kUint16: {
-            uint16_t v;
+            uint16_t v = 0;
             if (!r.Scalar(&v, "u16")) return false;
             out->scalar = uint64_t{v};
             return true;
         }
         case GgufValueType::kInt16: {
-            int16_t v;
+            int16_t v = 0;
             if (!r.Scalar(&v, "i16")) return false;
             out->scalar = int64_t{v};
             return true;
         }
         case GgufValueType::kUint32: {
-            uint32_t v;
+            uint32_t v = 0;
             if (!r.Scalar(&v, "u32")) return false;
             out->scalar = uint64_t{v};
             return true;
         }
         case GgufValueType::kInt32: {
-            int32_t v;
+            int32_t v = 0;
             if (!r.Scalar(&v, "i32")) return false;
             out->scalar = int64_t{v};
             return true;
         }
         case GgufValueType::kUint64: {
-            uint64_t v;
+            uint64_t v = 0;
             if (!r.Scalar(&v, "u64")) return false;
             out->scalar = v;
             return true;
         }
         case GgufValueType::kInt64: {
-            int64_t v;
+            int64_t v = 0;
             if (!r.Scalar(&v, "i64")) return false;
             out->scalar = v;
             return true;
         }
         case GgufValueType::kFloat32: {
-            float v;
+            float v = 0;
             if (!r.Scalar(&v, "f32")) return false;
             out->scalar = double{v};
             return true;
         }
         case GgufValueType::kFloat64: {
-            double v;
+            double v = 0;
             if (!r.Scalar(&v, "f64")) return false;
             out->scalar = v;
             return true;
         }
         case GgufValueType::kBool: {
-            uint8_t v;
+            uint8_t v = 0;
             if (!r.Scalar(&v, "bool")) return false;
             if (v > 1) return r.Fail("bool value " + std::to_string(v));
             out->scalar = v == 1;
