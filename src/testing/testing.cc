@@ -182,6 +182,21 @@ size_t RssBytes(int pid) {
     return kb * 1024;
 }
 
+int ThreadCount(int pid) {
+    FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/status").c_str(), "r");
+    if (!f) return -1;
+    char line[256];
+    int n = -1;
+    while (std::fgets(line, sizeof line, f)) {
+        if (std::strncmp(line, "Threads:", 8) == 0) {
+            n = std::atoi(line + 8);
+            break;
+        }
+    }
+    std::fclose(f);
+    return n;
+}
+
 size_t RaiseFdLimit() {
     rlimit lim{};
     getrlimit(RLIMIT_NOFILE, &lim);

@@ -139,6 +139,8 @@ bool SendAll(int fd, std::string_view bytes);
 bool ClosedWithin(int fd, std::chrono::milliseconds timeout, std::string* got = nullptr);
 // Resident memory of process `pid` (VmRSS), in bytes; 0 if unknown.
 size_t RssBytes(int pid);
+// Threads of process `pid` (/proc/PID/status), -1 if unknown.
+int ThreadCount(int pid);
 // Raises this process's open-file limit to its hard limit (tests that hold thousands of
 // sockets); returns the soft limit now in force.
 size_t RaiseFdLimit();

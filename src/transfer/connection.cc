@@ -18,7 +18,9 @@ namespace ferry::internal {
 
 namespace {
 
-constexpr size_t kReadBufferSize = 256 * 1024;
+// An authenticated connection's read buffer: frame headers and small bodies (payloads go
+// straight to their destination). A bigger body grows it for as long as it takes.
+constexpr size_t kReadBufferSize = 64 * 1024;
 constexpr size_t kSmallRead = 4096;
 constexpr int kMaxFramesPerEvent = 64;
 constexpr size_t kMaxIovPerCall = 256;
