@@ -686,13 +686,8 @@ Result<std::vector<RequestRecord>> StreamingRun::Run(double* duration) {
 }
 
 std::string FetchModel(const Url& url) {
-    http::ClientRequest req;
-    req.method = "GET";
-    req.host = url.host;
-    req.port = url.port;
-    req.target = "/v1/models";
-    req.timeout = std::chrono::seconds(10);
-    auto r = http::Fetch(req);
+    auto r =
+        http::Fetch(http::GetRequest(url.host, url.port, "/v1/models", std::chrono::seconds(10)));
     if (!r.ok() || r->status != 200) return "";
     Json j = Json::parse(r->body, nullptr, false);
     if (!j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||

@@ -204,6 +204,17 @@ std::shared_ptr<ClientCall> Client::CallWhole(ClientRequest request,
     return Call(std::move(request), std::move(cb));
 }
 
+ClientRequest GetRequest(std::string host, int port, std::string target,
+                         std::chrono::milliseconds timeout) {
+    ClientRequest r;
+    r.method = "GET";
+    r.host = std::move(host);
+    r.port = port;
+    r.target = std::move(target);
+    r.timeout = timeout;
+    return r;
+}
+
 Result<ClientReply> Fetch(const ClientRequest& request) {
     // One client for every blocking call of the process (tools and tests).
     static Client* shared = Client::Create(1).release();

@@ -158,6 +158,10 @@ struct ClientRequest {
     std::chrono::milliseconds timeout{0};
 };
 
+// A GET of `target` at host:port, `timeout` for the whole exchange.
+ClientRequest GetRequest(std::string host, int port, std::string target,
+                         std::chrono::milliseconds timeout);
+
 struct ClientHead {
     int status = 0;
     std::vector<Header> headers;

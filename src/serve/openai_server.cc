@@ -232,12 +232,8 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     }
     if (agent.is_null()) {
         // Once per prefill worker: where its agent is; then go on.
-        http::ClientRequest r;
-        r.method = "GET";
-        r.host = ep.host;
-        r.port = ep.port;
-        r.target = "/v1/kv/agent";
-        r.timeout = std::chrono::seconds(10);
+        http::ClientRequest r =
+            http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
         auto shared = std::make_shared<ParsedRequest>(std::move(pr));
         client->CallWhole(std::move(r), [this, ex, chat, shared, ep,
                                          key](Result<http::ClientReply> got) {

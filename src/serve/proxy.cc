@@ -254,12 +254,8 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         const http::Endpoint& ep = cfg.prefill[f->prefill];
         if (!info) {
             // Once per prefill worker: where its transfer agent is.
-            http::ClientRequest r;
-            r.method = "GET";
-            r.host = ep.host;
-            r.port = ep.port;
-            r.target = "/v1/kv/agent";
-            r.timeout = std::chrono::seconds(10);
+            http::ClientRequest r =
+                http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
             return CallWhole(
                 f, r, fmt::format("prefill worker {}:{}", ep.host, ep.port),
                 [self, f, ep](int status, std::string body) {
