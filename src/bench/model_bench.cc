@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "core/cpu.h"
 #include "engine/engine.h"
 #include "model/model.h"
 
@@ -102,7 +103,7 @@ int RunModelBench(const ModelBenchOptions& o) {
         fmt::print(stderr, "ferry bench model: {}\n", kv_dtype.status().message());
         return 2;
     }
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int cores = UsableCores();
     double gflops1 = SgemmGflops(1, 1024);
     double gflops_all = SgemmGflops(cores, 1024);
     double stream_gbps = SgemvGBps(cores);

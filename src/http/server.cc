@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/cpu.h"
 #include "core/log.h"
 #include "http/http.h"
 
@@ -580,8 +581,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerConfig cfg, std::vector<Rout
     impl->port = impl->acceptor.local_endpoint().port();
     impl->work.emplace(asio::make_work_guard(impl->ioc));
     impl->Accept();
-    int n = c.io_threads > 0 ? c.io_threads
-                             : std::clamp<int>(std::thread::hardware_concurrency(), 1, 4);
+    int n = c.io_threads > 0 ? c.io_threads : std::clamp(UsableCores(), 1, 4);
     for (int i = 0; i < n; ++i) {
         impl->threads.emplace_back([p = impl.get()] { p->ioc.run(); });
     }

@@ -7,12 +7,14 @@
 #include <barrier>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <mutex>
 #include <thread>
 
+#include "core/cpu.h"
 #include "core/crypto.h"
 #include "core/half.h"
 #include "kv/connector.h"
@@ -363,13 +365,18 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
         m->fingerprint_ = HexEncode(d.data(), 16);
     }
     m->pool_ = std::make_unique<RankPool>(tp);
-    if (tp > 1) {
-        // Each rank calls sgemm on its own thread: share the cores out instead of oversubscribing.
-        int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-        openblas_set_num_threads(std::max(1, cores / tp));
+    // BLAS threads per rank: the cores this process may use (its affinity, e.g. `taskset`),
+    // shared out among the ranks, each of which calls sgemm on its own thread; never more than
+    // OPENBLAS_NUM_THREADS asks for.
+    int threads = std::max(1, UsableCores() / tp);
+    if (const char* env = std::getenv("OPENBLAS_NUM_THREADS"); env && std::atoi(env) > 0) {
+        threads = std::min(threads, std::atoi(env));
     }
+    openblas_set_num_threads(threads);
     return m;
 }
+
+int BlasThreads() { return openblas_get_num_threads(); }
 
 Status Model::LoadWeights(const GgufFile& f) {
     const ModelConfig& c = config_;

@@ -64,6 +64,10 @@ struct SeqChunk {
     bool want_logits = false;  // logits of the chunk's last token
 };
 
+// The BLAS threads a model's matrix products use now (openblas_get_num_threads); Load sets
+// them to the cores this process may use (its CPU affinity) divided among the TP ranks.
+int BlasThreads();
+
 class Model {
   public:
     // Maps and loads `path`. InvalidArgument for a file that is not a usable llama GGUF (the

@@ -4,11 +4,14 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
+#include "core/cpu.h"
 #include "core/half.h"
 #include "testing/testing.h"
 
@@ -214,6 +217,34 @@ TEST_P(ModelTest, PrefillThenDecodeMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Tp, ModelTest, ::testing::Values(1, 2),
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+// Thread counts follow the process's CPU affinity (`taskset`), not the machine's core count:
+// pinned to one core, a model used to start as many BLAS threads as the machine has cores.
+// Also run whole under `taskset -c 0` (ctest model_threads_under_taskset).
+TEST(ModelThreads, FollowTheCpuAffinity) {
+    if (std::getenv("OPENBLAS_NUM_THREADS")) GTEST_SKIP() << "OPENBLAS_NUM_THREADS is set";
+    std::string path = TempPath("model-threads");
+    FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 3, path));
+    cpu_set_t all;
+    ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+    EXPECT_EQ(UsableCores(), CPU_COUNT(&all));
+    auto m = std::move(Model::Load(path)).value();
+    EXPECT_EQ(BlasThreads(), CPU_COUNT(&all));
+    m = std::move(Model::Load(path, {.tp = 2})).value();
+    EXPECT_EQ(BlasThreads(), std::max(1, CPU_COUNT(&all) / 2));
+    // Pinned to one of its cores (what `taskset -c N` does to a process).
+    int first = 0;
+    while (!CPU_ISSET(first, &all)) ++first;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+    EXPECT_EQ(UsableCores(), 1);
+    m = std::move(Model::Load(path)).value();
+    EXPECT_EQ(BlasThreads(), 1);
+    ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
+    std::filesystem::remove(path);
+}
 
 TEST(Model, BatchOfChunksMatchesReferencePerSequence) {
     std::string path = TempPath("model-batch");

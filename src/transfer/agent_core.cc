@@ -17,6 +17,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "core/cpu.h"
 #include "core/crypto.h"
 #include "core/log.h"
 #include "transfer/iov_cursor.h"
@@ -83,9 +84,7 @@ Status CmaCopy(pid_t pid, const std::vector<iovec>& ours, const std::vector<iove
     return Status::Ok();
 }
 
-int DefaultIoThreads() {
-    return std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
-}
+int DefaultIoThreads() { return std::clamp(UsableCores(), 1, 8); }
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/cpu.h"
 #include "core/crypto.h"
 
 namespace ferry {
@@ -31,9 +32,8 @@ sockaddr_un AbstractAddress(std::string_view name, socklen_t* len) {
 
 ShmBackend::ShmBackend(const AgentConfig& config, std::string host_id)
     : host_id_(std::move(host_id)),
-      streams_(config.shm_streams > 0
-                   ? std::min(config.shm_streams, 16)
-                   : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4)) {}
+      streams_(config.shm_streams > 0 ? std::min(config.shm_streams, 16)
+                                      : std::clamp(UsableCores(), 1, 4)) {}
 
 Result<std::string> ShmBackend::Listen(ScopedFd* listener) {
     char name[64];

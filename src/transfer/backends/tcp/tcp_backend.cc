@@ -14,12 +14,14 @@
 #include <cstring>
 #include <thread>
 
+#include "core/cpu.h"
+
 namespace ferry {
 
 namespace {
 
 int DefaultStreams() {
-    int cores = static_cast<int>(std::thread::hardware_concurrency());
+    int cores = UsableCores();
     return std::clamp(cores, 2, 8);
 }
 
