@@ -144,6 +144,19 @@ struct RandomModelSpec {
 };
 // "tiny" (4 layers, dim 256) or "small" (12 layers, dim 768, GQA 12/4, head_dim 64).
 Result<RandomModelSpec> PresetSpec(std::string_view preset);
+// The random model's vocabulary: 256 byte tokens and 3 specials.
+inline constexpr uint64_t kRandomModelVocab = 259;
+// The tensors WriteRandomModel writes for `spec`, in order: name, dims, the dtype they are stored
+// in (1-D tensors, the norms, always f32 as llama.cpp's converter writes them; the rest in
+// spec.dtype), and the distribution their values are drawn from.
+struct RandomTensor {
+    std::string name;
+    std::vector<uint64_t> dims;
+    TensorType type;
+    float amplitude;
+    float center;
+};
+std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec);
 // Writes a llama GGUF with a byte-level vocabulary (256 byte tokens plus <|endoftext|>,
 // <|im_start|>, <|im_end|>; gpt2 tokenizer, ChatML template) and weights drawn from `seed`.
 Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::string& path);

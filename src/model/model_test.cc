@@ -246,6 +246,51 @@ TEST(ModelThreads, FollowTheCpuAffinity) {
     std::filesystem::remove(path);
 }
 
+// GGUF files ferry writes are valid for llama.cpp in every dtype: 1-D tensors (the norms) are
+// f32, as llama.cpp's converter writes them (an f16 norm aborts llama.cpp in ggml's mul); the
+// matrices are in the model's dtype.
+TEST(RandomModel, OneDimensionalTensorsAreF32InEveryPresetAndDtype) {
+    const TensorType dtypes[] = {TensorType::kF32, TensorType::kF16, TensorType::kBF16};
+    for (const char* preset : {"tiny", "small"}) {
+        for (TensorType dtype : dtypes) {
+            SCOPED_TRACE(std::string(preset) + " " + std::string(TensorTypeName(dtype)));
+            RandomModelSpec spec = PresetSpec(preset).value();
+            spec.dtype = dtype;
+            int norms = 0, matrices = 0;
+            for (const RandomTensor& t : RandomModelTensors(spec)) {
+                if (t.dims.size() == 1) {
+                    EXPECT_EQ(t.type, TensorType::kF32) << t.name;
+                    ++norms;
+                } else {
+                    EXPECT_EQ(t.type, dtype) << t.name;
+                    ++matrices;
+                }
+            }
+            EXPECT_EQ(norms, 2 * spec.num_layers + 1);
+            EXPECT_EQ(matrices, 7 * spec.num_layers + 2);
+        }
+    }
+    // And the writer stores exactly that (the tiny preset written in every dtype), and the
+    // loader serves it.
+    for (TensorType dtype : dtypes) {
+        RandomModelSpec spec = TestSpec();
+        spec.dtype = dtype;
+        std::string path = TempPath("model-dtypes");
+        FERRY_ASSERT_OK(WriteRandomModel(spec, 5, path));
+        auto file = std::move(GgufFile::Open(path)).value();
+        auto plan = RandomModelTensors(spec);
+        ASSERT_EQ(file->tensors().size(), plan.size());
+        for (const RandomTensor& t : plan) {
+            const GgufTensor* got = file->FindTensor(t.name);
+            ASSERT_NE(got, nullptr) << t.name;
+            EXPECT_EQ(got->type, t.type) << t.name;
+            EXPECT_EQ(got->dims, t.dims) << t.name;
+        }
+        FERRY_EXPECT_OK(Model::Load(path).status());
+        std::filesystem::remove(path);
+    }
+}
+
 TEST(Model, BatchOfChunksMatchesReferencePerSequence) {
     std::string path = TempPath("model-batch");
     FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 3, path));

@@ -75,6 +75,44 @@ Result<RandomModelSpec> PresetSpec(std::string_view preset) {
     return InvalidArgumentError(fmt::format("preset '{}' is not one of tiny, small", preset));
 }
 
+std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec) {
+    if (spec.dim <= 0 || spec.num_heads <= 0) return {};
+    const auto dim = static_cast<uint64_t>(spec.dim);
+    const uint64_t hd = dim / spec.num_heads;
+    std::vector<RandomTensor> out;
+    // 1-D tensors (the norms) stay f32 in every dtype, as llama.cpp's converter writes them:
+    // its ops take them only as f32 (an f16 norm aborts it in ggml's mul).
+    auto add = [&](const std::string& name, std::vector<uint64_t> dims, float amplitude,
+                   float center) {
+        TensorType type = dims.size() == 1 ? TensorType::kF32 : spec.dtype;
+        out.push_back({name, std::move(dims), type, amplitude, center});
+    };
+    // Uniform(-a, a) has standard deviation a / sqrt(3): unit-variance embeddings, projections
+    // that keep the variance (1 / sqrt(fan_in)), and an output head with logits of std ~2 so
+    // greedy choices are clear-cut rather than near-ties.
+    const float s3 = std::sqrt(3.0f);
+    auto fan = [&](uint64_t in) { return s3 / std::sqrt(static_cast<float>(in)); };
+    const uint64_t vocab = kRandomModelVocab;
+    add("token_embd.weight", {dim, vocab}, s3, 0);
+    add("output_norm.weight", {dim}, 0.1f, 1.0f);
+    if (!spec.tied_embeddings) add("output.weight", {dim, vocab}, 2 * fan(dim), 0);
+    const uint64_t q = hd * spec.num_heads, kv = hd * spec.num_kv_heads;
+    const auto ffn = static_cast<uint64_t>(spec.ffn_dim);
+    for (int l = 0; l < spec.num_layers; ++l) {
+        std::string p = fmt::format("blk.{}.", l);
+        add(p + "attn_norm.weight", {dim}, 0.1f, 1.0f);
+        add(p + "ffn_norm.weight", {dim}, 0.1f, 1.0f);
+        add(p + "attn_q.weight", {dim, q}, fan(dim), 0);
+        add(p + "attn_k.weight", {dim, kv}, fan(dim), 0);
+        add(p + "attn_v.weight", {dim, kv}, fan(dim), 0);
+        add(p + "attn_output.weight", {q, dim}, fan(q), 0);
+        add(p + "ffn_gate.weight", {dim, ffn}, fan(dim), 0);
+        add(p + "ffn_up.weight", {dim, ffn}, fan(dim), 0);
+        add(p + "ffn_down.weight", {ffn, dim}, fan(ffn), 0);
+    }
+    return out;
+}
+
 Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::string& path) {
     if (spec.dim <= 0 || spec.num_layers <= 0 || spec.num_heads <= 0 || spec.num_kv_heads <= 0 ||
         spec.ffn_dim <= 0 || spec.dim % spec.num_heads || spec.num_heads % spec.num_kv_heads) {
@@ -103,7 +141,7 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
         tokens.emplace_back(s);
         types.push_back(3);
     }
-    const int vocab = static_cast<int>(tokens.size());
+    if (tokens.size() != kRandomModelVocab) return InternalError("random model: vocabulary size");
     w.SetString("tokenizer.ggml.model", "gpt2");
     w.SetString("tokenizer.ggml.pre", "default");
     w.SetStringArray("tokenizer.ggml.tokens", tokens);
@@ -114,40 +152,13 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
     w.SetBool("tokenizer.ggml.add_bos_token", false);
     w.SetString("tokenizer.chat_template", kChatMlTemplate);
 
-    const auto dim = static_cast<uint64_t>(spec.dim);
-    const uint64_t hd = dim / spec.num_heads;
-    auto add = [&](const std::string& name, std::vector<uint64_t> dims, float amplitude,
-                   float center) -> Status {
+    for (const RandomTensor& t : RandomModelTensors(spec)) {
         uint64_t n = 1;
-        for (uint64_t d : dims) n *= d;
+        for (uint64_t d : t.dims) n *= d;
         std::vector<float> v(n);
-        Rng rng(NameSeed(seed, name));
-        for (float& x : v) x = center + rng.Uniform(amplitude);
-        return w.AddTensor(name, std::move(dims), spec.dtype, Encode(v, spec.dtype));
-    };
-    // Uniform(-a, a) has standard deviation a / sqrt(3): unit-variance embeddings, projections
-    // that keep the variance (1 / sqrt(fan_in)), and an output head with logits of std ~2 so
-    // greedy choices are clear-cut rather than near-ties.
-    const float s3 = std::sqrt(3.0f);
-    auto fan = [&](uint64_t in) { return s3 / std::sqrt(static_cast<float>(in)); };
-    FERRY_RETURN_IF_ERROR(add("token_embd.weight", {dim, uint64_t(vocab)}, s3, 0));
-    FERRY_RETURN_IF_ERROR(add("output_norm.weight", {dim}, 0.1f, 1.0f));
-    if (!spec.tied_embeddings) {
-        FERRY_RETURN_IF_ERROR(add("output.weight", {dim, uint64_t(vocab)}, 2 * fan(dim), 0));
-    }
-    const uint64_t q = hd * spec.num_heads, kv = hd * spec.num_kv_heads;
-    const auto ffn = static_cast<uint64_t>(spec.ffn_dim);
-    for (int l = 0; l < spec.num_layers; ++l) {
-        std::string p = fmt::format("blk.{}.", l);
-        FERRY_RETURN_IF_ERROR(add(p + "attn_norm.weight", {dim}, 0.1f, 1.0f));
-        FERRY_RETURN_IF_ERROR(add(p + "ffn_norm.weight", {dim}, 0.1f, 1.0f));
-        FERRY_RETURN_IF_ERROR(add(p + "attn_q.weight", {dim, q}, fan(dim), 0));
-        FERRY_RETURN_IF_ERROR(add(p + "attn_k.weight", {dim, kv}, fan(dim), 0));
-        FERRY_RETURN_IF_ERROR(add(p + "attn_v.weight", {dim, kv}, fan(dim), 0));
-        FERRY_RETURN_IF_ERROR(add(p + "attn_output.weight", {q, dim}, fan(q), 0));
-        FERRY_RETURN_IF_ERROR(add(p + "ffn_gate.weight", {dim, ffn}, fan(dim), 0));
-        FERRY_RETURN_IF_ERROR(add(p + "ffn_up.weight", {dim, ffn}, fan(dim), 0));
-        FERRY_RETURN_IF_ERROR(add(p + "ffn_down.weight", {ffn, dim}, fan(ffn), 0));
+        Rng rng(NameSeed(seed, t.name));
+        for (float& x : v) x = t.center + rng.Uniform(t.amplitude);
+        FERRY_RETURN_IF_ERROR(w.AddTensor(t.name, t.dims, t.type, Encode(v, t.type)));
     }
     return w.Write(path);
 }
