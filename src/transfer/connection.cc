@@ -508,9 +508,9 @@ void Connection::ReadSome() {
                 Dispatch(*h, body);
                 continue;
             }
-            if (partial_since_ == std::chrono::steady_clock::time_point{}) {
-                partial_since_ = std::chrono::steady_clock::now();
-            }
+        }
+        if (avail > 0 && partial_since_ == std::chrono::steady_clock::time_point{}) {
+            partial_since_ = std::chrono::steady_clock::now();  // a frame (or header) begun
         }
         // Need more bytes: compact and read. Read only what the current frame's header and body
         // need (at least a few KiB for runs of small frames), so that a payload that follows is
