@@ -57,8 +57,14 @@ void AddModelCommand(CLI::App& app, int* rc) {
     init->add_option("--out", out, "output .gguf file")->required();
     init->add_option("--dtype", dtype, "weight type: f32, f16 or bf16")
         ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+    static std::string vocab;
+    init->add_option("--vocab", vocab,
+                     "take the tokenizer from this GGUF file (a real model's vocabulary, e.g. "
+                     "tests/data/tokenizers/ggml-vocab-falcon.gguf) instead of the byte one")
+        ->check(CLI::ExistingFile);
     init->callback([rc] {
         auto spec = model::PresetSpec(preset);
+        spec->vocab_file = vocab;
         spec->dtype = dtype == "f16"    ? model::TensorType::kF16
                       : dtype == "bf16" ? model::TensorType::kBF16
                                         : model::TensorType::kF32;
@@ -68,7 +74,8 @@ void AddModelCommand(CLI::App& app, int* rc) {
             *rc = 1;
             return;
         }
-        fmt::print("wrote {} ({} preset, seed {}, {} weights)\n", out, preset, seed, dtype);
+        fmt::print("wrote {} ({} preset, seed {}, {} weights, {})\n", out, preset, seed, dtype,
+                   vocab.empty() ? "byte vocabulary" : "vocabulary of " + vocab);
     });
 
     CLI::App* info = model->add_subcommand("info", "Print a GGUF model's configuration");

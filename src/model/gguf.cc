@@ -1,6 +1,7 @@
 #include "model/gguf.h"
 
 #include <fcntl.h>
+#include <fmt/core.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -493,6 +494,94 @@ FERRY_GGUF_ARRAY(SetInt32Array, int32_t, kInt32)
 FERRY_GGUF_ARRAY(SetFloat32Array, float, kFloat32)
 FERRY_GGUF_ARRAY(SetFloat64Array, double, kFloat64)
 #undef FERRY_GGUF_ARRAY
+
+namespace {
+
+// One value's bytes in `type` (no type tag): the scalar GgufFile widened, narrowed back.
+Status PutValue(std::string* e, GgufValueType type, const GgufValue& v) {
+    auto u = std::get_if<uint64_t>(&v.scalar);
+    auto i = std::get_if<int64_t>(&v.scalar);
+    auto d = std::get_if<double>(&v.scalar);
+    auto bad = [&] {
+        return InvalidArgumentError(fmt::format("GGUF value of type {} holds another kind of value",
+                                                static_cast<uint32_t>(type)));
+    };
+    switch (type) {
+        case GgufValueType::kUint8:
+            if (!u) return bad();
+            Put<uint8_t>(e, static_cast<uint8_t>(*u));
+            return Status::Ok();
+        case GgufValueType::kUint16:
+            if (!u) return bad();
+            Put<uint16_t>(e, static_cast<uint16_t>(*u));
+            return Status::Ok();
+        case GgufValueType::kUint32:
+            if (!u) return bad();
+            Put<uint32_t>(e, static_cast<uint32_t>(*u));
+            return Status::Ok();
+        case GgufValueType::kUint64:
+            if (!u) return bad();
+            Put<uint64_t>(e, *u);
+            return Status::Ok();
+        case GgufValueType::kInt8:
+            if (!i) return bad();
+            Put<int8_t>(e, static_cast<int8_t>(*i));
+            return Status::Ok();
+        case GgufValueType::kInt16:
+            if (!i) return bad();
+            Put<int16_t>(e, static_cast<int16_t>(*i));
+            return Status::Ok();
+        case GgufValueType::kInt32:
+            if (!i) return bad();
+            Put<int32_t>(e, static_cast<int32_t>(*i));
+            return Status::Ok();
+        case GgufValueType::kInt64:
+            if (!i) return bad();
+            Put<int64_t>(e, *i);
+            return Status::Ok();
+        case GgufValueType::kFloat32:
+            if (!d) return bad();
+            Put<float>(e, static_cast<float>(*d));
+            return Status::Ok();
+        case GgufValueType::kFloat64:
+            if (!d) return bad();
+            Put<double>(e, *d);
+            return Status::Ok();
+        case GgufValueType::kBool: {
+            auto b = std::get_if<bool>(&v.scalar);
+            if (!b) return bad();
+            Put<uint8_t>(e, *b ? 1 : 0);
+            return Status::Ok();
+        }
+        case GgufValueType::kString: {
+            auto s = std::get_if<std::string>(&v.scalar);
+            if (!s) return bad();
+            PutString(e, *s);
+            return Status::Ok();
+        }
+        case GgufValueType::kArray:
+            break;
+    }
+    return bad();
+}
+
+}  // namespace
+
+Status GgufWriter::SetValue(std::string key, const GgufValue& value) {
+    std::string e;
+    Put<uint32_t>(&e, static_cast<uint32_t>(value.type));
+    if (value.type == GgufValueType::kArray) {
+        Put<uint32_t>(&e, static_cast<uint32_t>(value.element_type));
+        Put<uint64_t>(&e, value.array.size());
+        for (const GgufValue& v : value.array) {
+            FERRY_RETURN_IF_ERROR(PutValue(&e, value.element_type, v));
+        }
+    } else {
+        FERRY_RETURN_IF_ERROR(PutValue(&e, value.type, value));
+    }
+    Set(std::move(key), std::move(e));
+    return Status::Ok();
+}
 
 Status GgufWriter::AddTensor(std::string name, std::vector<uint64_t> dims, TensorType type,
                              std::string data) {

@@ -104,6 +104,10 @@ class GgufWriter {
     void SetInt32Array(std::string key, std::vector<int32_t> values);
     void SetFloat32Array(std::string key, std::vector<float> values);
     void SetFloat64Array(std::string key, std::vector<double> values);
+    // A value as GgufFile parsed it, written back in its own type (copying metadata between
+    // files: a model taking its tokenizer from another file). InvalidArgument for a value whose
+    // payload does not fit its type.
+    Status SetValue(std::string key, const GgufValue& value);
     // `data` holds elements(dims) values of `type`, little-endian.
     Status AddTensor(std::string name, std::vector<uint64_t> dims, TensorType type,
                      std::string data);

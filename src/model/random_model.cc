@@ -92,7 +92,7 @@ std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec) {
     // greedy choices are clear-cut rather than near-ties.
     const float s3 = std::sqrt(3.0f);
     auto fan = [&](uint64_t in) { return s3 / std::sqrt(static_cast<float>(in)); };
-    const uint64_t vocab = kRandomModelVocab;
+    const uint64_t vocab = spec.vocab_size;
     add("token_embd.weight", {dim, vocab}, s3, 0);
     add("output_norm.weight", {dim}, 0.1f, 1.0f);
     if (!spec.tied_embeddings) add("output.weight", {dim, vocab}, 2 * fan(dim), 0);
@@ -130,29 +130,45 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
     w.SetFloat32("llama.rope.freq_base", spec.rope_theta);
     w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
 
-    // Byte-level vocabulary: the 256 bytes in GPT-2's printable mapping, then three specials.
-    std::vector<std::string> tokens;
-    std::vector<int32_t> types;
-    for (int b = 0; b < 256; ++b) {
-        tokens.push_back(ByteLevelToken(static_cast<uint8_t>(b)));
-        types.push_back(1);
+    RandomModelSpec sized = spec;
+    if (!spec.vocab_file.empty()) {
+        // A real vocabulary: every tokenizer.* key of that file, as it is there.
+        FERRY_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> vocab, GgufFile::Open(spec.vocab_file));
+        FERRY_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
+                               vocab->GetStringArray("tokenizer.ggml.tokens"));
+        for (const auto& [key, value] : vocab->metadata()) {
+            if (key.rfind("tokenizer.", 0) == 0) FERRY_RETURN_IF_ERROR(w.SetValue(key, value));
+        }
+        // Check it now, so a file `ferry serve` would refuse is not written.
+        FERRY_RETURN_IF_ERROR(Tokenizer::FromGguf(*vocab).status());
+        sized.vocab_size = tokens.size();
+    } else {
+        // Byte-level vocabulary: the 256 bytes in GPT-2's printable mapping, then three specials.
+        std::vector<std::string> tokens;
+        std::vector<int32_t> types;
+        for (int b = 0; b < 256; ++b) {
+            tokens.push_back(ByteLevelToken(static_cast<uint8_t>(b)));
+            types.push_back(1);
+        }
+        for (const char* s : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
+            tokens.emplace_back(s);
+            types.push_back(3);
+        }
+        if (tokens.size() != kRandomModelVocab)
+            return InternalError("random model: vocabulary size");
+        w.SetString("tokenizer.ggml.model", "gpt2");
+        w.SetString("tokenizer.ggml.pre", "default");
+        w.SetStringArray("tokenizer.ggml.tokens", tokens);
+        w.SetInt32Array("tokenizer.ggml.token_type", types);
+        w.SetStringArray("tokenizer.ggml.merges", {});
+        w.SetUint32("tokenizer.ggml.bos_token_id", 256);
+        w.SetUint32("tokenizer.ggml.eos_token_id", 256);
+        w.SetBool("tokenizer.ggml.add_bos_token", false);
+        w.SetString("tokenizer.chat_template", kChatMlTemplate);
+        sized.vocab_size = kRandomModelVocab;
     }
-    for (const char* s : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
-        tokens.emplace_back(s);
-        types.push_back(3);
-    }
-    if (tokens.size() != kRandomModelVocab) return InternalError("random model: vocabulary size");
-    w.SetString("tokenizer.ggml.model", "gpt2");
-    w.SetString("tokenizer.ggml.pre", "default");
-    w.SetStringArray("tokenizer.ggml.tokens", tokens);
-    w.SetInt32Array("tokenizer.ggml.token_type", types);
-    w.SetStringArray("tokenizer.ggml.merges", {});
-    w.SetUint32("tokenizer.ggml.bos_token_id", 256);
-    w.SetUint32("tokenizer.ggml.eos_token_id", 256);
-    w.SetBool("tokenizer.ggml.add_bos_token", false);
-    w.SetString("tokenizer.chat_template", kChatMlTemplate);
 
-    for (const RandomTensor& t : RandomModelTensors(spec)) {
+    for (const RandomTensor& t : RandomModelTensors(sized)) {
         uint64_t n = 1;
         for (uint64_t d : t.dims) n *= d;
         std::vector<float> v(n);

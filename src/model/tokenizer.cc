@@ -72,26 +72,42 @@ void AppendUtf8(uint32_t cp, std::string* out) {
 }
 
 // --- Unicode classes for the pre-tokenizers ----------------------------------------------------
-// Exact for ASCII; outside it, Unicode spaces and the common punctuation blocks are classed as
-// such and everything else as a letter (no digits outside ASCII). Good enough to split text the
-// way the regexes do for the scripts models are used with; documented in docs/inference.md.
+// \p{L}, \p{N}, \p{P} are the Unicode general categories (src/model/unicode_classes.inc, made by
+// scripts/gen-unicode-classes); \s is Unicode's White_Space, as in the regex engines the models'
+// own tokenizers run.
+
+enum class UnicodeClass : uint8_t { kOther, kLetter, kNumber, kPunct, kMark, kSymbol, kSeparator };
+struct ClassRange {
+    uint32_t first;
+    UnicodeClass cls;
+};
+constexpr ClassRange kClassRanges[] = {
+#include "model/unicode_classes.inc"
+};
+
+UnicodeClass ClassOf(uint32_t c) {
+    const ClassRange* end = std::end(kClassRanges);
+    const ClassRange* it =
+        std::upper_bound(std::begin(kClassRanges), end, c,
+                         [](uint32_t v, const ClassRange& r) { return v < r.first; });
+    return it == std::begin(kClassRanges) ? UnicodeClass::kOther : (it - 1)->cls;
+}
 
 bool IsSpace(uint32_t c) {
     return c == ' ' || (c >= 0x09 && c <= 0x0d) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
            (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
            c == 0x205f || c == 0x3000;
 }
-bool IsDigit(uint32_t c) { return c >= '0' && c <= '9'; }
-bool IsPunctNonAscii(uint32_t c) {
-    return (c >= 0x80 && c <= 0xbf) || c == 0xd7 || c == 0xf7 || (c >= 0x2010 && c <= 0x205e) ||
-           (c >= 0x20a0 && c <= 0x20cf) || (c >= 0x2190 && c <= 0x2bff) ||
-           (c >= 0x3001 && c <= 0x303f) || (c >= 0xff01 && c <= 0xff0f) ||
-           (c >= 0xff1a && c <= 0xff20) || (c >= 0xfe30 && c <= 0xfe4f);
-}
 bool IsLetter(uint32_t c) {
     if (c < 0x80) return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-    return !IsSpace(c) && !IsPunctNonAscii(c);
+    return ClassOf(c) == UnicodeClass::kLetter;
 }
+// \p{N}: every number, not only the ASCII digits ('½', '²', '٣').
+bool IsDigit(uint32_t c) {
+    if (c < 0x80) return c >= '0' && c <= '9';
+    return ClassOf(c) == UnicodeClass::kNumber;
+}
+bool IsPunct(uint32_t c) { return ClassOf(c) == UnicodeClass::kPunct; }
 bool IsOther(uint32_t c) { return !IsSpace(c) && !IsLetter(c) && !IsDigit(c); }
 
 uint32_t Lower(uint32_t c) { return (c >= 'A' && c <= 'Z') ? c + 32 : c; }
@@ -281,11 +297,159 @@ std::string ByteLevelToken(uint8_t b) {
     return s;
 }
 
+namespace {
+
+// --- Pre-tokenizers as sequences of regex splits -------------------------------------------------
+// Most models' pre-tokenizers are a list of regexes applied one after the other, each splitting
+// every piece the previous one left, with the matches and the text between them both kept as
+// pieces (Hugging Face's Split with "isolated" behaviour; llama.cpp's unicode_regex_split). Each
+// regex here is a matcher: the number of code points it matches at a position, or 0.
+
+using Pieces = std::vector<std::string_view>;
+using Matcher = size_t (*)(const std::vector<CodePoint>& cps, size_t i);
+
+Pieces SplitIsolated(const Pieces& in, Matcher match) {
+    Pieces out;
+    for (std::string_view piece : in) {
+        std::vector<CodePoint> cps = DecodeUtf8(piece);
+        const size_t n = cps.size();
+        auto at = [&](size_t k) { return k < n ? cps[k].offset : piece.size(); };
+        size_t gap = 0;
+        for (size_t i = 0; i < n;) {
+            size_t k = match(cps, i);
+            if (k == 0) {
+                ++i;
+                continue;
+            }
+            if (gap < i) out.push_back(piece.substr(at(gap), at(i) - at(gap)));
+            out.push_back(piece.substr(at(i), at(i + k) - at(i)));
+            i += k;
+            gap = i;
+        }
+        if (gap < n) out.push_back(piece.substr(at(gap)));
+    }
+    return out;
+}
+
+// A run of code points for which `pred` holds, after an optional leading \s when `space`.
+template <bool (*pred)(uint32_t), bool space>
+size_t RunOf(const std::vector<CodePoint>& cps, size_t i) {
+    size_t j = i + (space && IsSpace(cps[i].cp) && i + 1 < cps.size() ? 1 : 0);
+    size_t k = j;
+    while (k < cps.size() && pred(cps[k].cp)) ++k;
+    return k > j ? k - i : 0;
+}
+template <bool (*pred)(uint32_t)>
+size_t OneOf(const std::vector<CodePoint>& cps, size_t i) {
+    return pred(cps[i].cp) ? 1 : 0;
+}
+
+bool IsCrLf(uint32_t c) { return c == '\r' || c == '\n'; }
+bool IsAsciiDigit(uint32_t c) { return c >= '0' && c <= '9'; }
+// [\p{P}\$\+<=>\^~\|] and, for Falcon, also the backtick.
+bool IsPunctOrMathAscii(uint32_t c) {
+    return IsPunct(c) || c == '$' || c == '+' || c == '<' || c == '=' || c == '>' || c == '^' ||
+           c == '~' || c == '|';
+}
+bool IsFalconPunct(uint32_t c) { return IsPunctOrMathAscii(c) || c == '`'; }
+// DeepSeek Coder's [一-龥ࠀ-一가-퟿].
+bool IsDeepSeekCjk(uint32_t c) {
+    return (c >= 0x4e00 && c <= 0x9fa5) || (c >= 0x0800 && c <= 0x4e00) ||
+           (c >= 0xac00 && c <= 0xd7ff);
+}
+size_t ThreeAsciiDigits(const std::vector<CodePoint>& cps, size_t i) {
+    return i + 2 < cps.size() && IsAsciiDigit(cps[i].cp) && IsAsciiDigit(cps[i + 1].cp) &&
+                   IsAsciiDigit(cps[i + 2].cp)
+               ? 3
+               : 0;
+}
+
+enum class Stage : uint8_t {
+    kGpt2,          // GPT-2's regex
+    kLlama3,        // Llama 3's regex (\p{N}{1,3})
+    kQwen2,         // Llama 3's regex with single digits
+    kNumbers,       // \p{N}+
+    kNumber,        // \p{N}
+    kThreeDigits,   // [0-9][0-9][0-9]
+    kPunctMath,     // [\p{P}\$\+<=>\^~\|]+
+    kFalconPunct,   // [\p{P}\$\+<=>\^~\|`]+
+    kCrLf,          // [\r\n]
+    kSpaceLetters,  // \s?\p{L}+
+    kSpacePunct,    // \s?\p{P}+
+    kCjk,           // [一-龥ࠀ-一가-퟿]+
+};
+
+Pieces ApplyStage(const Pieces& in, Stage stage) {
+    switch (stage) {
+        case Stage::kGpt2:
+        case Stage::kLlama3:
+        case Stage::kQwen2: {
+            Pieces out;
+            for (std::string_view piece : in) {
+                Pieces p = stage == Stage::kGpt2     ? PreTokenize(piece, false, 0)
+                           : stage == Stage::kLlama3 ? PreTokenize(piece, true, 3)
+                                                     : PreTokenize(piece, true, 1);
+                out.insert(out.end(), p.begin(), p.end());
+            }
+            return out;
+        }
+        case Stage::kNumbers:
+            return SplitIsolated(in, RunOf<IsDigit, false>);
+        case Stage::kNumber:
+            return SplitIsolated(in, OneOf<IsDigit>);
+        case Stage::kThreeDigits:
+            return SplitIsolated(in, ThreeAsciiDigits);
+        case Stage::kPunctMath:
+            return SplitIsolated(in, RunOf<IsPunctOrMathAscii, false>);
+        case Stage::kFalconPunct:
+            return SplitIsolated(in, RunOf<IsFalconPunct, false>);
+        case Stage::kCrLf:
+            return SplitIsolated(in, OneOf<IsCrLf>);
+        case Stage::kSpaceLetters:
+            return SplitIsolated(in, RunOf<IsLetter, true>);
+        case Stage::kSpacePunct:
+            return SplitIsolated(in, RunOf<IsPunct, true>);
+        case Stage::kCjk:
+            return SplitIsolated(in, RunOf<IsDeepSeekCjk, false>);
+    }
+    return in;
+}
+
+// tokenizer.ggml.pre -> its stages, as llama.cpp reads the names (llama-vocab.cpp).
+std::vector<Stage> StagesFor(std::string_view pre) {
+    auto is = [&](std::initializer_list<std::string_view> names) {
+        return std::find(names.begin(), names.end(), pre) != names.end();
+    };
+    if (is({"gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es",
+            "jina-v2-de", "jina-v2-code", "roberta-bpe", "mpt", "olmo", "jais", "trillion"})) {
+        return {Stage::kGpt2};
+    }
+    if (is({"llama-bpe", "llama3", "falcon3", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe",
+            "chatglm-bpe"})) {
+        return {Stage::kLlama3};
+    }
+    if (is({"qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan", "megrez"})) {
+        return {Stage::kQwen2};
+    }
+    if (is({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"})) {
+        return {Stage::kNumber, Stage::kGpt2};
+    }
+    if (pre == "falcon") return {Stage::kFalconPunct, Stage::kGpt2, Stage::kThreeDigits};
+    if (pre == "deepseek-coder") {
+        return {Stage::kCrLf, Stage::kSpaceLetters, Stage::kSpacePunct, Stage::kCjk,
+                Stage::kNumber};
+    }
+    // "default" and names llama.cpp does not know either: its default list.
+    return {Stage::kPunctMath, Stage::kGpt2, Stage::kNumbers, Stage::kThreeDigits};
+}
+
+}  // namespace
+
 std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre) {
-    bool llama3 = pre == "llama-bpe" || pre == "llama3" || pre == "smaug-bpe" || pre == "dbrx" ||
-                  pre == "qwen2";
-    int digits = pre == "qwen2" || pre == "smollm" ? 1 : llama3 ? 3 : 0;
-    return PreTokenize(text, llama3, digits);
+    Pieces pieces = {text};
+    if (text.empty()) return {};
+    for (Stage stage : StagesFor(pre)) pieces = ApplyStage(pieces, stage);
+    return pieces;
 }
 
 Result<ChatTemplate> ParseChatTemplate(std::string_view name) {
@@ -443,7 +607,8 @@ bool Tokenizer::IsControl(int32_t id) const {
     return id >= 0 && id < vocab_size() && types_[id] == kControl;
 }
 
-std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos) const {
+std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos,
+                                       bool parse_special) const {
     std::vector<int32_t> out;
     if (add_bos && bos_id_ >= 0) out.push_back(bos_id_);
     // Split on special token texts; the pieces between them go through the model's algorithm.
@@ -453,7 +618,10 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos) cons
         const std::string* hit = nullptr;
         if (!specials_.empty()) {
             for (const std::string& s : specials_) {
-                if (s[0] == text[i] && text.compare(i, s.size(), s) == 0) {
+                // User-defined tokens (added tokens that are not special) are always matched,
+                // as the models' own tokenizers and llama.cpp do; control tokens only when asked.
+                if (s[0] == text[i] && text.compare(i, s.size(), s) == 0 &&
+                    (parse_special || types_[ids_.at(s)] == kUserDefined)) {
                     hit = &s;
                     break;
                 }
@@ -628,10 +796,46 @@ std::string Tokenizer::TokenBytes(int32_t id) const {
     return out;
 }
 
-std::string Tokenizer::Decode(std::span<const int32_t> ids) const {
+std::string Tokenizer::Decode(std::span<const int32_t> ids, bool specials) const {
     std::string out;
-    for (int32_t id : ids) out += TokenBytes(id);
+    for (int32_t id : ids) out += specials ? LogprobBytes(id) : TokenBytes(id);
     return out;
+}
+
+std::string Tokenizer::LogprobBytes(int32_t id) const {
+    if (IsControl(id)) return tokens_[id];
+    return TokenBytes(id);
+}
+
+std::string Tokenizer::LogprobName(int32_t id) const {
+    std::string bytes = LogprobBytes(id);
+    if (IsValidUtf8(bytes)) return bytes;
+    std::string out = "bytes:";
+    for (unsigned char b : bytes) out += fmt::format("\\x{:02x}", b);
+    return out;
+}
+
+bool IsValidUtf8(std::string_view s) {
+    size_t i = 0;
+    while (i < s.size()) {
+        auto c = static_cast<unsigned char>(s[i]);
+        size_t n = c < 0x80             ? 1
+                   : (c & 0xe0) == 0xc0 ? 2
+                   : (c & 0xf0) == 0xe0 ? 3
+                   : (c & 0xf8) == 0xf0 ? 4
+                                        : 0;
+        if (n == 0 || i + n > s.size()) return false;
+        uint32_t cp = n == 1 ? c : c & (0xff >> (n + 1));
+        for (size_t k = 1; k < n; ++k) {
+            auto cc = static_cast<unsigned char>(s[i + k]);
+            if ((cc & 0xc0) != 0x80) return false;
+            cp = (cp << 6) | (cc & 0x3f);
+        }
+        static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+        i += n;
+    }
+    return true;
 }
 
 Result<std::string> Tokenizer::ApplyChatTemplate(std::span<const ChatMessage> messages,

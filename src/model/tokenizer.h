@@ -32,9 +32,14 @@ enum class ChatTemplate : uint8_t { kChatMl, kLlama3, kLlama2 };
 Result<ChatTemplate> ParseChatTemplate(std::string_view name);  // chatml | llama3 | llama2
 std::string_view ChatTemplateName(ChatTemplate t);
 
-// The byte-level BPE pre-tokenizer for `pre` (tokenizer.ggml.pre): "default"/"gpt2" (GPT-2's
-// regex), "llama-bpe" (Llama 3), "qwen2", "smollm". Views into `text`.
+// The byte-level BPE pre-tokenizer for `pre` (tokenizer.ggml.pre), under the names llama.cpp
+// reads: "gpt-2" (GPT-2's regex), "llama-bpe" (Llama 3), "qwen2", "smollm", "falcon",
+// "deepseek-coder", ...; "default" and unknown names get llama.cpp's default list. Views into
+// `text`.
 std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre);
+
+// Whether `s` is whole, valid UTF-8 (no truncated or overlong sequence, no surrogate).
+bool IsValidUtf8(std::string_view s);
 
 // The token text of byte `b` in a byte-level BPE vocabulary: GPT-2's printable code point for
 // it, as UTF-8 ('a' -> "a", ' ' -> "Ġ").
@@ -66,12 +71,24 @@ class Tokenizer {
     const std::string& token_text(int32_t id) const { return tokens_[id]; }
     bool IsControl(int32_t id) const;
 
-    // Text to token ids; `add_bos` prepends bos when the model wants one (add_bos()).
-    std::vector<int32_t> Encode(std::string_view text, bool add_bos) const;
+    // Text to token ids; `add_bos` prepends bos when the model wants one (add_bos()). With
+    // `parse_special`, control token texts in `text` ("<|im_start|>") become those tokens, as chat
+    // templates need; without, they are text like any other. User-defined tokens always match.
+    std::vector<int32_t> Encode(std::string_view text, bool add_bos,
+                                bool parse_special = true) const;
     // The bytes token `id` adds to the text (control tokens add none). Bytes of one character
     // may be split across tokens: join before treating them as UTF-8.
     std::string TokenBytes(int32_t id) const;
-    std::string Decode(std::span<const int32_t> ids) const;
+    // The text of `ids`; with `specials`, control tokens add their own text ("<|im_end|>"), as
+    // Hugging Face's decode does without skip_special_tokens.
+    std::string Decode(std::span<const int32_t> ids, bool specials = false) const;
+    // How an OpenAI logprobs entry names token `id`, the way vLLM does: its text when its bytes
+    // are whole UTF-8 (a control token: its own text), else "bytes:" and each byte as \xNN
+    // (a token holding part of a character: "bytes:\xe2\x96"). Distinct tokens never share a
+    // name unless they are the same bytes.
+    std::string LogprobName(int32_t id) const;
+    // The bytes that name stands for: TokenBytes, or the text of a control token.
+    std::string LogprobBytes(int32_t id) const;
 
     ChatTemplate chat_template() const { return chat_template_; }
     void set_chat_template(ChatTemplate t) { chat_template_ = t; }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <set>
 
 #include "model/model.h"
 #include "testing/testing.h"
@@ -174,14 +175,22 @@ TEST(ByteBpe, PreTokenizerSplitsLikeTheRegexes) {
 
 TEST(ByteBpe, PreTokensMatchWhatTheRegexesGive) {
     using V = std::vector<std::string_view>;
-    EXPECT_EQ(SplitPreTokens("Hello world's 123  abc\n", "default"),
+    EXPECT_EQ(SplitPreTokens("Hello world's 123  abc\n", "gpt-2"),
               (V{"Hello", " world", "'s", " 123", " ", " abc", "\n"}));
+    // llama.cpp's default list isolates punctuation and numbers before GPT-2's regex runs.
+    EXPECT_EQ(SplitPreTokens("Hello world's 1234  abc\n", "default"),
+              (V{"Hello", " world", "'", "s", " ", "123", "4", " ", " abc", "\n"}));
+    // Falcon: punctuation first, then GPT-2's regex, then digits in threes from the left.
+    EXPECT_EQ(SplitPreTokens("y'all 33333", "falcon"), (V{"y", "'", "all", " ", "333", "33"}));
+    // DeepSeek Coder: newlines, \s?\p{L}+, \s?\p{P}+, CJK runs, then single numbers ('½' is one).
+    EXPECT_EQ(SplitPreTokens("a\n 4 \xc2\xbd b.", "deepseek-coder"),
+              (V{"a", "\n", " ", "4", " ", "\xc2\xbd", " b", "."}));
     EXPECT_EQ(SplitPreTokens("Hello world's 1234567  abc\n\n x", "llama-bpe"),
               (V{"Hello", " world", "'s", " ", "123", "456", "7", " ", " abc", "\n\n", " x"}));
     EXPECT_EQ(SplitPreTokens("IT'S ok!!\n", "llama-bpe"), (V{"IT", "'S", " ok", "!!\n"}));
     EXPECT_EQ(SplitPreTokens("a 12", "smollm"), (V{"a", " ", "1", "2"}));
     EXPECT_EQ(SplitPreTokens("a 12", "qwen2"), (V{"a", " ", "1", "2"}));
-    EXPECT_EQ(SplitPreTokens("x  \t y", "default"), (V{"x", "  \t", " y"}));
+    EXPECT_EQ(SplitPreTokens("x  \t y", "gpt-2"), (V{"x", "  \t", " y"}));
 }
 
 TEST(ChatTemplates, RenderTheKnownFormats) {
@@ -284,6 +293,147 @@ TEST(Tokenizer, RefusesTokenTypesAndScoresOutOfRange) {
                          {-1e30, -std::numeric_limits<double>::infinity()});
     FERRY_EXPECT_OK(load(fine));
     std::remove(path.c_str());
+}
+
+// --- Real vocabularies ---------------------------------------------------------------------------
+// tests/data/tokenizers/: vocabulary-only GGUF files of five model families with llama.cpp's test
+// strings and the ids the models' own (Hugging Face) tokenizers give for them. Every string must
+// come out with exactly those ids, as llama.cpp's test-tokenizer-0 checks its tokenizers: no bos,
+// special-token texts not parsed.
+struct VocabCase {
+    std::string name;
+    std::vector<std::string> texts;
+    std::vector<std::vector<int32_t>> ids;
+};
+
+std::string ReadAll(const std::string& path) {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    EXPECT_NE(f, nullptr) << path;
+    if (!f) return "";
+    std::string out;
+    char buf[65536];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+    std::fclose(f);
+    return out;
+}
+
+std::string VocabPath(const std::string& name) {
+    return std::string(FERRY_SOURCE_DIR) + "/tests/data/tokenizers/ggml-vocab-" + name + ".gguf";
+}
+
+VocabCase LoadVocabCase(const std::string& name) {
+    VocabCase c{name, {}, {}};
+    const std::string inp = ReadAll(VocabPath(name) + ".inp");
+    const std::string sep = "\n__ggml_vocab_test__\n";
+    for (size_t at = 0; at < inp.size();) {
+        size_t end = inp.find(sep, at);
+        if (end == std::string::npos) break;
+        c.texts.push_back(inp.substr(at, end - at));
+        at = end + sep.size();
+    }
+    const std::string out = ReadAll(VocabPath(name) + ".out");
+    for (size_t at = 0; at < out.size();) {
+        size_t end = out.find('\n', at);
+        if (end == std::string::npos) end = out.size();
+        std::vector<int32_t> ids;
+        const std::string line = out.substr(at, end - at);
+        for (size_t i = 0; i < line.size();) {
+            if (line[i] == ' ') {
+                ++i;
+                continue;
+            }
+            size_t used = 0;
+            ids.push_back(std::stoi(line.substr(i), &used));
+            i += used;
+        }
+        c.ids.push_back(std::move(ids));
+        at = end + 1;
+    }
+    return c;
+}
+
+class RealVocab : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RealVocab, EveryTestStringGivesTheModelsIds) {
+    VocabCase c = LoadVocabCase(GetParam());
+    ASSERT_GT(c.texts.size(), 20u);
+    ASSERT_EQ(c.texts.size(), c.ids.size()) << "inp and out of " << c.name << " disagree";
+    auto file = GgufFile::Open(VocabPath(c.name));
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    auto t = Tokenizer::FromGguf(**file);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    size_t wrong = 0;
+    for (size_t i = 0; i < c.texts.size(); ++i) {
+        std::vector<int32_t> got = (*t)->Encode(c.texts[i], /*add_bos=*/false,
+                                                /*parse_special=*/false);
+        if (got != c.ids[i]) {
+            ++wrong;
+            auto texts = [&](const std::vector<int32_t>& ids) {
+                std::string s;
+                for (int32_t id : ids) {
+                    s += fmt::format(
+                        "{}{}='{}'", s.empty() ? "" : " ", id,
+                        id >= 0 && id < (*t)->vocab_size() ? (*t)->token_text(id) : "?");
+                }
+                return s;
+            };
+            ADD_FAILURE() << c.name << " string " << i << " '" << c.texts[i] << "':\n got  "
+                          << texts(got) << "\n want " << texts(c.ids[i]);
+        }
+        // Decoding gives the text back (these vocabularies have no unknown bytes).
+        EXPECT_EQ((*t)->Decode(got),
+                  (*t)->kind() == Tokenizer::Kind::kSentencePiece && !c.texts[i].empty()
+                      ? " " + c.texts[i]
+                      : c.texts[i])
+            << c.name << " string " << i;
+    }
+    EXPECT_EQ(wrong, 0u) << c.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, RealVocab,
+                         ::testing::Values("gpt-2", "llama-spm", "phi-3", "deepseek-coder",
+                                           "falcon"),
+                         [](const auto& info) {
+                             std::string s = info.param;
+                             std::replace(s.begin(), s.end(), '-', '_');
+                             return s;
+                         });
+
+TEST(Tokenizer, LogprobNamesAreDistinctForPartialCharactersAndControlTokens) {
+    std::string path = TempPath("logprob-names");
+    RandomModelSpec spec;
+    spec.dim = 16;
+    spec.num_layers = 1;
+    spec.num_heads = 2;
+    spec.num_kv_heads = 1;
+    spec.ffn_dim = 16;
+    ASSERT_TRUE(WriteRandomModel(spec, 1, path).ok());
+    auto file = std::move(GgufFile::Open(path)).value();
+    auto t = std::move(Tokenizer::FromGguf(*file)).value();
+    std::remove(path.c_str());
+    EXPECT_EQ(t->LogprobName('a'), "a");
+    EXPECT_EQ(t->LogprobName(0xe2), "bytes:\\xe2");
+    EXPECT_EQ(t->LogprobBytes(0xe2), "\xe2");
+    EXPECT_EQ(t->LogprobName(0xff), "bytes:\\xff");
+    EXPECT_EQ(t->LogprobName(258), "<|im_end|>");  // control: its own text
+    EXPECT_EQ(t->TokenBytes(258), "");             // but no bytes of the answer
+    std::set<std::string> names;
+    for (int32_t id = 0; id < t->vocab_size(); ++id) names.insert(t->LogprobName(id));
+    EXPECT_EQ(names.size(), static_cast<size_t>(t->vocab_size()));
+    std::vector<int32_t> ids = {257, 'h', 'i', 258};
+    EXPECT_EQ(t->Decode(ids), "hi");
+    EXPECT_EQ(t->Decode(ids, /*specials=*/true), "<|im_start|>hi<|im_end|>");
+}
+
+TEST(Utf8, ValidityIsExact) {
+    EXPECT_TRUE(IsValidUtf8(""));
+    EXPECT_TRUE(IsValidUtf8("a\xc3\xbc\xe4\xb8\x96\xf0\x9f\xa6\x99"));
+    EXPECT_FALSE(IsValidUtf8("\xe4\xb8"));          // truncated
+    EXPECT_FALSE(IsValidUtf8("\x80"));              // lone continuation
+    EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong
+    EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // surrogate
+    EXPECT_FALSE(IsValidUtf8("\xf4\x90\x80\x80"));  // beyond U+10FFFF
 }
 
 }  // namespace

@@ -91,10 +91,56 @@ class Fields {
     std::optional<BadRequest> error_;
 };
 
-// Fills `out` from a /v1/completions or /v1/chat/completions body.
-void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
-                  const std::string& model_name, ParsedRequest* out, Fields* f) {
-    out->chat = chat;
+// The "messages" of a chat request (text content only); false with `f` failed.
+bool ParseMessages(const Json& body, Fields* f, std::vector<model::ChatMessage>* msgs) {
+    auto fail = [&](std::string message, std::string param) {
+        f->Fail(std::move(message), std::move(param));
+        return false;
+    };
+    if (!f->Has("messages") || !body["messages"].is_array() || body["messages"].empty()) {
+        return fail("'messages' must be a non-empty array", "messages");
+    }
+    for (size_t i = 0; i < body["messages"].size(); ++i) {
+        const Json& m = body["messages"][i];
+        std::string where = fmt::format("messages[{}]", i);
+        if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+            return fail(where + " must be an object with a string 'role'", where);
+        }
+        model::ChatMessage cm;
+        cm.role = m["role"].get<std::string>();
+        const Json& c = m.contains("content") ? m["content"] : Json();
+        if (c.is_string()) {
+            cm.content = c.get<std::string>();
+        } else if (c.is_array()) {
+            for (const Json& part : c) {
+                if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
+                    return fail(where + ".content parts must be objects with a 'type'",
+                                where + ".content");
+                }
+                std::string type = part["type"].get<std::string>();
+                if (type != "text") {
+                    return fail(fmt::format("{}.content: part type '{}' is not supported by this "
+                                            "worker (text only)",
+                                            where, type),
+                                where + ".content");
+                }
+                if (!part.contains("text") || !part["text"].is_string()) {
+                    return fail(where + ".content: a text part needs a string 'text'",
+                                where + ".content");
+                }
+                cm.content += part["text"].get<std::string>();
+            }
+        } else if (!c.is_null()) {
+            return fail(where + ".content must be a string or an array of parts",
+                        where + ".content");
+        }
+        msgs->push_back(std::move(cm));
+    }
+    return true;
+}
+
+// The "model" field, if given, must name the served model.
+void CheckModel(Fields* f, const std::string& model_name) {
     std::string model;
     f->String("model", &model);
     if (f->ok() && !model.empty() && model != model_name) {
@@ -102,6 +148,13 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
                             model_name),
                 "model", "model_not_found");
     }
+}
+
+// Fills `out` from a /v1/completions or /v1/chat/completions body.
+void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
+                  const std::string& model_name, ParsedRequest* out, Fields* f) {
+    out->chat = chat;
+    CheckModel(f, model_name);
     model::SamplingParams& sp = out->sampling;
     int64_t max_tokens = chat ? -1 : 16;
     f->Int("max_tokens", &max_tokens, 1, 1 << 30);
@@ -192,46 +245,8 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
 
     // The prompt.
     if (chat) {
-        if (!f->Has("messages") || !body["messages"].is_array() || body["messages"].empty()) {
-            return f->Fail("'messages' must be a non-empty array", "messages");
-        }
         std::vector<model::ChatMessage> msgs;
-        for (size_t i = 0; i < body["messages"].size(); ++i) {
-            const Json& m = body["messages"][i];
-            std::string where = fmt::format("messages[{}]", i);
-            if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-                return f->Fail(where + " must be an object with a string 'role'", where);
-            }
-            model::ChatMessage cm;
-            cm.role = m["role"].get<std::string>();
-            const Json& c = m.contains("content") ? m["content"] : Json();
-            if (c.is_string()) {
-                cm.content = c.get<std::string>();
-            } else if (c.is_array()) {
-                for (const Json& part : c) {
-                    if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
-                        return f->Fail(where + ".content parts must be objects with a 'type'",
-                                       where + ".content");
-                    }
-                    std::string type = part["type"].get<std::string>();
-                    if (type != "text") {
-                        return f->Fail(fmt::format("{}.content: part type '{}' is not supported "
-                                                   "by this worker (text only)",
-                                                   where, type),
-                                       where + ".content");
-                    }
-                    if (!part.contains("text") || !part["text"].is_string()) {
-                        return f->Fail(where + ".content: a text part needs a string 'text'",
-                                       where + ".content");
-                    }
-                    cm.content += part["text"].get<std::string>();
-                }
-            } else if (!c.is_null()) {
-                return f->Fail(where + ".content must be a string or an array of parts",
-                               where + ".content");
-            }
-            msgs.push_back(std::move(cm));
-        }
+        if (!ParseMessages(body, f, &msgs)) return;
         auto text = tk.ApplyChatTemplate(msgs, true);
         if (!text.ok()) return f->Fail(text.status().message(), "messages");
         out->prompt = tk.Encode(*text, false);
@@ -382,22 +397,33 @@ std::string KvTransferParamsJson(const kv::KvTransferParams& p) {
     return j.dump();
 }
 
-bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer& tk,
-                        const std::string& model_name, int max_model_len, ParsedRequest* out,
-                        BadRequest* error) {
+namespace {
+
+// A request body: a JSON object within the nesting limit.
+bool ParseBody(std::string_view text, Json* body, BadRequest* error) {
     if (!JsonDepthWithin(text, kMaxJsonDepth)) {
         *error = {fmt::format("the body nests deeper than {} levels", kMaxJsonDepth), "", ""};
         return false;
     }
-    Json body = Json::parse(text.begin(), text.end(), nullptr, false);
-    if (body.is_discarded()) {
+    *body = Json::parse(text.begin(), text.end(), nullptr, false);
+    if (body->is_discarded()) {
         *error = {"the body is not valid JSON", "", ""};
         return false;
     }
-    if (!body.is_object()) {
+    if (!body->is_object()) {
         *error = {"the body must be a JSON object", "", ""};
         return false;
     }
+    return true;
+}
+
+}  // namespace
+
+bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer& tk,
+                        const std::string& model_name, int max_model_len, ParsedRequest* out,
+                        BadRequest* error) {
+    Json body;
+    if (!ParseBody(text, &body, error)) return false;
     Fields fields(body);
     ParseRequest(body, chat, tk, model_name, out, &fields);
     if (fields.ok() && body.contains("kv_transfer_params") &&
@@ -411,6 +437,83 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer
     if (chat && !body.contains("max_tokens") && !body.contains("max_completion_tokens")) {
         out->sampling.max_tokens =
             std::max(1, max_model_len - static_cast<int>(out->prompt.size()));
+    }
+    return true;
+}
+
+bool ParseTokenizeRequest(std::string_view text, const model::Tokenizer& tk,
+                          const std::string& model_name, TokenizeRequest* out, BadRequest* error) {
+    Json body;
+    if (!ParseBody(text, &body, error)) return false;
+    Fields f(body);
+    CheckModel(&f, model_name);
+    f.Bool("return_token_strs", &out->return_token_strs);
+    const bool chat = f.Has("messages");
+    if (chat && f.Has("prompt")) f.Fail("give 'prompt' or 'messages', not both", "prompt");
+    // vLLM's defaults: special tokens (bos) for a prompt, none for messages (the template has
+    // its own).
+    bool add_special = !chat;
+    f.Bool("add_special_tokens", &add_special);
+    if (chat) {
+        bool add_generation_prompt = true, continue_final = false;
+        f.Bool("add_generation_prompt", &add_generation_prompt);
+        f.Bool("continue_final_message", &continue_final);
+        if (continue_final) {
+            f.Fail("'continue_final_message' is not supported by this server",
+                   "continue_final_message");
+        }
+        std::vector<model::ChatMessage> msgs;
+        if (f.ok() && ParseMessages(body, &f, &msgs)) {
+            auto rendered = tk.ApplyChatTemplate(msgs, add_generation_prompt);
+            if (!rendered.ok()) {
+                f.Fail(rendered.status().message(), "messages");
+            } else {
+                out->tokens = tk.Encode(*rendered, add_special && tk.add_bos());
+            }
+        }
+    } else if (f.ok()) {
+        if (!f.Has("prompt")) {
+            f.Fail("'prompt' (a string) or 'messages' is required", "prompt");
+        } else if (!body["prompt"].is_string()) {
+            f.Fail(fmt::format("'prompt' must be a string, not {}", TypeName(body["prompt"])),
+                   "prompt");
+        } else {
+            out->tokens = tk.Encode(body["prompt"].get<std::string>(), add_special && tk.add_bos());
+        }
+    }
+    if (!f.ok()) {
+        *error = f.error();
+        return false;
+    }
+    return true;
+}
+
+bool ParseDetokenizeRequest(std::string_view text, const model::Tokenizer& tk,
+                            const std::string& model_name, std::vector<int32_t>* tokens,
+                            BadRequest* error) {
+    Json body;
+    if (!ParseBody(text, &body, error)) return false;
+    Fields f(body);
+    CheckModel(&f, model_name);
+    if (f.ok() && (!f.Has("tokens") || !body["tokens"].is_array())) {
+        f.Fail("'tokens' must be an array of token ids", "tokens");
+    }
+    if (f.ok()) {
+        for (const Json& e : body["tokens"]) {
+            std::optional<int32_t> id;
+            if (e.is_number_integer()) id = TokenId(e, tk);
+            if (!id) {
+                f.Fail(fmt::format("tokens: {} is not a token id (0..{})", e.dump(),
+                                   tk.vocab_size() - 1),
+                       "tokens");
+                break;
+            }
+            tokens->push_back(*id);
+        }
+    }
+    if (!f.ok()) {
+        *error = f.error();
+        return false;
     }
     return true;
 }

@@ -48,4 +48,20 @@ bool ParseOpenAiRequest(std::string_view body, bool chat, const model::Tokenizer
                         const std::string& model_name, int max_model_len, ParsedRequest* out,
                         BadRequest* error);
 
+// POST /tokenize, as vLLM's server defines it: {"prompt": text} (TokenizeCompletionRequest;
+// add_special_tokens defaults to true) or {"messages": [...]} (TokenizeChatRequest, rendered with
+// the chat template; add_generation_prompt defaults to true, add_special_tokens to false), and
+// return_token_strs.
+struct TokenizeRequest {
+    std::vector<int32_t> tokens;
+    bool return_token_strs = false;
+};
+bool ParseTokenizeRequest(std::string_view body, const model::Tokenizer& tokenizer,
+                          const std::string& model_name, TokenizeRequest* out, BadRequest* error);
+
+// POST /detokenize: {"tokens": [ids]}, each id in the vocabulary.
+bool ParseDetokenizeRequest(std::string_view body, const model::Tokenizer& tokenizer,
+                            const std::string& model_name, std::vector<int32_t>* tokens,
+                            BadRequest* error);
+
 }  // namespace ferry::serve

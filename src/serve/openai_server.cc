@@ -185,6 +185,44 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
                          ex->Reply({200, "application/json", config.kv_agent_info(), {}});
                      }});
     }
+    // vLLM's /tokenize and /detokenize.
+    r.push_back({"POST", "/tokenize",
+                 [this](std::shared_ptr<http::Exchange> ex) {
+                     const model::Tokenizer& tk = engine->model().tokenizer();
+                     TokenizeRequest tr;
+                     BadRequest bad;
+                     if (!ParseTokenizeRequest(ex->request().body, tk, model_name, &tr, &bad)) {
+                         return ex->Reply(Error(400, bad));
+                     }
+                     Json strs;
+                     if (tr.return_token_strs) {
+                         strs = Json::array();
+                         for (int32_t t : tr.tokens) strs.push_back(tk.token_text(t));
+                     }
+                     ex->Reply({200,
+                                "application/json",
+                                Dump({{"count", tr.tokens.size()},
+                                      {"max_model_len", engine->max_model_len()},
+                                      {"tokens", tr.tokens},
+                                      {"token_strs", strs}}),
+                                {}});
+                 },
+                 config.max_body_bytes});
+    r.push_back(
+        {"POST", "/detokenize",
+         [this](std::shared_ptr<http::Exchange> ex) {
+             const model::Tokenizer& tk = engine->model().tokenizer();
+             std::vector<int32_t> tokens;
+             BadRequest bad;
+             if (!ParseDetokenizeRequest(ex->request().body, tk, model_name, &tokens, &bad)) {
+                 return ex->Reply(Error(400, bad));
+             }
+             ex->Reply({200,
+                        "application/json",
+                        Dump({{"prompt", tk.Decode(tokens, /*specials=*/true)}}),
+                        {}});
+         },
+         config.max_body_bytes});
     r.push_back({"POST", "/add_remote_prefill_eps",
                  [this](std::shared_ptr<http::Exchange> ex) { AddRemotePrefill(ex); }, 1u << 20});
     r.push_back({"POST", "/v1/completions",
@@ -366,23 +404,26 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     // Log-probabilities of one output event, in the endpoint's format.
     const bool as_ids = pr.tokens_as_ids;
     auto logprobs_json = [&tk, chat, as_ids](const engine::RequestOutput& o, size_t* text_offset) {
+        // A token's name: vLLM's (its text, or "bytes:\xNN" for part of a character), or
+        // "token_id:N" when asked. The chat `bytes` field holds the token's own bytes, so a
+        // client can join partial characters.
         auto name = [&](int32_t t) {
-            return as_ids ? fmt::format("token_id:{}", t) : tk.TokenBytes(t);
+            return as_ids ? fmt::format("token_id:{}", t) : tk.LogprobName(t);
+        };
+        auto bytes = [&](int32_t t) {
+            std::string b = tk.LogprobBytes(t);
+            return std::vector<uint8_t>(b.begin(), b.end());
         };
         if (chat) {
             Json content = Json::array();
             for (size_t i = 0; i < o.tokens.size() && i < o.logprobs.size(); ++i) {
-                std::string t = name(o.tokens[i]);
                 Json top = Json::array();
                 for (auto [tid, lp] : o.top_logprobs[i]) {
-                    std::string tt = name(tid);
-                    top.push_back({{"token", tt},
-                                   {"logprob", lp},
-                                   {"bytes", std::vector<uint8_t>(tt.begin(), tt.end())}});
+                    top.push_back({{"token", name(tid)}, {"logprob", lp}, {"bytes", bytes(tid)}});
                 }
-                content.push_back({{"token", t},
+                content.push_back({{"token", name(o.tokens[i])},
                                    {"logprob", o.logprobs[i]},
-                                   {"bytes", std::vector<uint8_t>(t.begin(), t.end())},
+                                   {"bytes", bytes(o.tokens[i])},
                                    {"top_logprobs", top}});
             }
             return Json{{"content", content}};
@@ -390,8 +431,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         Json tokens = Json::array(), lps = Json::array(), tops = Json::array(),
              offsets = Json::array();
         for (size_t i = 0; i < o.tokens.size() && i < o.logprobs.size(); ++i) {
-            std::string t = name(o.tokens[i]);
-            tokens.push_back(t);
+            tokens.push_back(name(o.tokens[i]));
             lps.push_back(o.logprobs[i]);
             Json top = Json::object();
             for (auto [tid, lp] : o.top_logprobs[i]) top[name(tid)] = lp;

@@ -394,20 +394,34 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         r.push_back({"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
                          ex->Reply({200, "text/plain; version=0.0.4", Metrics(), {}});
                      }});
-        // The models the decode workers serve (the first one answers).
+        // What any worker answers alike (the first decode worker does): the models it serves,
+        // and vLLM's /tokenize and /detokenize (every worker has the same tokenizer).
         r.push_back({"GET", "/v1/models", [this](std::shared_ptr<http::Exchange> ex) {
-                         http::ClientRequest req;
-                         req.method = "GET";
-                         req.host = cfg.decode[0].host;
-                         req.port = cfg.decode[0].port;
-                         req.target = "/v1/models";
-                         req.timeout = std::chrono::seconds(10);
-                         client->CallWhole(req, [ex](Result<http::ClientReply> r) {
-                             if (!r.ok()) return ex->Reply(ErrorReply(502, r.status().message()));
-                             ex->Reply({r->status, "application/json", std::move(r->body), {}});
-                         });
+                         ToFirstDecoder(ex, "GET", "/v1/models");
                      }});
+        for (const char* path : {"/tokenize", "/detokenize"}) {
+            r.push_back({"POST", path,
+                         [this, path](std::shared_ptr<http::Exchange> ex) {
+                             ToFirstDecoder(ex, "POST", path);
+                         },
+                         cfg.max_body_bytes});
+        }
         return r;
+    }
+
+    void ToFirstDecoder(const std::shared_ptr<http::Exchange>& ex, const char* method,
+                        const char* target) {
+        http::ClientRequest req;
+        req.method = method;
+        req.host = cfg.decode[0].host;
+        req.port = cfg.decode[0].port;
+        req.target = target;
+        req.body = ex->request().body;
+        req.timeout = std::chrono::seconds(10);
+        client->CallWhole(req, [ex](Result<http::ClientReply> r) {
+            if (!r.ok()) return ex->Reply(ErrorReply(502, r.status().message()));
+            ex->Reply({r->status, "application/json", std::move(r->body), {}});
+        });
     }
 };
 

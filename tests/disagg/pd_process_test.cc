@@ -312,6 +312,18 @@ TEST_F(PdProcess, SixtyFourInFlightAndSeededSamplingMatchColocated) {
         }
     }
     EXPECT_EQ(d.decode->Metric("ferry_prompt_tokens_total"), 0);
+    // /tokenize and /detokenize through the proxy answer as a worker does.
+    const Json tok = {{"prompt", "tokens, through the proxy"}};
+    auto direct = http::Fetch(Post(colocated->port(), tok, "/tokenize"));
+    auto proxied = http::Fetch(Post(d.proxy_pull->port(), tok, "/tokenize"));
+    ASSERT_TRUE(direct.ok() && proxied.ok());
+    EXPECT_EQ(proxied->status, 200) << proxied->body;
+    EXPECT_EQ(proxied->body, direct->body);
+    auto back =
+        http::Fetch(Post(d.proxy_push->port(),
+                         Json{{"tokens", Json::parse(direct->body)["tokens"]}}, "/detokenize"));
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(Json::parse(back->body)["prompt"], "tokens, through the proxy");
 }
 
 // Decode-first (Dynamo style): the client talks to the decode worker, which sends prompts of at

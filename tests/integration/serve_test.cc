@@ -12,6 +12,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "model/model.h"
@@ -402,6 +405,230 @@ TEST_F(ServeTest, BenchServeRunsAgainstTheServer) {
     EXPECT_NE(pclose(p), 0);
     EXPECT_THAT(out, HasSubstr("is the server up"));
 }
+
+// vLLM's /tokenize and /detokenize: a prompt, chat messages, token strings, and the errors.
+TEST_F(ServeTest, TokenizeAndDetokenizeAsVllmDoes) {
+    auto r = Post("/tokenize", R"({"model":"serve-test","prompt":"Hi there"})");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    Json j = Json::parse(r->body);
+    // The byte vocabulary: one token per byte, no bos (the model does not want one).
+    EXPECT_EQ(j["count"], 8);
+    EXPECT_EQ(j["max_model_len"], 4096);
+    EXPECT_EQ(j["tokens"], Json::parse("[72,105,32,116,104,101,114,101]"));
+    EXPECT_TRUE(j["token_strs"].is_null());
+
+    r = Post("/tokenize", R"({"prompt":"a b","return_token_strs":true})");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(Json::parse(r->body)["token_strs"], Json::parse(R"(["a","\u0120","b"])"));
+
+    // Messages go through the chat template (ChatML here), its control tokens included.
+    r = Post("/tokenize", R"({"messages":[{"role":"user","content":"hi"}]})");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    Json chat = Json::parse(r->body)["tokens"];
+    EXPECT_EQ(chat[0], 257);  // <|im_start|>
+    auto d = Post("/detokenize", Json{{"tokens", chat}}.dump());
+    ASSERT_TRUE(d);
+    ASSERT_EQ(d->status, 200) << d->body;
+    EXPECT_EQ(Json::parse(d->body)["prompt"],
+              "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    r = Post("/tokenize",
+             R"({"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false})");
+    ASSERT_TRUE(r);
+    // Without the generation prompt: 11 tokens fewer (<|im_start|>, "assistant", "\n").
+    EXPECT_EQ(Json::parse(r->body)["count"].get<size_t>() + 11, chat.size()) << r->body;
+
+    // Text round trips through both, any bytes included.
+    const std::string text = "Grüße, 世界! \xf0\x9f\xa6\x99 tabs\tand\nnewlines";
+    r = Post("/tokenize", Json{{"prompt", text}}.dump());
+    ASSERT_TRUE(r);
+    d = Post("/detokenize", Json{{"tokens", Json::parse(r->body)["tokens"]}}.dump());
+    ASSERT_TRUE(d);
+    EXPECT_EQ(Json::parse(d->body)["prompt"], text);
+
+    struct Case {
+        const char* path;
+        const char* body;
+        const char* param;
+    };
+    for (const Case& c : {
+             Case{"/tokenize", R"({"prompt":5})", "prompt"},
+             Case{"/tokenize", R"({})", "prompt"},
+             Case{"/tokenize", R"({"prompt":"a","messages":[{"role":"user","content":"b"}]})",
+                  "prompt"},
+             Case{"/tokenize", R"({"messages":[]})", "messages"},
+             Case{"/tokenize", R"({"messages":[{"role":"user","content":"x"}],
+                                  "continue_final_message":true})",
+                  "continue_final_message"},
+             Case{"/tokenize", R"({"prompt":"a","model":"other"})", "model"},
+             Case{"/tokenize", R"({"prompt":"a","add_special_tokens":"yes"})",
+                  "add_special_tokens"},
+             Case{"/detokenize", R"({"tokens":[1,-1]})", "tokens"},
+             Case{"/detokenize", R"({"tokens":[259]})", "tokens"},
+             Case{"/detokenize", R"({"tokens":[1.5]})", "tokens"},
+             Case{"/detokenize", R"({"tokens":"abc"})", "tokens"},
+             Case{"/detokenize", R"([1,2])", ""},
+             Case{"/detokenize", R"({"tokens":[1)", ""},
+         }) {
+        auto e = Post(c.path, c.body);
+        ASSERT_TRUE(e) << c.body;
+        EXPECT_EQ(e->status, 400) << c.path << " " << c.body << " -> " << e->body;
+        Json err = Json::parse(e->body, nullptr, false);
+        ASSERT_TRUE(err.is_object()) << e->body;
+        EXPECT_EQ(err["error"]["type"], "invalid_request_error") << e->body;
+        EXPECT_EQ(err["error"]["param"], *c.param ? Json(c.param) : Json()) << e->body;
+    }
+    auto h = Get("/health");
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->status, 200);
+}
+
+// Every token in the logprobs has a name no other token shares: a lone byte >= 0x80 is
+// "bytes:\xNN" (vLLM's form; it used to be U+FFFD for all of them, so the top alternatives
+// collided), and the chat form carries each token's bytes.
+TEST_F(ServeTest, LogprobsNameEveryTokenDistinctlyAndCarryItsBytes) {
+    // The random byte model puts bytes >= 0x80 (half its vocabulary) among its top choices.
+    auto r = Post("/v1/completions", R"({"prompt":"The quick brown fox","max_tokens":12,
+                                         "temperature":0,"ignore_eos":true,"logprobs":5})");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    Json lp = Json::parse(r->body)["choices"][0]["logprobs"];
+    ASSERT_EQ(lp["tokens"].size(), 12u);
+    size_t partial = 0;
+    const std::regex bytes_name(R"(bytes:(\\x[0-9a-f]{2})+)");
+    for (size_t i = 0; i < 12; ++i) {
+        // top_logprobs is a dict keyed by name: 5 keys, or names collided. The chosen token is
+        // among them (greedy).
+        const Json& top = lp["top_logprobs"][i];
+        EXPECT_EQ(top.size(), 5u) << top.dump();
+        EXPECT_TRUE(top.contains(lp["tokens"][i].get<std::string>())) << top.dump();
+        for (const auto& [name, _] : top.items()) {
+            if (name.rfind("bytes:", 0) == 0) {
+                ++partial;
+                EXPECT_TRUE(std::regex_match(name, bytes_name)) << name;
+            }
+        }
+    }
+    EXPECT_GT(partial, 0u) << "no lone byte among 60 alternatives: the check saw nothing";
+
+    r = Post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"Hello"}],
+                                         "max_tokens":8,"temperature":0,"ignore_eos":true,
+                                         "logprobs":true,"top_logprobs":5})");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    Json content = Json::parse(r->body)["choices"][0]["logprobs"]["content"];
+    ASSERT_EQ(content.size(), 8u);
+    std::string joined;
+    auto check = [&](const Json& e) {
+        const std::string name = e["token"].get<std::string>();
+        std::vector<uint8_t> bytes = e["bytes"].get<std::vector<uint8_t>>();
+        ASSERT_FALSE(bytes.empty()) << e.dump();
+        if (name.rfind("bytes:", 0) == 0) {
+            std::string hex;
+            for (uint8_t b : bytes) hex += fmt::format("\\x{:02x}", b);
+            EXPECT_EQ(name, "bytes:" + hex);
+        } else {
+            EXPECT_EQ(name, std::string(bytes.begin(), bytes.end()));
+        }
+    };
+    for (const Json& e : content) {
+        check(e);
+        std::set<std::string> names;
+        for (const Json& t : e["top_logprobs"]) {
+            check(t);
+            names.insert(t["token"].get<std::string>());
+        }
+        EXPECT_EQ(names.size(), 5u) << e.dump();
+        // A control token is named by its text; the answer's text leaves it out.
+        const std::string name = e["token"].get<std::string>();
+        if (name == "<|endoftext|>" || name == "<|im_start|>" || name == "<|im_end|>") continue;
+        std::vector<uint8_t> b = e["bytes"].get<std::vector<uint8_t>>();
+        joined.append(b.begin(), b.end());
+    }
+    // The bytes of the chosen tokens are the answer's text.
+    std::string text = Json::parse(r->body)["choices"][0]["message"]["content"];
+    Json fixed = Json::parse(Json(joined).dump(-1, ' ', false, Json::error_handler_t::replace));
+    EXPECT_EQ(fixed.get<std::string>(), text);
+}
+
+// A model made with a real model's vocabulary (`ferry model init --vocab`) serves: /tokenize
+// gives that model's own ids for llama.cpp's test strings, text round-trips, completions run.
+class RealVocabServe : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RealVocabServe, ServesAndRoundTripsText) {
+    const std::string dir = std::string(FERRY_SOURCE_DIR) + "/tests/data/tokenizers/";
+    const std::string vocab = dir + "ggml-vocab-" + GetParam() + ".gguf";
+    const std::string model = (std::filesystem::temp_directory_path() /
+                               ("vocab-" + GetParam() + "-" + std::to_string(getpid()) + ".gguf"))
+                                  .string();
+    std::string cmd =
+        fmt::format("{} model init --preset tiny --dtype f16 --vocab {} --out {} 2>&1", FERRY_BIN,
+                    vocab, model);
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::string line;
+    auto child = testing::ChildProcess::Start(
+        {FERRY_BIN, "serve", "--model", model, "--port", "0", "--num-kv-blocks", "256"},
+        "ferry serve: listening on ", &line, std::chrono::seconds(60));
+    std::remove(model.c_str());
+    ASSERT_TRUE(child.ok()) << child.status().ToString();
+    const int port = std::stoi(line.substr(line.rfind(':') + 1));
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(60, 0);
+
+    // llama.cpp's strings and the ids the model's own tokenizer gives (no special tokens).
+    std::ifstream inp(vocab + ".inp"), out(vocab + ".out");
+    std::stringstream all;
+    all << inp.rdbuf();
+    const std::string sep = "\n__ggml_vocab_test__\n";
+    std::string body = all.str();
+    size_t checked = 0;
+    for (size_t at = 0; at < body.size() && checked < 12;) {
+        size_t end = body.find(sep, at);
+        if (end == std::string::npos) break;
+        std::string text = body.substr(at, end - at);
+        at = end + sep.size();
+        std::string ids_line;
+        std::getline(out, ids_line);
+        std::vector<int> want;
+        std::istringstream ids(ids_line);
+        for (int id; ids >> id;) want.push_back(id);
+        if (text.empty()) continue;
+        auto r = c.Post("/tokenize", Json{{"prompt", text}, {"add_special_tokens", false}}.dump(),
+                        "application/json");
+        ASSERT_TRUE(r);
+        ASSERT_EQ(r->status, 200) << r->body;
+        EXPECT_EQ(Json::parse(r->body)["tokens"].get<std::vector<int>>(), want) << text;
+        auto d = c.Post("/detokenize", Json{{"tokens", want}}.dump(), "application/json");
+        ASSERT_TRUE(d);
+        std::string back = Json::parse(d->body)["prompt"];
+        // SentencePiece puts a space before the text; it comes back with it.
+        EXPECT_TRUE(back == text || back == " " + text) << "'" << back << "' for '" << text << "'";
+        ++checked;
+    }
+    EXPECT_GE(checked, 10u);
+    auto r = c.Post("/v1/completions",
+                    R"({"prompt":"Hello world","max_tokens":6,"temperature":0,"ignore_eos":true})",
+                    "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(Json::parse(r->body)["usage"]["completion_tokens"], 6);
+    r = c.Post("/v1/chat/completions",
+               R"({"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"ignore_eos":true})",
+               "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, RealVocabServe,
+                         ::testing::Values("gpt-2", "llama-spm", "phi-3", "deepseek-coder",
+                                           "falcon"),
+                         [](const auto& info) {
+                             std::string s = info.param;
+                             std::replace(s.begin(), s.end(), '-', '_');
+                             return s;
+                         });
 
 }  // namespace
 }  // namespace ferry
