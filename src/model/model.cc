@@ -18,6 +18,7 @@
 #include "core/crypto.h"
 #include "core/half.h"
 #include "kv/connector.h"
+#include "model/kernels.h"
 
 namespace ferry::model {
 
@@ -61,20 +62,20 @@ Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
     return out;
 }
 
-// Rows [r0, r1) of a row-major [rows][cols] matrix.
-std::vector<float> Rows(const std::vector<float>& m, size_t cols, size_t r0, size_t r1) {
-    return std::vector<float>(m.begin() + static_cast<std::ptrdiff_t>(r0 * cols),
-                              m.begin() + static_cast<std::ptrdiff_t>(r1 * cols));
-}
-
-// Columns [c0, c1) of a row-major [rows][cols] matrix.
-std::vector<float> Cols(const std::vector<float>& m, size_t rows, size_t cols, size_t c0,
-                        size_t c1) {
-    std::vector<float> out(rows * (c1 - c0));
-    for (size_t r = 0; r < rows; ++r) {
-        std::memcpy(&out[r * (c1 - c0)], &m[r * cols + c0], (c1 - c0) * 4);
+// A 2-D weight tensor (ggml dims {cols, rows}) in its own type: f16 and bf16 stay 16-bit.
+Result<Weights> TensorWeights(const GgufFile& f, const std::string& name,
+                              std::vector<uint64_t> dims) {
+    const GgufTensor* t = f.FindTensor(name);
+    if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
+    if (t->dims != dims) {
+        FERRY_RETURN_IF_ERROR(TensorF32(f, name, dims).status());  // names both shapes
     }
-    return out;
+    Weights w;
+    w.type = t->type;
+    w.cols = static_cast<int64_t>(dims[0]);
+    w.rows = static_cast<int64_t>(dims[1]);
+    w.bytes.assign(t->data, t->data + t->bytes);
+    return w;
 }
 
 void Append(std::vector<float>* dst, const std::vector<float>& src) {
@@ -86,53 +87,6 @@ void RmsNorm(const float* x, const float* w, int dim, float eps, float* out) {
     for (int i = 0; i < dim; ++i) ss += double(x[i]) * x[i];
     float scale = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
     for (int i = 0; i < dim; ++i) out[i] = x[i] * scale * w[i];
-}
-
-// C[m][n] = A[m][k] * B[n][k]^T (B row-major [n][k]: a weight stored [out][in]). A few rows
-// (decode steps) go through sgemv, which streams the weights once instead of packing them.
-void MatMulT(int m, int n, int k, const float* a, int lda, const float* b, float* c, int ldc) {
-    if (m <= 2) {
-        for (int i = 0; i < m; ++i) {
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, b, k, a + size_t(i) * lda, 1, 0.0f,
-                        c + size_t(i) * ldc, 1);
-        }
-        return;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, k, 0.0f, c, ldc);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' single-precision
-// polynomial, within 2 ulp, written so the compiler can vectorize the loops that call it.
-inline float ExpNonPositive(float x) {
-    x = std::max(x, -87.0f);
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r -= n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return y * scale;
-}
-
-// Softmax of s[0, valid) in place; s[valid, len) set to 0.
-void Softmax(float* s, int valid, int len) {
-    float mx = s[0];
-    for (int k = 1; k < valid; ++k) mx = std::max(mx, s[k]);
-    float sum = 0;
-    for (int k = 0; k < valid; ++k) {
-        s[k] = ExpNonPositive(s[k] - mx);
-        sum += s[k];
-    }
-    const float inv = 1.0f / sum;
-    for (int k = 0; k < valid; ++k) s[k] *= inv;
-    std::fill(s + valid, s + len, 0.0f);
 }
 
 float Dot(const float* a, const float* b, int n) {
@@ -241,11 +195,12 @@ uint64_t ModelConfig::ParamCount() const {
 
 // --- ranks -------------------------------------------------------------------------------------
 
+// Weights in the file's precision (kernels.h).
 struct Model::Layer {
-    std::vector<float> wqkv;   // [(q + 2 kv) * head_dim][dim]
-    std::vector<float> wo;     // [dim][q * head_dim]
-    std::vector<float> wgu;    // [2 ffn][dim]: gate rows, then up rows
-    std::vector<float> wdown;  // [dim][ffn]
+    Weights wqkv;   // [(q + 2 kv) * head_dim][dim]
+    Weights wo;     // [dim][q * head_dim]
+    Weights wgu;    // [2 ffn][dim]: gate rows, then up rows
+    Weights wdown;  // [dim][ffn]
 };
 
 struct Model::Rank {
@@ -253,9 +208,15 @@ struct Model::Rank {
     int vocab_begin = 0, vocab_end = 0;
     std::vector<Layer> layers;
     std::vector<float> attn_norm, ffn_norm;  // [layers][dim], shared values
-    std::vector<float> wout;                 // [vocab_end - vocab_begin][dim]
+    Weights wout;                            // [vocab_end - vocab_begin][dim]
+    // The threads of this rank's matrix products on 16-bit weights.
+    std::unique_ptr<WorkPool> work;
     // Workspace, grown as needed.
-    std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel;
+    std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel, widened;
+
+    void MatMul(int m, const float* a, int lda, const Weights& w, float* c, int ldc) {
+        MatMulT(m, a, lda, w, c, ldc, *work, &widened);
+    }
 };
 
 class Model::RankPool {
@@ -373,23 +334,36 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
         threads = std::min(threads, std::atoi(env));
     }
     openblas_set_num_threads(threads);
+    for (auto& rank : m->ranks_) rank->work = std::make_unique<WorkPool>(threads);
     return m;
 }
 
 int BlasThreads() { return openblas_get_num_threads(); }
+
+uint64_t Model::StreamedWeightBytes() const {
+    uint64_t n = 0;
+    for (const auto& rk : ranks_) {
+        n += rk->wout.size_bytes();
+        for (const Layer& L : rk->layers) {
+            n +=
+                L.wqkv.size_bytes() + L.wo.size_bytes() + L.wgu.size_bytes() + L.wdown.size_bytes();
+        }
+    }
+    return n;
+}
 
 Status Model::LoadWeights(const GgufFile& f) {
     const ModelConfig& c = config_;
     const auto dim = static_cast<uint64_t>(c.dim);
     const auto hd = static_cast<uint64_t>(c.head_dim);
     const auto vocab = static_cast<uint64_t>(c.vocab_size);
-    FERRY_ASSIGN_OR_RETURN(embedding_, TensorF32(f, "token_embd.weight", {dim, vocab}));
+    FERRY_ASSIGN_OR_RETURN(embedding_, TensorWeights(f, "token_embd.weight", {dim, vocab}));
     FERRY_ASSIGN_OR_RETURN(output_norm_, TensorF32(f, "output_norm.weight", {dim}));
-    std::vector<float> out_w;
+    Weights out_w;
     if (!c.tied_embeddings) {
-        FERRY_ASSIGN_OR_RETURN(out_w, TensorF32(f, "output.weight", {dim, vocab}));
+        FERRY_ASSIGN_OR_RETURN(out_w, TensorWeights(f, "output.weight", {dim, vocab}));
     }
-    const std::vector<float>& head = c.tied_embeddings ? embedding_ : out_w;
+    const Weights& head = c.tied_embeddings ? embedding_ : out_w;
 
     rope_freq_.resize(hd / 2);
     std::vector<float> factors;
@@ -410,12 +384,11 @@ Status Model::LoadWeights(const GgufFile& f) {
         rank->ffn = c.ffn_dim / tp_;
         rank->vocab_begin = static_cast<int>(vocab * r / tp_);
         rank->vocab_end = static_cast<int>(vocab * (r + 1) / tp_);
-        rank->wout = Rows(head, dim, rank->vocab_begin, rank->vocab_end);
+        rank->wout = RowsOf(head, rank->vocab_begin, rank->vocab_end);
         rank->layers.resize(c.num_layers);
         ranks_.push_back(std::move(rank));
     }
-    out_w.clear();
-    out_w.shrink_to_fit();
+    out_w = Weights();
 
     const uint64_t q_rows = uint64_t(c.num_heads) * hd, kv_rows = uint64_t(c.num_kv_heads) * hd;
     const auto ffn = static_cast<uint64_t>(c.ffn_dim);
@@ -423,26 +396,34 @@ Status Model::LoadWeights(const GgufFile& f) {
         std::string p = fmt::format("blk.{}.", l);
         FERRY_ASSIGN_OR_RETURN(auto an, TensorF32(f, p + "attn_norm.weight", {dim}));
         FERRY_ASSIGN_OR_RETURN(auto fn, TensorF32(f, p + "ffn_norm.weight", {dim}));
-        FERRY_ASSIGN_OR_RETURN(auto wq, TensorF32(f, p + "attn_q.weight", {dim, q_rows}));
-        FERRY_ASSIGN_OR_RETURN(auto wk, TensorF32(f, p + "attn_k.weight", {dim, kv_rows}));
-        FERRY_ASSIGN_OR_RETURN(auto wv, TensorF32(f, p + "attn_v.weight", {dim, kv_rows}));
-        FERRY_ASSIGN_OR_RETURN(auto wo, TensorF32(f, p + "attn_output.weight", {q_rows, dim}));
-        FERRY_ASSIGN_OR_RETURN(auto wg, TensorF32(f, p + "ffn_gate.weight", {dim, ffn}));
-        FERRY_ASSIGN_OR_RETURN(auto wu, TensorF32(f, p + "ffn_up.weight", {dim, ffn}));
-        FERRY_ASSIGN_OR_RETURN(auto wd, TensorF32(f, p + "ffn_down.weight", {ffn, dim}));
+        FERRY_ASSIGN_OR_RETURN(auto wq, TensorWeights(f, p + "attn_q.weight", {dim, q_rows}));
+        FERRY_ASSIGN_OR_RETURN(auto wk, TensorWeights(f, p + "attn_k.weight", {dim, kv_rows}));
+        FERRY_ASSIGN_OR_RETURN(auto wv, TensorWeights(f, p + "attn_v.weight", {dim, kv_rows}));
+        FERRY_ASSIGN_OR_RETURN(auto wo, TensorWeights(f, p + "attn_output.weight", {q_rows, dim}));
+        FERRY_ASSIGN_OR_RETURN(auto wg, TensorWeights(f, p + "ffn_gate.weight", {dim, ffn}));
+        FERRY_ASSIGN_OR_RETURN(auto wu, TensorWeights(f, p + "ffn_up.weight", {dim, ffn}));
+        FERRY_ASSIGN_OR_RETURN(auto wd, TensorWeights(f, p + "ffn_down.weight", {ffn, dim}));
+        // One layer's matrices in one type: the kernels take one type per product.
+        for (const Weights* w : {&wk, &wv, &wo, &wg, &wu, &wd}) {
+            if (w->type != wq.type) {
+                return InvalidArgumentError(fmt::format(
+                    "{}: layer {} mixes weight types ({} and {}); ferry needs one per layer",
+                    f.path(), l, TensorTypeName(wq.type), TensorTypeName(w->type)));
+            }
+        }
         for (int r = 0; r < tp_; ++r) {
             Rank& rk = *ranks_[r];
             Layer& L = rk.layers[l];
             const uint64_t q0 = uint64_t(r) * rk.q_heads * hd, q1 = q0 + rk.q_heads * hd;
             const uint64_t k0 = uint64_t(r) * rk.kv_heads * hd, k1 = k0 + rk.kv_heads * hd;
             const uint64_t f0 = uint64_t(r) * rk.ffn, f1 = f0 + rk.ffn;
-            L.wqkv = Rows(wq, dim, q0, q1);
-            Append(&L.wqkv, Rows(wk, dim, k0, k1));
-            Append(&L.wqkv, Rows(wv, dim, k0, k1));
-            L.wo = Cols(wo, dim, q_rows, q0, q1);
-            L.wgu = Rows(wg, dim, f0, f1);
-            Append(&L.wgu, Rows(wu, dim, f0, f1));
-            L.wdown = Cols(wd, dim, ffn, f0, f1);
+            L.wqkv = RowsOf(wq, q0, q1);
+            AppendRows(&L.wqkv, RowsOf(wk, k0, k1));
+            AppendRows(&L.wqkv, RowsOf(wv, k0, k1));
+            L.wo = ColsOf(wo, q0, q1);
+            L.wgu = RowsOf(wg, f0, f1);
+            AppendRows(&L.wgu, RowsOf(wu, f0, f1));
+            L.wdown = ColsOf(wd, f0, f1);
             Append(&rk.attn_norm, an);
             Append(&rk.ffn_norm, fn);
         }
@@ -517,8 +498,7 @@ Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* co
     int row = 0;
     for (const SeqChunk& ch : batch) {
         for (size_t i = 0; i < ch.tokens.size(); ++i, ++row) {
-            std::memcpy(&x_[size_t(row) * c.dim], &embedding_[size_t(ch.tokens[i]) * c.dim],
-                        size_t(c.dim) * 4);
+            WidenRow(embedding_, ch.tokens[i], &x_[size_t(row) * c.dim]);
             positions_[row] = ch.start_pos + static_cast<int>(i);
         }
         if (ch.want_logits) logit_rows_.push_back(row - 1);
@@ -635,11 +615,15 @@ void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqCh
         float* s = rk.scores.data();
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, keys, hd, scale, rk.qstack.data(),
                     hd, rk.kbuf.data(), hd, 0.0f, s, keys);
-        for (int g = 0; g < group; ++g) {
-            for (int i = 0; i < rows; ++i) {
-                Softmax(s + (size_t(g) * rows + i) * keys, p0 + i0 + i + 1, keys);
+        // The rows' softmax on this rank's pool (OpenBLAS's threads are idle meanwhile): one
+        // thread alone spent a fifth of a 2048-token prefill here.
+        constexpr int kRowsPerPart = 16;
+        rk.work->Run((m + kRowsPerPart - 1) / kRowsPerPart, [&](int part) {
+            for (int gi = part * kRowsPerPart; gi < std::min(m, (part + 1) * kRowsPerPart); ++gi) {
+                const int i = gi % rows;
+                Softmax(s + size_t(gi) * keys, p0 + i0 + i + 1, keys);
             }
-        }
+        });
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, keys, 1.0f, s, keys,
                     rk.vbuf.data(), hd, 0.0f, rk.qstack.data(), hd);
         for (int g = 0; g < group; ++g) {
@@ -673,7 +657,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
             RmsNorm(&x_[size_t(t) * dim], &rk.attn_norm[size_t(l) * dim], dim, c.norm_eps,
                     &rk.xn[size_t(t) * dim]);
         }
-        MatMulT(T, W, dim, rk.xn.data(), dim, L.wqkv.data(), rk.qkv.data(), W);
+        rk.MatMul(T, rk.xn.data(), dim, L.wqkv, rk.qkv.data(), W);
         for (int t = 0; t < T; ++t) {  // RoPE on q and k heads: pairs (2i, 2i+1)
             float* row = &rk.qkv[size_t(t) * W];
             const auto pos = static_cast<float>(positions_[t]);
@@ -716,7 +700,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
             }
             t0 += static_cast<int>(ch.tokens.size());
         }
-        MatMulT(T, dim, qw, rk.attn.data(), qw, L.wo.data(), rk.partial.data(), dim);
+        rk.MatMul(T, rk.attn.data(), qw, L.wo, rk.partial.data(), dim);
         AllReduceAdd(r, x_.data(), T);
 
         // MLP.
@@ -725,7 +709,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
                     &rk.xn[size_t(t) * dim]);
         }
         const int F = rk.ffn;
-        MatMulT(T, 2 * F, dim, rk.xn.data(), dim, L.wgu.data(), rk.gu.data(), 2 * F);
+        rk.MatMul(T, rk.xn.data(), dim, L.wgu, rk.gu.data(), 2 * F);
         for (int t = 0; t < T; ++t) {
             const float* gu = &rk.gu[size_t(t) * 2 * F];
             float* a = &rk.act[size_t(t) * F];
@@ -734,7 +718,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
                 a[i] = g / (1.0f + std::exp(-g)) * gu[F + i];
             }
         }
-        MatMulT(T, dim, F, rk.act.data(), F, L.wdown.data(), rk.partial.data(), dim);
+        rk.MatMul(T, rk.act.data(), F, L.wdown, rk.partial.data(), dim);
         AllReduceAdd(r, x_.data(), T);
     }
 
@@ -746,8 +730,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
         RmsNorm(&x_[size_t(logit_rows_[i]) * dim], output_norm_.data(), dim, c.norm_eps,
                 &rk.sel[size_t(i) * dim]);
     }
-    MatMulT(nl, rk.vocab_end - rk.vocab_begin, dim, rk.sel.data(), dim, rk.wout.data(),
-            logits + rk.vocab_begin, c.vocab_size);
+    rk.MatMul(nl, rk.sel.data(), dim, rk.wout, logits + rk.vocab_begin, c.vocab_size);
 }
 
 }  // namespace ferry::model

@@ -22,6 +22,7 @@
 #include "kv/block_pool.h"
 #include "kv/kv_cache.h"
 #include "model/gguf.h"
+#include "model/kernels.h"
 #include "model/tokenizer.h"
 
 namespace ferry::kv {
@@ -100,6 +101,10 @@ class Model {
     Status Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* const> caches,
                    float* logits, kv::LayerHook* hook = nullptr);
 
+    // Bytes of weights one decode step reads, in their stored precision, over all ranks: the
+    // layers' matrices and the output head (the embedding rows a step looks up excluded).
+    uint64_t StreamedWeightBytes() const;
+
   private:
     struct Rank;
     struct Layer;
@@ -116,7 +121,7 @@ class Model {
     std::string fingerprint_;
     int tp_ = 1;
     std::unique_ptr<Tokenizer> tokenizer_;
-    std::vector<float> embedding_;    // [vocab][dim]
+    Weights embedding_;               // [vocab][dim], in the file's precision
     std::vector<float> output_norm_;  // [dim]
     std::vector<float> rope_freq_;    // [head_dim / 2] inverse frequencies
     std::vector<std::unique_ptr<Rank>> ranks_;
@@ -128,6 +133,9 @@ class Model {
     std::vector<int> logit_rows_;  // token row of each requested logit
     int num_tokens_ = 0;
 };
+
+// The random model's vocabulary: 256 byte tokens and 3 specials.
+inline constexpr uint64_t kRandomModelVocab = 259;
 
 // Deterministic random-weight models for tests, demos and benchmarks (`ferry model init`).
 struct RandomModelSpec {
@@ -141,11 +149,14 @@ struct RandomModelSpec {
     float rope_theta = 10000.0f;
     bool tied_embeddings = false;
     TensorType dtype = TensorType::kF32;
+    // The tokenizer: empty for the byte vocabulary below, else a GGUF file whose tokenizer.*
+    // keys the model takes (a real model's vocabulary, e.g. tests/data/tokenizers/); the
+    // embedding and output tensors then have its vocabulary's size.
+    std::string vocab_file;
+    uint64_t vocab_size = kRandomModelVocab;  // set from vocab_file by WriteRandomModel
 };
 // "tiny" (4 layers, dim 256) or "small" (12 layers, dim 768, GQA 12/4, head_dim 64).
 Result<RandomModelSpec> PresetSpec(std::string_view preset);
-// The random model's vocabulary: 256 byte tokens and 3 specials.
-inline constexpr uint64_t kRandomModelVocab = 259;
 // The tensors WriteRandomModel writes for `spec`, in order: name, dims, the dtype they are stored
 // in (1-D tensors, the norms, always f32 as llama.cpp's converter writes them; the rest in
 // spec.dtype), and the distribution their values are drawn from.
@@ -158,7 +169,8 @@ struct RandomTensor {
 };
 std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec);
 // Writes a llama GGUF with a byte-level vocabulary (256 byte tokens plus <|endoftext|>,
-// <|im_start|>, <|im_end|>; gpt2 tokenizer, ChatML template) and weights drawn from `seed`.
+// <|im_start|>, <|im_end|>; gpt2 tokenizer, ChatML template), or spec.vocab_file's tokenizer,
+// and weights drawn from `seed`.
 Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::string& path);
 
 }  // namespace ferry::model

@@ -1,0 +1,404 @@
+#include "model/kernels.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/half.h"
+
+namespace ferry::model {
+
+// --- Weights ------------------------------------------------------------------------------------
+
+Weights RowsOf(const Weights& w, int64_t r0, int64_t r1) {
+    Weights out;
+    out.type = w.type;
+    out.rows = r1 - r0;
+    out.cols = w.cols;
+    const size_t row = static_cast<size_t>(w.cols) * w.elem();
+    out.bytes.assign(w.bytes.begin() + static_cast<std::ptrdiff_t>(r0 * row),
+                     w.bytes.begin() + static_cast<std::ptrdiff_t>(r1 * row));
+    return out;
+}
+
+Weights ColsOf(const Weights& w, int64_t c0, int64_t c1) {
+    Weights out;
+    out.type = w.type;
+    out.rows = w.rows;
+    out.cols = c1 - c0;
+    const size_t e = w.elem();
+    out.bytes.resize(static_cast<size_t>(out.rows * out.cols) * e);
+    for (int64_t r = 0; r < w.rows; ++r) {
+        std::memcpy(&out.bytes[static_cast<size_t>(r * out.cols) * e],
+                    &w.bytes[static_cast<size_t>(r * w.cols + c0) * e],
+                    static_cast<size_t>(out.cols) * e);
+    }
+    return out;
+}
+
+void AppendRows(Weights* dst, const Weights& src) {
+    if (dst->bytes.empty()) {
+        *dst = src;
+        return;
+    }
+    dst->bytes.insert(dst->bytes.end(), src.bytes.begin(), src.bytes.end());
+    dst->rows += src.rows;
+}
+
+namespace {
+
+void WidenScalar(TensorType type, const uint16_t* h, size_t n, float* out) {
+    if (type == TensorType::kF16) {
+        for (size_t i = 0; i < n; ++i) out[i] = F16ToFloat(h[i]);
+    } else {
+        for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(h[i]);
+    }
+}
+
+// --- AVX2 + F16C kernels -----------------------------------------------------------------------
+
+#define FERRY_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <bool kBf16>
+FERRY_AVX2 inline __m256 Load8(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (kBf16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+        return _mm256_cvtph_ps(h);
+    }
+}
+
+FERRY_AVX2 inline float Sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+template <bool kBf16>
+FERRY_AVX2 void WidenAvx2(const uint16_t* h, size_t n, float* out) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, Load8<kBf16>(h + i));
+    WidenScalar(kBf16 ? TensorType::kBF16 : TensorType::kF16, h + i, n - i, out + i);
+}
+
+// One weight row as f32, eight at a time or one: from the 16-bit row, or from the row already
+// widened (the same values, so the same sums).
+template <bool kBf16>
+struct HalfRow {
+    const uint16_t* p;
+    FERRY_AVX2 __m256 operator()(int x) const { return Load8<kBf16>(p + x); }
+    float One(int x) const { return kBf16 ? Bf16ToFloat(p[x]) : F16ToFloat(p[x]); }
+};
+struct F32Row {
+    const float* p;
+    FERRY_AVX2 __m256 operator()(int x) const { return _mm256_loadu_ps(p + x); }
+    float One(int x) const { return p[x]; }
+};
+
+// dot(w, a) over k: four accumulators 32 apart, then eight-wide, then scalar.
+template <typename Row>
+FERRY_AVX2 inline float Dot(int k, const float* a, const Row& w) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int x = 0;
+    for (; x + 32 <= k; x += 32) {
+        s0 = _mm256_fmadd_ps(w(x), _mm256_loadu_ps(a + x), s0);
+        s1 = _mm256_fmadd_ps(w(x + 8), _mm256_loadu_ps(a + x + 8), s1);
+        s2 = _mm256_fmadd_ps(w(x + 16), _mm256_loadu_ps(a + x + 16), s2);
+        s3 = _mm256_fmadd_ps(w(x + 24), _mm256_loadu_ps(a + x + 24), s3);
+    }
+    for (; x + 8 <= k; x += 8) s0 = _mm256_fmadd_ps(w(x), _mm256_loadu_ps(a + x), s0);
+    float sum = Sum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; x < k; ++x) sum += a[x] * w.One(x);
+    return sum;
+}
+
+// c[i][j] for j in [j0, j1), i in [0, m): dot(a[i], w[j]) over k, one weight row at a time.
+// One row is one sequential stream, which the hardware prefetchers follow best (four rows
+// interleaved ran at less than half the bandwidth on the EPYC this was measured on). One row of
+// A reads the 16-bit row directly; more widen it once into a buffer (L1) and reuse it for each.
+// Every c[i][j] is summed in one order whatever m is, so a sequence's result does not depend on
+// the batch it is in.
+template <bool kBf16>
+FERRY_AVX2 void HalfRowsAvx2(const uint16_t* w, int k, const float* a, int lda, int m, float* c,
+                             int ldc, int j0, int j1) {
+    if (m == 1) {
+        for (int j = j0; j < j1; ++j) {
+            c[j] = Dot(k, a, HalfRow<kBf16>{w + static_cast<size_t>(j) * k});
+        }
+        return;
+    }
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(k));
+    float* b = buf.data();
+    for (int j = j0; j < j1; ++j) {
+        const HalfRow<kBf16> row{w + static_cast<size_t>(j) * k};
+        int x = 0;
+        for (; x + 8 <= k; x += 8) _mm256_storeu_ps(b + x, row(x));
+        for (; x < k; ++x) b[x] = row.One(x);
+        for (int i = 0; i < m; ++i) {
+            c[static_cast<size_t>(i) * ldc + j] =
+                Dot(k, a + static_cast<size_t>(i) * lda, F32Row{b});
+        }
+    }
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' single-precision
+// polynomial, within 2 ulp. The vector form below computes the same operations lane by lane.
+inline float ExpNonPositive(float x) {
+    x = std::max(x, -87.0f);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r -= n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+FERRY_AVX2 inline __m256 ExpNonPositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                    5.0000001201e-1f}) {
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+    }
+    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r),
+                                   _mm256_set1_ps(1.0f));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+FERRY_AVX2 void SoftmaxAvx2(float* s, int valid, int len) {
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    int k = 0;
+    for (; k + 8 <= valid; k += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(s + k));
+    float mx = s[0];
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    for (float v : lanes) mx = std::max(mx, v);
+    for (; k < valid; ++k) mx = std::max(mx, s[k]);
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    k = 0;
+    for (; k + 8 <= valid; k += 8) {
+        const __m256 e = ExpNonPositive8(_mm256_sub_ps(_mm256_loadu_ps(s + k), m8));
+        _mm256_storeu_ps(s + k, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = Sum8(sum8);
+    for (; k < valid; ++k) {
+        s[k] = ExpNonPositive(s[k] - mx);
+        sum += s[k];
+    }
+    const __m256 inv8 = _mm256_set1_ps(1.0f / sum);
+    k = 0;
+    for (; k + 8 <= valid; k += 8)
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(_mm256_loadu_ps(s + k), inv8));
+    const float inv = 1.0f / sum;
+    for (; k < valid; ++k) s[k] *= inv;
+    std::fill(s + valid, s + len, 0.0f);
+}
+
+// The same without SIMD, for CPUs without AVX2/F16C.
+void HalfRowsScalar(TensorType type, const uint16_t* w, int k, const float* a, int lda, int m,
+                    float* c, int ldc, int j0, int j1) {
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int j = j0; j < j1; ++j) {
+        WidenScalar(type, w + static_cast<size_t>(j) * k, static_cast<size_t>(k), row.data());
+        for (int i = 0; i < m; ++i) {
+            const float* ai = a + static_cast<size_t>(i) * lda;
+            float s = 0;
+            for (int x = 0; x < k; ++x) s += ai[x] * row[x];
+            c[static_cast<size_t>(i) * ldc + j] = s;
+        }
+    }
+}
+
+bool DetectVectorized() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+
+void Widen(TensorType type, const uint16_t* h, size_t n, float* out) {
+    if (HalfKernelsVectorized()) {
+        if (type == TensorType::kBF16) {
+            WidenAvx2<true>(h, n, out);
+        } else {
+            WidenAvx2<false>(h, n, out);
+        }
+        return;
+    }
+    WidenScalar(type, h, n, out);
+}
+
+void HalfRows(TensorType type, const uint16_t* w, int k, const float* a, int lda, int m, float* c,
+              int ldc, int j0, int j1) {
+    if (!HalfKernelsVectorized()) return HalfRowsScalar(type, w, k, a, lda, m, c, ldc, j0, j1);
+    if (type == TensorType::kBF16) {
+        HalfRowsAvx2<true>(w, k, a, lda, m, c, ldc, j0, j1);
+    } else {
+        HalfRowsAvx2<false>(w, k, a, lda, m, c, ldc, j0, j1);
+    }
+}
+
+// Rows of W per widened tile: about 16 MiB of f32, a multiple of 16 rows (smaller tiles cost
+// sgemm more than the scratch saves: it packs A again for each).
+int64_t TileRows(int64_t cols) { return std::max<int64_t>(16, ((1 << 22) / cols) & ~15); }
+
+}  // namespace
+
+void Softmax(float* s, int valid, int len) {
+    if (HalfKernelsVectorized()) return SoftmaxAvx2(s, valid, len);
+    float mx = s[0];
+    for (int k = 1; k < valid; ++k) mx = std::max(mx, s[k]);
+    float sum = 0;
+    for (int k = 0; k < valid; ++k) {
+        s[k] = ExpNonPositive(s[k] - mx);
+        sum += s[k];
+    }
+    const float inv = 1.0f / sum;
+    for (int k = 0; k < valid; ++k) s[k] *= inv;
+    std::fill(s + valid, s + len, 0.0f);
+}
+
+bool HalfKernelsVectorized() {
+    static const bool v = DetectVectorized();
+    return v;
+}
+
+void WidenRow(const Weights& w, int64_t r, float* out) {
+    if (w.type == TensorType::kF32) {
+        std::memcpy(out, w.f32() + r * w.cols, static_cast<size_t>(w.cols) * 4);
+        return;
+    }
+    Widen(w.type, w.half() + r * w.cols, static_cast<size_t>(w.cols), out);
+}
+
+// --- WorkPool -----------------------------------------------------------------------------------
+
+WorkPool::WorkPool(int threads) : n_(std::max(1, threads)) {
+    for (int t = 1; t < n_; ++t) threads_.emplace_back([this] { Loop(); });
+}
+
+WorkPool::~WorkPool() {
+    {
+        std::lock_guard lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+}
+
+void WorkPool::Run(int parts, const std::function<void(int)>& fn) {
+    if (parts <= 0) return;
+    if (n_ == 1 || parts == 1) {
+        for (int p = 0; p < parts; ++p) fn(p);
+        return;
+    }
+    {
+        std::lock_guard lock(mu_);
+        fn_ = &fn;
+        parts_ = parts;
+        next_ = 0;
+        running_ = 0;
+        ++generation_;
+    }
+    cv_.notify_all();
+    Work();
+    std::unique_lock lock(mu_);
+    done_cv_.wait(lock, [&] { return next_ >= parts_ && running_ == 0; });
+    fn_ = nullptr;
+}
+
+// Takes parts until none is left.
+void WorkPool::Work() {
+    std::unique_lock lock(mu_);
+    while (fn_ && next_ < parts_) {
+        const int p = next_++;
+        ++running_;
+        const std::function<void(int)>* fn = fn_;
+        lock.unlock();
+        (*fn)(p);
+        lock.lock();
+        if (--running_ == 0 && next_ >= parts_) done_cv_.notify_one();
+    }
+}
+
+void WorkPool::Loop() {
+    uint64_t seen = 0;
+    std::unique_lock lock(mu_);
+    for (;;) {
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        lock.unlock();
+        Work();
+        lock.lock();
+    }
+}
+
+// --- MatMulT ------------------------------------------------------------------------------------
+
+void MatMulT(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
+             std::vector<float>* scratch) {
+    const int n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
+    if (m <= 0 || n <= 0) return;
+    // Output rows in parts of 64, a few parts per thread so a slow thread does not hold the
+    // rest up.
+    constexpr int kPart = 64;
+    const int parts = (n + kPart - 1) / kPart;
+    if (w.type == TensorType::kF32) {
+        // A few rows (decode steps) go through sgemv, which streams the weights once instead
+        // of packing them. (The row-streaming kernel below, reading f32, was no faster here.)
+        if (m <= 2) {
+            for (int i = 0; i < m; ++i) {
+                cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w.f32(), k,
+                            a + static_cast<size_t>(i) * lda, 1, 0.0f,
+                            c + static_cast<size_t>(i) * ldc, 1);
+            }
+            return;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, w.f32(), k,
+                    0.0f, c, ldc);
+        return;
+    }
+    const uint16_t* h = w.half();
+    if (m <= kHalfDirectRows) {
+        pool.Run(parts, [&](int p) {
+            HalfRows(w.type, h, k, a, lda, m, c, ldc, p * kPart, std::min(n, (p + 1) * kPart));
+        });
+        return;
+    }
+    const int64_t tile = TileRows(k);
+    scratch->resize(static_cast<size_t>(tile * k));
+    for (int64_t r0 = 0; r0 < n; r0 += tile) {
+        const int64_t rows = std::min<int64_t>(tile, n - r0);
+        // Widen the tile here, then one sgemm (OpenBLAS's threads) over it. The widening is a
+        // few percent of the tile's arithmetic; spreading it over the pool made prefill slower,
+        // its threads fighting OpenBLAS's, which spin a while after each call.
+        float* t = scratch->data();
+        Widen(w.type, h + r0 * k, static_cast<size_t>(rows * k), t);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, static_cast<int>(rows), k, 1.0f, a,
+                    lda, t, k, 0.0f, c + r0, ldc);
+    }
+}
+
+}  // namespace ferry::model

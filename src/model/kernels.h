@@ -1,0 +1,84 @@
+// Weight matrices kept in their file's precision (f32, f16, bf16) and the products that read
+// them: C = A * W^T with W [rows][cols] row-major (a weight stored [out][in]).
+//
+// - f32: OpenBLAS (sgemv for a few rows of A, sgemm otherwise).
+// - f16 / bf16, up to kHalfDirectRows rows of A (decode steps, small batches): a kernel that
+//   widens the 16-bit weights in registers (AVX2 + F16C where the CPU has them, a scalar loop
+//   otherwise), so a decode step streams half the bytes of f32. Its output rows are shared out
+//   over a WorkPool.
+// - f16 / bf16, more rows (prefill): tiles of W widened into a scratch buffer (on the pool),
+//   each multiplied by sgemm; the widening is small beside the tile's arithmetic.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "model/gguf.h"
+
+namespace ferry::model {
+
+struct Weights {
+    TensorType type = TensorType::kF32;
+    int64_t rows = 0, cols = 0;
+    std::vector<uint8_t> bytes;  // rows * cols elements of `type`
+
+    size_t elem() const { return TensorTypeSize(type); }
+    const float* f32() const { return reinterpret_cast<const float*>(bytes.data()); }
+    const uint16_t* half() const { return reinterpret_cast<const uint16_t*>(bytes.data()); }
+    size_t size_bytes() const { return bytes.size(); }
+};
+
+// Rows [r0, r1) / columns [c0, c1) of `w`, in its type.
+Weights RowsOf(const Weights& w, int64_t r0, int64_t r1);
+Weights ColsOf(const Weights& w, int64_t c0, int64_t c1);
+// Appends `src`'s rows under `dst`'s (same type and width; an empty `dst` takes `src`'s).
+void AppendRows(Weights* dst, const Weights& src);
+// Row `r` of `w` as f32.
+void WidenRow(const Weights& w, int64_t r, float* out);
+
+// A fixed set of threads that run the parts of one loop; the caller runs a part too.
+class WorkPool {
+  public:
+    explicit WorkPool(int threads);  // threads >= 1, the caller included
+    ~WorkPool();
+    WorkPool(const WorkPool&) = delete;
+    WorkPool& operator=(const WorkPool&) = delete;
+    int threads() const { return n_; }
+    // fn(part) for part in [0, parts), spread over the threads; returns when all are done.
+    void Run(int parts, const std::function<void(int)>& fn);
+
+  private:
+    void Loop();
+    void Work();
+    int n_;
+    std::vector<std::thread> threads_;
+    std::mutex mu_;
+    std::condition_variable cv_, done_cv_;
+    const std::function<void(int)>* fn_ = nullptr;
+    int parts_ = 0;
+    int next_ = 0;     // next part to hand out (under mu_)
+    int running_ = 0;  // parts handed out and not finished
+    uint64_t generation_ = 0;
+    bool stop_ = false;
+};
+
+// Up to this many rows of A, 16-bit weights go through the widening kernel; beyond, through
+// widened tiles and sgemm.
+inline constexpr int kHalfDirectRows = 16;
+
+// C[m][w.rows] = A[m][w.cols] * W^T. `scratch` is grown as needed (the widened tiles).
+void MatMulT(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
+             std::vector<float>* scratch);
+
+// Whether the vectorized kernels run on this CPU (AVX2, FMA and F16C).
+bool HalfKernelsVectorized();
+
+// Softmax of s[0, valid) in place; s[valid, len) set to 0. exp is Cephes' single-precision
+// polynomial (within 2 ulp of exp), eight lanes at a time with AVX2.
+void Softmax(float* s, int valid, int len);
+
+}  // namespace ferry::model
