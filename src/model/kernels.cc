@@ -294,6 +294,12 @@ void WidenRow(const Weights& w, int64_t r, float* out) {
 
 // --- WorkPool -----------------------------------------------------------------------------------
 
+namespace {
+// Spins of about 10-40 ns each before a thread sleeps: some tens of microseconds.
+constexpr int kSpin = 2000;
+inline void Pause() { __builtin_ia32_pause(); }
+}  // namespace
+
 WorkPool::WorkPool(int threads) : n_(std::max(1, threads)) {
     for (int t = 1; t < n_; ++t) threads_.emplace_back([this] { Loop(); });
 }
@@ -320,9 +326,12 @@ void WorkPool::Run(int parts, const std::function<void(int)>& fn) {
         next_ = 0;
         running_ = 0;
         ++generation_;
+        all_done_.store(false, std::memory_order_relaxed);
+        published_.store(generation_, std::memory_order_release);
     }
     cv_.notify_all();
     Work();
+    for (int i = 0; i < kSpin && !all_done_.load(std::memory_order_acquire); ++i) Pause();
     std::unique_lock lock(mu_);
     done_cv_.wait(lock, [&] { return next_ >= parts_ && running_ == 0; });
     fn_ = nullptr;
@@ -338,7 +347,10 @@ void WorkPool::Work() {
         lock.unlock();
         (*fn)(p);
         lock.lock();
-        if (--running_ == 0 && next_ >= parts_) done_cv_.notify_one();
+        if (--running_ == 0 && next_ >= parts_) {
+            all_done_.store(true, std::memory_order_release);
+            done_cv_.notify_one();
+        }
     }
 }
 
@@ -346,6 +358,13 @@ void WorkPool::Loop() {
     uint64_t seen = 0;
     std::unique_lock lock(mu_);
     for (;;) {
+        if (!stop_ && generation_ == seen) {
+            lock.unlock();
+            for (int i = 0; i < kSpin && published_.load(std::memory_order_acquire) == seen; ++i) {
+                Pause();
+            }
+            lock.lock();
+        }
         cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;

@@ -10,6 +10,7 @@
 //   each multiplied by sgemm; the widening is small beside the tile's arithmetic.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -64,6 +65,12 @@ class WorkPool {
     int running_ = 0;  // parts handed out and not finished
     uint64_t generation_ = 0;
     bool stop_ = false;
+    // Copies of generation_ and of "every part done", read without the lock by threads that
+    // spin a little before they sleep: a decode step runs ~50 products of well under a
+    // millisecond each, and a wake-up through the condition variable costs tens of
+    // microseconds.
+    std::atomic<uint64_t> published_{0};
+    std::atomic<bool> all_done_{false};
 };
 
 // Up to this many rows of A, 16-bit weights go through the widening kernel; beyond, through
