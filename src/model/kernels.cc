@@ -1,6 +1,7 @@
 #include "model/kernels.h"
 
 #include <cblas.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -233,8 +234,10 @@ void HalfRowsScalar(TensorType type, const uint16_t* w, int k, const float* a, i
 
 bool DetectVectorized() {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    // F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know it.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29));
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 void Widen(TensorType type, const uint16_t* h, size_t n, float* out) {

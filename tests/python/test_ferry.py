@@ -282,6 +282,25 @@ TARGET = textwrap.dedent("""
 """)
 
 
+def stop(pid):
+    """SIGSTOP, then wait until every thread of the process is stopped: the signal alone
+    returns before the threads have stopped, and one may still answer a request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 @pytest.fixture
 def target_process(request):
     backend = getattr(request, "param", "tcp")
@@ -319,7 +338,7 @@ def test_cancel_stops_a_transfer_to_a_stalled_peer(target_process):
     with ferry.Agent(name("canceller"), backends=["tcp"]) as a:
         peer = a.connect(address)
         lr = a.allocate(1 << 20)
-        os.kill(p.pid, signal.SIGSTOP)  # it can no longer answer: the READ cannot finish
+        stop(p.pid)  # it can no longer answer: the READ cannot finish
         try:
             t = a.read([(lr, 0, 1 << 20)], peer, [(region, 0, 1 << 20)], timeout=30)
             time.sleep(0.1)
@@ -352,7 +371,7 @@ def test_wait_with_a_deadline_raises_deadline_exceeded(target_process):
     with ferry.Agent(name("patient"), backends=["tcp"]) as a:
         peer = a.connect(address)
         lr = a.allocate(1 << 20)
-        os.kill(p.pid, signal.SIGSTOP)
+        stop(p.pid)
         try:
             t = a.read([(lr, 0, 1 << 20)], peer, [(region, 0, 1 << 20)], timeout=30)
             with pytest.raises(ferry.DeadlineExceeded):
