@@ -387,3 +387,18 @@ def test_the_kv_block_example_runs():
     out = subprocess.run([sys.executable, example], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "all correct" in out.stdout
+
+
+def test_cpu_torch_tensors_register_through_data_ptr(pair):
+    torch = pytest.importorskip("torch")  # Debian's python3-torch; not in install-deps (large)
+    a, b = pair
+    src = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros(4096, dtype=torch.float32)
+    rs = b.register_memory(src)
+    rd = a.register_memory(dst)
+    assert rs.length == 4096 * 4 and rs.owner is src
+    refresh(a, b)
+    a.read([(rd, 0, rs.length)], b.name, [(rs, 0, rs.length)]).wait(10)
+    assert torch.equal(src, dst)
+    with pytest.raises(ValueError, match="contiguous"):
+        a.register_memory(torch.zeros(8, 8)[:, 1])

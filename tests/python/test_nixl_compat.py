@@ -235,3 +235,18 @@ def test_the_nixl_kv_block_example_runs():
     out = subprocess.run([sys.executable, example], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "all correct" in out.stdout
+
+
+def test_torch_tensors_as_vllm_registers_them(agents):
+    torch = pytest.importorskip("torch")
+    target, initiator = agents
+    t_cache = [torch.full((16, 64), float(i)) for i in range(3)]
+    i_cache = [torch.zeros((16, 64)) for _ in range(3)]
+    target.register_memory(t_cache)  # a list of tensors, as NIXL takes them
+    initiator.register_memory(initiator.get_reg_descs(i_cache))
+    name = initiator.add_remote_agent(target.get_agent_metadata())
+    h = initiator.initialize_xfer("READ", initiator.get_xfer_descs(i_cache),
+                                  initiator.get_xfer_descs(t_cache), name, b"t")
+    initiator.transfer(h)
+    assert wait_done(initiator, h) == "DONE"
+    assert all(torch.equal(a, b) for a, b in zip(i_cache, t_cache))
