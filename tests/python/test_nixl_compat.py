@@ -159,8 +159,8 @@ def test_the_errors_a_nixl_caller_expects(agents):
         initiator.get_reg_descs([(1, 8, 0, "")], "VRAM")
     with pytest.raises(nixlBind.nixlInvalidParamError, match="malformed|not metadata"):
         initiator.add_remote_agent(b"garbage")
-    with pytest.raises(nixlBind.nixlNotSupportedError, match="out of band"):
-        initiator.fetch_remote_metadata("x", "127.0.0.1", 5555)
+    with pytest.raises(nixlBind.nixlRemoteDisconnectError):
+        initiator.fetch_remote_metadata("x", "127.0.0.1", 1)  # nobody listens there
     with pytest.raises(nixlBind.nixlNotPostedError):
         initiator.check_xfer_state(initiator.initialize_xfer(
             "READ", local, initiator.get_xfer_descs([(buf.ctypes.data, 64, 0)], "DRAM"), name))
@@ -250,3 +250,49 @@ def test_torch_tensors_as_vllm_registers_them(agents):
     initiator.transfer(h)
     assert wait_done(initiator, h) == "DONE"
     assert all(torch.equal(a, b) for a, b in zip(i_cache, t_cache))
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_listener_metadata_exchange_of_nixls_example():
+    """NIXL's examples/python flow: the target listens; the initiator fetches its metadata and
+    sends its own; both poll check_remote_metadata; invalidation removes it again."""
+    port = free_port()
+    target = nixl_agent(uniq("lt"), nixl_agent_config(enable_listen_thread=True,
+                                                      listen_port=port))
+    init_port = free_port()
+    initiator = nixl_agent(uniq("li"), nixl_agent_config(enable_listen_thread=True,
+                                                         listen_port=init_port))
+    buf = np.arange(N, dtype=np.uint8)
+    target.register_memory(target.get_reg_descs([(buf.ctypes.data, N, 0, "")], "DRAM"))
+    initiator.fetch_remote_metadata(target.name, "127.0.0.1", port)
+    initiator.send_local_metadata("127.0.0.1", port)
+    deadline = time.time() + 10
+    while not (initiator.check_remote_metadata(target.name)
+               and target.check_remote_metadata(initiator.name)) and time.time() < deadline:
+        time.sleep(0.001)
+    assert target.check_remote_metadata(initiator.name)
+    mine = np.zeros(N, dtype=np.uint8)
+    initiator.register_memory(mine)
+    h = initiator.initialize_xfer("READ", initiator.get_xfer_descs([(mine.ctypes.data, N, 0)],
+                                                                   "DRAM"),
+                                  initiator.get_xfer_descs([(buf.ctypes.data, N, 0)], "DRAM"),
+                                  target.name)
+    initiator.transfer(h)
+    assert wait_done(initiator, h) == "DONE" and (mine == buf).all()
+    # The metadata notifications never reach the caller.
+    assert target.get_new_notifs() == {}
+    with pytest.raises(nixlBind.nixlMismatchError):
+        initiator.fetch_remote_metadata("someone-else", "127.0.0.1", port)
+    with pytest.raises(nixlBind.nixlNotSupportedError, match="central"):
+        initiator.fetch_remote_metadata(target.name)
+    initiator.invalidate_local_metadata("127.0.0.1", port)
+    deadline = time.time() + 10
+    while target.check_remote_metadata(initiator.name) and time.time() < deadline:
+        time.sleep(0.001)
+    assert not target.check_remote_metadata(initiator.name)

@@ -11,7 +11,10 @@ Stricter than NIXL, and loud about it (docs/python.md):
 - only DRAM ("DRAM", "cpu") memory: VRAM, files and objects raise nixlNotSupportedError;
 - a transfer whose lengths differ on the two sides, or an index outside a prepared list,
   raises nixlInvalidParamError at creation, not later;
-- descriptors must lie inside registered memory on both sides.
+- descriptors must lie inside registered memory on both sides;
+- NIXL's central metadata server (the calls without ip_addr) raises nixlNotSupportedError; the
+  peer-to-peer listener exchange (ip_addr, port) works: metadata is a ferry named object a peer
+  fetches, and send/invalidate travel as notifications the receiving layer applies.
 """
 
 import itertools
@@ -35,6 +38,13 @@ nixl_xfer_handle = int
 # ucx), which is what a NIXL UCX agent gets from UCX.
 _PLUGINS = {"UCX": ["shm", "tcp"], "UCX_MO": ["shm", "tcp"], "TCP": ["tcp"], "SHM": ["shm"]}
 _MAGIC = b"ferry-nixl-md/1\n"
+# NIXL's listener exchange on ferry: each agent publishes its metadata as a named object (a
+# peer fetches it with pull_by_key), and sends it, or its withdrawal, as a notification these
+# prefixes mark (the receiving layer applies them and never hands them to the caller).
+_MD_KEY = "nixl/metadata"
+_MD_NOTIF = b"\x00ferry-nixl-md\x00"
+_INVALIDATE_NOTIF = b"\x00ferry-nixl-invalidate\x00"
+_MD_BYTES = 1 << 22
 
 
 class nixl_agent_config:
@@ -110,6 +120,9 @@ class nixl_agent:
         for b in wanted:
             if b in _PLUGINS:
                 self.create_backend(b)
+        self._md_region = _call(self.agent.allocate, _MD_BYTES)
+        self._md_scratch = _call(self.agent.allocate, _MD_BYTES)
+        self._publish_metadata()
         self.nixl_mems = {"DRAM": nixlBind.DRAM_SEG, "VRAM": nixlBind.VRAM_SEG,
                           "FILE": nixlBind.FILE_SEG, "BLOCK": nixlBind.BLK_SEG,
                           "OBJ": nixlBind.OBJ_SEG, "cpu": nixlBind.DRAM_SEG,
@@ -224,6 +237,7 @@ class nixl_agent:
             raise
         with self._lock:
             self._local.extend(done)
+        self._publish_metadata()
         return reg_descs
 
     def deregister_memory(self, dereg_list, backends: list[str] = []):
@@ -235,6 +249,7 @@ class nixl_agent:
             if hit is None:
                 raise nixlBind.nixlNotFoundError(f"no registration at {addr:#x}+{length}")
             _call(self.agent.deregister, hit[2])
+        self._publish_metadata()
 
     def _resolve_local(self, addr, length):
         with self._lock:
@@ -287,6 +302,7 @@ class nixl_agent:
         _call(self.agent.remove_peer, agent)
 
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
+        self._drain(self.notifs)  # applies metadata that peers sent (send_local_metadata)
         with self._lock:
             regions = self._remote.get(agent)
         if regions is None:
@@ -300,26 +316,57 @@ class nixl_agent:
             return False
         return True
 
-    def _unsupported(self, what):
+    def _publish_metadata(self):
+        blob = self.get_agent_metadata()
+        if len(blob) > _MD_BYTES:
+            raise nixlBind.nixlBackendError("metadata larger than 4 MiB: too many registrations")
+        self._md_region.buffer[:len(blob)] = blob
+        _call(self.agent.publish, _MD_KEY, [(self._md_region, 0, len(blob))])
+
+    def _central(self, what):
         raise nixlBind.nixlNotSupportedError(
-            f"{what}: NIXL's metadata listener and central server are not part of ferry's NIXL "
-            "layer; exchange get_agent_metadata() out of band (as vLLM's NixlConnector does) "
-            "and call add_remote_agent")
+            f"{what}: NIXL's central metadata server is not part of ferry's NIXL layer; give "
+            "ip_addr (the peer's listener), or pass get_agent_metadata() out of band")
+
+    def _connect(self, ip_addr, port):
+        return _call(self.agent.connect, f"{ip_addr}:{port}", 5.0)
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
-        self._unsupported("send_local_metadata")
+        if not ip_addr:
+            self._central("send_local_metadata")
+        peer = self._connect(ip_addr, port)
+        _call(self.agent.notify, peer, _MD_NOTIF + self.get_agent_metadata())
 
     def send_partial_agent_metadata(self, descs, inc_conn_info: bool = False,
                                     backends: list[str] = [], ip_addr: str = "",
                                     port: int = DEFAULT_COMM_PORT):
-        self._unsupported("send_partial_agent_metadata")
+        self.send_local_metadata(ip_addr, port)
 
     def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "",
                               port: int = DEFAULT_COMM_PORT):
-        self._unsupported("fetch_remote_metadata")
+        if not ip_addr:
+            self._central("fetch_remote_metadata")
+        peer = self._connect(ip_addr, port)
+        if remote_agent and peer != remote_agent:
+            raise nixlBind.nixlMismatchError(
+                f"fetch_remote_metadata: {ip_addr}:{port} is '{peer}', not '{remote_agent}'")
+        size, copied = _call(self.agent.pull_by_key, peer, _MD_KEY,
+                             (self._md_scratch, 0, _MD_BYTES))
+        if not copied:
+            raise nixlBind.nixlBackendError(f"metadata of '{peer}' is {size} bytes, over 4 MiB")
+        self.add_remote_agent(bytes(self._md_scratch.buffer[:size]))
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
-        self._unsupported("invalidate_local_metadata")
+        if ip_addr:
+            peers = [self._connect(ip_addr, port)]
+        else:
+            with self._lock:
+                peers = list(self._remote)
+        for peer in peers:
+            try:
+                self.agent.notify(peer, _INVALIDATE_NOTIF + self.name.encode())
+            except ferry.Error:
+                pass  # a peer that is gone has nothing to invalidate
 
     def make_connection(self, remote_agent: str, backends: list[str] = []):
         with self._lock:
@@ -456,6 +503,20 @@ class nixl_agent:
 
     def _drain(self, into):
         for peer, payload in self.agent.take_notifications():
+            if payload.startswith(_MD_NOTIF):
+                try:
+                    self.add_remote_agent(payload[len(_MD_NOTIF):])
+                except nixlBind.nixlError as e:
+                    print(f"nixl (ferry): metadata from {peer} refused: {e}")
+                continue
+            if payload.startswith(_INVALIDATE_NOTIF):
+                with self._lock:
+                    self._remote.pop(peer, None)
+                try:
+                    self.agent.remove_peer(peer)
+                except ferry.Error:
+                    pass
+                continue
             into.setdefault(peer, []).append(payload)
         return into
 
