@@ -402,3 +402,58 @@ def test_cpu_torch_tensors_register_through_data_ptr(pair):
     assert torch.equal(src, dst)
     with pytest.raises(ValueError, match="contiguous"):
         a.register_memory(torch.zeros(8, 8)[:, 1])
+
+
+def ferry_bin():
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.environ.get("FERRY_BIN") or os.path.join(here, "..", "..", "build", "release",
+                                                       "ferry")
+
+
+def test_agents_find_each_other_through_the_discovery_store():
+    store = subprocess.Popen([ferry_bin(), "discovery", "--listen", "127.0.0.1:0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = store.stdout.readline()
+        assert "store at " in line, line
+        url = line.split("store at ")[1].split()[0]
+        with ferry.Agent(name("found"), store=url) as b, \
+                ferry.Agent(name("finder"), store=url) as a:
+            src = b.allocate(4096)
+            src.buffer[:] = b"\x33" * 4096
+            deadline = time.time() + 10
+            while True:  # b registers in the background, and again as its regions change
+                try:
+                    peer = a.connect_by_name(b.name)
+                    a.read([(a.allocate(4096), 0, 4096)], peer, [(src, 0, 4096)]).wait(10)
+                    break
+                except (ferry.NotFound, ferry.Unavailable):
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.05)
+            with pytest.raises(ferry.NotFound):
+                a.connect_by_name("nobody-registered-this")
+        with ferry.Agent(name("storeless")) as c, pytest.raises(ferry.FailedPrecondition):
+            c.connect_by_name("anyone")
+    finally:
+        store.kill()
+        store.wait()
+
+
+def test_every_status_code_has_its_exception_class():
+    names = ["Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
+             "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
+             "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable", "DataLoss"]
+    for n in names:
+        cls = getattr(ferry, n)
+        assert issubclass(cls, ferry.Error) and issubclass(ferry.Error, Exception), n
+        assert cls.__name__ == n and n in ferry.__all__
+    # Raised ones carry their code, and catching ferry.Error catches all of them.
+    with ferry.Agent(name("codes")) as a:
+        for call, cls in [(lambda: a.deregister(999), ferry.NotFound),
+                          (lambda: a.add_peer(b"junk"), ferry.InvalidArgument),
+                          (lambda: a.add_peer(a.metadata()), ferry.AlreadyExists),
+                          (lambda: a.unpublish("none"), ferry.NotFound)]:
+            with pytest.raises(ferry.Error) as e:
+                call()
+            assert type(e.value) is cls and e.value.code == cls.__name__, e.value
