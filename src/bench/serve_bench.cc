@@ -23,6 +23,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "core/utf8.h"
 #include "discovery/http_json.h"
 #include "http/http.h"
 #include "model/gguf.h"
@@ -139,11 +140,7 @@ bool IsPrintableUtf8(const std::string& s) {
     if (s.empty()) return false;
     for (size_t i = 0; i < s.size();) {
         auto c = static_cast<unsigned char>(s[i]);
-        size_t n = c < 0x80             ? 1
-                   : (c & 0xe0) == 0xc0 ? 2
-                   : (c & 0xf0) == 0xe0 ? 3
-                   : (c & 0xf8) == 0xf0 ? 4
-                                        : 0;
+        size_t n = Utf8SequenceLength(c);
         if (n == 0 || i + n > s.size()) return false;
         if (n == 1 && (c < 0x20 || c == 0x7f)) return false;
         for (size_t k = 1; k < n; ++k) {

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "core/log.h"
+#include "core/utf8.h"
 
 namespace ferry::engine {
 
@@ -19,11 +20,7 @@ void TakeCompleteUtf8(std::string* pending, std::string* out, bool flush) {
     const std::string& p = *pending;
     while (i < p.size()) {
         auto c = static_cast<unsigned char>(p[i]);
-        size_t n = c < 0x80             ? 1
-                   : (c & 0xe0) == 0xc0 ? 2
-                   : (c & 0xf0) == 0xe0 ? 3
-                   : (c & 0xf8) == 0xf0 ? 4
-                                        : 0;
+        size_t n = Utf8SequenceLength(c);
         if (n == 0) {
             out->append("\xef\xbf\xbd");
             ++i;

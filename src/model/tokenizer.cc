@@ -14,12 +14,10 @@ namespace {
 
 // --- UTF-8 --------------------------------------------------------------------------------------
 
+// A stray continuation byte (no sequence starts with it) stands alone.
 size_t Utf8Len(unsigned char c) {
-    if (c < 0x80) return 1;
-    if ((c & 0xe0) == 0xc0) return 2;
-    if ((c & 0xf0) == 0xe0) return 3;
-    if ((c & 0xf8) == 0xf0) return 4;
-    return 1;  // a stray continuation byte stands alone
+    const size_t n = Utf8SequenceLength(c);
+    return n ? n : 1;
 }
 
 struct CodePoint {
@@ -813,29 +811,6 @@ std::string Tokenizer::LogprobName(int32_t id) const {
     std::string out = "bytes:";
     for (unsigned char b : bytes) out += fmt::format("\\x{:02x}", b);
     return out;
-}
-
-bool IsValidUtf8(std::string_view s) {
-    size_t i = 0;
-    while (i < s.size()) {
-        auto c = static_cast<unsigned char>(s[i]);
-        size_t n = c < 0x80             ? 1
-                   : (c & 0xe0) == 0xc0 ? 2
-                   : (c & 0xf0) == 0xe0 ? 3
-                   : (c & 0xf8) == 0xf0 ? 4
-                                        : 0;
-        if (n == 0 || i + n > s.size()) return false;
-        uint32_t cp = n == 1 ? c : c & (0xff >> (n + 1));
-        for (size_t k = 1; k < n; ++k) {
-            auto cc = static_cast<unsigned char>(s[i + k]);
-            if ((cc & 0xc0) != 0x80) return false;
-            cp = (cp << 6) | (cc & 0x3f);
-        }
-        static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
-        if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-        i += n;
-    }
-    return true;
 }
 
 Result<std::string> Tokenizer::ApplyChatTemplate(std::span<const ChatMessage> messages,

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/utf8.h"
 #include "ferry/status.h"
 #include "model/gguf.h"
 
@@ -37,9 +38,6 @@ std::string_view ChatTemplateName(ChatTemplate t);
 // "deepseek-coder", ...; "default" and unknown names get llama.cpp's default list. Views into
 // `text`.
 std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre);
-
-// Whether `s` is whole, valid UTF-8 (no truncated or overlong sequence, no surrogate).
-bool IsValidUtf8(std::string_view s);
 
 // The token text of byte `b` in a byte-level BPE vocabulary: GPT-2's printable code point for
 // it, as UTF-8 ('a' -> "a", ' ' -> "Ġ").
