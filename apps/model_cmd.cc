@@ -253,10 +253,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
                 ac.backends = {kv_backend};
                 ac.force_backend = kv_backend;
             } else {
-                ac.backends = {"shm", "tcp"};
-#ifdef FERRY_HAVE_UCX
-                ac.backends.push_back("ucx");
-#endif
+                ac.backends = AvailableBackends();
             }
             ac.store = store;
             try {

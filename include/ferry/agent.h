@@ -85,7 +85,10 @@ struct AgentConfig {
     // interface is an explicit choice (docs/security.md).
     std::string listen_host = "127.0.0.1";
     uint16_t listen_port = 0;  // 0 = pick a free port
-    // Backends this agent offers and may use: any of "shm", "tcp".
+    // Backends this agent offers and may use: any of AvailableBackends() ("shm", "tcp", "ucx").
+    // For each peer the agent picks the first of them, in a fixed ranking by capability
+    // (same-host first, then a backend with its own data path, then one-sided, then by name:
+    // shm, ucx, tcp), that can reach it.
     std::vector<std::string> backends = {"shm", "tcp"};
     // Use this backend for every peer instead of choosing by locality ("" = choose).
     std::string force_backend{};
@@ -220,6 +223,10 @@ struct PullResult {
 // Methods that post work never block on the network; Connect, PullByKey and Deregister block for
 // bounded times as documented. The Agent owns regions it allocated; memory passed to
 // RegisterMemory stays the caller's and must outlive its registration.
+// The backends this build has, in registration order: "shm", "tcp", and "ucx" where it was built
+// with libucx.
+std::vector<std::string> AvailableBackends();
+
 class Agent {
   public:
     // Starts the listener and I/O threads. Fails with InvalidArgument for a bad config and
@@ -279,7 +286,8 @@ class Agent {
     Result<std::string> ConnectByName(std::string_view name);
     // Drops a peer: its connections close, pending transfers to it fail with Unavailable.
     Status RemovePeer(std::string_view name);
-    // The backend chosen for the peer ("shm" or "tcp"), NotFound for an unknown peer.
+    // The backend chosen for the peer (one of AgentConfig::backends), NotFound for an unknown
+    // peer.
     Result<std::string> PeerBackend(std::string_view name) const;
     AgentStats Stats() const;
 

@@ -78,7 +78,7 @@ Status UnavailableError(std::string message);
 Status DataLossError(std::string message);
 
 // Either a value or a non-OK Status. Accessing the value of an error Result is a programming
-// error (checked by assertion in debug builds).
+// error: value(), * and -> then throw std::bad_variant_access, in every build; check ok() first.
 template <typename T>
 class [[nodiscard]] Result {
   public:

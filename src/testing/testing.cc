@@ -48,11 +48,13 @@ std::string BackendName(const std::string& variant) {
 std::vector<std::string> ConformanceVariants() { return NetworkBackends({"shm", "shm_copy"}); }
 
 std::vector<std::string> NetworkBackends(std::vector<std::string> first) {
-    first.push_back("tcp");
-#ifdef FERRY_HAVE_UCX
-    first.push_back("ucx");
-    first.push_back("ucx_rma");
-#endif
+    // Each backend of this build (from the registry), then its configuration variants.
+    const std::vector<std::string> all = AvailableBackends();
+    for (const std::string& b : all) {
+        if (b == "shm") continue;  // `first` says which shm variants a suite wants
+        first.push_back(b);
+        if (b == "ucx") first.push_back("ucx_rma");
+    }
     return first;
 }
 

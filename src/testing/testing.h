@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -95,6 +96,21 @@ inline bool WaitUntil(const std::function<bool()>& pred,
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     return pred();
+}
+
+// Runs `fn` on a thread and waits for it up to `limit`: true if it returned in time. A deadline
+// wait instead of timing a call and comparing afterwards (the call still runs to its end; this
+// returns after it did, so nothing outlives the test).
+inline bool FinishesWithin(std::chrono::milliseconds limit, const std::function<void()>& fn) {
+    std::promise<void> done;
+    std::future<void> f = done.get_future();
+    std::thread t([&] {
+        fn();
+        done.set_value();
+    });
+    const bool in_time = f.wait_for(limit) == std::future_status::ready;
+    t.join();
+    return in_time;
 }
 
 // Backend variants of the conformance suites: "tcp", "shm" (one-sided copies through mapped

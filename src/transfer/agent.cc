@@ -8,6 +8,8 @@ namespace ferry {
 using internal::AgentCore;
 using internal::TransferOp;
 
+std::vector<std::string> AvailableBackends() { return KnownBackends(); }
+
 // --- Transfer -------------------------------------------------------------------------------
 
 Transfer::Transfer(std::shared_ptr<TransferOp> op) : op_(std::move(op)) {}

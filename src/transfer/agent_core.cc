@@ -41,8 +41,6 @@ constexpr auto kDeregisterGrace = std::chrono::seconds(2);
 constexpr auto kMapWait = std::chrono::seconds(1);
 constexpr uint64_t kMinChunk = 64 * 1024;
 constexpr uint64_t kMaxChunk = 4u << 20;
-// ucx: bytes per active message (each one rendezvous, several in flight).
-[[maybe_unused]] constexpr uint64_t kUcxChunk = 4u << 20;
 constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
 
 // Copies between our iovecs and the peer's with as few process_vm calls as possible.
@@ -166,20 +164,37 @@ Status AgentCore::Start() {
         FERRY_ASSIGN_OR_RETURN(auto loop, IoLoop::Create("ferry-io" + std::to_string(i)));
         loops_.push_back(std::move(loop));
     }
-    // The tcp listener is always there: it is the side channel that serves metadata.
-    std::vector<std::string> names = config_.backends;
-    if (std::find(names.begin(), names.end(), "tcp") == names.end()) {
-        names.push_back("tcp");
-    }
-    for (const std::string& n : names) {
+    // The side channel that serves metadata is always there: the first enabled backend that can
+    // carry it, else the first in the registry that can (enabled for that alone).
+    std::vector<std::unique_ptr<Backend>> created;
+    for (const std::string& n : config_.backends) {
         FERRY_ASSIGN_OR_RETURN(auto backend, CreateBackend(n, config_, host_id_));
+        if (side_channel_.empty() && backend->capabilities().side_channel) side_channel_ = n;
+        created.push_back(std::move(backend));
+    }
+    for (const std::string& n : KnownBackends()) {
+        if (!side_channel_.empty()) break;
+        FERRY_ASSIGN_OR_RETURN(auto backend, CreateBackend(n, config_, host_id_));
+        if (backend->capabilities().side_channel) {
+            side_channel_ = n;
+            created.push_back(std::move(backend));
+        }
+    }
+    if (side_channel_.empty()) {
+        return InternalError("no backend in this build can carry the side channel");
+    }
+    std::vector<std::pair<std::string, BackendCapabilities>> offered;
+    for (auto& backend : created) {
+        const std::string n(backend->name());
         ScopedFd listener;
         FERRY_ASSIGN_OR_RETURN(std::string address, backend->Listen(&listener));
-        if (!backend->stream_based()) {
-#ifdef FERRY_HAVE_UCX
-            ucx_ = static_cast<UcxBackend*>(backend.get());
-            FERRY_RETURN_IF_ERROR(ucx_->Start(this));
-#endif
+        const BackendCapabilities caps = backend->capabilities();
+        const bool enabled = std::find(config_.backends.begin(), config_.backends.end(), n) !=
+                             config_.backends.end();
+        if (enabled) offered.emplace_back(n, caps);
+        if (caps.data_path == DataPath::kOwn) {
+            FERRY_RETURN_IF_ERROR(backend->Start(this).WithContext("backend " + n));
+            own_path_.push_back(backend.get());
             endpoints_[n] = address;
             backends_.emplace(n, std::move(backend));
             continue;
@@ -190,21 +205,17 @@ Status AgentCore::Start() {
         Status watched;
         loops_[0]->RunSync([&] { watched = loops_[0]->Watch(fd, EPOLLIN, acceptor); });
         FERRY_RETURN_IF_ERROR(watched);
-        if (n == "tcp") {
+        if (n == side_channel_) {
             side_channel_address_ = address;
         }
-        if (std::find(config_.backends.begin(), config_.backends.end(), n) !=
-            config_.backends.end()) {
+        if (enabled) {
             endpoints_[n] = address;
         }
         listeners_.push_back(std::move(listener));
         acceptors_.push_back(std::move(acceptor));
         backends_.emplace(n, std::move(backend));
     }
-    // Preference order: shm (same host), then ucx where enabled, then tcp.
-    for (const char* n : {"shm", "ucx", "tcp"}) {
-        if (endpoints_.count(n) != 0) enabled_.push_back(n);
-    }
+    enabled_ = RankBackends(std::move(offered));
     loops_[0]->SetTick(kTickPeriod, [this] { Tick(); });
     FERRY_LOG(kInfo, "agent {} epoch {:016x} listening on {}", config_.name, epoch_,
               side_channel_address_);
@@ -374,8 +385,8 @@ Result<std::string> AgentCore::ConnectByName(std::string_view name) {
     if (!md.ok()) {
         return md.status().WithContext("ConnectByName " + std::string(name) + ": store entry");
     }
-    Result<std::string> r = InvalidArgumentError("no tcp endpoint");
-    if (const EndpointInfo* side = md->FindEndpoint("tcp")) {
+    Result<std::string> r = InvalidArgumentError("no side channel endpoint");
+    if (const EndpointInfo* side = md->FindEndpoint(side_channel_)) {
         r = Connect(side->address, std::chrono::seconds(5));
     } else {
         r = AddPeer(e->value);
@@ -423,11 +434,9 @@ void AgentCore::Shutdown() {
         }
         ops_.clear();
     }
-#ifdef FERRY_HAVE_UCX
-    if (ucx_ != nullptr) {
-        ucx_->Stop();  // its transfers fail with Cancelled once UCX has let go of their memory
+    for (Backend* b : own_path_) {
+        b->Stop();  // their transfers fail with Cancelled once the backend let go of their memory
     }
-#endif
     for (auto& op : ops) {
         op->Fail(CancelledError("agent " + config_.name + " is shutting down"),
                  /*close_streams=*/false);
@@ -519,10 +528,8 @@ Status AgentCore::Deregister(RegionId id) {
     for (auto& op : users) {
         op->Fail(CancelledError("local region " + std::to_string(id) + " was deregistered"));
     }
-#ifdef FERRY_HAVE_UCX
     // Peers holding a one-sided grant of it let go first (no new grants from now on).
-    if (ucx_ != nullptr && config_.ucx_rma) ucx_->RevokeRegion(id, kDeregisterGrace);
-#endif
+    for (Backend* b : own_path_) b->RevokeRegion(id, kDeregisterGrace);
     Status s = regions_.Deregister(id, kDeregisterGrace, [this](RegionId rid) {
         std::vector<std::shared_ptr<Connection>> conns;
         {
@@ -541,9 +548,7 @@ Status AgentCore::Deregister(RegionId id) {
     if (s.ok()) {
         MarkMetadataChanged();
     }
-#ifdef FERRY_HAVE_UCX
-    if (ucx_ != nullptr && config_.ucx_rma) ucx_->RegionGone(id);
-#endif
+    for (Backend* b : own_path_) b->RegionGone(id);
     if (s.ok() && share_id != 0) {
         RevokeGrants(share_id, id);  // initiators copying one-sided stop before we return
         BroadcastUnshare(share_id);  // targets drop their mappings of it
@@ -624,11 +629,7 @@ void AgentCore::ClosePeerStreams(Peer& peer, const Status& why) {
     std::vector<std::shared_ptr<Connection>> conns;
     {
         std::lock_guard<std::mutex> lock(peer.mu);
-#ifdef FERRY_HAVE_UCX
-        if (ucx_ != nullptr) {
-            ucx_->DropPeer(peer.md.name, peer.md.epoch, why);
-        }
-#endif
+        for (Backend* b : own_path_) b->PeerLost(peer.md.name, peer.md.epoch, why);
         for (auto& [b, v] : peer.streams) {
             for (auto& c : v) {
                 if (c) conns.push_back(c);
@@ -658,9 +659,7 @@ Status AgentCore::RemovePeer(std::string_view name) {
 
 AgentStats AgentCore::Stats() const {
     uint64_t one_sided = one_sided_transfers_.load();
-#ifdef FERRY_HAVE_UCX
-    if (ucx_ != nullptr) one_sided += ucx_->one_sided_transfers();
-#endif
+    for (Backend* b : own_path_) one_sided += b->one_sided_transfers();
     AgentStats st;
     st.transfers_posted = transfers_posted_.load();
     st.one_sided_transfers = one_sided;
@@ -827,7 +826,7 @@ Result<std::vector<std::shared_ptr<Connection>>> AgentCore::Streams(Peer& peer, 
 
 Result<std::string> AgentCore::Connect(std::string_view host_port,
                                        std::chrono::milliseconds timeout) {
-    Backend* tcp = FindBackend("tcp");
+    Backend* side = FindBackend(side_channel_);
     struct Fetch {
         std::mutex mu;
         std::condition_variable cv;
@@ -837,7 +836,7 @@ Result<std::string> AgentCore::Connect(std::string_view host_port,
     };
     auto fetch = std::make_shared<Fetch>();
     FERRY_ASSIGN_OR_RETURN(auto conn,
-                           Dial(*tcp, host_port, "side channel " + std::string(host_port),
+                           Dial(*side, host_port, "side channel " + std::string(host_port),
                                 wire::Purpose::kSideChannel, 0));
     OutFrame f;
     f.request_id = NextRequestId();
@@ -920,12 +919,13 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
 
     // Remote side: against the peer's published regions (the target checks again).
     std::unordered_map<RegionId, RegionView> remote_views;
-    std::unordered_set<RegionId> remote_files;  // only wanted for ucx one-sided access
+    std::unordered_map<RegionId, MemoryKind> remote_kinds;
+    const BackendCapabilities caps = backend->capabilities();
     {
         std::lock_guard<std::mutex> lock(peer->mu);
         for (const RemoteRegion& r : peer->md.regions) {
             remote_views[r.id] = RegionView{nullptr, r.length, r.key};
-            if (config_.ucx_rma && r.kind != MemoryKind::kHost) remote_files.insert(r.id);
+            remote_kinds[r.id] = r.kind;
         }
     }
     auto find_remote = [&](RegionId id) -> const RegionView* {
@@ -936,6 +936,16 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
     FERRY_RETURN_IF_ERROR(ExpandDescriptors(remote, find_remote, "remote", &remote_runs)
                               .WithContext("peer " + std::string(peer_name)));
     FERRY_ASSIGN_OR_RETURN(auto segments, PairRuns(local_runs, remote_runs));
+    bool all_host = true;
+    for (const Run& r : remote_runs) {
+        const MemoryKind k = remote_kinds[r.region];
+        if (!caps.touches(k)) {
+            return FailedPreconditionError(
+                "backend " + backend_name + " cannot reach region " + std::to_string(r.region) +
+                " of peer " + std::string(peer_name) + " (" + MemoryKindName(k) + " memory)");
+        }
+        all_host = all_host && k == MemoryKind::kHost;
+    }
 
     std::vector<RegionPin> pins;
     for (auto& [id, e] : local_entries) {
@@ -945,22 +955,21 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
 
     auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
     const Clock::time_point deadline = Clock::now() + timeout;
-#ifdef FERRY_HAVE_UCX
-    if (!backend->stream_based()) {
+    if (caps.data_path == DataPath::kOwn) {
         uint64_t total = 0;
         for (const auto& s : segments) total += s.remote.length;
-        std::vector<Chunk> chunks = MakeChunks(segments, kUcxChunk, ucx_->max_segments());
+        std::vector<Chunk> chunks =
+            MakeChunks(segments, backend->chunk_bytes(), backend->max_segments());
         transfers_posted_.fetch_add(1, std::memory_order_relaxed);
         bytes_posted_.fetch_add(total, std::memory_order_relaxed);
         auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total, deadline,
                                                std::string(peer_name), wire::DataMode::kInline);
-        UcxBackend* ucx = ucx_;
-        UcxPeerRef ref = UcxRef(*peer);
-        op->SetCutOff([ucx, id = op->id()](const Status& s) { ucx->CutOff(id, s); });
+        PeerRef ref = RefFor(*peer, *backend);
+        op->SetCutOff([backend, id = op->id()](const Status& s) { backend->CutOff(id, s); });
         std::function<void()> on_success;
         if (options.notification) {
-            on_success = [ucx, ref, payload = *options.notification, self = config_.name] {
-                (void)ucx->Notify(ref, payload, self);
+            on_success = [backend, ref, payload = *options.notification, self = config_.name] {
+                (void)backend->Notify(ref, payload, self);
             };
         }
         op->Arm(static_cast<uint32_t>(chunks.size()), std::move(pins), std::move(on_success));
@@ -968,16 +977,11 @@ Result<Transfer> AgentCore::Post(TransferOp::Kind kind, std::span<const Descript
             std::lock_guard<std::mutex> lock(ops_mu_);
             ops_[op->id()] = op;
         }
-        // One-sided where we may and every remote region is host memory (files are staged by
-        // the target).
-        bool one_sided = config_.ucx_rma;
-        for (size_t i = 0; one_sided && !remote_files.empty() && i < segments.size(); ++i) {
-            one_sided = remote_files.count(segments[i].remote.region) == 0;
-        }
-        ucx_->Post(op, ref, kind == TransferOp::Kind::kWrite, std::move(chunks), one_sided);
+        // One-sided only where every remote region is host memory (files are staged by the
+        // target).
+        backend->Post(op, ref, kind == TransferOp::Kind::kWrite, std::move(chunks), all_host);
         return Transfer(op);
     }
-#endif
     FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
     uint64_t total = 0;
     for (const auto& s : segments) total += s.remote.length;
@@ -1239,12 +1243,16 @@ Status AgentCore::Notify(std::string_view peer_name, std::string_view payload) {
     if (!peer) {
         return NotFoundError("unknown peer " + std::string(peer_name));
     }
-#ifdef FERRY_HAVE_UCX
-    if (peer->backend == "ucx") {
-        return ucx_->Notify(UcxRef(*peer), std::string(payload), config_.name);
+    Backend* backend = FindBackend(peer->backend);
+    const BackendCapabilities caps = backend->capabilities();
+    if (!caps.notifications) {
+        return UnimplementedError("Notify: backend " + peer->backend + " (chosen for peer " +
+                                  peer->md.name + ") carries no notifications");
     }
-#endif
-    FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *FindBackend(peer->backend)));
+    if (caps.data_path == DataPath::kOwn) {
+        return backend->Notify(RefFor(*peer, *backend), std::string(payload), config_.name);
+    }
+    FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
     OutFrame f;
     f.head = wire::MakeFrame(wire::FrameType::kNotify, 0, payload);
     streams[0]->Send(std::move(f));
@@ -1344,13 +1352,16 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
     capacity = std::min<uint64_t>(capacity, wire::kMaxPayload);
     FERRY_ASSIGN_OR_RETURN(RegionPin pin, regions_.PinLocal(local.region));
     Backend* backend = FindBackend(peer->backend);
-#ifdef FERRY_HAVE_UCX
-    if (!backend->stream_based()) {
+    const BackendCapabilities caps = backend->capabilities();
+    if (!caps.pull_by_key) {
+        return UnimplementedError("PullByKey: backend " + peer->backend + " (chosen for peer " +
+                                  peer->md.name + ") cannot pull by key");
+    }
+    if (caps.data_path == DataPath::kOwn) {
         auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), TransferOp::Kind::kPull,
                                                capacity, Clock::now() + timeout,
                                                std::string(peer_name), wire::DataMode::kInline);
-        UcxBackend* ucx = ucx_;
-        op->SetCutOff([ucx, id = op->id()](const Status& s) { ucx->CutOff(id, s); });
+        op->SetCutOff([backend, id = op->id()](const Status& s) { backend->CutOff(id, s); });
         std::vector<RegionPin> pins;
         pins.push_back(std::move(pin));
         op->Arm(1, std::move(pins), nullptr);
@@ -1358,7 +1369,7 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
             std::lock_guard<std::mutex> lock(ops_mu_);
             ops_[op->id()] = op;
         }
-        ucx_->Pull(op, UcxRef(*peer), std::string(key), std::move(iov), capacity);
+        backend->Pull(op, RefFor(*peer, *backend), std::string(key), std::move(iov), capacity);
         Transfer handle(op);
         Status s = op->Wait(op->deadline() + std::chrono::seconds(5));
         if (!s.ok()) {
@@ -1367,7 +1378,6 @@ Result<PullResult> AgentCore::PullByKey(std::string_view peer_name, std::string_
         uint64_t size = op->pull_size().value_or(0);
         return PullResult{size, size <= capacity};
     }
-#endif
     FERRY_ASSIGN_OR_RETURN(auto streams, Streams(*peer, *backend));
     wire::DataMode mode = backend->data_mode();
     auto op =
@@ -1749,10 +1759,10 @@ Status AgentCore::GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* 
     return Status::Ok();
 }
 
-UcxPeerRef AgentCore::UcxRef(Peer& peer) const {
+PeerRef AgentCore::RefFor(Peer& peer, const Backend& backend) const {
     std::lock_guard<std::mutex> lock(peer.mu);
-    const EndpointInfo* e = peer.md.FindEndpoint("ucx");
-    return UcxPeerRef{peer.md.name, peer.md.epoch, e != nullptr ? e->address : ""};
+    const EndpointInfo* e = peer.md.FindEndpoint(backend.name());
+    return PeerRef{peer.md.name, peer.md.epoch, e != nullptr ? e->address : ""};
 }
 
 void AgentCore::ServePull(Connection& conn, const wire::FrameHeader& h, std::string_view body) {
@@ -1955,7 +1965,9 @@ void AgentCore::BroadcastUnshare(uint64_t share_id) {
     {
         std::lock_guard<std::mutex> lock(conns_mu_);
         for (const auto& c : conns_) {
-            if (c->role() == Connection::Role::kClient && c->backend() == "shm" && !c->closed()) {
+            const Backend* b = FindBackend(c->backend());
+            if (c->role() == Connection::Role::kClient && b != nullptr &&
+                b->data_mode() == wire::DataMode::kCma && !c->closed()) {
                 conns.push_back(c);
             }
         }

@@ -20,7 +20,6 @@
 #include "ferry/discovery.h"
 #include "transfer/backend.h"
 #include "transfer/backends/file/file_engine.h"
-#include "transfer/backends/ucx/ucx_backend.h"
 #include "transfer/connection.h"
 #include "transfer/io_loop.h"
 #include "transfer/metadata.h"
@@ -31,7 +30,7 @@
 namespace ferry::internal {
 
 class AgentCore final : public ConnectionOwner,
-                        public UcxHost,
+                        public TargetServices,
                         public std::enable_shared_from_this<AgentCore> {
   public:
     static Result<std::shared_ptr<AgentCore>> Create(AgentConfig config);
@@ -77,7 +76,7 @@ class AgentCore final : public ConnectionOwner,
     void OnReady(Connection& conn) override;
     void HandshakeOver(const Connection& conn);
 
-    // UcxHost (the ucx progress thread).
+    // TargetServices (the threads of backends with their own data path).
     Status PinSegments(const std::vector<wire::Segment>& segs, bool write,
                        std::vector<RegionPin>* pins, std::vector<iovec>* iov,
                        FileStaging* staging) override;
@@ -156,8 +155,8 @@ class AgentCore final : public ConnectionOwner,
     // The file engine (created with the first file region; null before).
     FileEngine* Files() const;
     FileEngine::Options FileOptions() const;
-    // The ucx backend's peer reference (name, epoch, endpoint).
-    UcxPeerRef UcxRef(Peer& peer) const;
+    // Where the peer's endpoint for `backend` is (name, epoch, address).
+    PeerRef RefFor(Peer& peer, const Backend& backend) const;
     // Copies between our memory and the initiator's over a cma stream: through mappings of the
     // initiator's shared regions when every buffer lies in one, else by cross-memory attach.
     Status CopyWithPeer(Connection& conn, const std::vector<iovec>& ours,
@@ -196,8 +195,9 @@ class AgentCore final : public ConnectionOwner,
     std::atomic<uint64_t> next_loop_{0};
     std::map<std::string, std::unique_ptr<Backend>, std::less<>>
         backends_;                      // enabled + side channel
-    std::vector<std::string> enabled_;  // offered and usable, in preference order
-    UcxBackend* ucx_ = nullptr;         // in backends_, when enabled
+    std::vector<std::string> enabled_;  // offered and usable, in preference order (RankBackends)
+    std::vector<Backend*> own_path_;    // in backends_: those with their own data path, started
+    std::string side_channel_;          // the backend that serves metadata (Connect)
     std::map<std::string, std::string, std::less<>> endpoints_;  // backend -> published address
     std::vector<ScopedFd> listeners_;
     std::vector<std::shared_ptr<EventHandler>> acceptors_;

@@ -2,10 +2,71 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <charconv>
 #include <fstream>
+#include <tuple>
+
+#include "transfer/transfer_op.h"
 
 namespace ferry {
+
+std::string MemoryKindName(MemoryKind k) {
+    switch (k) {
+        case MemoryKind::kHost:
+            return "host";
+        case MemoryKind::kFile:
+            return "file";
+        case MemoryKind::kCuda:
+            return "cuda";
+    }
+    return "kind " + std::to_string(static_cast<int>(k));
+}
+
+std::vector<std::string> RankBackends(
+    std::vector<std::pair<std::string, BackendCapabilities>> backends) {
+    auto key = [](const std::pair<std::string, BackendCapabilities>& b) {
+        const BackendCapabilities& c = b.second;
+        return std::make_tuple(c.locality != Locality::kSameHost, c.data_path != DataPath::kOwn,
+                               !c.one_sided, std::string_view(b.first));
+    };
+    std::stable_sort(backends.begin(), backends.end(),
+                     [&](const auto& a, const auto& b) { return key(a) < key(b); });
+    std::vector<std::string> names;
+    for (auto& b : backends) names.push_back(std::move(b.first));
+    return names;
+}
+
+Result<ScopedFd> Backend::Dial(std::string_view address, bool* in_progress) const {
+    (void)address;
+    (void)in_progress;
+    return UnimplementedError("backend " + std::string(name()) + " has no sockets to dial");
+}
+
+void Backend::Post(const std::shared_ptr<internal::TransferOp>& op, const PeerRef& peer, bool write,
+                   std::vector<Chunk> chunks, bool all_host) {
+    (void)peer;
+    (void)write;
+    (void)all_host;
+    Status s = UnimplementedError("backend " + std::string(name()) + " moves no bytes itself");
+    for (size_t i = 0; i < chunks.size(); ++i) op->ChunkDone(s);
+}
+
+Status Backend::Notify(const PeerRef& peer, std::string payload, std::string sender) {
+    (void)peer;
+    (void)payload;
+    (void)sender;
+    return UnimplementedError("backend " + std::string(name()) + " sends no notifications itself");
+}
+
+void Backend::Pull(const std::shared_ptr<internal::TransferOp>& op, const PeerRef& peer,
+                   std::string key, std::vector<iovec> local, uint64_t capacity) {
+    (void)peer;
+    (void)key;
+    (void)local;
+    (void)capacity;
+    op->ChunkDone(UnimplementedError("backend " + std::string(name()) + " pulls nothing itself"));
+}
 
 std::string LocalHostId() {
     std::string boot;

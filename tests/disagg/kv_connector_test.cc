@@ -227,11 +227,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
 }
 std::vector<Case> Cases() {
     std::vector<Case> out;
-    std::vector<std::string> backends = {"shm", "tcp"};
-#ifdef FERRY_HAVE_UCX
-    backends.push_back("ucx");
-#endif
-    for (const auto& b : backends) {
+    for (const auto& b : AvailableBackends()) {
         for (int tp : {1, 2}) {
             for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) out.push_back({b, tp, m});
         }

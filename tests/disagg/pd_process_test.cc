@@ -280,11 +280,7 @@ TEST_P(PdMatrix, HundredPromptsThroughTheProxyEqualColocatedForPullAndPush) {
 
 std::vector<std::tuple<std::string, int>> MatrixCases() {
     std::vector<std::tuple<std::string, int>> out;
-    std::vector<std::string> backends = {"shm", "tcp"};
-#ifdef FERRY_HAVE_UCX
-    backends.push_back("ucx");
-#endif
-    for (const auto& b : backends) {
+    for (const auto& b : AvailableBackends()) {
         for (int tp : {1, 2}) out.emplace_back(b, tp);
     }
     return out;

@@ -322,11 +322,7 @@ TEST_P(MultiProcess, KilledPeersLeaveNoDescriptorsBehind) {
     EXPECT_LE(fds, before) << "descriptors left open after three peers were killed and dropped";
 }
 
-#ifdef FERRY_HAVE_UCX
-INSTANTIATE_TEST_SUITE_P(Backends, MultiProcess, ::testing::Values("shm", "tcp", "ucx"),
-#else
-INSTANTIATE_TEST_SUITE_P(Backends, MultiProcess, ::testing::Values("shm", "tcp"),
-#endif
+INSTANTIATE_TEST_SUITE_P(Backends, MultiProcess, ::testing::ValuesIn(AvailableBackends()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -33,7 +33,8 @@ sockaddr_un AbstractAddress(std::string_view name, socklen_t* len) {
 ShmBackend::ShmBackend(const AgentConfig& config, std::string host_id)
     : host_id_(std::move(host_id)),
       streams_(config.shm_streams > 0 ? std::min(config.shm_streams, 16)
-                                      : std::clamp(UsableCores(), 1, 4)) {}
+                                      : std::clamp(UsableCores(), 1, 4)),
+      one_sided_(config.shm_map_peer_regions) {}
 
 Result<std::string> ShmBackend::Listen(ScopedFd* listener) {
     char name[64];
@@ -77,6 +78,18 @@ Result<ScopedFd> ShmBackend::Dial(std::string_view address, bool* in_progress) c
         return UnavailableError("shm: connect @" + std::string(name) + ": " + std::strerror(errno));
     }
     return fd;
+}
+
+BackendCapabilities ShmBackend::capabilities() const {
+    BackendCapabilities c;
+    c.data_path = DataPath::kStream;
+    c.locality = Locality::kSameHost;
+    c.one_sided = one_sided_;
+    return c;
+}
+
+std::unique_ptr<Backend> MakeShmBackend(const BackendContext& ctx) {
+    return std::make_unique<ShmBackend>(ctx.config, ctx.host_id);
 }
 
 }  // namespace ferry

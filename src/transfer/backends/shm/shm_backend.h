@@ -14,7 +14,7 @@ class ShmBackend final : public Backend {
     ShmBackend(const AgentConfig& config, std::string host_id);
 
     std::string_view name() const override { return "shm"; }
-    BackendCapabilities capabilities() const override { return {true, true, false}; }
+    BackendCapabilities capabilities() const override;
     wire::DataMode data_mode() const override { return wire::DataMode::kCma; }
     int streams() const override { return streams_; }
     Result<std::string> Listen(ScopedFd* listener) override;
@@ -25,6 +25,7 @@ class ShmBackend final : public Backend {
   private:
     std::string host_id_;
     int streams_;
+    bool one_sided_;  // AgentConfig::shm_map_peer_regions
 };
 
 }  // namespace ferry

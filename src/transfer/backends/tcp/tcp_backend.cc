@@ -142,4 +142,16 @@ void TcpBackend::Configure(int fd) const {
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
 }
 
+BackendCapabilities TcpBackend::capabilities() const {
+    BackendCapabilities c;
+    c.data_path = DataPath::kStream;
+    c.locality = Locality::kAnyHost;
+    c.side_channel = true;
+    return c;
+}
+
+std::unique_ptr<Backend> MakeTcpBackend(const BackendContext& ctx) {
+    return std::make_unique<TcpBackend>(ctx.config);
+}
+
 }  // namespace ferry

@@ -12,7 +12,7 @@ class TcpBackend final : public Backend {
     explicit TcpBackend(const AgentConfig& config);
 
     std::string_view name() const override { return "tcp"; }
-    BackendCapabilities capabilities() const override { return {true, true, true}; }
+    BackendCapabilities capabilities() const override;
     wire::DataMode data_mode() const override { return wire::DataMode::kInline; }
     int streams() const override { return streams_; }
     Result<std::string> Listen(ScopedFd* listener) override;

@@ -133,7 +133,7 @@ class UcxBackend::Impl {
     ~Impl() { Destroy(); }
 
     Result<std::string> Init();
-    Status Start(UcxHost* host);
+    Status Start(TargetServices* host);
     void Stop();
     // Runs `f` on the progress thread (in order); false once stopped.
     bool Run(std::function<void()> f);
@@ -152,11 +152,11 @@ class UcxBackend::Impl {
     size_t max_header() const { return max_header_; }
 
     // Progress-thread side of the public calls.
-    void DoPost(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer, bool write,
+    void DoPost(const std::shared_ptr<TransferOp>& op, const PeerRef& peer, bool write,
                 std::vector<Chunk> chunks, bool one_sided);
-    void DoNotify(const UcxPeerRef& peer, const std::string& payload, const std::string& sender);
-    void DoPull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
-                const std::string& key, std::vector<iovec> local, uint64_t capacity);
+    void DoNotify(const PeerRef& peer, const std::string& payload, const std::string& sender);
+    void DoPull(const std::shared_ptr<TransferOp>& op, const PeerRef& peer, const std::string& key,
+                std::vector<iovec> local, uint64_t capacity);
     void DoDropPeer(const std::string& peer, uint64_t epoch, const Status& why);
     void DoCutOff(uint64_t op_id, const Status& why);
     void DoRevoke(RegionId id, const std::shared_ptr<std::promise<void>>& done);
@@ -242,7 +242,7 @@ class UcxBackend::Impl {
         now.swap(deferred_);
         for (auto& f : now) f();
     }
-    Result<std::shared_ptr<Ep>> GetEp(const UcxPeerRef& peer);
+    Result<std::shared_ptr<Ep>> GetEp(const PeerRef& peer);
     // `force`: at once, failing what is in flight; else flushed first, then forced (a clean
     // goodbye the peer sees as such: UCX 1.13 can abort a peer whose endpoint wireup is cut off
     // by a forced close, and keeps an endpoint closed without force until the worker goes).
@@ -386,7 +386,7 @@ class UcxBackend::Impl {
     int efd_ = -1;   // the worker's event fd
     int wake_ = -1;  // eventfd: commands queued
     int epoll_ = -1;
-    UcxHost* host_ = nullptr;
+    TargetServices* host_ = nullptr;
 
     std::mutex mu_;
     struct HandlerArg {
@@ -505,7 +505,7 @@ Result<std::string> UcxBackend::Impl::Init() {
     return address;
 }
 
-Status UcxBackend::Impl::Start(UcxHost* host) {
+Status UcxBackend::Impl::Start(TargetServices* host) {
     host_ = host;
     wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     epoll_ = epoll_create1(EPOLL_CLOEXEC);
@@ -668,7 +668,7 @@ void UcxBackend::Impl::Destroy() {
     wake_ = epoll_ = -1;
 }
 
-Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const UcxPeerRef& peer) {
+Result<std::shared_ptr<UcxBackend::Impl::Ep>> UcxBackend::Impl::GetEp(const PeerRef& peer) {
     auto it = eps_.find(peer.name);
     if (it != eps_.end()) {
         if (it->second->epoch == peer.epoch && !it->second->failed) return it->second;
@@ -934,7 +934,7 @@ void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool
     }
 }
 
-void UcxBackend::Impl::DoPost(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
+void UcxBackend::Impl::DoPost(const std::shared_ptr<TransferOp>& op, const PeerRef& peer,
                               bool write, std::vector<Chunk> chunks, bool one_sided) {
     bool closed = false;
     {
@@ -1371,7 +1371,7 @@ void UcxBackend::Impl::FinishRevocation(uint64_t revocation) {
     revocations_.erase(it);
 }
 
-void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& payload,
+void UcxBackend::Impl::DoNotify(const PeerRef& peer, const std::string& payload,
                                 const std::string& sender) {
     Result<std::shared_ptr<Ep>> ep = GetEp(peer);
     if (!ep.ok()) {
@@ -1408,7 +1408,7 @@ void UcxBackend::Impl::DoNotify(const UcxPeerRef& peer, const std::string& paylo
     }
 }
 
-void UcxBackend::Impl::DoPull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
+void UcxBackend::Impl::DoPull(const std::shared_ptr<TransferOp>& op, const PeerRef& peer,
                               const std::string& key, std::vector<iovec> local, uint64_t capacity) {
     {
         std::lock_guard<std::mutex> io(op->io_mu);
@@ -1944,16 +1944,21 @@ bool UcxBackend::CanReach(const AgentMetadata& self, const AgentMetadata& peer) 
     return peer.FindEndpoint("ucx") != nullptr;
 }
 
-Result<ScopedFd> UcxBackend::Dial(std::string_view address, bool* in_progress) const {
-    return UnimplementedError("ucx endpoints are not sockets");
+BackendCapabilities UcxBackend::capabilities() const {
+    BackendCapabilities c;
+    c.data_path = DataPath::kOwn;
+    c.locality = Locality::kAnyHost;
+    c.one_sided = config_.ucx_rma;
+    return c;
 }
 
-Status UcxBackend::Start(UcxHost* host) { return impl_->Start(host); }
+Status UcxBackend::Start(TargetServices* services) { return impl_->Start(services); }
 
 void UcxBackend::Stop() { impl_->Stop(); }
 
-void UcxBackend::Post(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer, bool write,
-                      std::vector<Chunk> chunks, bool one_sided) {
+void UcxBackend::Post(const std::shared_ptr<TransferOp>& op, const PeerRef& peer, bool write,
+                      std::vector<Chunk> chunks, bool all_host) {
+    const bool one_sided = config_.ucx_rma && all_host;
     size_t n = chunks.size();
     auto shared = std::make_shared<std::vector<Chunk>>(std::move(chunks));
     if (!impl_->Run([this, op, peer, write, shared, one_sided] {
@@ -1963,7 +1968,7 @@ void UcxBackend::Post(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& p
     }
 }
 
-Status UcxBackend::Notify(const UcxPeerRef& peer, std::string payload, std::string sender) {
+Status UcxBackend::Notify(const PeerRef& peer, std::string payload, std::string sender) {
     if (!impl_->Run([this, peer, payload = std::move(payload), sender = std::move(sender)] {
             impl_->DoNotify(peer, payload, sender);
         })) {
@@ -1972,8 +1977,8 @@ Status UcxBackend::Notify(const UcxPeerRef& peer, std::string payload, std::stri
     return Status::Ok();
 }
 
-void UcxBackend::Pull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& peer,
-                      std::string key, std::vector<iovec> local, uint64_t capacity) {
+void UcxBackend::Pull(const std::shared_ptr<TransferOp>& op, const PeerRef& peer, std::string key,
+                      std::vector<iovec> local, uint64_t capacity) {
     if (!impl_->Run([this, op, peer, key = std::move(key), local = std::move(local), capacity] {
             impl_->DoPull(op, peer, key, local, capacity);
         })) {
@@ -1982,6 +1987,7 @@ void UcxBackend::Pull(const std::shared_ptr<TransferOp>& op, const UcxPeerRef& p
 }
 
 void UcxBackend::RevokeRegion(RegionId id, std::chrono::milliseconds grace) {
+    if (!config_.ucx_rma) return;  // nothing granted
     auto done = std::make_shared<std::promise<void>>();
     std::future<void> f = done->get_future();
     if (!impl_->Run([this, id, done] { impl_->DoRevoke(id, done); })) return;  // stopped
@@ -1992,12 +1998,13 @@ void UcxBackend::RevokeRegion(RegionId id, std::chrono::milliseconds grace) {
 }
 
 void UcxBackend::RegionGone(RegionId id) {
+    if (!config_.ucx_rma) return;
     impl_->Run([this, id] { impl_->DoRegionGone(id); });
 }
 
 uint64_t UcxBackend::one_sided_transfers() const { return impl_->one_sided_transfers(); }
 
-void UcxBackend::DropPeer(const std::string& peer, uint64_t epoch, const Status& why) {
+void UcxBackend::PeerLost(const std::string& peer, uint64_t epoch, const Status& why) {
     impl_->Run([this, peer, epoch, why] { impl_->DoDropPeer(peer, epoch, why); });
 }
 
@@ -2022,6 +2029,10 @@ void UcxBackend::CutOff(uint64_t op_id, const Status& why) {
         return;  // stopped: nothing in flight any more
     }
     f.wait();
+}
+
+std::unique_ptr<Backend> MakeUcxBackend(const BackendContext& ctx) {
+    return std::make_unique<UcxBackend>(ctx.config);
 }
 
 }  // namespace ferry

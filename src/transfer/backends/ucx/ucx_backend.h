@@ -33,80 +33,47 @@
 
 namespace ferry {
 
-// What the ucx backend needs from its agent (the agent implements it).
-class UcxHost {
-  public:
-    virtual ~UcxHost() = default;
-    // Pins and resolves target segments for a peer: key and bounds checked. Segments in file
-    // regions point into `staging`'s buffer; MoveStaged moves those bytes from the file before a
-    // READ is answered, and to the file after a WRITE's payload arrived (synchronously).
-    virtual Status PinSegments(const std::vector<wire::Segment>& segs, bool write,
-                               std::vector<RegionPin>* pins, std::vector<iovec>* iov,
-                               internal::FileStaging* staging) = 0;
-    virtual Status MoveStaged(internal::FileStaging& staging, bool to_file) = 0;
-    // Pins and resolves a published object.
-    virtual Status ResolveObject(std::string_view key, std::vector<RegionPin>* pins,
-                                 std::vector<iovec>* iov, uint64_t* size) = 0;
-    virtual void DeliverNotification(std::string peer, std::string payload) = 0;
-    // For a one-sided grant: checks region `id`'s key, that it exists and is host memory, and
-    // says where it is.
-    virtual Status GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) = 0;
-};
-
-// Where one peer's ucx endpoint is.
-struct UcxPeerRef {
-    std::string name;
-    uint64_t epoch = 0;
-    std::string address;  // the peer's published "ucx" endpoint
-};
-
 class UcxBackend final : public Backend {
   public:
     explicit UcxBackend(const AgentConfig& config);
     ~UcxBackend() override;
 
     std::string_view name() const override { return "ucx"; }
-    BackendCapabilities capabilities() const override { return {true, true, true}; }
-    wire::DataMode data_mode() const override { return wire::DataMode::kInline; }
-    int streams() const override { return 1; }
-    bool stream_based() const override { return false; }
+    BackendCapabilities capabilities() const override;
     // Creates the UCX context and worker; `listener` stays empty (UCX listens itself). Returns
     // "<hex worker address>.<hex token>".
     Result<std::string> Listen(ScopedFd* listener) override;
     bool CanReach(const AgentMetadata& self, const AgentMetadata& peer) const override;
-    Result<ScopedFd> Dial(std::string_view address, bool* in_progress) const override;
 
     // Starts the progress thread: from now on peers' messages are served.
-    Status Start(UcxHost* host);
+    Status Start(TargetServices* services) override;
     // Fails everything in flight (Cancelled), closes every endpoint, stops the thread.
-    void Stop();
+    void Stop() override;
 
+    uint64_t chunk_bytes() const override { return 4u << 20; }
     // Segments per message (bounded by UCX's largest active-message header).
-    uint32_t max_segments() const { return max_segments_; }
+    uint32_t max_segments() const override { return max_segments_; }
 
-    // Sends `chunks` of `op` (armed with chunks.size()) to `peer`. `one_sided`: move the bytes
-    // with ucp_put_nbx / ucp_get_nbx under grants of the peer's regions (all host memory), or by
-    // active messages if the peer grants none (its ucx_rma is off).
-    void Post(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer, bool write,
-              std::vector<Chunk> chunks, bool one_sided = false);
-    // Deregister of region `id`: refuses new grants of it, asks every grantee to let go and
-    // returns once each acknowledged (its one-sided requests to the region are complete at this
-    // end) or, after `grace`, was disconnected; then unmaps the region from UCX.
-    void RevokeRegion(RegionId id, std::chrono::milliseconds grace);
-    // After Deregister: forgets `id` (ids are never reused).
-    void RegionGone(RegionId id);
+    // Sends `chunks` of `op` (armed with chunks.size()) to `peer`. With AgentConfig::ucx_rma and
+    // `all_host`, the bytes move with ucp_put_nbx / ucp_get_nbx under grants of the peer's
+    // regions, or by active messages if the peer grants none (its ucx_rma is off).
+    void Post(const std::shared_ptr<internal::TransferOp>& op, const PeerRef& peer, bool write,
+              std::vector<Chunk> chunks, bool all_host) override;
+    // Deregister of region `id` (with ucx_rma): refuses new grants of it, asks every grantee to
+    // let go and returns once each acknowledged (its one-sided requests to the region are
+    // complete at this end) or, after `grace`, was disconnected; then unmaps the region.
+    void RevokeRegion(RegionId id, std::chrono::milliseconds grace) override;
+    void RegionGone(RegionId id) override;
     // Transfers moved one-sided (ucp_put_nbx / ucp_get_nbx) so far.
-    uint64_t one_sided_transfers() const;
-    // Queues a notification (ordered with earlier ones to the same peer).
-    Status Notify(const UcxPeerRef& peer, std::string payload, std::string sender);
-    // Asks `peer` for object `key` into `local` (op armed with one chunk).
-    void Pull(const std::shared_ptr<internal::TransferOp>& op, const UcxPeerRef& peer,
-              std::string key, std::vector<iovec> local, uint64_t capacity);
+    uint64_t one_sided_transfers() const override;
+    Status Notify(const PeerRef& peer, std::string payload, std::string sender) override;
+    void Pull(const std::shared_ptr<internal::TransferOp>& op, const PeerRef& peer, std::string key,
+              std::vector<iovec> local, uint64_t capacity) override;
     // Closes the endpoint to `peer` (of `epoch`, 0 = any), failing its transfers with `why`.
-    void DropPeer(const std::string& peer, uint64_t epoch, const Status& why);
-    // For TransferOp::SetCutOff: returns once UCX touches no local memory of `op` any more
-    // (closing the endpoints that carry it if needed).
-    void CutOff(uint64_t op_id, const Status& why);
+    void PeerLost(const std::string& peer, uint64_t epoch, const Status& why) override;
+    // Returns once UCX touches no local memory of `op` any more (closing the endpoints that
+    // carry it if needed).
+    void CutOff(uint64_t op_id, const Status& why) override;
 
     class Impl;
 
