@@ -68,6 +68,30 @@ TEST(Sampler, SameSeedSameTokens) {
         EXPECT_EQ(a.Sample(l.data(), 6).token, b.Sample(l.data(), 6).token);
 }
 
+// The seed is used: other seeds give other streams (a sampler that ignored its seed, or drew from
+// a fixed one, passes the test above but not this one). 100 draws from this distribution: two
+// streams agree on all of them with a probability far below 1e-30.
+TEST(Sampler, OtherSeedsOtherTokensAndTheFallbackSeedCountsWhenNoneIsSet) {
+    auto l = Logits();
+    auto draw = [&](const SamplingParams& p, uint64_t fallback) {
+        Sampler s(p, fallback);
+        std::vector<int32_t> out;
+        for (int i = 0; i < 100; ++i) out.push_back(s.Sample(l.data(), 6).token);
+        return out;
+    };
+    SamplingParams five, six, none;
+    five.seed = 5;
+    six.seed = 6;
+    EXPECT_NE(draw(five, 1), draw(six, 1));
+    EXPECT_EQ(draw(none, 11), draw(none, 11));
+    EXPECT_NE(draw(none, 11), draw(none, 12));
+    // Skip advances the stream exactly as Sample does.
+    Sampler skipped(five, 1);
+    skipped.Skip();
+    const auto full = draw(five, 1);
+    for (int i = 1; i < 100; ++i) EXPECT_EQ(skipped.Sample(l.data(), 6).token, full[i]) << i;
+}
+
 TEST(SamplingParams, ValidateNamesTheField) {
     SamplingParams p;
     p.top_p = 0;

@@ -32,6 +32,9 @@ int main(int argc, char** argv) {
     app.add_option("--secret", config.secret);
     app.add_option("--region-size", region_size);
     app.add_option("--seed", seed);
+    int skip_regions = 0;
+    app.add_option("--skip-regions", skip_regions,
+                   "register and drop this many regions first, so the region's id differs");
     app.add_flag("--ucx-rma", config.ucx_rma, "ucx: take grants and move bytes one-sided");
     int64_t store_ttl_ms = 0, stalled_frame_ms = 0;
     app.add_option("--stalled-frame-ms", stalled_frame_ms);
@@ -46,6 +49,10 @@ int main(int argc, char** argv) {
     if (!agent.ok()) {
         std::fprintf(stderr, "test peer: %s\n", agent.status().ToString().c_str());
         return 1;
+    }
+    for (int i = 0; i < skip_regions; ++i) {
+        auto r = (*agent)->AllocateRegion(4096);
+        if (!r.ok() || !(*agent)->Deregister(r->id).ok()) return 1;
     }
     auto region = (*agent)->AllocateRegion(region_size);
     if (!region.ok()) return 1;
