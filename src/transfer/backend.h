@@ -18,6 +18,7 @@
 #include <sys/uio.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -187,6 +188,20 @@ Result<std::unique_ptr<Backend>> CreateBackend(std::string_view name, const Agen
                                                const std::string& host_id);
 // The backends this build has, in registration order.
 std::vector<std::string> KnownBackends();
+
+// For tests (testing/faulty_backend.h): while a guard lives, CreateBackend(name) hands the backend
+// it made to `wrap` and returns what that returns (the wrapper keeps the name).
+using BackendWrap = std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>)>;
+class BackendWrapGuard {
+  public:
+    BackendWrapGuard(std::string name, BackendWrap wrap);
+    ~BackendWrapGuard();
+    BackendWrapGuard(const BackendWrapGuard&) = delete;
+    BackendWrapGuard& operator=(const BackendWrapGuard&) = delete;
+
+  private:
+    std::string name_;
+};
 
 // "<boot id>/net:<netns inode>/pid:<pidns inode>": equal on two agents iff they share memory.
 std::string LocalHostId();

@@ -437,32 +437,8 @@ TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
     }
 }
 
-TEST_P(TransferConformance, DestroyingTheInitiatorWithTransfersInFlightIsClean) {
-    // Eight reads into disjoint local slices (overlapping destinations would race by contract).
-    const uint64_t slice = 16u << 20;
-    RegionInfo la = ValueOrDie(a_->AllocateRegion(8 * slice));
-    RegionInfo rb = ValueOrDie(b_->AllocateRegion(slice));
-    RefreshB();
-    std::vector<Transfer> xs;
-    for (uint64_t i = 0; i < 8; ++i) {
-        xs.push_back(
-            ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, i * slice, slice}}, "agent-b",
-                                    std::vector<Descriptor>{{rb.id, 0, slice}})));
-    }
-    pair_.a.reset();
-    a_ = nullptr;
-    for (auto& x : xs) {
-        Status s = x.Wait(seconds(5));
-        EXPECT_TRUE(s.ok() || s.code() == Code::kCancelled) << s.ToString();
-    }
-    // The target still works for others.
-    auto c = ValueOrDie(Agent::Create(testing::TestConfig("agent-c", GetParam())));
-    ASSERT_TRUE(c->AddPeer(b_->Metadata()).ok());
-    RegionInfo lc = ValueOrDie(c->AllocateRegion(4096));
-    auto x = ValueOrDie(c->PostRead(std::vector<Descriptor>{{lc.id, 0, 4096}}, "agent-b",
-                                    std::vector<Descriptor>{{rb.id, 0, 4096}}));
-    FERRY_EXPECT_OK(x.Wait(seconds(10)));
-}
+// Destroying the initiator with transfers in flight: fault_conformance_test.cc, where a stalled
+// link makes every one of them still pending when it goes.
 
 TEST_P(TransferConformance, RestartedPeerWithNewEpochIsNotTouched) {
     RegionInfo la = ValueOrDie(a_->AllocateRegion(4096));
