@@ -137,7 +137,9 @@ class UcxBackend::Impl {
     void Stop();
     // Runs `f` on the progress thread (in order); false once stopped.
     bool Run(std::function<void()> f);
-    bool OnProgressThread() const { return std::this_thread::get_id() == progress_thread_; }
+    bool OnProgressThread() const {
+        return std::this_thread::get_id() == progress_thread_.load(std::memory_order_acquire);
+    }
     // Whether UCX is receiving into memory of transfer `op_id` right now (any thread).
     bool IsReceiving(uint64_t op_id) {
         std::lock_guard<std::mutex> lock(receiving_mu_);
@@ -394,7 +396,9 @@ class UcxBackend::Impl {
         uint16_t id = 0;
     };
     HandlerArg handler_args_[kAmRevokeAck + 1];
-    std::thread::id progress_thread_;
+    // Set by the thread itself as it starts; read from any thread (a CutOff can come before the
+    // first command ever reached the thread).
+    std::atomic<std::thread::id> progress_thread_{};
 
     std::deque<std::function<void()>> commands_;  // under mu_
     std::mutex receiving_mu_;
@@ -538,7 +542,7 @@ bool UcxBackend::Impl::Run(std::function<void()> f) {
 
 void UcxBackend::Impl::Loop() {
     pthread_setname_np(pthread_self(), ("ucx:" + agent_).substr(0, 15).c_str());
-    progress_thread_ = std::this_thread::get_id();
+    progress_thread_.store(std::this_thread::get_id(), std::memory_order_release);
     Clock::time_point last_active{};
     // Reused: this loop spins while transfers are in flight, and a fresh std::deque allocates.
     std::deque<std::function<void()>> work;
