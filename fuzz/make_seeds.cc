@@ -10,6 +10,9 @@
 #include "model/gguf.h"
 #include "transfer/metadata.h"
 #include "transfer/wire.h"
+#ifdef FERRY_SEED_UCX
+#include "transfer/backends/ucx/ucx_messages.h"
+#endif
 
 using namespace ferry;        // NOLINT: a seed writer over the decoders' namespaces
 using namespace ferry::wire;  // NOLINT
@@ -92,5 +95,29 @@ int main(int argc, char** argv) {
     Put(root + "/store_request", "watch",
         std::string(1, 8) + R"({"prefix":"ferry/","after":0,"timeout_ms":1})");
     fmt::print("seeds written under {}\n", root);
+#ifdef FERRY_SEED_UCX
+    // ucx_messages: first byte picks the decoder (as in ucx_messages_fuzzer.cc).
+    {
+        namespace ucx = ferry::ucx;
+        const std::string dir = root + "/ucx_messages";
+        ucx::Envelope to{0x1122334455667788ull, 0x99};
+        Put(dir, "announce", std::string(1, 1) + ucx::Encode(ucx::Announce{to, 7, 1}));
+        Put(dir, "revoke", std::string(1, 2) + ucx::Encode(ucx::Revoke{to, 7, 3, 9}, false));
+        Put(dir, "revoke-ack", std::string(1, 3) + ucx::Encode(ucx::Revoke{to, 7, 3, 0}, true));
+        Put(dir, "notify", std::string(1, 4) + ucx::Encode(ucx::NotifyHeader{to, "prefill-0"}));
+        ucx::DataRequest d{{to, 7, 42}, {{1, 0xabc, 0, 4096}, {2, 0xdef, 8192, 512}}};
+        Put(dir, "data", std::string(1, 5) + ucx::Encode(d));
+        Put(dir, "grant",
+            std::string(1, 6) + ucx::Encode(ucx::GrantRequest{{to, 7, 43}, 1, 0xabc}));
+        Put(dir, "pull",
+            std::string(1, 7) + ucx::Encode(ucx::PullRequest{{to, 7, 44}, 1 << 20, "kv/req-1"}));
+        Put(dir, "reply",
+            std::string(1, 8) +
+                ucx::Encode(ucx::Reply{42, 0x99, Code::kNotFound, 0, "no region 3"}));
+        Put(dir, "grant-answer",
+            std::string(1, 9) + ucx::Encode(ucx::GrantAnswer{0x7f0000001000ull, 1 << 20, "rkey"}));
+        Put(dir, "address", std::string(1, 11) + ucx::FormatAddress("worker-address", 0x1234));
+    }
+#endif
     return 0;
 }
