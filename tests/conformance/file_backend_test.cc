@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "testing/testing.h"
+#include "transfer/backends/file/file_engine.h"
 
 namespace ferry {
 namespace {
@@ -290,7 +291,8 @@ TEST_P(LocalFileTransfers, CancelDeregisterAndShutdownStopBatchesCleanly) {
         remote.push_back({file.id, kBytes - (1u << 20) - off, 1u << 20});
     }
     // Cancel: returns once the kernel is done with the memory; the status says Cancelled unless
-    // the whole batch finished first.
+    // the whole batch finished first. (Here the ios are really in the kernel, so each ending may
+    // lose the race; OnAStalledDisk... below holds them so that each ending must win.)
     Transfer t = ValueOrDie(agent_->PostWrite(local, agent_->name(), remote));
     (void)t.Cancel();
     Status w = t.Wait(seconds(30));
@@ -314,6 +316,50 @@ TEST_P(LocalFileTransfers, CancelDeregisterAndShutdownStopBatchesCleanly) {
     agent_.reset();
     Status xw = x.Wait(seconds(30));
     EXPECT_TRUE(xw.ok() || xw.code() == Code::kCancelled) << xw.ToString();
+}
+
+// The same on a stalled disk (internal::FileStallGuard: no io starts), where each ending must win:
+// the batch cannot have finished first. After the stall the engine works as before.
+TEST_P(LocalFileTransfers, OnAStalledDiskCancelDeadlineDeregisterAndShutdownEndTheBatch) {
+    const uint64_t kBytes = 8u << 20;
+    RegionInfo mem = ValueOrDie(agent_->AllocateRegion(kBytes));
+    RegionInfo file =
+        ValueOrDie(agent_->RegisterFile(dir_.File("stall.bin"), 0, kBytes, {.create = true}));
+    const std::vector<Descriptor> local = {{mem.id, 0, kBytes}};
+    std::vector<Descriptor> remote = {{file.id, 0, kBytes}};
+    FillPattern(mem.base, kBytes, 7);
+    {
+        internal::FileStallGuard stall;
+        Transfer t = ValueOrDie(agent_->PostWrite(local, agent_->name(), remote));
+        EXPECT_THAT(t.Wait(std::chrono::milliseconds(50)), StatusIs(Code::kDeadlineExceeded));
+        EXPECT_EQ(ValueOrDie(t.Poll()), TransferState::kPending)
+            << "nothing moves while the disk is stalled";
+        FERRY_EXPECT_OK(t.Cancel());
+        EXPECT_THAT(t.Wait(seconds(30)), StatusIs(Code::kCancelled));
+
+        Transfer d = ValueOrDie(agent_->PostWrite(local, agent_->name(), remote,
+                                                  {.timeout = std::chrono::milliseconds(100)}));
+        EXPECT_THAT(d.Wait(seconds(30)), StatusIs(Code::kDeadlineExceeded));
+
+        Transfer u = ValueOrDie(agent_->PostRead(local, agent_->name(), remote));
+        FERRY_ASSERT_OK(agent_->Deregister(file.id));
+        EXPECT_THAT(u.Wait(seconds(30)), StatusIs(Code::kCancelled));
+    }
+    // The disk is back: a transfer completes and brings the right bytes.
+    RegionInfo again =
+        ValueOrDie(agent_->RegisterFile(dir_.File("stall.bin"), 0, kBytes, {.create = true}));
+    remote[0].region = again.id;
+    FERRY_ASSERT_OK(Run(false, local, remote));
+    std::vector<uint8_t> expect(kBytes);
+    FillPattern(expect.data(), kBytes, 7);
+    EXPECT_EQ(ReadFile(dir_.File("stall.bin"), 0, kBytes), expect);
+    // Destroying the agent with a batch held.
+    {
+        internal::FileStallGuard stall;
+        Transfer x = ValueOrDie(agent_->PostRead(local, agent_->name(), remote));
+        agent_.reset();
+        EXPECT_THAT(x.Wait(seconds(30)), StatusIs(Code::kCancelled));
+    }
 }
 
 TEST_P(LocalFileTransfers, ConcurrentTransfersFromSeveralThreads) {

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <set>
 
 #include "core/log.h"
 
@@ -23,6 +25,14 @@ namespace {
 constexpr uint64_t kMaxPiece = 4u << 20;
 constexpr uint64_t kWakeTag = 0;
 constexpr uint64_t kCancelTag = ~0ull;
+
+// FileStallGuard: how many live, and the engines to wake when the last one goes.
+std::atomic<int> stall_guards{0};
+std::mutex engines_mu;
+std::set<FileEngine*>& Engines() {
+    static auto* engines = new std::set<FileEngine*>;
+    return *engines;
+}
 
 std::string Describe(const FileIo& io) {
     if (io.fd < 0) return "memory copy";
@@ -94,7 +104,18 @@ struct FileEngine::Ring {};
 
 // --- engine -----------------------------------------------------------------------------------
 
-FileEngine::FileEngine(Options options) : options_(options) {}
+FileStallGuard::FileStallGuard() { stall_guards.fetch_add(1); }
+
+FileStallGuard::~FileStallGuard() {
+    if (stall_guards.fetch_sub(1) != 1) return;
+    std::lock_guard<std::mutex> lock(engines_mu);
+    for (FileEngine* e : Engines()) e->Wake();
+}
+
+FileEngine::FileEngine(Options options) : options_(options) {
+    std::lock_guard<std::mutex> lock(engines_mu);
+    Engines().insert(this);
+}
 
 Result<std::unique_ptr<FileEngine>> FileEngine::Create(Options options) {
     options.queue_depth = std::clamp(options.queue_depth, 1u, 1024u);
@@ -134,6 +155,10 @@ Status FileEngine::Start() {
 }
 
 FileEngine::~FileEngine() {
+    {
+        std::lock_guard<std::mutex> lock(engines_mu);
+        Engines().erase(this);
+    }
     {
         std::lock_guard<std::mutex> lock(mu_);
         stop_ = true;
@@ -222,6 +247,9 @@ bool FileEngine::NextPiece(Slot* slot) {
             }
             queue_.pop_front();
             continue;
+        }
+        if (stall_guards.load() > 0) {
+            return false;  // a test holds every io (FileStallGuard)
         }
         const FileIo& io = b->ios[b->next];
         uint64_t n = std::min(io.length - b->next_done, kMaxPiece);

@@ -62,6 +62,18 @@ struct FileStaging {
 
 inline constexpr uint64_t kDirectAlignment = 4096;
 
+// For tests (tests/conformance/file_backend_test.cc): while a guard lives, no file engine starts
+// an io (its queued ios wait, as behind a stalled disk), so that a cancel, a deadline, a
+// Deregister or a shutdown meets a batch that certainly has not finished. Ios already in the
+// kernel go on. When the last guard goes, every engine resumes.
+class FileStallGuard {
+  public:
+    FileStallGuard();
+    ~FileStallGuard();
+    FileStallGuard(const FileStallGuard&) = delete;
+    FileStallGuard& operator=(const FileStallGuard&) = delete;
+};
+
 class FileEngine {
   public:
     struct Options {
@@ -91,6 +103,7 @@ class FileEngine {
     std::string mode() const;
 
   private:
+    friend class FileStallGuard;  // wakes every engine when the stall ends
     struct Slot;
     explicit FileEngine(Options options);
     Status Start();
