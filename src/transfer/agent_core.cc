@@ -22,7 +22,7 @@ AgentCore::AgentCore(AgentConfig config)
       cma_probe_(std::make_unique<uint64_t>(SecureRandomU64())),
       objects_(regions_),
       files_(FileEngine::Options{config_.file_queue_depth, config_.file_io == "io_uring"}),
-      target_(regions_, objects_, notes_, files_),
+      target_(config_.name, regions_, objects_, notes_, files_),
       links_(
           StreamLinks::Identity{config_.name, epoch_, config_.secret, cma_probe_.get()},
           [this] { return NextLoop(); }, this),
@@ -87,6 +87,10 @@ Status AgentCore::Start() {
         backends_.emplace(n, std::move(backend));
     }
     enabled_ = RankBackends(std::move(offered));
+    // Transfers to the agent itself (its memory and file regions) have a backend of their own.
+    FERRY_ASSIGN_OR_RETURN(self_path_, CreateSelfBackend(config_, host_id_));
+    FERRY_RETURN_IF_ERROR(
+        self_path_->Start(&target_).WithContext("backend " + std::string(self_path_->name())));
     loops_[0]->SetTick(kTickPeriod, [this] { Tick(); });
     FERRY_LOG(kInfo, "agent {} epoch {:016x} listening on {}", config_.name, epoch_,
               side_channel_address_);
@@ -125,6 +129,7 @@ void AgentCore::Shutdown() {
     for (Backend* b : own_path_) {
         b->Stop();  // their transfers fail with Cancelled once the backend let go of their memory
     }
+    if (self_path_) self_path_->Stop();
     const Status why = CancelledError("agent " + config_.name + " is shutting down");
     for (auto& op : ops) {
         op->Fail(why, /*close_streams=*/false);

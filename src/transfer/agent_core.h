@@ -174,10 +174,11 @@ class AgentCore final : public ConnectionOwner, public std::enable_shared_from_t
     StreamLinks links_;
     StreamTarget stream_target_;
     std::map<std::string, std::unique_ptr<Backend>, std::less<>>
-        backends_;                      // enabled + side channel
-    std::vector<std::string> enabled_;  // offered and usable, in preference order (RankBackends)
-    std::vector<Backend*> own_path_;    // in backends_: those with their own data path, started
-    std::string side_channel_;          // the backend that serves metadata (Connect)
+        backends_;                        // enabled + side channel
+    std::vector<std::string> enabled_;    // offered and usable, in preference order (RankBackends)
+    std::vector<Backend*> own_path_;      // in backends_: those with their own data path, started
+    std::unique_ptr<Backend> self_path_;  // transfers to the agent itself (Locality::kSelf)
+    std::string side_channel_;            // the backend that serves metadata (Connect)
     std::map<std::string, std::string, std::less<>> endpoints_;  // backend -> published address
     std::string side_channel_address_;
 

@@ -1,7 +1,5 @@
 // The initiator side of AgentCore: transfers (over a backend's own data path, over streams, or
 // between this agent's own regions through the file engine), notifications and pulls by key.
-#include <fmt/core.h>
-
 #include <algorithm>
 #include <unordered_map>
 
@@ -232,135 +230,26 @@ Result<Transfer> AgentCore::PostLocal(TransferOp::Kind kind, std::span<const Des
                                       std::span<const Descriptor> remote,
                                       const TransferOptions& options) {
     const std::string self = config_.name;
+    const std::string backend(self_path_->name());
     if (options.notification) {
         return InvalidArgumentError("a transfer to this agent itself (" + self +
                                     ") carries no notification: wait on its handle");
     }
-    if (!options.backend.empty() && options.backend != "file") {
+    if (!options.backend.empty() && options.backend != backend) {
         return InvalidArgumentError("a transfer to this agent itself (" + self +
-                                    ") goes through the file backend, not '" + options.backend +
-                                    "'");
+                                    ") goes through the " + backend + " backend, not '" +
+                                    options.backend + "'");
     }
-    std::unordered_map<RegionId, std::shared_ptr<RegionEntry>> entries;
-    std::unordered_map<RegionId, RegionView> views;
-    auto find = [&](RegionId id) -> const RegionView* {
-        auto it = views.find(id);
-        if (it != views.end()) return &it->second;
-        auto e = regions_.Find(id);
-        if (!e) return nullptr;
-        entries[id] = e;
-        return &(views[id] = RegionView{e->base, e->length, e->key});
-    };
-    std::vector<Run> local_runs, remote_runs;
-    FERRY_RETURN_IF_ERROR(ExpandDescriptors(local, find, "local", &local_runs));
-    FERRY_RETURN_IF_ERROR(ExpandDescriptors(remote, find, "remote", &remote_runs));
-    uint64_t local_total = 0, remote_total = 0;
-    for (const Run& r : local_runs) local_total += r.length;
-    for (const Run& r : remote_runs) remote_total += r.length;
-    if (local_total != remote_total) {
-        return InvalidArgumentError("local descriptors cover " + std::to_string(local_total) +
-                                    " bytes, remote descriptors " + std::to_string(remote_total));
-    }
-
-    // Pair the runs into pieces, source -> destination by the direction.
-    const bool to_remote = kind == TransferOp::Kind::kWrite;
-    std::vector<FileIo> ios;
-    size_t i = 0, j = 0;
-    uint64_t in_i = 0, in_j = 0;
-    while (i < local_runs.size() && j < remote_runs.size()) {
-        const Run& l = local_runs[i];
-        const Run& r = remote_runs[j];
-        uint64_t n = std::min(l.length - in_i, r.length - in_j);
-        const RegionEntry& le = *entries[l.region];
-        const RegionEntry& re = *entries[r.region];
-        const RegionEntry& src = to_remote ? le : re;
-        const RegionEntry& dst = to_remote ? re : le;
-        uint64_t src_off = to_remote ? l.offset + in_i : r.offset + in_j;
-        uint64_t dst_off = to_remote ? r.offset + in_j : l.offset + in_i;
-        FileIo io;
-        io.length = n;
-        if (src.kind == MemoryKind::kFile && dst.kind == MemoryKind::kFile) {
-            return InvalidArgumentError("regions " + std::to_string(src.id) + " and " +
-                                        std::to_string(dst.id) +
-                                        " are both file regions: file to file copies are not "
-                                        "supported; stage them through a memory region");
-        }
-        const RegionEntry* file = nullptr;
-        if (dst.kind == MemoryKind::kFile) {
-            file = &dst;
-            io.fd = dst.file_fd;
-            io.file_offset = dst.file_offset + dst_off;
-            io.mem = src.base + src_off;
-            io.to_file = true;
-            if (dst.read_only) {
-                return PermissionDeniedError("region " + std::to_string(dst.id) +
-                                             " is a read-only file region (" + dst.path + ")");
-            }
-        } else if (src.kind == MemoryKind::kFile) {
-            file = &src;
-            io.fd = src.file_fd;
-            io.file_offset = src.file_offset + src_off;
-            io.mem = dst.base + dst_off;
-        } else {
-            io.mem = dst.base + dst_off;
-            io.from = src.base + src_off;
-        }
-        if (file != nullptr) {
-            io.region = file->id;
-            if (file->direct &&
-                (io.file_offset % kDirectAlignment != 0 || n % kDirectAlignment != 0 ||
-                 reinterpret_cast<uintptr_t>(io.mem) % kDirectAlignment != 0)) {
-                return InvalidArgumentError(
-                    "region " + std::to_string(file->id) + " is a file opened with O_DIRECT: " +
-                    std::to_string(n) + " bytes at file offset " + std::to_string(io.file_offset) +
-                    " with memory at " + fmt::format("{}", static_cast<const void*>(io.mem)) +
-                    " are not all aligned to " + std::to_string(kDirectAlignment) + " bytes");
-            }
-        }
-        // Pieces that continue the previous one on both sides become one io.
-        FileIo* prev = ios.empty() ? nullptr : &ios.back();
-        if (prev != nullptr && prev->fd == io.fd && prev->to_file == io.to_file &&
-            prev->mem + prev->length == io.mem &&
-            (io.fd >= 0 ? prev->file_offset + prev->length == io.file_offset
-                        : prev->from + prev->length == io.from)) {
-            prev->length += n;
-        } else {
-            ios.push_back(io);
-        }
-        in_i += n;
-        in_j += n;
-        if (in_i == l.length) {
-            ++i;
-            in_i = 0;
-        }
-        if (in_j == r.length) {
-            ++j;
-            in_j = 0;
-        }
-    }
-    // Without a file region ever registered, memory copies still go through an engine.
-    FERRY_ASSIGN_OR_RETURN(FileEngine * files, files_.Ensure(config_.name));
-    std::vector<RegionPin> pins;
-    for (auto& [id, e] : entries) {
-        FERRY_ASSIGN_OR_RETURN(RegionPin p, regions_.PinLocal(id));
-        pins.push_back(std::move(p));
-    }
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<SelfTransfer> plan,
+                           self_path_->PlanSelf(kind == TransferOp::Kind::kWrite, local, remote));
+    const uint64_t total = plan->bytes();
     auto timeout = options.timeout.count() > 0 ? options.timeout : config_.default_timeout;
-    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, local_total,
+    auto op = std::make_shared<TransferOp>(next_op_id_.fetch_add(1), kind, total,
                                            Clock::now() + timeout, self, wire::DataMode::kInline);
-    // Cancel, a deadline or a Deregister stop the batch and return once the kernel is done with
-    // its memory. Nothing can call it before `*batch` is set: the op is published (ops_, the
-    // handle) only after Submit.
-    auto batch = std::make_shared<std::shared_ptr<FileEngine::Batch>>();
-    op->SetCutOff([files, batch](const Status& s) { files->Cancel(*batch, s); });
-    op->Arm(1, std::move(pins), nullptr);
-    std::weak_ptr<TransferOp> weak = op;
-    *batch = files->Submit(std::move(ios), [weak](const Status& s) {
-        if (auto o = weak.lock()) o->ChunkDone(s);
-    });
+    self_path_->StartSelf(op, std::move(plan));
     transfers_posted_.fetch_add(1, std::memory_order_relaxed);
-    bytes_posted_.fetch_add(local_total, std::memory_order_relaxed);
-    TrackOp(op);
+    bytes_posted_.fetch_add(total, std::memory_order_relaxed);
+    TrackOp(op);  // only now can a cancel, a deadline or a Deregister reach it
     return Transfer(op);
 }
 

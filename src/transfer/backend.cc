@@ -68,6 +68,24 @@ void Backend::Pull(const std::shared_ptr<internal::TransferOp>& op, const PeerRe
     op->ChunkDone(UnimplementedError("backend " + std::string(name()) + " pulls nothing itself"));
 }
 
+Result<std::unique_ptr<SelfTransfer>> Backend::PlanSelf(bool write,
+                                                        std::span<const Descriptor> local,
+                                                        std::span<const Descriptor> remote) {
+    (void)write;
+    (void)local;
+    (void)remote;
+    return UnimplementedError("backend " + std::string(name()) +
+                              " moves no bytes between an agent's own regions");
+}
+
+void Backend::StartSelf(const std::shared_ptr<internal::TransferOp>& op,
+                        std::unique_ptr<SelfTransfer> plan) {
+    (void)plan;
+    op->Arm(1, {}, nullptr);
+    op->ChunkDone(UnimplementedError("backend " + std::string(name()) +
+                                     " moves no bytes between an agent's own regions"));
+}
+
 std::string LocalHostId() {
     std::string boot;
     std::ifstream in("/proc/sys/kernel/random/boot_id");

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -36,10 +37,12 @@ namespace ferry {
 namespace internal {
 class TransferOp;
 struct FileStaging;
+class FileEngine;
 }  // namespace internal
 
 // Which peers a backend can reach at all.
 enum class Locality : uint8_t {
+    kSelf,      // none: it moves bytes between the agent's own regions (a transfer to itself)
     kSameHost,  // same boot, network and pid namespace (shared memory, cross-memory attach)
     kAnyHost,   // over a network
 };
@@ -103,6 +106,20 @@ class TargetServices {
     // For a one-sided grant: checks region `id`'s key, that it exists and is host memory, and
     // says where it is.
     virtual Status GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) = 0;
+
+    // For a backend between the agent's own regions (Locality::kSelf): region `id` (null if
+    // there is none), pinned or not, and the agent's file engine (made on first use).
+    virtual std::shared_ptr<RegionEntry> OwnRegion(RegionId id) = 0;
+    virtual Result<RegionPin> PinOwnRegion(RegionId id) = 0;
+    virtual Result<internal::FileEngine*> Files() = 0;
+};
+
+// A transfer between the agent's own regions as a kSelf backend planned it: checked, nothing
+// started yet (PlanSelf, then StartSelf).
+class SelfTransfer {
+  public:
+    virtual ~SelfTransfer() = default;
+    virtual uint64_t bytes() const = 0;
 };
 
 class Backend {
@@ -175,6 +192,18 @@ class Backend {
     virtual void RegionGone(RegionId id) { (void)id; }
     // Transfers moved one-sided by the backend itself so far.
     virtual uint64_t one_sided_transfers() const { return 0; }
+
+    // --- The backend between the agent's own regions (Locality::kSelf) ---
+    // A transfer whose peer is the agent itself: `local` to `remote` for a write, back for a
+    // read, both the agent's regions (memory or file). Checks everything (regions, bounds,
+    // lengths, directions, alignment) before anything moves; an error says what was wrong.
+    virtual Result<std::unique_ptr<SelfTransfer>> PlanSelf(bool write,
+                                                           std::span<const Descriptor> local,
+                                                           std::span<const Descriptor> remote);
+    // Starts `plan` as `op` (made for plan->bytes(); not yet visible to anyone): arms it with
+    // one chunk and sets its cut-off.
+    virtual void StartSelf(const std::shared_ptr<internal::TransferOp>& op,
+                           std::unique_ptr<SelfTransfer> plan);
 };
 
 // What a backend's factory gets.
@@ -186,8 +215,11 @@ struct BackendContext {
 // Creates the backend called `name`, or NotFound listing the known ones.
 Result<std::unique_ptr<Backend>> CreateBackend(std::string_view name, const AgentConfig& config,
                                                const std::string& host_id);
-// The backends this build has, in registration order.
+// The backends this build has for peers, in registration order.
 std::vector<std::string> KnownBackends();
+// The backend for transfers to the agent itself (ferry_add_backend(... SELF)), or NotFound.
+Result<std::unique_ptr<Backend>> CreateSelfBackend(const AgentConfig& config,
+                                                   const std::string& host_id);
 
 // For tests (testing/faulty_backend.h): while a guard lives, CreateBackend(name) hands the backend
 // it made to `wrap` and returns what that returns (the wrapper keeps the name).

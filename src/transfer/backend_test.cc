@@ -82,5 +82,27 @@ TEST(BackendRegistry, OptionalOperationsOfAStreamBackendAreUnimplemented) {
     EXPECT_EQ(s.code(), Code::kUnimplemented) << s.ToString();
 }
 
+TEST(BackendRegistry, TheSelfBackendIsSeparateAndNeverReachesAPeer) {
+    AgentConfig config;
+    config.name = "registry-test";
+    auto self = testing::ValueOrDie(CreateSelfBackend(config, LocalHostId()));
+    const BackendCapabilities c = self->capabilities();
+    EXPECT_EQ(c.locality, Locality::kSelf);
+    EXPECT_EQ(c.data_path, DataPath::kOwn);
+    EXPECT_TRUE(c.touches(MemoryKind::kFile));
+    EXPECT_FALSE(c.side_channel);
+    // Not a backend for peers: not listed, not selectable in AgentConfig.backends.
+    const std::vector<std::string> known = KnownBackends();
+    EXPECT_EQ(std::find(known.begin(), known.end(), std::string(self->name())), known.end());
+    AgentMetadata me, peer;
+    me.name = "registry-test";
+    peer.name = "other";
+    EXPECT_FALSE(self->CanReach(me, peer));
+    EXPECT_FALSE(self->CanReach(me, me));
+    // A backend for peers moves nothing between an agent's own regions.
+    auto tcp = testing::ValueOrDie(CreateBackend("tcp", config, LocalHostId()));
+    EXPECT_EQ(tcp->PlanSelf(true, {}, {}).status().code(), Code::kUnimplemented);
+}
+
 }  // namespace
 }  // namespace ferry

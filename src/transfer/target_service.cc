@@ -107,6 +107,8 @@ void TargetService::DeliverNotification(std::string peer, std::string payload) {
     notes_.Push(std::move(peer), std::move(payload));
 }
 
+Result<FileEngine*> TargetService::Files() { return files_.Ensure(agent_); }
+
 Status TargetService::GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) {
     FERRY_ASSIGN_OR_RETURN(RegionPin pin, regions_.PinRemote(id, key, 0, 0));
     const RegionEntry& e = *pin.entry();

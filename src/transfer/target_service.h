@@ -35,9 +35,13 @@ class FileEngineSlot {
 
 class TargetService final : public TargetServices {
   public:
-    TargetService(RegionTable& regions, ObjectDirectory& objects, NotificationQueue& notes,
-                  FileEngineSlot& files)
-        : regions_(regions), objects_(objects), notes_(notes), files_(files) {}
+    TargetService(std::string agent, RegionTable& regions, ObjectDirectory& objects,
+                  NotificationQueue& notes, FileEngineSlot& files)
+        : agent_(std::move(agent)),
+          regions_(regions),
+          objects_(objects),
+          notes_(notes),
+          files_(files) {}
 
     Status PinSegments(const std::vector<wire::Segment>& segs, bool write,
                        std::vector<RegionPin>* pins, std::vector<iovec>* iov,
@@ -47,8 +51,12 @@ class TargetService final : public TargetServices {
                          std::vector<iovec>* iov, uint64_t* size) override;
     void DeliverNotification(std::string peer, std::string payload) override;
     Status GrantRegion(RegionId id, uint64_t key, void** base, uint64_t* length) override;
+    std::shared_ptr<RegionEntry> OwnRegion(RegionId id) override { return regions_.Find(id); }
+    Result<RegionPin> PinOwnRegion(RegionId id) override { return regions_.PinLocal(id); }
+    Result<FileEngine*> Files() override;
 
   private:
+    const std::string agent_;
     RegionTable& regions_;
     ObjectDirectory& objects_;
     NotificationQueue& notes_;

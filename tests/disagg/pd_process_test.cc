@@ -274,8 +274,11 @@ TEST_P(PdMatrix, HundredPromptsThroughTheProxyEqualColocatedForPullAndPush) {
     EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_blocks_used", 0));
     EXPECT_EQ(d.decode->Metric("ferry_kv_connector_failed_total"), -1);  // no failure reason seen
     // A 2000-token prompt is 125 blocks per rank: one descriptor per run of blocks adjacent on
-    // both sides (the pools reuse freed blocks, so a few runs), not one per block.
-    EXPECT_LE(d.decode->Metric("ferry_kv_connector_descriptors_max"), 16 * tp);
+    // both sides (the pools reuse freed blocks, so a few runs), not one per block. How many runs
+    // depends on how the concurrent requests' frees interleaved (34 seen at TP 2 on a loaded
+    // machine), so the bound is a quarter of one per block, which still fails if runs are not
+    // merged.
+    EXPECT_LE(d.decode->Metric("ferry_kv_connector_descriptors_max"), 32 * tp);
 }
 
 std::vector<std::tuple<std::string, int>> MatrixCases() {
