@@ -2,6 +2,7 @@
 // the GGUF loader (F16/BF16 weights) and the KV cache (f16/bf16 storage).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -63,5 +64,13 @@ inline uint16_t FloatToF16(float f) {
     r += 0xfffu + ((r >> 13) & 1u);
     return sign | static_cast<uint16_t>(r >> 13);
 }
+
+// n values widened to f32, eight at a time with F16C / AVX2 where the CPU has them (the same
+// values as the scalar conversions above: widening is exact).
+void F16ToFloat(const uint16_t* h, size_t n, float* out);
+void Bf16ToFloat(const uint16_t* h, size_t n, float* out);
+
+// Whether the CPU has AVX2, FMA and F16C (the vectorized kernels' target), from CPUID.
+bool CpuHasAvx2F16c();
 
 }  // namespace ferry

@@ -110,13 +110,11 @@ void KvCache::Load(int layer, bool v, int block, int head, int count, float* out
             std::memcpy(out, base, n * 4);
             break;
         case KvDtype::kF16: {
-            const auto* src = reinterpret_cast<const uint16_t*>(base);
-            for (size_t i = 0; i < n; ++i) out[i] = F16ToFloat(src[i]);
+            F16ToFloat(reinterpret_cast<const uint16_t*>(base), n, out);
             break;
         }
         case KvDtype::kBF16: {
-            const auto* src = reinterpret_cast<const uint16_t*>(base);
-            for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(src[i]);
+            Bf16ToFloat(reinterpret_cast<const uint16_t*>(base), n, out);
             break;
         }
     }

@@ -1,13 +1,13 @@
 // Weight matrices kept in their file's precision (f32, f16, bf16) and the products that read
 // them: C = A * W^T with W [rows][cols] row-major (a weight stored [out][in]).
 //
-// - f32: OpenBLAS (sgemv for a few rows of A, sgemm otherwise).
-// - f16 / bf16, up to kHalfDirectRows rows of A (decode steps, small batches): a kernel that
-//   widens the 16-bit weights in registers (AVX2 + F16C where the CPU has them, a scalar loop
-//   otherwise), so a decode step streams half the bytes of f32. Its output rows are shared out
-//   over a WorkPool.
-// - f16 / bf16, more rows (prefill): tiles of W widened into a scratch buffer (on the pool),
-//   each multiplied by sgemm; the widening is small beside the tile's arithmetic.
+// - Up to kDirectRows rows of A (decode steps, small batches), every type: row kernels that
+//   stream each weight row once in its stored precision, widening 16-bit weights in registers
+//   (AVX2 + F16C where the CPU has them, a scalar loop otherwise), so an f16 decode step streams
+//   half the bytes of f32. Their output rows are shared out over a WorkPool.
+// - More rows (prefill), f32: OpenBLAS's sgemm.
+// - More rows, f16 / bf16: tiles of W widened into a scratch buffer, each multiplied by sgemm;
+//   the widening is small beside the tile's arithmetic.
 #pragma once
 
 #include <atomic>
@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/huge_page_allocator.h"
 #include "model/gguf.h"
 
 namespace ferry::model {
@@ -25,7 +26,9 @@ namespace ferry::model {
 struct Weights {
     TensorType type = TensorType::kF32;
     int64_t rows = 0, cols = 0;
-    std::vector<uint8_t> bytes;  // rows * cols elements of `type`
+    // rows * cols elements of `type`; on huge pages where the system gives them (a decode step
+    // streams them all).
+    std::vector<uint8_t, HugePageAllocator<uint8_t>> bytes;
 
     size_t elem() const { return TensorTypeSize(type); }
     const float* f32() const { return reinterpret_cast<const float*>(bytes.data()); }
@@ -50,7 +53,10 @@ class WorkPool {
     WorkPool& operator=(const WorkPool&) = delete;
     int threads() const { return n_; }
     // fn(part) for part in [0, parts), spread over the threads; returns when all are done.
-    void Run(int parts, const std::function<void(int)>& fn);
+    // Afterwards the threads spin a little for the next Run (decode steps run ~50 products
+    // back to back), unless `then_spin` is false: before OpenBLAS runs on the same cores,
+    // spinning threads would take them from its threads.
+    void Run(int parts, const std::function<void(int)>& fn, bool then_spin = true);
 
   private:
     void Loop();
@@ -71,18 +77,24 @@ class WorkPool {
     // microseconds.
     std::atomic<uint64_t> published_{0};
     std::atomic<bool> all_done_{false};
+    bool then_spin_ = true;  // under mu_
 };
 
-// Up to this many rows of A, 16-bit weights go through the widening kernel; beyond, through
-// widened tiles and sgemm.
-inline constexpr int kHalfDirectRows = 16;
+// Up to this many rows of A, products go through the row kernels; beyond, through sgemm.
+inline constexpr int kDirectRows = 32;
 
-// C[m][w.rows] = A[m][w.cols] * W^T. `scratch` is grown as needed (the widened tiles).
+// C[m][w.rows] = A[m][w.cols] * W^T by the row kernels, for any m: each output is summed in
+// one order whatever m is (the engine uses them for decode steps and the output head, so that a
+// sequence's tokens do not depend on the batch it is in).
+void MatMulRows(int m, const float* a, int lda, const Weights& w, float* c, int ldc,
+                WorkPool& pool);
+// The same through sgemm (f32) or widened tiles and sgemm (f16, bf16): prefill chunks.
+// `scratch` is grown as needed (the widened tiles).
+void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int ldc,
+                std::vector<float>* scratch);
+// Either, by m: the row kernels up to kDirectRows rows.
 void MatMulT(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
              std::vector<float>* scratch);
-
-// Whether the vectorized kernels run on this CPU (AVX2, FMA and F16C).
-bool HalfKernelsVectorized();
 
 // Softmax of s[0, valid) in place; s[valid, len) set to 0. exp is Cephes' single-precision
 // polynomial (within 2 ulp of exp), eight lanes at a time with AVX2.

@@ -1,5 +1,5 @@
 // The matrix products on f32, f16 and bf16 weights against a double-precision reference, on
-// every path (sgemv, sgemm, the widening kernel, widened tiles), with 1 to 3 threads.
+// every path (the row kernels, sgemm, widened tiles), with 1 to 3 threads.
 #include "model/kernels.h"
 
 #include <gtest/gtest.h>
@@ -77,22 +77,27 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
     }
 }
 
-// A sequence's result does not depend on the batch it is in (the widening kernel sums each row
-// in one order): the engine's batched-versus-single exactness rests on it.
-TEST(Kernels, HalfRowsGiveTheSameBitsAloneAndInABatch) {
-    std::vector<double> exact;
-    Weights w = RandomWeights(TensorType::kF16, 100, 264, &exact, 3);
-    std::mt19937 rng(9);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    const int m = kHalfDirectRows;
-    std::vector<float> a(size_t(m) * 264), batch(size_t(m) * 100), one(100), scratch;
-    for (float& x : a) x = u(rng);
-    WorkPool pool(2);
-    MatMulT(m, a.data(), 264, w, batch.data(), 100, pool, &scratch);
-    for (int i = 0; i < m; ++i) {
-        MatMulT(1, a.data() + size_t(i) * 264, 264, w, one.data(), 100, pool, &scratch);
-        for (int j = 0; j < 100; ++j)
-            ASSERT_EQ(one[j], batch[size_t(i) * 100 + j]) << i << "," << j;
+// A sequence's result does not depend on the batch it is in (the row kernels sum each row in
+// one order), in every weight type: the engine's batched-versus-single exactness rests on it.
+TEST(Kernels, RowsGiveTheSameBitsAloneAndInABatch) {
+    for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
+        std::vector<double> exact;
+        Weights w = RandomWeights(type, 100, 264, &exact, 3);
+        std::mt19937 rng(9);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (int m : {2, 5, kDirectRows, 70}) {
+            std::vector<float> a(size_t(m) * 264), batch(size_t(m) * 100), one(100), scratch;
+            for (float& x : a) x = u(rng);
+            WorkPool pool(2);
+            MatMulRows(m, a.data(), 264, w, batch.data(), 100, pool);
+            for (int i = 0; i < m; ++i) {
+                MatMulT(1, a.data() + size_t(i) * 264, 264, w, one.data(), 100, pool, &scratch);
+                for (int j = 0; j < 100; ++j) {
+                    ASSERT_EQ(one[j], batch[size_t(i) * 100 + j])
+                        << TensorTypeName(type) << " m " << m << " at " << i << "," << j;
+                }
+            }
+        }
     }
 }
 

@@ -213,9 +213,35 @@ struct Model::Rank {
     std::unique_ptr<WorkPool> work;
     // Workspace, grown as needed.
     std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel, widened;
+    // A layer's attention of short chunks: one part per chunk and KV head.
+    struct ShortPart {
+        const SeqChunk* chunk;
+        int head, t0;
+    };
+    std::vector<ShortPart> short_parts;
 
-    void MatMul(int m, const float* a, int lda, const Weights& w, float* c, int ldc) {
-        MatMulT(m, a, lda, w, c, ldc, *work, &widened);
+    // The forward pass's rows in runs of one kind: [begin, end) rows of short chunks (decode
+    // steps), which go through the row kernels however many there are, or of long ones
+    // (prefill), which go through sgemm. A sequence's numbers then depend on its own chunk,
+    // not on what else is in the batch: a decode worker's tokens equal a colocated engine's
+    // whatever each batched them with.
+    struct RowRun {
+        int begin, end;
+        bool short_rows;
+    };
+    std::vector<RowRun> runs;
+
+    // C = A W^T over the forward pass's rows, run by run.
+    void MatMul(const float* a, int lda, const Weights& w, float* c, int ldc) {
+        for (const RowRun& r : runs) {
+            const float* ar = a + static_cast<size_t>(r.begin) * lda;
+            float* cr = c + static_cast<size_t>(r.begin) * ldc;
+            if (r.short_rows) {
+                MatMulRows(r.end - r.begin, ar, lda, w, cr, ldc, *work);
+            } else {
+                MatMulBulk(r.end - r.begin, ar, lda, w, cr, ldc, &widened);
+            }
+        }
     }
 };
 
@@ -529,66 +555,76 @@ void Model::AllReduceAdd(int r, float* x, int rows) {
     pool_->Sync();
 }
 
+namespace {
+
+// Attention of a short chunk (decode steps: n <= kSmallChunk query rows) for one KV head and
+// its group of query heads, block by block over the paged cache. q: the chunk's first row of
+// q/k/v (row width W, query heads first); out: its first row of attention output (width qw).
+// The workspaces are the caller's, so that chunks and heads can run on several threads.
+void AttendShort(const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int group,
+                 const float* q_rows, int W, float* out_rows, int qw, float scale,
+                 std::vector<float>* scores, std::vector<float>* kbuf) {
+    const int hd = cache.spec().head_dim, bt = cache.spec().block_tokens;
+    const int n = static_cast<int>(ch.tokens.size()), p0 = ch.start_pos, ctx = p0 + n;
+    const int blocks = (ctx + bt - 1) / bt;
+    const bool f32 = cache.spec().dtype == kv::KvDtype::kF32;
+    auto block_rows = [&](bool v, int j) -> const float* {
+        const int cnt = std::min(bt, ctx - j * bt);
+        if (f32) {
+            return reinterpret_cast<const float*>(cache.memory().data() +
+                                                  cache.Offset(l, v, ch.block_table[j], h));
+        }
+        cache.Load(l, v, ch.block_table[j], h, cnt, kbuf->data());
+        return kbuf->data();
+    };
+    // scores[(g * n + i)][ctx]
+    scores->resize(size_t(group) * n * ctx);
+    kbuf->resize(size_t(bt) * hd);
+    for (int j = 0; j < blocks; ++j) {
+        const float* kb = block_rows(false, j);
+        const int cnt = std::min(bt, ctx - j * bt);
+        for (int g = 0; g < group; ++g) {
+            for (int i = 0; i < n; ++i) {
+                const float* q = q_rows + size_t(i) * W + (h * group + g) * hd;
+                float* srow = &(*scores)[(size_t(g) * n + i) * ctx + size_t(j) * bt];
+                const int valid = std::min(cnt, p0 + i + 1 - j * bt);
+                for (int k = 0; k < valid; ++k) srow[k] = Dot(q, kb + size_t(k) * hd, hd) * scale;
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        for (int i = 0; i < n; ++i) {
+            float* srow = &(*scores)[(size_t(g) * n + i) * ctx];
+            Softmax(srow, p0 + i + 1, ctx);
+            float* out = out_rows + size_t(i) * qw + (h * group + g) * hd;
+            std::fill(out, out + hd, 0.0f);
+        }
+    }
+    for (int j = 0; j < blocks; ++j) {
+        const float* vb = block_rows(true, j);
+        const int cnt = std::min(bt, ctx - j * bt);
+        for (int g = 0; g < group; ++g) {
+            for (int i = 0; i < n; ++i) {
+                const float* srow = &(*scores)[(size_t(g) * n + i) * ctx + size_t(j) * bt];
+                float* out = out_rows + size_t(i) * qw + (h * group + g) * hd;
+                for (int k = 0; k < cnt; ++k) {
+                    const float p = srow[k];
+                    const float* vr = vb + size_t(k) * hd;
+                    for (int d = 0; d < hd; ++d) out[d] += p * vr[d];
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
 void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int t0,
                    int W, int qw, float scale) {
     const int hd = config_.head_dim, bt = cache.spec().block_tokens;
     const int group = rk.q_heads / rk.kv_heads;
     const int n = static_cast<int>(ch.tokens.size()), p0 = ch.start_pos, ctx = p0 + n;
     const int blocks = (ctx + bt - 1) / bt;
-    const bool f32 = cache.spec().dtype == kv::KvDtype::kF32;
-    auto block_rows = [&](bool v, int j, float* tmp) -> const float* {
-        int cnt = std::min(bt, ctx - j * bt);
-        if (f32) {
-            return reinterpret_cast<const float*>(cache.memory().data() +
-                                                  cache.Offset(l, v, ch.block_table[j], h));
-        }
-        cache.Load(l, v, ch.block_table[j], h, cnt, tmp);
-        return tmp;
-    };
-
-    if (n <= kSmallChunk) {
-        // scores[(g * n + i)][ctx]
-        rk.scores.resize(size_t(group) * n * ctx);
-        rk.kbuf.resize(size_t(bt) * hd);
-        for (int j = 0; j < blocks; ++j) {
-            const float* kb = block_rows(false, j, rk.kbuf.data());
-            const int cnt = std::min(bt, ctx - j * bt);
-            for (int g = 0; g < group; ++g) {
-                for (int i = 0; i < n; ++i) {
-                    const float* q = &rk.qkv[size_t(t0 + i) * W + (h * group + g) * hd];
-                    float* srow = &rk.scores[(size_t(g) * n + i) * ctx + size_t(j) * bt];
-                    const int valid = std::min(cnt, p0 + i + 1 - j * bt);
-                    for (int k = 0; k < valid; ++k)
-                        srow[k] = Dot(q, kb + size_t(k) * hd, hd) * scale;
-                }
-            }
-        }
-        for (int g = 0; g < group; ++g) {
-            for (int i = 0; i < n; ++i) {
-                float* srow = &rk.scores[(size_t(g) * n + i) * ctx];
-                Softmax(srow, p0 + i + 1, ctx);
-                float* out = &rk.attn[size_t(t0 + i) * qw + (h * group + g) * hd];
-                std::fill(out, out + hd, 0.0f);
-            }
-        }
-        for (int j = 0; j < blocks; ++j) {
-            const float* vb = block_rows(true, j, rk.kbuf.data());
-            const int cnt = std::min(bt, ctx - j * bt);
-            for (int g = 0; g < group; ++g) {
-                for (int i = 0; i < n; ++i) {
-                    const float* srow = &rk.scores[(size_t(g) * n + i) * ctx + size_t(j) * bt];
-                    float* out = &rk.attn[size_t(t0 + i) * qw + (h * group + g) * hd];
-                    for (int k = 0; k < cnt; ++k) {
-                        const float p = srow[k];
-                        const float* vr = vb + size_t(k) * hd;
-                        for (int d = 0; d < hd; ++d) out[d] += p * vr[d];
-                    }
-                }
-            }
-        }
-        return;
-    }
-
     // Long chunks: gather this head's K and V, then per tile of query rows two sgemms over the
     // keys that tile can see (causal: rows [i0, i1) see keys [0, p0 + i1)).
     rk.kbuf.resize(size_t(blocks) * bt * hd);
@@ -618,12 +654,15 @@ void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqCh
         // The rows' softmax on this rank's pool (OpenBLAS's threads are idle meanwhile): one
         // thread alone spent a fifth of a 2048-token prefill here.
         constexpr int kRowsPerPart = 16;
-        rk.work->Run((m + kRowsPerPart - 1) / kRowsPerPart, [&](int part) {
-            for (int gi = part * kRowsPerPart; gi < std::min(m, (part + 1) * kRowsPerPart); ++gi) {
-                const int i = gi % rows;
-                Softmax(s + size_t(gi) * keys, p0 + i0 + i + 1, keys);
-            }
-        });
+        rk.work->Run((m + kRowsPerPart - 1) / kRowsPerPart,
+                     [&](int part) {
+                         for (int gi = part * kRowsPerPart;
+                              gi < std::min(m, (part + 1) * kRowsPerPart); ++gi) {
+                             const int i = gi % rows;
+                             Softmax(s + size_t(gi) * keys, p0 + i0 + i + 1, keys);
+                         }
+                     },
+                     /*then_spin=*/false);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, keys, 1.0f, s, keys,
                     rk.vbuf.data(), hd, 0.0f, rk.qstack.data(), hd);
         for (int g = 0; g < group; ++g) {
@@ -649,6 +688,20 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
     rk.partial.resize(size_t(T) * dim);
     rk.gu.resize(size_t(T) * 2 * rk.ffn);
     rk.act.resize(size_t(T) * rk.ffn);
+    rk.runs.clear();
+    {
+        int t = 0;
+        for (const SeqChunk& ch : batch) {
+            const int n = static_cast<int>(ch.tokens.size());
+            const bool short_rows = n <= kSmallChunk;
+            if (!rk.runs.empty() && rk.runs.back().short_rows == short_rows) {
+                rk.runs.back().end = t + n;
+            } else {
+                rk.runs.push_back({t, t + n, short_rows});
+            }
+            t += n;
+        }
+    }
 
     for (int l = 0; l < c.num_layers; ++l) {
         const Layer& L = rk.layers[l];
@@ -657,7 +710,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
             RmsNorm(&x_[size_t(t) * dim], &rk.attn_norm[size_t(l) * dim], dim, c.norm_eps,
                     &rk.xn[size_t(t) * dim]);
         }
-        rk.MatMul(T, rk.xn.data(), dim, L.wqkv, rk.qkv.data(), W);
+        rk.MatMul(rk.xn.data(), dim, L.wqkv, rk.qkv.data(), W);
         for (int t = 0; t < T; ++t) {  // RoPE on q and k heads: pairs (2i, 2i+1)
             float* row = &rk.qkv[size_t(t) * W];
             const auto pos = static_cast<float>(positions_[t]);
@@ -693,14 +746,29 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
         // Every chunk's K and V of this layer are stored: a connector may send them while this
         // rank attends and computes the next layers.
         if (hook) hook->OnLayerStored(r, l);
+        // Short chunks (decode steps), one part per chunk and KV head, on the rank's pool; long
+        // ones (prefill) one at a time, each head's products on OpenBLAS's threads.
+        rk.short_parts.clear();
         t0 = 0;
         for (const SeqChunk& ch : batch) {
+            const int n = static_cast<int>(ch.tokens.size());
             for (int h = 0; h < rk.kv_heads; ++h) {
-                Attend(rk, *cache, l, h, ch, t0, W, qw, scale);
+                if (n <= kSmallChunk) {
+                    rk.short_parts.push_back({&ch, h, t0});
+                } else {
+                    Attend(rk, *cache, l, h, ch, t0, W, qw, scale);
+                }
             }
-            t0 += static_cast<int>(ch.tokens.size());
+            t0 += n;
         }
-        rk.MatMul(T, rk.attn.data(), qw, L.wo, rk.partial.data(), dim);
+        rk.work->Run(static_cast<int>(rk.short_parts.size()), [&](int part) {
+            const Rank::ShortPart& sp = rk.short_parts[part];
+            thread_local std::vector<float> scores, kbuf;
+            AttendShort(*cache, l, sp.head, *sp.chunk, rk.q_heads / rk.kv_heads,
+                        rk.qkv.data() + size_t(sp.t0) * W, W, rk.attn.data() + size_t(sp.t0) * qw,
+                        qw, scale, &scores, &kbuf);
+        });
+        rk.MatMul(rk.attn.data(), qw, L.wo, rk.partial.data(), dim);
         AllReduceAdd(r, x_.data(), T);
 
         // MLP.
@@ -709,7 +777,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
                     &rk.xn[size_t(t) * dim]);
         }
         const int F = rk.ffn;
-        rk.MatMul(T, rk.xn.data(), dim, L.wgu, rk.gu.data(), 2 * F);
+        rk.MatMul(rk.xn.data(), dim, L.wgu, rk.gu.data(), 2 * F);
         for (int t = 0; t < T; ++t) {
             const float* gu = &rk.gu[size_t(t) * 2 * F];
             float* a = &rk.act[size_t(t) * F];
@@ -718,7 +786,7 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
                 a[i] = g / (1.0f + std::exp(-g)) * gu[F + i];
             }
         }
-        rk.MatMul(T, rk.act.data(), F, L.wdown, rk.partial.data(), dim);
+        rk.MatMul(rk.act.data(), F, L.wdown, rk.partial.data(), dim);
         AllReduceAdd(r, x_.data(), T);
     }
 
@@ -730,7 +798,8 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
         RmsNorm(&x_[size_t(logit_rows_[i]) * dim], output_norm_.data(), dim, c.norm_eps,
                 &rk.sel[size_t(i) * dim]);
     }
-    rk.MatMul(nl, rk.sel.data(), dim, rk.wout, logits + rk.vocab_begin, c.vocab_size);
+    // One row per sequence that wants logits: the row kernels, whatever the count.
+    MatMulRows(nl, rk.sel.data(), dim, rk.wout, logits + rk.vocab_begin, c.vocab_size, *rk.work);
 }
 
 }  // namespace ferry::model

@@ -111,6 +111,7 @@ class Model {
     class RankPool;
     Model() = default;
     Status LoadWeights(const GgufFile& file);
+    // Attention of a long chunk (prefill) for one KV head; short ones go through AttendShort.
     void Attend(Rank& rk, const kv::KvCache& cache, int layer, int kv_head, const SeqChunk& ch,
                 int t0, int row_width, int q_width, float scale);
     void RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits,

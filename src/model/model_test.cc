@@ -291,6 +291,51 @@ TEST(RandomModel, OneDimensionalTensorsAreF32InEveryPresetAndDtype) {
     }
 }
 
+// A decode step's logits are the same bits alone as in a batch with 39 other decode steps and
+// a prefill chunk: decode rows go through the row kernels however many there are, prefill rows
+// through sgemm (before, the kernel was chosen by the batch's row count, so a sequence's
+// numbers depended on its neighbours, and a decode worker's greedy tokens could differ from a
+// colocated engine's at a near tie).
+TEST(Model, ADecodeStepIsTheSameBitsAloneAndInABigMixedBatch) {
+    for (TensorType wt : {TensorType::kF32, TensorType::kF16}) {
+        SCOPED_TRACE(std::string(TensorTypeName(wt)));
+        RandomModelSpec spec = TestSpec();
+        spec.dtype = wt;
+        std::string path = TempPath("model-invariant");
+        FERRY_ASSERT_OK(WriteRandomModel(spec, 4, path));
+        auto m = std::move(Model::Load(path)).value();
+        const int V = m->config().vocab_size;
+        constexpr int kSeqs = 40, kPrompt = 5;
+        Paged p = MakeCaches(*m, kSeqs + 4, 16, kv::KvDtype::kF32);
+        std::vector<std::vector<int32_t>> prompts;
+        std::vector<std::vector<kv::BlockId>> tables;
+        for (int i = 0; i < kSeqs; ++i) {
+            prompts.push_back(Tokens(kPrompt + 1, 10 + i));
+            tables.push_back({kv::BlockId(i)});
+        }
+        // Every sequence's first kPrompt tokens, one prefill chunk each, in one step.
+        std::vector<SeqChunk> pre;
+        for (int i = 0; i < kSeqs; ++i) {
+            pre.push_back({std::span(prompts[i]).first(kPrompt), 0, tables[i], false});
+        }
+        FERRY_ASSERT_OK(m->Forward(pre, p.ptrs, nullptr));
+        // Sequence 0's decode step alone, then with the 39 others and a 40-token prefill.
+        std::vector<float> alone(V);
+        SeqChunk step0{std::span(prompts[0]).subspan(kPrompt), kPrompt, tables[0], true};
+        FERRY_ASSERT_OK(m->Forward(std::span(&step0, 1), p.ptrs, alone.data()));
+        auto long_prompt = Tokens(40, 99);
+        std::vector<kv::BlockId> long_table = {kSeqs, kSeqs + 1, kSeqs + 2};
+        std::vector<SeqChunk> big = {{std::span(long_prompt), 0, long_table, true}};
+        for (int i = 0; i < kSeqs; ++i) {
+            big.push_back({std::span(prompts[i]).subspan(kPrompt), kPrompt, tables[i], true});
+        }
+        std::vector<float> batch(size_t(V) * big.size());
+        FERRY_ASSERT_OK(m->Forward(big, p.ptrs, batch.data()));
+        for (int v = 0; v < V; ++v) ASSERT_EQ(alone[v], batch[size_t(V) + v]) << "logit " << v;
+        std::filesystem::remove(path);
+    }
+}
+
 TEST(Model, BatchOfChunksMatchesReferencePerSequence) {
     std::string path = TempPath("model-batch");
     FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 3, path));
