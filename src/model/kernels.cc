@@ -350,33 +350,35 @@ void WorkPool::Run(int parts, const std::function<void(int)>& fn, bool then_spin
     {
         std::lock_guard lock(mu_);
         fn_ = &fn;
-        parts_ = parts;
         then_spin_ = then_spin;
-        next_ = 0;
+        front_ = 0;
+        back_ = parts;
         running_ = 0;
         ++generation_;
         all_done_.store(false, std::memory_order_relaxed);
         published_.store(generation_, std::memory_order_release);
     }
     cv_.notify_all();
-    Work();
+    Work(/*from_back=*/false);
     for (int i = 0; i < kSpin && !all_done_.load(std::memory_order_acquire); ++i) Pause();
     std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return next_ >= parts_ && running_ == 0; });
+    done_cv_.wait(lock, [&] { return front_ >= back_ && running_ == 0; });
     fn_ = nullptr;
 }
 
-// Takes parts until none is left.
-void WorkPool::Work() {
+// Takes parts until none is left: the caller from the front, the pool's threads from the back,
+// so that with two threads each streams one contiguous range of the weights (the hardware
+// prefetchers restart at every jump).
+void WorkPool::Work(bool from_back) {
     std::unique_lock lock(mu_);
-    while (fn_ && next_ < parts_) {
-        const int p = next_++;
+    while (fn_ && front_ < back_) {
+        const int p = from_back ? --back_ : front_++;
         ++running_;
         const std::function<void(int)>* fn = fn_;
         lock.unlock();
         (*fn)(p);
         lock.lock();
-        if (--running_ == 0 && next_ >= parts_) {
+        if (--running_ == 0 && front_ >= back_) {
             all_done_.store(true, std::memory_order_release);
             done_cv_.notify_one();
         }
@@ -400,7 +402,7 @@ void WorkPool::Loop() {
         seen = generation_;
         spin = then_spin_;
         lock.unlock();
-        Work();
+        Work(/*from_back=*/true);
         lock.lock();
     }
 }

@@ -60,14 +60,14 @@ class WorkPool {
 
   private:
     void Loop();
-    void Work();
+    void Work(bool from_back);
     int n_;
     std::vector<std::thread> threads_;
     std::mutex mu_;
     std::condition_variable cv_, done_cv_;
     const std::function<void(int)>* fn_ = nullptr;
-    int parts_ = 0;
-    int next_ = 0;     // next part to hand out (under mu_)
+    int front_ = 0;  // parts [front_, back_) are still to hand out (under mu_)
+    int back_ = 0;
     int running_ = 0;  // parts handed out and not finished
     uint64_t generation_ = 0;
     bool stop_ = false;
