@@ -2,6 +2,7 @@
 
 #include <cblas.h>
 #include <fmt/core.h>
+#include <strings.h>
 
 #include <algorithm>
 #include <barrier>
@@ -359,12 +360,70 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
     if (const char* env = std::getenv("OPENBLAS_NUM_THREADS"); env && std::atoi(env) > 0) {
         threads = std::min(threads, std::atoi(env));
     }
+    ChooseBlasCore();
     openblas_set_num_threads(threads);
     for (auto& rank : m->ranks_) rank->work = std::make_unique<WorkPool>(threads);
     return m;
 }
 
 int BlasThreads() { return openblas_get_num_threads(); }
+
+}  // namespace ferry::model
+
+// In OpenBLAS builds with DYNAMIC_ARCH (Debian's): drop and redo the choice of kernel table, as
+// at load, which reads OPENBLAS_CORETYPE. Weak, so a build without them links and skips.
+extern "C" void gotoblas_dynamic_init(void) __attribute__((weak));
+extern "C" void gotoblas_dynamic_quit(void) __attribute__((weak));
+extern "C" char* openblas_get_corename(void);
+
+namespace ferry::model {
+
+std::string BlasCore() {
+    const char* name = openblas_get_corename();
+    return name ? name : "";
+}
+
+const std::string& ChooseBlasCore() {
+    static const std::string said = [] {
+        const std::string was = BlasCore();
+        if (std::getenv("OPENBLAS_CORETYPE")) {
+            return fmt::format("OpenBLAS core {} (OPENBLAS_CORETYPE)", was);
+        }
+        // OpenBLAS's x86-64 cores whose kernels are older than AVX2.
+        static constexpr const char* kOld[] = {"Prescott",     "Core2",     "Penryn", "Dunnington",
+                                               "Nehalem",      "Atom",      "Nano",   "Opteron",
+                                               "Opteron_SSE3", "Barcelona", "Bobcat", "Sandybridge",
+                                               "Bulldozer",    "Unknown"};
+        bool old = false;
+        for (const char* n : kOld) old = old || strcasecmp(was.c_str(), n) == 0;
+        __builtin_cpu_init();
+        const char* want = nullptr;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+            want = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+        } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+            want = "Haswell";
+        }
+        if (!old || !want) return fmt::format("OpenBLAS core {}", was);
+        if (!gotoblas_dynamic_init || !gotoblas_dynamic_quit) {
+            return fmt::format(
+                "OpenBLAS core {} on a CPU with {}'s features (OpenBLAS built "
+                "without DYNAMIC_ARCH: left as is)",
+                was, want);
+        }
+        // Before any BLAS call of ours. The variable is set only for OpenBLAS's init and then
+        // removed, so child processes choose for themselves.
+        setenv("OPENBLAS_CORETYPE", want, 1);
+        gotoblas_dynamic_quit();
+        gotoblas_dynamic_init();
+        unsetenv("OPENBLAS_CORETYPE");
+        return fmt::format(
+            "OpenBLAS core {} (OpenBLAS picked {} for this CPU, which has {}'s "
+            "features)",
+            BlasCore(), was, want);
+    }();
+    return said;
+}
 
 uint64_t Model::StreamedWeightBytes() const {
     uint64_t n = 0;

@@ -2,6 +2,7 @@
 // double accumulation), read straight from the GGUF file.
 #include "model/model.h"
 
+#include <cblas.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sched.h>
@@ -244,6 +245,36 @@ TEST(ModelThreads, FollowTheCpuAffinity) {
     EXPECT_EQ(BlasThreads(), 1);
     ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
     std::filesystem::remove(path);
+}
+
+// OpenBLAS runs kernels of the CPU's width. Debian's OpenBLAS 0.3.21 does not know an Emerald
+// Rapids Xeon (family 6, model 207) and ran Prescott's SSE3 kernels there: sgemm at a fifth of
+// the rate of its SkylakeX kernels. After the switch, sgemm must still be right.
+TEST(ModelBlas, KernelsOfTheCpusWidthAndStillRight) {
+    if (std::getenv("OPENBLAS_CORETYPE")) GTEST_SKIP() << "OPENBLAS_CORETYPE is set";
+    const std::string said = ChooseBlasCore();
+    EXPECT_EQ(&ChooseBlasCore(), &ChooseBlasCore());
+    EXPECT_NE(said.find(BlasCore()), std::string::npos) << said;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        for (const char* old : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom",
+                                "Nano", "Sandybridge", "Bulldozer", "Unknown"}) {
+            EXPECT_STRCASENE(BlasCore().c_str(), old) << said;
+        }
+    }
+    const int m = 37, n = 53, k = 29;
+    std::vector<float> a(m * k), b(n * k), c(m * n);
+    for (int i = 0; i < m * k; ++i) a[i] = std::sin(0.37f * i);
+    for (int i = 0; i < n * k; ++i) b[i] = std::cos(0.11f * i);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(), k,
+                0.0f, c.data(), n);
+    for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+            double want = 0;
+            for (int x = 0; x < k; ++x) want += double(a[i * k + x]) * b[j * k + x];
+            ASSERT_NEAR(c[i * n + j], want, 1e-4) << i << "," << j;
+        }
+    }
 }
 
 // GGUF files ferry writes are valid for llama.cpp in every dtype: 1-D tensors (the norms) are
