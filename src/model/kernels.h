@@ -80,6 +80,16 @@ class WorkPool {
     bool then_spin_ = true;  // under mu_
 };
 
+// The instruction set the row kernels run on: the best this CPU has (AVX-512 F/BW/VL/DQ, else
+// AVX2 + FMA + F16C, else scalar), unless FERRY_ROW_KERNELS (scalar, avx2, avx512) asks for
+// less. Each sums in its own fixed order, so one process uses one; SetRowIsa is for tests and
+// benchmarks (false, and nothing changed, for one the CPU lacks).
+enum class KernelIsa { kScalar, kAvx2, kAvx512 };
+const char* KernelIsaName(KernelIsa isa);
+KernelIsa BestRowIsa();
+KernelIsa RowIsa();
+bool SetRowIsa(KernelIsa isa);
+
 // Up to this many rows of A, products go through the row kernels; beyond, through sgemm.
 inline constexpr int kDirectRows = 32;
 

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -38,37 +39,57 @@ Weights RandomWeights(TensorType type, int rows, int cols, std::vector<double>* 
     return w;
 }
 
+// The row kernels' instruction sets this CPU has (each test runs on every one), then the best
+// again.
+std::vector<KernelIsa> Isas() {
+    std::vector<KernelIsa> out;
+    for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+        if (static_cast<int>(isa) <= static_cast<int>(BestRowIsa())) out.push_back(isa);
+    }
+    return out;
+}
+
+struct IsaGuard {
+    ~IsaGuard() { SetRowIsa(BestRowIsa()); }
+};
+
 TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
-    std::mt19937 rng(7);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    std::vector<float> scratch;
-    for (int threads : {1, 2, 3}) {
-        WorkPool pool(threads);
-        for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
-            for (int m : {1, 2, 3, 5, 32, 33, 70}) {
-                for (int n : {1, 6, 64, 131}) {
-                    for (int k : {8, 13, 256}) {
-                        std::vector<double> exact;
-                        Weights w = RandomWeights(type, n, k, &exact, 1000 * m + 10 * n + k);
-                        const int lda = k + 3, ldc = n + 5;
-                        std::vector<float> a(size_t(m) * lda), c(size_t(m) * ldc, -7.0f);
-                        for (float& x : a) x = u(rng);
-                        MatMulT(m, a.data(), lda, w, c.data(), ldc, pool, &scratch);
-                        for (int i = 0; i < m; ++i) {
-                            for (int j = 0; j < n; ++j) {
-                                double want = 0, mag = 0;
-                                for (int x = 0; x < k; ++x) {
-                                    want +=
-                                        double(a[size_t(i) * lda + x]) * exact[size_t(j) * k + x];
-                                    mag += std::fabs(a[size_t(i) * lda + x] *
-                                                     exact[size_t(j) * k + x]);
+    IsaGuard guard;
+    for (KernelIsa isa : Isas()) {
+        ASSERT_TRUE(SetRowIsa(isa));
+        std::mt19937 rng(7);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        std::vector<float> scratch;
+        for (int threads : {1, 2, 3}) {
+            WorkPool pool(threads);
+            for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
+                for (int m : {1, 2, 3, 5, 32, 33, 70}) {
+                    for (int n : {1, 6, 64, 131}) {
+                        for (int k : {8, 13, 100, 256}) {
+                            std::vector<double> exact;
+                            Weights w = RandomWeights(type, n, k, &exact, 1000 * m + 10 * n + k);
+                            const int lda = k + 3, ldc = n + 5;
+                            std::vector<float> a(size_t(m) * lda), c(size_t(m) * ldc, -7.0f);
+                            for (float& x : a) x = u(rng);
+                            MatMulT(m, a.data(), lda, w, c.data(), ldc, pool, &scratch);
+                            for (int i = 0; i < m; ++i) {
+                                for (int j = 0; j < n; ++j) {
+                                    double want = 0, mag = 0;
+                                    for (int x = 0; x < k; ++x) {
+                                        want += double(a[size_t(i) * lda + x]) *
+                                                exact[size_t(j) * k + x];
+                                        mag += std::fabs(a[size_t(i) * lda + x] *
+                                                         exact[size_t(j) * k + x]);
+                                    }
+                                    ASSERT_NEAR(c[size_t(i) * ldc + j], want, 1e-5 * mag + 1e-6)
+                                        << TensorTypeName(type) << " m " << m << " n " << n << " k "
+                                        << k << " threads " << threads << " at " << i << "," << j
+                                        << " row kernels " << KernelIsaName(isa);
                                 }
-                                ASSERT_NEAR(c[size_t(i) * ldc + j], want, 1e-5 * mag + 1e-6)
-                                    << TensorTypeName(type) << " m " << m << " n " << n << " k "
-                                    << k << " threads " << threads << " at " << i << "," << j;
+                                // Columns past n are not written.
+                                for (int j = n; j < ldc; ++j)
+                                    ASSERT_EQ(c[size_t(i) * ldc + j], -7.0f);
                             }
-                            // Columns past n are not written.
-                            for (int j = n; j < ldc; ++j) ASSERT_EQ(c[size_t(i) * ldc + j], -7.0f);
                         }
                     }
                 }
@@ -80,25 +101,47 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
 // A sequence's result does not depend on the batch it is in (the row kernels sum each row in
 // one order), in every weight type: the engine's batched-versus-single exactness rests on it.
 TEST(Kernels, RowsGiveTheSameBitsAloneAndInABatch) {
-    for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
-        std::vector<double> exact;
-        Weights w = RandomWeights(type, 100, 264, &exact, 3);
-        std::mt19937 rng(9);
-        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-        for (int m : {2, 5, kDirectRows, 70}) {
-            std::vector<float> a(size_t(m) * 264), batch(size_t(m) * 100), one(100), scratch;
-            for (float& x : a) x = u(rng);
-            WorkPool pool(2);
-            MatMulRows(m, a.data(), 264, w, batch.data(), 100, pool);
-            for (int i = 0; i < m; ++i) {
-                MatMulT(1, a.data() + size_t(i) * 264, 264, w, one.data(), 100, pool, &scratch);
-                for (int j = 0; j < 100; ++j) {
-                    ASSERT_EQ(one[j], batch[size_t(i) * 100 + j])
-                        << TensorTypeName(type) << " m " << m << " at " << i << "," << j;
+    IsaGuard guard;
+    for (KernelIsa isa : Isas()) {
+        ASSERT_TRUE(SetRowIsa(isa));
+        for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
+            std::vector<double> exact;
+            Weights w = RandomWeights(type, 100, 264, &exact, 3);
+            std::mt19937 rng(9);
+            std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+            for (int m : {2, 5, kDirectRows, 70}) {
+                std::vector<float> a(size_t(m) * 264), batch(size_t(m) * 100), one(100), scratch;
+                for (float& x : a) x = u(rng);
+                WorkPool pool(2);
+                MatMulRows(m, a.data(), 264, w, batch.data(), 100, pool);
+                for (int i = 0; i < m; ++i) {
+                    MatMulT(1, a.data() + size_t(i) * 264, 264, w, one.data(), 100, pool, &scratch);
+                    for (int j = 0; j < 100; ++j) {
+                        ASSERT_EQ(one[j], batch[size_t(i) * 100 + j])
+                            << TensorTypeName(type) << " m " << m << " at " << i << "," << j
+                            << " row kernels " << KernelIsaName(isa);
+                    }
                 }
             }
         }
     }
+}
+
+TEST(Kernels, RowIsaIsTheBestTheCpuHasAndRefusesMore) {
+    IsaGuard guard;
+    if (!std::getenv("FERRY_ROW_KERNELS")) {
+        EXPECT_EQ(RowIsa(), BestRowIsa());
+    }
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    EXPECT_EQ(BestRowIsa() == KernelIsa::kAvx512, avx512);
+    if (BestRowIsa() != KernelIsa::kAvx512) {
+        EXPECT_FALSE(SetRowIsa(KernelIsa::kAvx512));
+        EXPECT_EQ(RowIsa(), BestRowIsa());
+    }
+    EXPECT_TRUE(SetRowIsa(KernelIsa::kScalar));
+    EXPECT_EQ(RowIsa(), KernelIsa::kScalar);
 }
 
 TEST(Kernels, WorkPoolRunsEveryPartOnce) {
