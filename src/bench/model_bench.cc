@@ -207,7 +207,7 @@ int RunModelBench(const ModelBenchOptions& o) {
         "head dim {}), tp {}, kv {}, {} cores\n",
         c.name, c.ParamCount() / 1e6, c.num_layers, c.dim, c.num_heads, c.num_kv_heads, c.head_dim,
         o.tp, kv::KvDtypeName(*kv_dtype), cores);
-    fmt::print("blas: {}\n", blas);
+    fmt::print("kernels: rows {}; {}\n", model::KernelIsaName(model::RowIsa()), blas);
     // A decode step reads every weight once, in its stored precision (f16 and bf16 stay 16-bit).
     const double weight_bytes = static_cast<double>(m->StreamedWeightBytes());
     const double compute_ceiling = gflops_all * 1e9 / flops_per_token;

@@ -4,11 +4,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <utility>
 
 #include "core/half.h"
 
@@ -154,6 +157,49 @@ TEST(Kernels, WorkPoolRunsEveryPartOnce) {
             for (int p = 0; p < parts; ++p) ASSERT_EQ(hits[p].load(), 1) << p;
         }
     }
+}
+
+// Ranges cover [0, n) once; none is under the grain but the last piece of a Run (the guided
+// rule takes max(grain, a share of what is left)); more than the packed word holds goes in
+// pieces.
+TEST(Kernels, WorkPoolRangesCoverEveryIndexOnce) {
+    for (int threads : {1, 2, 4}) {
+        WorkPool pool(threads);
+        for (int round = 0; round < 300; ++round) {
+            const int n = 1 + (round * 37) % 2000, grain = 1 + round % 17;
+            std::mutex mu;
+            std::vector<std::pair<int, int>> got;
+            pool.RunRanges(n, grain, [&](int b, int e) {
+                std::lock_guard lock(mu);
+                got.emplace_back(b, e);
+            });
+            std::sort(got.begin(), got.end());
+            int at = 0, small = 0;
+            for (auto [b, e] : got) {
+                ASSERT_EQ(b, at) << "threads " << threads << " n " << n;
+                ASSERT_LT(b, e);
+                small += e - b < grain;
+                at = e;
+            }
+            ASSERT_EQ(at, n);
+            ASSERT_LE(small, 1) << "threads " << threads << " n " << n << " grain " << grain;
+        }
+    }
+    WorkPool pool(2);
+    const int n = (1 << 23) + 5;
+    std::mutex mu;
+    std::vector<std::pair<int, int>> got;
+    pool.RunRanges(n, 1 << 18, [&](int b, int e) {
+        std::lock_guard lock(mu);
+        got.emplace_back(b, e);
+    });
+    std::sort(got.begin(), got.end());
+    int at = 0;
+    for (auto [b, e] : got) {
+        ASSERT_EQ(b, at);
+        at = e;
+    }
+    ASSERT_EQ(at, n);
 }
 
 }  // namespace
