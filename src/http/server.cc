@@ -196,6 +196,8 @@ class Session : public std::enable_shared_from_this<Session> {
     }
 
     void OnHeader(beast::error_code ec) {
+        // A read that completed just before Close ran may be delivered after it.
+        if (closed_) return;
         if (ec) return OnReadError(ec);
         const auto& h = parser_->get();
         std::string target(h.target());
@@ -468,6 +470,7 @@ class Session::Ex : public Exchange {
 };
 
 void Session::OnBody(beast::error_code ec) {
+    if (closed_) return;  // closed while this completion was queued: no handler, no hold_
     if (ec) return OnReadError(ec);
     stream_.expires_never();
     ++server_->requests;
@@ -541,8 +544,16 @@ void Server::Impl::Accept() {
         ++open;
         auto session = std::make_shared<Session>(this, std::move(s));
         {
+            // Stop sets `stopping` before it walks the map under this lock: a session put in
+            // after that walk sees `stopping` here, and is not started (it would never be
+            // closed, and a hanging handler would keep it alive past Stop).
             std::lock_guard lock(mu);
             sessions[session.get()] = session;
+            if (stopping) {
+                ++refused;
+                session->PostClose();
+                return;
+            }
         }
         asio::post(session->executor(), [session] { session->Start(); });
         Accept();
@@ -630,6 +641,22 @@ void Server::Stop() {
     m.ioc.stop();
     for (auto& t : m.threads) t.join();
     m.threads.clear();
+    // No I/O thread runs now. A session still here (its Close was queued behind the stop, or a
+    // handler holds its exchange) is closed from this thread: its exchange hears OnClose and
+    // the session drops the hold it has on itself, so nothing outlives the server.
+    std::vector<std::shared_ptr<Session>> left;
+    {
+        std::lock_guard lock(m.mu);
+        for (auto& [ptr, weak] : m.sessions) {
+            if (auto s = weak.lock()) left.push_back(std::move(s));
+        }
+    }
+    for (auto& s : left) s->Close();
+    left.clear();
+    // What is still queued (completions of the closed sockets, replies posted by handlers)
+    // runs out here, on this thread, and lets go of the sessions it holds.
+    m.ioc.restart();
+    m.ioc.poll();
 }
 
 }  // namespace ferry::http
