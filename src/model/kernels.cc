@@ -480,7 +480,7 @@ void MatMulRows(int m, const float* a, int lda, const Weights& w, float* c, int 
 }
 
 void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int ldc,
-                std::vector<float>* scratch) {
+                AlignedFloats* scratch) {
     const int n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
     if (m <= 0 || n <= 0) return;
     if (w.type == TensorType::kF32) {
@@ -504,7 +504,7 @@ void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int 
 }
 
 void MatMulT(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
-             std::vector<float>* scratch) {
+             AlignedFloats* scratch) {
     if (m <= kDirectRows) return MatMulRows(m, a, lda, w, c, ldc, pool);
     MatMulBulk(m, a, lda, w, c, ldc, scratch);
 }

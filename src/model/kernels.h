@@ -23,6 +23,9 @@
 
 namespace ferry::model {
 
+// Activations and scratch the kernels read with 64-byte loads.
+using AlignedFloats = std::vector<float, CacheLineAllocator<float>>;
+
 struct Weights {
     TensorType type = TensorType::kF32;
     int64_t rows = 0, cols = 0;
@@ -112,10 +115,10 @@ void MatMulRows(int m, const float* a, int lda, const Weights& w, float* c, int 
 // The same through sgemm (f32) or widened tiles and sgemm (f16, bf16): prefill chunks.
 // `scratch` is grown as needed (the widened tiles).
 void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int ldc,
-                std::vector<float>* scratch);
+                AlignedFloats* scratch);
 // Either, by m: the row kernels up to kDirectRows rows.
 void MatMulT(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
-             std::vector<float>* scratch);
+             AlignedFloats* scratch);
 
 // Softmax of s[0, valid) in place; s[valid, len) set to 0. exp is Cephes' single-precision
 // polynomial (within 2 ulp of exp), eight lanes at a time with AVX2.

@@ -62,7 +62,7 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
         ASSERT_TRUE(SetRowIsa(isa));
         std::mt19937 rng(7);
         std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-        std::vector<float> scratch;
+        AlignedFloats scratch;
         for (int threads : {1, 2, 3}) {
             WorkPool pool(threads);
             for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
@@ -113,7 +113,8 @@ TEST(Kernels, RowsGiveTheSameBitsAloneAndInABatch) {
             std::mt19937 rng(9);
             std::uniform_real_distribution<float> u(-1.0f, 1.0f);
             for (int m : {2, 5, kDirectRows, 70}) {
-                std::vector<float> a(size_t(m) * 264), batch(size_t(m) * 100), one(100), scratch;
+                std::vector<float> a(size_t(m) * 264), batch(size_t(m) * 100), one(100);
+                AlignedFloats scratch;
                 for (float& x : a) x = u(rng);
                 WorkPool pool(2);
                 MatMulRows(m, a.data(), 264, w, batch.data(), 100, pool);
@@ -145,6 +146,20 @@ TEST(Kernels, RowIsaIsTheBestTheCpuHasAndRefusesMore) {
     }
     EXPECT_TRUE(SetRowIsa(KernelIsa::kScalar));
     EXPECT_EQ(RowIsa(), KernelIsa::kScalar);
+}
+
+// Weights of any size and the activations start on a cache line: a 64-byte load of a row
+// never straddles two (the default operator new aligns to 16).
+TEST(Kernels, WeightsAndActivationsStartOnACacheLine) {
+    for (size_t bytes :
+         {size_t(2), size_t(100), size_t(4096) + 2, size_t(1) << 20, (size_t(2) << 20) + 6}) {
+        for (int i = 0; i < 8; ++i) {
+            std::vector<uint8_t, HugePageAllocator<uint8_t>> w(bytes);
+            EXPECT_EQ(reinterpret_cast<uintptr_t>(w.data()) % kCacheLineBytes, 0u) << bytes;
+            AlignedFloats a(bytes / 2 + 1);
+            EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % kCacheLineBytes, 0u) << bytes;
+        }
+    }
 }
 
 TEST(Kernels, WorkPoolRunsEveryPartOnce) {

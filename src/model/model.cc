@@ -213,7 +213,8 @@ struct Model::Rank {
     // The threads of this rank's matrix products on 16-bit weights.
     std::unique_ptr<WorkPool> work;
     // Workspace, grown as needed.
-    std::vector<float> xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel, widened;
+    // Cache-line aligned: the row kernels read rows of these with 64-byte loads.
+    AlignedFloats xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel, widened;
     // A layer's attention of short chunks: one part per chunk and KV head.
     struct ShortPart {
         const SeqChunk* chunk;
