@@ -18,6 +18,7 @@
 #include "core/cpu.h"
 #include "core/crypto.h"
 #include "core/half.h"
+#include "core/log.h"
 #include "kv/connector.h"
 #include "model/kernels.h"
 
@@ -384,28 +385,60 @@ std::string BlasCore() {
     return name ? name : "";
 }
 
+namespace {
+
+// How wide OpenBLAS's x86-64 kernels for a core name are: 0 older than AVX2, 1 AVX2 + FMA,
+// 2 AVX-512; -1 a name not listed (left alone).
+int BlasCoreWidth(const std::string& core) {
+    static constexpr const char* kOld[] = {
+        "Prescott",  "Core2",      "Penryn",       "Dunnington", "Nehalem", "Atom",
+        "Nano",      "Opteron",    "Opteron_SSE3", "Barcelona",  "Bobcat",  "Sandybridge",
+        "Bulldozer", "Piledriver", "Steamroller",  "Unknown"};
+    static constexpr const char* kAvx2[] = {"Haswell", "Zen", "Excavator"};
+    static constexpr const char* kAvx512[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
+    auto in = [&](const auto& names) {
+        for (const char* n : names) {
+            if (strcasecmp(core.c_str(), n) == 0) return true;
+        }
+        return false;
+    };
+    if (in(kOld)) return 0;
+    if (in(kAvx2)) return 1;
+    if (in(kAvx512)) return 2;
+    return -1;
+}
+
+}  // namespace
+
 const std::string& ChooseBlasCore() {
     static const std::string said = [] {
         const std::string was = BlasCore();
-        if (std::getenv("OPENBLAS_CORETYPE")) {
-            return fmt::format("OpenBLAS core {} (OPENBLAS_CORETYPE)", was);
-        }
-        // OpenBLAS's x86-64 cores whose kernels are older than AVX2.
-        static constexpr const char* kOld[] = {"Prescott",     "Core2",     "Penryn", "Dunnington",
-                                               "Nehalem",      "Atom",      "Nano",   "Opteron",
-                                               "Opteron_SSE3", "Barcelona", "Bobcat", "Sandybridge",
-                                               "Bulldozer",    "Unknown"};
-        bool old = false;
-        for (const char* n : kOld) old = old || strcasecmp(was.c_str(), n) == 0;
         __builtin_cpu_init();
         const char* want = nullptr;
+        int want_width = 0;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
             want = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+            want_width = 2;
         } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
             want = "Haswell";
+            want_width = 1;
         }
-        if (!old || !want) return fmt::format("OpenBLAS core {}", was);
+        const int width = BlasCoreWidth(was);
+        if (std::getenv("OPENBLAS_CORETYPE")) {
+            // Yours to choose; but a core narrower than the CPU halves sgemm (prefill) or worse,
+            // and an environment can set it without anyone noticing: say so.
+            if (want && width >= 0 && width < want_width) {
+                std::string msg = fmt::format(
+                    "OpenBLAS core {} (OPENBLAS_CORETYPE; this CPU has {}'s features: unset it "
+                    "for wider sgemm kernels)",
+                    was, want);
+                FERRY_LOG(kWarn, "{}", msg);
+                return msg;
+            }
+            return fmt::format("OpenBLAS core {} (OPENBLAS_CORETYPE)", was);
+        }
+        if (width != 0 || !want) return fmt::format("OpenBLAS core {}", was);
         if (!gotoblas_dynamic_init || !gotoblas_dynamic_quit) {
             return fmt::format(
                 "OpenBLAS core {} on a CPU with {}'s features (OpenBLAS built "

@@ -78,8 +78,10 @@ std::string BlasCore();
 // the SkylakeX kernels' rate. When OpenBLAS runs a pre-AVX2 core on a CPU with AVX2, this
 // switches it, through OpenBLAS's own OPENBLAS_CORETYPE path, to the core its newer versions
 // pick by feature: Cooperlake (AVX-512 BF16), SkylakeX (AVX-512), else Haswell (AVX2, FMA). An
-// OPENBLAS_CORETYPE the user set is left alone, as is a build without DYNAMIC_ARCH. Idempotent
-// and thread-safe; Model::Load calls it. Returns a line saying what it found and did.
+// OPENBLAS_CORETYPE the user set is left alone, as is a build without DYNAMIC_ARCH; one that
+// names a core narrower than the CPU (Haswell on an AVX-512 EPYC: sgemm at half the rate) is
+// warned about once, on stderr and in the line returned. Idempotent and thread-safe;
+// Model::Load calls it. Returns a line saying what it found and did.
 const std::string& ChooseBlasCore();
 
 class Model {

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sched.h>
+#include <strings.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -250,13 +251,22 @@ TEST(ModelThreads, FollowTheCpuAffinity) {
 // OpenBLAS runs kernels of the CPU's width. Debian's OpenBLAS 0.3.21 does not know an Emerald
 // Rapids Xeon (family 6, model 207) and ran Prescott's SSE3 kernels there: sgemm at a fifth of
 // the rate of its SkylakeX kernels. After the switch, sgemm must still be right.
+// An OPENBLAS_CORETYPE set in the environment is obeyed, and one narrower than the CPU (an
+// environment here set Haswell on an AVX-512 EPYC: sgemm at half its SkylakeX rate) is named.
 TEST(ModelBlas, KernelsOfTheCpusWidthAndStillRight) {
-    if (std::getenv("OPENBLAS_CORETYPE")) GTEST_SKIP() << "OPENBLAS_CORETYPE is set";
     const std::string said = ChooseBlasCore();
     EXPECT_EQ(&ChooseBlasCore(), &ChooseBlasCore());
     EXPECT_NE(said.find(BlasCore()), std::string::npos) << said;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if (const char* env = std::getenv("OPENBLAS_CORETYPE")) {
+        EXPECT_STRCASEEQ(BlasCore().c_str(), env) << said;
+        EXPECT_NE(said.find("OPENBLAS_CORETYPE"), std::string::npos) << said;
+        const bool narrower = strcasecmp(env, "Haswell") == 0 || strcasecmp(env, "Zen") == 0 ||
+                              strcasecmp(env, "Prescott") == 0;
+        EXPECT_EQ(avx512 && narrower, said.find("unset it") != std::string::npos) << said;
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         for (const char* old : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom",
                                 "Nano", "Sandybridge", "Bulldozer", "Unknown"}) {
             EXPECT_STRCASENE(BlasCore().c_str(), old) << said;
