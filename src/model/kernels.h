@@ -114,8 +114,12 @@ void MatMulRows(int m, const float* a, int lda, const Weights& w, float* c, int 
                 WorkPool& pool);
 // The same through sgemm (f32) or widened tiles and sgemm (f16, bf16): prefill chunks.
 // `scratch` is grown as needed (the widened tiles).
-void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int ldc,
+// bf16 weights on a CPU with AVX-512 BF16 (and row kernels avx512): A rounded to bf16, as
+// llama.cpp does, and dot products of bf16 pairs (VDPBF16PS) on the pool's threads; results
+// within 2^-8 of the f32 product's magnitude. Bf16DotProducts() says whether that path runs.
+void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
                 AlignedFloats* scratch);
+bool Bf16DotProducts();
 // Either, by m: the row kernels up to kDirectRows rows.
 void MatMulT(int m, const float* a, int lda, const Weights& w, float* c, int ldc, WorkPool& pool,
              AlignedFloats* scratch);

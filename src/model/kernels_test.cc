@@ -75,12 +75,18 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
                             std::vector<float> a(size_t(m) * lda), c(size_t(m) * ldc, -7.0f);
                             for (float& x : a) x = u(rng);
                             MatMulT(m, a.data(), lda, w, c.data(), ldc, pool, &scratch);
+                            // bf16 weights through dot products of bf16 pairs: A rounded
+                            // to bf16 first (as llama.cpp does), then exact up to f32 sums.
+                            const bool round_a =
+                                type == TensorType::kBF16 && m > kDirectRows && Bf16DotProducts();
                             for (int i = 0; i < m; ++i) {
                                 for (int j = 0; j < n; ++j) {
                                     double want = 0, mag = 0;
                                     for (int x = 0; x < k; ++x) {
-                                        want += double(a[size_t(i) * lda + x]) *
-                                                exact[size_t(j) * k + x];
+                                        const float ax = a[size_t(i) * lda + x];
+                                        want +=
+                                            double(round_a ? Bf16ToFloat(FloatToBf16(ax)) : ax) *
+                                            exact[size_t(j) * k + x];
                                         mag += std::fabs(a[size_t(i) * lda + x] *
                                                          exact[size_t(j) * k + x]);
                                     }
@@ -98,6 +104,36 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
                 }
             }
         }
+    }
+}
+
+// bf16 prefill products through bf16 pairs over rows long enough that A goes in several panels
+// (about 512 KiB each), with a k that leaves a masked tail: every row and column right, and the
+// column past n untouched. Where the CPU lacks AVX-512 BF16 this runs the widened sgemm path.
+TEST(Kernels, Bf16PairsOverPanelsOfA) {
+    const int m = 70, n = 13, k = 8200, lda = k + 5, ldc = n + 1;
+    std::vector<double> exact;
+    Weights w = RandomWeights(TensorType::kBF16, n, k, &exact, 11);
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> a(size_t(m) * lda), c(size_t(m) * ldc, -7.0f);
+    for (float& x : a) x = u(rng);
+    WorkPool pool(2);
+    AlignedFloats scratch;
+    MatMulT(m, a.data(), lda, w, c.data(), ldc, pool, &scratch);
+    const bool pairs = Bf16DotProducts();
+    for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+            double want = 0, mag = 0;
+            for (int x = 0; x < k; ++x) {
+                const float ax = a[size_t(i) * lda + x];
+                const double av = pairs ? Bf16ToFloat(FloatToBf16(ax)) : ax;
+                want += av * exact[size_t(j) * k + x];
+                mag += std::fabs(av * exact[size_t(j) * k + x]);
+            }
+            ASSERT_NEAR(c[size_t(i) * ldc + j], want, 1e-5 * mag) << i << "," << j;
+        }
+        ASSERT_EQ(c[size_t(i) * ldc + n], -7.0f) << i;
     }
 }
 

@@ -242,7 +242,7 @@ struct Model::Rank {
             if (r.short_rows) {
                 MatMulRows(r.end - r.begin, ar, lda, w, cr, ldc, *work);
             } else {
-                MatMulBulk(r.end - r.begin, ar, lda, w, cr, ldc, &widened);
+                MatMulBulk(r.end - r.begin, ar, lda, w, cr, ldc, *work, &widened);
             }
         }
     }

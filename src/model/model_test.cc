@@ -15,6 +15,7 @@
 
 #include "core/cpu.h"
 #include "core/half.h"
+#include "model/kernels.h"
 #include "testing/testing.h"
 
 namespace ferry::model {
@@ -422,8 +423,12 @@ TEST(Model, HalfPrecisionWeightsAndCaches) {
             std::vector<float> logits(m->config().vocab_size);
             SeqChunk ch{tokens, 0, table, true};
             FERRY_ASSERT_OK(m->Forward(std::span(&ch, 1), p.ptrs, logits.data()));
-            // Only the KV rounding differs from the reference.
-            EXPECT_LT(MaxDiff(logits.data(), want[23]), kt == kv::KvDtype::kF16 ? 2e-2 : 1e-1)
+            // Only the KV rounding differs from the reference, and for bf16 weights on a CPU
+            // with AVX-512 BF16 the prompt's activations rounded to bf16 (its products run on
+            // bf16 pairs, as llama.cpp's do): as coarse as a bf16 cache.
+            const bool coarse =
+                kt == kv::KvDtype::kBF16 || (wt == TensorType::kBF16 && Bf16DotProducts());
+            EXPECT_LT(MaxDiff(logits.data(), want[23]), coarse ? 1e-1 : 2e-2)
                 << TensorTypeName(wt) << " weights, " << kv::KvDtypeName(kt) << " cache";
             std::remove(path.c_str());
         }
