@@ -459,6 +459,11 @@ const std::string& ChooseBlasCore() {
     return said;
 }
 
+TensorType Model::MatrixType() const {
+    const Rank& rk = *ranks_.front();
+    return rk.layers.empty() ? rk.wout.type : rk.layers.front().wqkv.type;
+}
+
 uint64_t Model::StreamedWeightBytes() const {
     uint64_t n = 0;
     for (const auto& rk : ranks_) {

@@ -119,6 +119,8 @@ class Model {
     // Bytes of weights one decode step reads, in their stored precision, over all ranks: the
     // layers' matrices and the output head (the embedding rows a step looks up excluded).
     uint64_t StreamedWeightBytes() const;
+    // The stored type of the layers' matrices (the first layer's QKV: a file has one).
+    TensorType MatrixType() const;
 
   private:
     struct Rank;
