@@ -134,6 +134,9 @@ struct Server::Impl {
     asio::io_context ioc;
     std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
     tcp::acceptor acceptor{ioc};
+    // Every use of the acceptor (accepting again, Stop's close) runs on this strand: an accept's
+    // completion re-arming it on one thread while Stop closed it on another was a data race.
+    asio::strand<asio::io_context::executor_type> accept_strand{asio::make_strand(ioc)};
     std::vector<std::thread> threads;
 
     http::Reply ErrorReply(int status, const std::string& message) const {
@@ -524,40 +527,42 @@ void Session::Close() {
 }
 
 void Server::Impl::Accept() {
-    acceptor.async_accept(asio::make_strand(ioc), [this](beast::error_code ec, tcp::socket s) {
-        if (ec) {
-            if (!stopping && ec != asio::error::operation_aborted) {
-                FERRY_LOG(kWarn, "{}: accept: {}", cfg.name, ec.message());
-                // Out of descriptors and the like: back off a little instead of spinning.
-                std::this_thread::sleep_for(std::chrono::milliseconds(5));
-                Accept();
-            }
-            return;
-        }
-        ++accepted;
-        if (open.load() >= cfg.max_connections || stopping) {
-            ++refused;
-            beast::error_code ignore;
-            s.close(ignore);
-            return Accept();
-        }
-        ++open;
-        auto session = std::make_shared<Session>(this, std::move(s));
-        {
-            // Stop sets `stopping` before it walks the map under this lock: a session put in
-            // after that walk sees `stopping` here, and is not started (it would never be
-            // closed, and a hanging handler would keep it alive past Stop).
-            std::lock_guard lock(mu);
-            sessions[session.get()] = session;
-            if (stopping) {
-                ++refused;
-                session->PostClose();
+    acceptor.async_accept(
+        asio::make_strand(ioc),
+        asio::bind_executor(accept_strand, [this](beast::error_code ec, tcp::socket s) {
+            if (ec) {
+                if (!stopping && ec != asio::error::operation_aborted) {
+                    FERRY_LOG(kWarn, "{}: accept: {}", cfg.name, ec.message());
+                    // Out of descriptors and the like: back off a little instead of spinning.
+                    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                    Accept();
+                }
                 return;
             }
-        }
-        asio::post(session->executor(), [session] { session->Start(); });
-        Accept();
-    });
+            ++accepted;
+            if (open.load() >= cfg.max_connections || stopping) {
+                ++refused;
+                beast::error_code ignore;
+                s.close(ignore);
+                return Accept();
+            }
+            ++open;
+            auto session = std::make_shared<Session>(this, std::move(s));
+            {
+                // Stop sets `stopping` before it walks the map under this lock: a session put in
+                // after that walk sees `stopping` here, and is not started (it would never be
+                // closed, and a hanging handler would keep it alive past Stop).
+                std::lock_guard lock(mu);
+                sessions[session.get()] = session;
+                if (stopping) {
+                    ++refused;
+                    session->PostClose();
+                    return;
+                }
+            }
+            asio::post(session->executor(), [session] { session->Start(); });
+            Accept();
+        }));
 }
 
 Server::Server(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -619,7 +624,7 @@ ServerStats Server::Stats() const {
 void Server::Stop() {
     Impl& m = *impl_;
     if (m.stopping.exchange(true)) return;
-    asio::post(m.ioc, [p = &m] {
+    asio::post(m.accept_strand, [p = &m] {
         beast::error_code ec;
         p->acceptor.close(ec);
     });
