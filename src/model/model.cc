@@ -205,6 +205,10 @@ struct Model::Layer {
     Weights wdown;  // [dim][ffn]
 };
 
+struct Model::AttendSpace {
+    AlignedFloats kbuf, vbuf, qstack, scores;
+};
+
 struct Model::Rank {
     int q_heads = 0, kv_heads = 0, ffn = 0;
     int vocab_begin = 0, vocab_end = 0;
@@ -215,13 +219,15 @@ struct Model::Rank {
     std::unique_ptr<WorkPool> work;
     // Workspace, grown as needed.
     // Cache-line aligned: the row kernels read rows of these with 64-byte loads.
-    AlignedFloats xn, qkv, attn, partial, gu, act, kbuf, vbuf, scores, qstack, sel, widened;
+    AlignedFloats xn, qkv, attn, partial, gu, act, sel, widened;
     // A layer's attention of short chunks: one part per chunk and KV head.
     struct ShortPart {
         const SeqChunk* chunk;
         int head, t0;
     };
     std::vector<ShortPart> short_parts;
+    std::vector<ShortPart> long_parts;  // the same for long chunks (prefill)
+    AttendSpace attend;  // the workspace of long chunks' attention, one head at a time
 
     // The forward pass's rows in runs of one kind: [begin, end) rows of short chunks (decode
     // steps), which go through the row kernels however many there are, or of long ones
@@ -364,6 +370,7 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
     }
     ChooseBlasCore();
     openblas_set_num_threads(threads);
+    m->blas_threads_ = threads;
     for (auto& rank : m->ranks_) rank->work = std::make_unique<WorkPool>(threads);
     return m;
 }
@@ -718,55 +725,59 @@ void AttendShort(const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int
 }  // namespace
 
 void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int t0,
-                   int W, int qw, float scale) {
+                   int W, int qw, float scale, AttendSpace& ws, WorkPool* softmax_pool) {
     const int hd = config_.head_dim, bt = cache.spec().block_tokens;
     const int group = rk.q_heads / rk.kv_heads;
     const int n = static_cast<int>(ch.tokens.size()), p0 = ch.start_pos, ctx = p0 + n;
     const int blocks = (ctx + bt - 1) / bt;
     // Long chunks: gather this head's K and V, then per tile of query rows two sgemms over the
     // keys that tile can see (causal: rows [i0, i1) see keys [0, p0 + i1)).
-    rk.kbuf.resize(size_t(blocks) * bt * hd);
-    rk.vbuf.resize(size_t(blocks) * bt * hd);
+    ws.kbuf.resize(size_t(blocks) * bt * hd);
+    ws.vbuf.resize(size_t(blocks) * bt * hd);
     for (int j = 0; j < blocks; ++j) {
         int cnt = std::min(bt, ctx - j * bt);
-        cache.Load(l, false, ch.block_table[j], h, cnt, &rk.kbuf[size_t(j) * bt * hd]);
-        cache.Load(l, true, ch.block_table[j], h, cnt, &rk.vbuf[size_t(j) * bt * hd]);
+        cache.Load(l, false, ch.block_table[j], h, cnt, &ws.kbuf[size_t(j) * bt * hd]);
+        cache.Load(l, true, ch.block_table[j], h, cnt, &ws.vbuf[size_t(j) * bt * hd]);
     }
     // The group's query heads go through together: rows (g, i) of one [group * rows][head_dim]
     // matrix, so each tile is two larger sgemms instead of two per head.
     const int tile = std::min(n, kQueryTile);
-    rk.qstack.resize(size_t(group) * tile * hd);  // stacked queries, then stacked outputs
-    rk.scores.resize(size_t(group) * tile * ctx);
+    ws.qstack.resize(size_t(group) * tile * hd);  // stacked queries, then stacked outputs
+    ws.scores.resize(size_t(group) * tile * ctx);
     for (int i0 = 0; i0 < n; i0 += kQueryTile) {
         const int rows = std::min(kQueryTile, n - i0), keys = p0 + i0 + rows, m = group * rows;
         for (int g = 0; g < group; ++g) {
             for (int i = 0; i < rows; ++i) {
-                std::memcpy(&rk.qstack[(size_t(g) * rows + i) * hd],
+                std::memcpy(&ws.qstack[(size_t(g) * rows + i) * hd],
                             &rk.qkv[size_t(t0 + i0 + i) * W + (h * group + g) * hd],
                             size_t(hd) * 4);
             }
         }
-        float* s = rk.scores.data();
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, keys, hd, scale, rk.qstack.data(),
-                    hd, rk.kbuf.data(), hd, 0.0f, s, keys);
+        float* s = ws.scores.data();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, keys, hd, scale, ws.qstack.data(),
+                    hd, ws.kbuf.data(), hd, 0.0f, s, keys);
         // The rows' softmax on this rank's pool (OpenBLAS's threads are idle meanwhile): one
-        // thread alone spent a fifth of a 2048-token prefill here.
+        // thread alone spent a fifth of a 2048-token prefill here. With the heads in parallel,
+        // each on its own thread.
         constexpr int kRowsPerPart = 16;
-        rk.work->Run((m + kRowsPerPart - 1) / kRowsPerPart,
-                     [&](int part) {
-                         for (int gi = part * kRowsPerPart;
-                              gi < std::min(m, (part + 1) * kRowsPerPart); ++gi) {
-                             const int i = gi % rows;
-                             Softmax(s + size_t(gi) * keys, p0 + i0 + i + 1, keys);
-                         }
-                     },
-                     /*then_spin=*/false);
+        auto softmax_rows = [&](int part) {
+            for (int gi = part * kRowsPerPart; gi < std::min(m, (part + 1) * kRowsPerPart); ++gi) {
+                const int i = gi % rows;
+                Softmax(s + size_t(gi) * keys, p0 + i0 + i + 1, keys);
+            }
+        };
+        const int parts = (m + kRowsPerPart - 1) / kRowsPerPart;
+        if (softmax_pool) {
+            softmax_pool->Run(parts, softmax_rows, /*then_spin=*/false);
+        } else {
+            for (int part = 0; part < parts; ++part) softmax_rows(part);
+        }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, keys, 1.0f, s, keys,
-                    rk.vbuf.data(), hd, 0.0f, rk.qstack.data(), hd);
+                    ws.vbuf.data(), hd, 0.0f, ws.qstack.data(), hd);
         for (int g = 0; g < group; ++g) {
             for (int i = 0; i < rows; ++i) {
                 std::memcpy(&rk.attn[size_t(t0 + i0 + i) * qw + (h * group + g) * hd],
-                            &rk.qstack[(size_t(g) * rows + i) * hd], size_t(hd) * 4);
+                            &ws.qstack[(size_t(g) * rows + i) * hd], size_t(hd) * 4);
             }
         }
     }
@@ -844,20 +855,38 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
         // Every chunk's K and V of this layer are stored: a connector may send them while this
         // rank attends and computes the next layers.
         if (hook) hook->OnLayerStored(r, l);
-        // Short chunks (decode steps), one part per chunk and KV head, on the rank's pool; long
-        // ones (prefill) one at a time, each head's products on OpenBLAS's threads.
+        // Short chunks (decode steps), one part per chunk and KV head, on the rank's pool. Long
+        // ones (prefill): with one rank, one part per chunk and KV head on the rank's pool too,
+        // each part's sgemms on its own thread (OpenBLAS set to one thread meanwhile: its
+        // threads on products of head_dim 64 were slower, and spinning after each call they
+        // took the cores from the pool's); with several ranks (which call OpenBLAS at once and
+        // share its thread count), one head at a time on OpenBLAS's threads.
         rk.short_parts.clear();
+        rk.long_parts.clear();
         t0 = 0;
         for (const SeqChunk& ch : batch) {
             const int n = static_cast<int>(ch.tokens.size());
             for (int h = 0; h < rk.kv_heads; ++h) {
-                if (n <= kSmallChunk) {
-                    rk.short_parts.push_back({&ch, h, t0});
-                } else {
-                    Attend(rk, *cache, l, h, ch, t0, W, qw, scale);
-                }
+                (n <= kSmallChunk ? rk.short_parts : rk.long_parts).push_back({&ch, h, t0});
             }
             t0 += n;
+        }
+        if (tp_ == 1 && blas_threads_ > 1 && rk.long_parts.size() > 1) {
+            openblas_set_num_threads(1);
+            rk.work->Run(
+                static_cast<int>(rk.long_parts.size()),
+                [&](int part) {
+                    const Rank::ShortPart& lp = rk.long_parts[part];
+                    thread_local AttendSpace ws;
+                    Attend(rk, *cache, l, lp.head, *lp.chunk, lp.t0, W, qw, scale, ws, nullptr);
+                },
+                /*then_spin=*/false);
+            openblas_set_num_threads(blas_threads_);
+        } else {
+            for (const Rank::ShortPart& lp : rk.long_parts) {
+                Attend(rk, *cache, l, lp.head, *lp.chunk, lp.t0, W, qw, scale, rk.attend,
+                       rk.work.get());
+            }
         }
         rk.work->Run(static_cast<int>(rk.short_parts.size()), [&](int part) {
             const Rank::ShortPart& sp = rk.short_parts[part];

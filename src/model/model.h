@@ -31,6 +31,8 @@ class LayerHook;
 
 namespace ferry::model {
 
+class WorkPool;
+
 struct ModelConfig {
     std::string name;  // general.name, or the file name
     int vocab_size = 0;
@@ -129,8 +131,12 @@ class Model {
     Model() = default;
     Status LoadWeights(const GgufFile& file);
     // Attention of a long chunk (prefill) for one KV head; short ones go through AttendShort.
+    // Its gathered K and V, stacked queries and scores go in `ws`; the rows' softmax runs on
+    // `softmax_pool`, or on the calling thread when that is null (heads in parallel).
+    struct AttendSpace;
     void Attend(Rank& rk, const kv::KvCache& cache, int layer, int kv_head, const SeqChunk& ch,
-                int t0, int row_width, int q_width, float scale);
+                int t0, int row_width, int q_width, float scale, AttendSpace& ws,
+                WorkPool* softmax_pool);
     void RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits,
                      kv::LayerHook* hook);
     void AllReduceAdd(int r, float* x, int rows);
@@ -138,6 +144,7 @@ class Model {
     ModelConfig config_;
     std::string fingerprint_;
     int tp_ = 1;
+    int blas_threads_ = 1;  // OpenBLAS's threads per rank (Load)
     std::unique_ptr<Tokenizer> tokenizer_;
     Weights embedding_;               // [vocab][dim], in the file's precision
     std::vector<float> output_norm_;  // [dim]
