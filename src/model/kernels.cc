@@ -77,8 +77,12 @@ FERRY_AVX2 inline float Sum8(__m256 v) {
 
 // The row kernels (row_kernels.inc), for AVX2 + F16C and for AVX-512.
 namespace avx2 {
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 #define FERRY_V __m256
 #define FERRY_LANES 8
 #define FERRY_ZERO() _mm256_setzero_ps()
@@ -104,12 +108,22 @@ namespace avx2 {
 #undef FERRY_BF16
 #undef FERRY_PREFETCH
 #undef FERRY_GROUP
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 }  // namespace avx2
 
 namespace avx512 {
+#if defined(__clang__)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
 // GCC 12 warns of the _mm512_undefined_* operand inside its own widening intrinsics.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -150,7 +164,11 @@ inline __m512 LoadF16(const uint16_t* p) {
 #undef FERRY_PREFETCH
 #undef FERRY_GROUP
 #pragma GCC diagnostic pop
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 }  // namespace avx512
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' single-precision
@@ -300,8 +318,13 @@ void Rows(const Weights& w, const float* a, int lda, int m, float* c, int ldc, i
 // weights as they are stored (no widened tile). Tiles of 4 rows of A by 6 weight rows keep 24
 // sums in registers; A in panels of about 512 KiB stays in L2 while the weight rows pass.
 namespace bf16dp {
+#if defined(__clang__)
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#endif
 // GCC 12 warns of the _mm512_undefined_* operand inside its own reduction intrinsics.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -398,7 +421,11 @@ void Rows(int m, int k, int kp, const uint16_t* a, const uint16_t* w, float* c, 
 }
 
 #pragma GCC diagnostic pop
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 }  // namespace bf16dp
 
 bool CpuHasAvx512Bf16() {
