@@ -54,6 +54,18 @@ void AppendRows(Weights* dst, const Weights& src) {
 
 namespace {
 
+// A region of functions compiled for instruction set T (a target attribute on each): GCC's
+// push_options / target, or clang's attribute push (clang ignores #pragma GCC target).
+#define FERRY_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define FERRY_TARGET_BEGIN(T) \
+    FERRY_PRAGMA(clang attribute push(__attribute__((target(T))), apply_to = function))
+#define FERRY_TARGET_END FERRY_PRAGMA(clang attribute pop)
+#else
+#define FERRY_TARGET_BEGIN(T) FERRY_PRAGMA(GCC push_options) FERRY_PRAGMA(GCC target(T))
+#define FERRY_TARGET_END FERRY_PRAGMA(GCC pop_options)
+#endif
+
 // --- AVX2 + F16C kernels -----------------------------------------------------------------------
 
 #define FERRY_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -77,12 +89,7 @@ FERRY_AVX2 inline float Sum8(__m256 v) {
 
 // The row kernels (row_kernels.inc), for AVX2 + F16C and for AVX-512.
 namespace avx2 {
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+FERRY_TARGET_BEGIN("avx2,fma,f16c")
 #define FERRY_V __m256
 #define FERRY_LANES 8
 #define FERRY_ZERO() _mm256_setzero_ps()
@@ -108,22 +115,11 @@ namespace avx2 {
 #undef FERRY_BF16
 #undef FERRY_PREFETCH
 #undef FERRY_GROUP
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+FERRY_TARGET_END
 }  // namespace avx2
 
 namespace avx512 {
-#if defined(__clang__)
-#pragma clang attribute push(                                                    \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#endif
+FERRY_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 // GCC 12 warns of the _mm512_undefined_* operand inside its own widening intrinsics.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -164,11 +160,7 @@ inline __m512 LoadF16(const uint16_t* p) {
 #undef FERRY_PREFETCH
 #undef FERRY_GROUP
 #pragma GCC diagnostic pop
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+FERRY_TARGET_END
 }  // namespace avx512
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' single-precision
@@ -318,13 +310,7 @@ void Rows(const Weights& w, const float* a, int lda, int m, float* c, int ldc, i
 // weights as they are stored (no widened tile). Tiles of 4 rows of A by 6 weight rows keep 24
 // sums in registers; A in panels of about 512 KiB stays in L2 while the weight rows pass.
 namespace bf16dp {
-#if defined(__clang__)
-#pragma clang attribute push( \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-#endif
+FERRY_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 // GCC 12 warns of the _mm512_undefined_* operand inside its own reduction intrinsics.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -421,11 +407,7 @@ void Rows(int m, int k, int kp, const uint16_t* a, const uint16_t* w, float* c, 
 }
 
 #pragma GCC diagnostic pop
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+FERRY_TARGET_END
 }  // namespace bf16dp
 
 bool CpuHasAvx512Bf16() {
