@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/crypto.h"
 #include "ferry/discovery.h"
 #include "transfer/metadata.h"
 
@@ -29,6 +30,25 @@ std::string LoadSecret(const std::string& file) {
     while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
     if (s.empty()) throw CLI::ValidationError("--secret-file", "'" + file + "' is empty");
     return s;
+}
+
+void AddRouterTokenCommand(CLI::App& app, int* rc) {
+    CLI::App* cmd = app.add_subcommand(
+        "router-token",
+        "Print the bearer token the deployment's router presents to its workers (derived from "
+        "the secret; give it to vLLM's proxy as OPENAI_API_KEY)");
+    static std::string secret_file;
+    cmd->add_option("--secret-file", secret_file,
+                    "file holding the deployment secret (default: $FERRY_SECRET)");
+    cmd->callback([rc] {
+        std::string secret = LoadSecret(secret_file);
+        if (secret.empty()) {
+            fmt::print(stderr, "ferry router-token: no secret (--secret-file or $FERRY_SECRET)\n");
+            *rc = 1;
+            return;
+        }
+        fmt::print("{}\n", RouterToken(secret));
+    });
 }
 
 void AddDiscoveryCommand(CLI::App& app, int* rc) {

@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
     ferry::cli::AddDemoCommand(app, &rc);
 
     ferry::cli::AddDiscoveryCommand(app, &rc);
+    ferry::cli::AddRouterTokenCommand(app, &rc);
     ferry::cli::AddModelCommand(app, &rc);
     ferry::cli::AddServeCommand(app, &rc);
     ferry::cli::AddProxyCommand(app, &rc);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bench/model_bench.h"
+#include "core/crypto.h"
 #include "discovery_cmd.h"
 #include "engine/engine.h"
 #include "ferry/agent.h"
@@ -192,6 +193,24 @@ void AddServeCommand(CLI::App& app, int* rc) {
                      "fail a KV transfer not done this long after it started")
         ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
         ->capture_default_str();
+    static std::vector<std::string> kv_peers;
+    serve->add_option("--kv-peers", kv_peers,
+                      "the only agents (HOST:PORT) this worker dials for KV; without it, with "
+                      "--store they are found by name there, with a secret those the router "
+                      "names, and otherwise any address a request names (docs/security.md)");
+    static int client_hold_blocks = -1, client_loads = 64;
+    serve
+        ->add_option("--kv-client-hold-blocks", client_hold_blocks,
+                     "prefill: KV blocks one client (an address; the router is exempt) may have "
+                     "held for remote decoders (-1: a quarter of the cache, 0: no cap)")
+        ->check(CLI::Range(-1, 1 << 24))
+        ->capture_default_str();
+    serve
+        ->add_option("--kv-client-loads", client_loads,
+                     "decode: KV loads one client (the router is exempt) may have in flight (0: "
+                     "no cap)")
+        ->check(CLI::Range(0, 1 << 24))
+        ->capture_default_str();
     static std::vector<std::string> remote_prefill;
     serve->add_option("--remote-prefill", remote_prefill,
                       "decode-first: prefill workers (HOST:PORT) that prefill prompts for this "
@@ -261,6 +280,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
             } catch (const CLI::ValidationError& e) {
                 return fail(InvalidArgumentError(e.what()));
             }
+            sc.router_token = RouterToken(ac.secret);
             auto a = Agent::Create(ac);
             if (!a.ok()) return fail(a.status().WithContext("--agent-listen"));
             agent = std::shared_ptr<Agent>(std::move(a).value());
@@ -269,6 +289,15 @@ void AddServeCommand(CLI::App& app, int* rc) {
             cc.model_kv_heads = m->config().num_kv_heads;
             cc.hold_lease = std::chrono::milliseconds(hold_lease_ms);
             cc.transfer_timeout = std::chrono::milliseconds(kv_timeout_ms);
+            cc.authenticated = !ac.secret.empty();
+            cc.by_store = !store.empty();
+            for (const std::string& p : kv_peers) {
+                auto ep = http::ParseEndpoint(p);
+                if (!ep.ok()) return fail(ep.status().WithContext("--kv-peers"));
+                cc.allowed_agents.push_back(fmt::format("{}:{}", ep->host, ep->port));
+            }
+            cc.max_client_hold_blocks = client_hold_blocks;
+            cc.max_client_loads = client_loads;
             auto c = kv::AgentKvConnector::Create(agent, cc);
             if (!c.ok()) return fail(c.status());
             connector = *c;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/crypto.h"
 #include "discovery_cmd.h"
 #include "ferry/discovery.h"
 #include "serve/proxy.h"
@@ -41,7 +42,8 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         ->capture_default_str();
     px->add_flag("--no-store", no_store, "run no embedded store");
     px->add_option("--secret-file", secret_file,
-                   "deployment secret the embedded store requires (default $FERRY_SECRET)");
+                   "deployment secret (default $FERRY_SECRET): the embedded store requires it, "
+                   "and the workers' router token is derived from it");
     px->add_option("--worker-timeout-ms", timeout_ms, "fail a request a worker has not answered")
         ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
         ->capture_default_str();
@@ -51,6 +53,13 @@ void AddProxyCommand(CLI::App& app, int* rc) {
             *rc = 1;
         };
         serve::ProxyConfig pc;
+        std::string secret;
+        try {
+            secret = LoadSecret(secret_file);
+        } catch (const CLI::ValidationError& e) {
+            return fail(InvalidArgumentError(e.what()));
+        }
+        pc.router_token = RouterToken(secret);
         pc.host = host;
         pc.port = port;
         pc.mode = mode == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
@@ -70,7 +79,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         std::unique_ptr<StoreServer> embedded;
         if (store.empty() && !no_store) {
             StoreServerConfig sc;
-            sc.secret = LoadSecret(secret_file);
+            sc.secret = secret;
             size_t colon = store_listen.rfind(':');
             if (colon == std::string::npos) {
                 return fail(InvalidArgumentError(

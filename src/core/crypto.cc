@@ -47,6 +47,29 @@ Digest HmacSha256(std::string_view key, std::string_view data) {
     return out;
 }
 
+Digest Sha256(std::string_view data) {
+    Digest out{};
+    unsigned int len = 0;
+    EVP_Digest(data.data(), data.size(), out.data(), &len, EVP_sha256(), nullptr);
+    return out;
+}
+
+std::string RandomId128() {
+    uint8_t b[16];
+    SecureRandom(b, sizeof(b));
+    return HexEncode(b, sizeof(b));
+}
+
+bool SecretEqual(std::string_view a, std::string_view b) {
+    return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string RouterToken(std::string_view secret) {
+    if (secret.empty()) return "";
+    Digest d = HmacSha256(secret, "ferry/router-token/v1");
+    return "ferry-rt1-" + HexEncode(d.data(), d.size());
+}
+
 bool DigestEqual(const Digest& a, const Digest& b) {
     return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }

@@ -18,6 +18,19 @@ Nonce RandomNonce();
 
 // HMAC-SHA256(key, data).
 Digest HmacSha256(std::string_view key, std::string_view data);
+// SHA-256(data).
+Digest Sha256(std::string_view data);
+
+// 128 random bits as 32 lower-case hex characters: ids and nonces that must not be guessed.
+std::string RandomId128();
+
+// Constant-time equality of two strings (lengths may leak, contents do not).
+bool SecretEqual(std::string_view a, std::string_view b);
+
+// The bearer token a deployment's router presents to its workers ("Authorization: Bearer ..."),
+// derived from the deployment secret: HMAC-SHA256(secret, "ferry/router-token/v1") in hex,
+// prefixed "ferry-rt1-". Empty for an empty secret.
+std::string RouterToken(std::string_view secret);
 
 // Lower-case hexadecimal of `n` bytes.
 std::string HexEncode(const uint8_t* p, size_t n);

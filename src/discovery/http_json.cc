@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <thread>
 
@@ -177,8 +178,11 @@ Result<std::string> CheckAuthorization(std::string_view secret, std::string_view
             return PermissionDeniedError("Authorization: wrong deployment secret (HMAC mismatch)");
         }
     }
-    int64_t ts = std::stoll(std::string(t));
-    if (std::abs(NowMs() - ts) > skew.count()) {
+    // At most 19 digits, but still more than an int64 holds ("9999999999999999999"): parsed
+    // without throwing, an overflow is simply outside the window.
+    int64_t ts = 0;
+    auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), ts);
+    if (ec != std::errc() || end != t.data() + t.size() || std::abs(NowMs() - ts) > skew.count()) {
         return PermissionDeniedError("Authorization: timestamp outside the allowed clock skew");
     }
     return std::string(n);

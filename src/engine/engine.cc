@@ -80,6 +80,9 @@ struct Engine::Sequence {
     enum class Phase : uint8_t { kLocal, kParked, kLoading } phase = Phase::kLocal;
     int num_external = 0;
     std::optional<kv::FirstToken> first;  // the first token sampled (for RequestFinished)
+    // Its KV came from a peer that did not confirm it is this prompt's: it serves this request
+    // and never enters the prefix cache (no other request may read it).
+    bool no_cache = false;
 
     Sequence(Request r, uint64_t seed) : req(std::move(r)), sampler(req.sampling, seed) {
         tokens = req.prompt;
@@ -215,11 +218,22 @@ Status Engine::Submit(Request request) {
     }
     static std::atomic<uint64_t> seed_counter{std::random_device{}()};
     auto seq = std::make_unique<Sequence>(std::move(request), seed_counter.fetch_add(0x9e3779b9));
+    // The connector's caps (holds and loads per client and per peer), outside mu_: the
+    // connector calls into the engine (its wake-up) with its own lock held.
+    const bool admitted = connector_ && seq->req.kv_transfer;
+    if (admitted) FERRY_RETURN_IF_ERROR(connector_->Admit(Conn(seq.get())));
     {
-        std::lock_guard lock(mu_);
-        if (stop_) return UnavailableError("engine: shutting down");
-        if (!live_ids_.emplace(seq->req.id, true).second) {
-            return AlreadyExistsError(fmt::format("request id '{}' is in use", seq->req.id));
+        std::unique_lock lock(mu_);
+        Status refused;
+        if (stop_) {
+            refused = UnavailableError("engine: shutting down");
+        } else if (!live_ids_.emplace(seq->req.id, true).second) {
+            refused = AlreadyExistsError(fmt::format("request id '{}' is in use", seq->req.id));
+        }
+        if (!refused.ok()) {
+            lock.unlock();
+            if (admitted) connector_->Retire(seq->req.id);
+            return refused;
         }
         inbox_.push_back(std::move(seq));
         ++stats_.waiting;
@@ -497,7 +511,7 @@ bool Engine::StepBatch() {
 }
 
 void Engine::CommitFullBlocks(Sequence* s) {
-    if (!config_.prefix_caching) return;
+    if (!config_.prefix_caching || s->no_cache) return;
     const int bt = config_.block_tokens;
     while (static_cast<int>(s->hashes.size() + 1) * bt <= s->num_computed) {
         size_t b = s->hashes.size();
@@ -580,6 +594,7 @@ void Engine::Finish(Sequence* s, FinishReason reason, RequestOutput* out) {
     out->external_tokens = s->num_external;
     const bool ok = reason == FinishReason::kStop || reason == FinishReason::kLength;
     ReleaseBlocks(s, ok, out);
+    if (connector_ && s->req.kv_transfer) connector_->Retire(s->req.id);
     ++counters_.requests_finished;
     if (!held_.count(s->req.id)) {
         std::lock_guard lock(mu_);
@@ -649,6 +664,7 @@ bool Engine::HandleConnectorEvents() {
         s->phase = Sequence::Phase::kLocal;
         s->num_computed += s->num_external;
         counters_.kv_external_tokens += s->num_external;
+        if (!ev.cacheable) s->no_cache = true;
         CommitFullBlocks(s);
         std::unique_ptr<Sequence> owned = std::move(*it);
         remote_.erase(it);

@@ -220,8 +220,18 @@ Result<ClientReply> Fetch(const ClientRequest& request) {
     static Client* shared = Client::Create(1).release();
     auto done = std::make_shared<std::promise<Result<ClientReply>>>();
     auto fut = done->get_future();
-    shared->CallWhole(request, [done](Result<ClientReply> r) { done->set_value(std::move(r)); });
-    return fut.get();
+    auto call = shared->CallWhole(request,
+                                  [done](Result<ClientReply> r) { done->set_value(std::move(r)); });
+    if (request.timeout.count() <= 0) return fut.get();
+    // The call's own timer ends it; this bound holds even if its completion were lost, so no
+    // caller of a timed call ever waits past its deadline (and a little grace).
+    if (fut.wait_for(request.timeout + std::chrono::seconds(2)) == std::future_status::ready) {
+        return fut.get();
+    }
+    call->Cancel();
+    return DeadlineExceededError(fmt::format("http {}:{}{}: no answer within {} ms", request.host,
+                                             request.port, request.target,
+                                             request.timeout.count()));
 }
 
 Result<Endpoint> ParseEndpoint(std::string_view url) {

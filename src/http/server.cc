@@ -628,12 +628,18 @@ void Server::Stop() {
         beast::error_code ec;
         p->acceptor.close(ec);
     });
+    // The sessions are taken under the lock and closed outside it: a session whose last
+    // reference goes here runs ~Session, which takes the same lock (a self-deadlock once seen as
+    // a store test hanging at teardown, after a refused connection closed during the walk).
+    std::vector<std::shared_ptr<Session>> open_sessions;
     {
         std::lock_guard lock(m.mu);
         for (auto& [ptr, weak] : m.sessions) {
-            if (auto s = weak.lock()) s->PostClose();
+            if (auto s = weak.lock()) open_sessions.push_back(std::move(s));
         }
     }
+    for (auto& s : open_sessions) s->PostClose();
+    open_sessions.clear();
     auto until = SteadyClock::now() + std::chrono::seconds(2);
     while (SteadyClock::now() < until) {
         {

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "core/crypto.h"
@@ -21,7 +22,8 @@ namespace {
 
 using Json = nlohmann::json;
 using SteadyClock = std::chrono::steady_clock;
-constexpr int kProtocolVersion = 1;
+// 2: prompts named by SHA-256, hold nonces of 128 bits, claims that name their blocks.
+constexpr int kProtocolVersion = 2;
 constexpr size_t kMaxMessageDepth = 8;
 constexpr size_t kProbeBytes = 64;
 constexpr size_t kProbeSlots = 1024;
@@ -41,7 +43,24 @@ std::string Esc(std::string_view s) {
     return out;
 }
 
-uint64_t PromptHash(std::span<const int32_t> prompt) { return HashBlock(0, prompt); }
+// The prompt's identity in messages: SHA-256 over its token ids (int32, little-endian), hex.
+// Cryptographic, so that no other prompt can pass for it.
+std::string PromptDigest(std::span<const int32_t> prompt) {
+    Digest d = Sha256(std::string_view(reinterpret_cast<const char*>(prompt.data()),
+                                       prompt.size() * sizeof(int32_t)));
+    return HexEncode(d.data(), d.size());
+}
+
+Result<std::string> Hex(const Json& j, const char* key, size_t len) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_string() || it->get_ref<const std::string&>().size() != len ||
+        it->get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
+            std::string::npos) {
+        return InvalidArgumentError(
+            fmt::format("field '{}' is missing or not {} hex characters", key, len));
+    }
+    return it->get<std::string>();
+}
 
 // Typed reads of a peer's message; a missing or mistyped field is an error naming it.
 Result<std::string> Str(const Json& j, const char* key) {
@@ -99,6 +118,7 @@ struct PeerRank {
 struct Peer {
     enum class State { kConnecting, kReady, kFailed } state = State::kConnecting;
     Status error;
+    std::string address;  // where it was dialed ("": found by name in the store)
     std::vector<PeerRank> ranks;
     std::vector<std::string> waiting;  // loads (by id) to go on with once ready
     SteadyClock::time_point deadline;
@@ -115,7 +135,10 @@ struct Load {
     std::string peer;
     std::vector<BlockId> blocks;
     int num_computed = 0, num_external = 0, prompt_len = 0;
-    uint64_t prompt_hash = 0;
+    std::string prompt_digest;
+    // The peer was ready from an earlier request: if it turns out gone (a restart), the load
+    // is retried once after a fresh handshake.
+    bool cached_peer = false, retried = false;
     enum class State {
         kBootstrapping,
         kWaitingForInput,
@@ -124,14 +147,20 @@ struct Load {
     } state = State::kBootstrapping;
     Transfer xfer;  // pull
     bool read_done = false, claim_acked = false;
+    // pull: the first token as the prefill worker's claim-ack gives it (the params' copy is
+    // the client's to change; this one is the holder's).
+    std::optional<FirstToken> acked_first;
     uint64_t bytes = 0;
     SteadyClock::time_point started, deadline;
 };
 
 // pull: a finished prefill request's blocks, held for a reader.
 struct Hold {
-    uint64_t nonce = 0;
-    uint64_t prompt_hash = 0;
+    std::string nonce;
+    std::string prompt_digest;
+    std::vector<BlockId> blocks;  // what a claim must name
+    std::string requester;        // whose cap it counts against
+    FirstToken first;             // sampled by the prefill: the claim-ack carries it
     bool claimed = false;
     std::string claimer;
     SteadyClock::time_point deadline;
@@ -140,7 +169,7 @@ struct Hold {
 // push: the sending side of one request.
 struct Push {
     std::string xid;
-    uint64_t prompt_hash = 0;
+    std::string prompt_digest;
     int prompt_len = 0;
     enum class State { kBootstrapping, kReady, kFinishing } state = State::kBootstrapping;
     std::string lid;  // the decoder's request id, echoed in our messages
@@ -161,8 +190,16 @@ struct Target {
     std::string peer, lid;
     std::vector<BlockId> blocks;
     int from = 0, len = 0;
-    uint64_t prompt_hash = 0;
+    std::string prompt_digest;
     SteadyClock::time_point deadline;
+};
+
+// A request let in by Admit, until Retire.
+struct Admission {
+    std::string requester;
+    int blocks = 0;     // prefill: blocks its prompt takes (a hold to come)
+    bool load = false;  // decode: it loads from `peer`
+    std::string peer;
 };
 
 struct PlannedWrite {
@@ -215,6 +252,7 @@ struct AgentKvConnector::Impl : LayerHook {
     std::map<std::string, SteadyClock::time_point> cancelled_xids;
     std::vector<ConnectorEvent> events;
     std::deque<ConnectJob> connect_jobs;
+    std::map<std::string, Admission> admitted;
     KvConnectorStats stats;
     size_t next_probe_slot = 0;
 
@@ -223,15 +261,45 @@ struct AgentKvConnector::Impl : LayerHook {
     std::vector<std::vector<Posted>> step_posted;                     // [rank]
     std::vector<std::pair<std::string, int>> step_advance;
 
-    std::thread notify_thread, pump_thread, connect_thread;
+    std::thread notify_thread, pump_thread;
+    std::vector<std::thread> connect_threads;
 
     // --- helpers (mu held) -----------------------------------------------------------------
 
     int bt() const { return layouts[0].spec.block_tokens; }
 
+    // Whether every peer is the deployment's (then what it confirms may be cached).
+    bool DeploymentPeers() const {
+        return cfg.authenticated || cfg.by_store || !cfg.allowed_agents.empty();
+    }
+
+    bool Allowed(const std::string& address) const {
+        return std::find(cfg.allowed_agents.begin(), cfg.allowed_agents.end(), address) !=
+               cfg.allowed_agents.end();
+    }
+
+    // Where to dial the prefill worker params name: "host:port", or "" for by name through the
+    // store. PermissionDenied for an agent this worker may not dial.
+    Result<std::string> DialAddress(const KvTransferParams& kp) const {
+        const std::string address =
+            kp.remote_host.empty() ? "" : fmt::format("{}:{}", kp.remote_host, kp.remote_port);
+        if (!cfg.allowed_agents.empty()) {
+            if (!Allowed(address)) {
+                return PermissionDeniedError(fmt::format(
+                    "kv_transfer_params: the agent at '{}' is not one this worker may dial "
+                    "(--kv-peers)",
+                    Esc(address)));
+            }
+            return address;
+        }
+        if (cfg.by_store) return std::string();
+        return address;
+    }
+
     Json Compat() const {
         const KvCacheSpec& s = layouts[0].spec;
-        return Json{{"model", cfg.model_fingerprint},
+        return Json{{"protocol", kProtocolVersion},
+                    {"model", cfg.model_fingerprint},
                     {"layers", s.num_layers},
                     {"kv_heads", cfg.model_kv_heads},
                     {"head_dim", s.head_dim},
@@ -306,11 +374,12 @@ struct AgentKvConnector::Impl : LayerHook {
         if (wake) wake();
     }
 
-    void Send(const std::string& peer, const Json& msg) {
+    Status Send(const std::string& peer, const Json& msg) {
         Status s = agent->Notify(peer, msg.dump());
         if (!s.ok()) {
             FERRY_LOG(kWarn, "kv: message to '{}' not sent: {}", Esc(peer), s.ToString());
         }
+        return s;
     }
 
     void CountFailure(const Status& s, const std::string& reason = "") {
@@ -354,26 +423,56 @@ struct AgentKvConnector::Impl : LayerHook {
     // --- receiving side --------------------------------------------------------------------
 
     // A load ends badly; its blocks are free for the engine once this emits kFailed.
+    // A load whose peer was cached from an earlier request and is gone now (it restarted): a
+    // fresh handshake (re-resolved through the params or the store), then the load once more.
+    bool RetryLoad(const std::string& id, const Status& st, const std::string& reason) {
+        auto it = loads.find(id);
+        if (it == loads.end()) return false;
+        Load& ld = it->second;
+        if (!ld.cached_peer || ld.retried || st.code() != Code::kUnavailable ||
+            (reason != "" && reason != "peer_failed") || ld.state == Load::State::kCancelling) {
+            return false;
+        }
+        if (ld.xfer.valid()) (void)ld.xfer.Cancel();
+        ld.xfer = Transfer();
+        ld.retried = true;
+        ld.cached_peer = false;
+        ld.read_done = ld.claim_acked = false;
+        ld.acked_first.reset();
+        ld.bytes = 0;
+        ld.state = Load::State::kBootstrapping;
+        ld.started = SteadyClock::now();
+        ld.deadline = ld.started + cfg.handshake_timeout + cfg.transfer_timeout;
+        auto p = peers.find(ld.peer);
+        if (p != peers.end() && p->second.state == Peer::State::kReady) peers.erase(p);
+        FERRY_LOG(kInfo, "kv: request {}: peer '{}' is gone ({}); handshake again and retry",
+                  Esc(id), Esc(ld.peer), st.ToString());
+        EnsurePeer(id, ld.params);
+        return true;
+    }
+
     void FailLoad(const std::string& id, Status st, const std::string& reason = "") {
         auto it = loads.find(id);
         if (it == loads.end()) return;
         Load& ld = it->second;
         // Already stopping: it ends when the sender confirms (or is gone, or out of time).
         if (ld.state == Load::State::kCancelling) return;
+        if (RetryLoad(id, st, reason)) return;
         if (ld.xfer.valid()) (void)ld.xfer.Cancel();  // no byte lands in our blocks after this
         auto pit = peers.find(ld.peer);
         const bool peer_ready = pit != peers.end() && pit->second.state == Peer::State::kReady;
-        if (peer_ready && ld.params.mode == KvTransferMode::kPull) {
-            Send(ld.peer, {{"t", "release"},
-                           {"rid", ld.params.remote_request_id},
-                           {"nonce", ld.params.hold_nonce}});
+        if (peer_ready && ld.params.mode == KvTransferMode::kPull && reason != "claim_refused") {
+            (void)Send(ld.peer, {{"t", "release"},
+                                 {"rid", ld.params.remote_request_id},
+                                 {"nonce", ld.params.hold_nonce}});
         }
         if (peer_ready && ld.params.mode == KvTransferMode::kPush &&
             ld.state != Load::State::kBootstrapping && ld.state != Load::State::kCancelling &&
             reason != "peer_failed") {
             // The prefill worker may still be writing into our blocks: ask it to stop, and
             // release them once it says it has (or is gone, or cannot be writing any more).
-            Send(ld.peer, {{"t", "push-cancel"}, {"xid", ld.params.transfer_id}, {"lid", id}});
+            (void)Send(ld.peer,
+                       {{"t", "push-cancel"}, {"xid", ld.params.transfer_id}, {"lid", id}});
             ld.state = Load::State::kCancelling;
             ld.deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
             FERRY_LOG(kInfo, "kv: request {} cancelling: {}", Esc(id), st.ToString());
@@ -386,21 +485,33 @@ struct AgentKvConnector::Impl : LayerHook {
         loads.erase(it);
     }
 
+    // pull: continue from the first token only if the params said the prefill sampled one
+    // (else the decoder computes the last prompt token itself), and then the holder's own.
+    static std::optional<FirstToken> FirstOf(const Load& ld) {
+        if (!ld.params.first_token) return std::nullopt;
+        return ld.acked_first;
+    }
+
     void CompleteLoad(const std::string& id, std::optional<FirstToken> first) {
         auto it = loads.find(id);
         if (it == loads.end()) return;
         Load& ld = it->second;
         if (ld.params.mode == KvTransferMode::kPull) {
-            Send(ld.peer, {{"t", "read-done"},
-                           {"rid", ld.params.remote_request_id},
-                           {"nonce", ld.params.hold_nonce}});
+            (void)Send(ld.peer, {{"t", "read-done"},
+                                 {"rid", ld.params.remote_request_id},
+                                 {"nonce", ld.params.hold_nonce}});
             stats.bytes_read += ld.bytes;
         }
         ++stats.succeeded;
         RecordTime(ld.started);
-        FERRY_LOG(kInfo, "kv: request {} loaded {} tokens from '{}'", Esc(id), ld.num_external,
-                  Esc(ld.peer));
-        Emit({ConnectorEvent::Kind::kLoaded, id, Status::Ok(), std::move(first)});
+        // The sender confirmed the prompt (the hold's digest and blocks, or the prefill's);
+        // cached only if the sender is one of the deployment's agents.
+        const bool cacheable = DeploymentPeers();
+        FERRY_LOG(kInfo, "kv: request {} loaded {} tokens from '{}'{}", Esc(id), ld.num_external,
+                  Esc(ld.peer), cacheable ? "" : " (not cached: the peer is not known)");
+        ConnectorEvent ev{ConnectorEvent::Kind::kLoaded, id, Status::Ok(), std::move(first)};
+        ev.cacheable = cacheable;
+        Emit(std::move(ev));
         loads.erase(it);
     }
 
@@ -416,13 +527,18 @@ struct AgentKvConnector::Impl : LayerHook {
             ld.deadline = ld.started + cfg.bootstrap_timeout + cfg.transfer_timeout;
             Json blocks = Json::array();
             for (BlockId b : ld.blocks) blocks.push_back(b);
-            Send(ld.peer, {{"t", "push-target"},
-                           {"xid", ld.params.transfer_id},
-                           {"lid", id},
-                           {"blocks", blocks},
-                           {"from", ld.num_computed},
-                           {"len", ld.prompt_len},
-                           {"prompt", ld.prompt_hash}});
+            Status sent = Send(ld.peer, {{"t", "push-target"},
+                                         {"xid", ld.params.transfer_id},
+                                         {"lid", id},
+                                         {"blocks", blocks},
+                                         {"from", ld.num_computed},
+                                         {"len", ld.prompt_len},
+                                         {"prompt", ld.prompt_digest}});
+            if (!sent.ok()) {
+                FailLoad(id, UnavailableError(fmt::format(
+                                 "kv: prefill worker '{}' is not reachable", Esc(ld.peer))));
+                return;
+            }
             FERRY_LOG(kInfo, "kv: request {} waiting for input from '{}' (transfer {})", Esc(id),
                       Esc(ld.peer), Esc(ld.params.transfer_id));
             return;
@@ -437,11 +553,19 @@ struct AgentKvConnector::Impl : LayerHook {
             FailLoad(id, st.WithContext("kv_transfer_params"));
             return;
         }
-        Send(ld.peer, {{"t", "claim"},
-                       {"rid", ld.params.remote_request_id},
-                       {"nonce", ld.params.hold_nonce},
-                       {"lid", id},
-                       {"prompt", ld.prompt_hash}});
+        // The claim names exactly the blocks the read touches (all the params named): the
+        // prefill worker refuses it unless they are its hold's, for this prompt.
+        Status sent = Send(ld.peer, {{"t", "claim"},
+                                     {"rid", ld.params.remote_request_id},
+                                     {"nonce", ld.params.hold_nonce},
+                                     {"lid", id},
+                                     {"prompt", ld.prompt_digest},
+                                     {"blocks", ld.params.remote_block_ids}});
+        if (!sent.ok()) {
+            FailLoad(id, UnavailableError(fmt::format("kv: prefill worker '{}' is not reachable",
+                                                      Esc(ld.peer))));
+            return;
+        }
         ld.state = Load::State::kTransferring;
         ld.deadline = ld.started + cfg.transfer_timeout;
         Result<Transfer> x = agent->PostRead(
@@ -457,9 +581,11 @@ struct AgentKvConnector::Impl : LayerHook {
                   Esc(id), ld.bytes, Esc(ld.peer), local.size());
     }
 
-    void PeerReady(const std::string& name, std::vector<PeerRank> ranks) {
+    void PeerReady(const std::string& name, std::vector<PeerRank> ranks,
+                   const std::string& address) {
         Peer& p = peers[name];
         p.state = Peer::State::kReady;
+        p.address = address;
         p.ranks = std::move(ranks);
         p.probe_slot = next_probe_slot++ % kProbeSlots;
         ++stats.handshakes;
@@ -483,6 +609,8 @@ struct AgentKvConnector::Impl : LayerHook {
         for (auto& [id, ld] : loads) {
             if (ld.peer == name) ids.push_back(id);
         }
+        // First: a load retried below handshakes afresh.
+        peers.erase(name);
         for (const std::string& id : ids) {
             auto it = loads.find(id);
             if (it != loads.end() && it->second.state == Load::State::kCancelling) {
@@ -493,23 +621,37 @@ struct AgentKvConnector::Impl : LayerHook {
             }
             FailLoad(id, st, "peer_failed");
         }
-        peers.erase(name);
     }
 
     void EnsurePeer(const std::string& id, const KvTransferParams& kp) {
         const std::string& name = kp.remote_engine_id;
+        Result<std::string> address = DialAddress(kp);
+        if (!address.ok()) {
+            FailLoad(id, address.status());
+            return;
+        }
         auto it = peers.find(name);
         if (it != peers.end() && it->second.state == Peer::State::kReady) {
-            ProceedLoad(id);
-            return;
+            if (!address->empty() && !it->second.address.empty() &&
+                it->second.address != *address) {
+                // The params name another address for this agent: it restarted elsewhere.
+                FERRY_LOG(kInfo, "kv: '{}' moved from {} to {}: handshake again", Esc(name),
+                          Esc(it->second.address), Esc(*address));
+                peers.erase(it);
+                it = peers.end();
+            } else {
+                auto ld = loads.find(id);
+                if (ld != loads.end()) ld->second.cached_peer = true;
+                ProceedLoad(id);
+                return;
+            }
         }
         if (it == peers.end()) {
             Peer& p = peers[name];
             p.deadline = SteadyClock::now() + cfg.handshake_timeout;
             p.waiting.push_back(id);
-            std::string address =
-                kp.remote_host.empty() ? "" : fmt::format("{}:{}", kp.remote_host, kp.remote_port);
-            connect_jobs.push_back({false, name, address, {}});
+            p.address = *address;
+            connect_jobs.push_back({false, name, *address, {}});
             connect_cv.notify_one();
             return;
         }
@@ -521,12 +663,13 @@ struct AgentKvConnector::Impl : LayerHook {
     // Binds a decoder's block list to a prefill request. Returns false if they do not belong
     // together (the request then fails).
     bool BindTarget(const std::string& id, Push& ps, Target t) {
-        if (t.prompt_hash != ps.prompt_hash || t.len != ps.prompt_len) {
+        if (t.prompt_digest != ps.prompt_digest || t.len != ps.prompt_len) {
             Status st = FailedPreconditionError(fmt::format(
                 "kv push {}: the decoder's prompt ({} tokens) is not this prefill's ({} tokens)",
                 Esc(ps.xid), t.len, ps.prompt_len));
-            Send(t.peer,
-                 {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
+            (void)Send(
+                t.peer,
+                {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
             ps.error = st;
             return false;
         }
@@ -536,8 +679,9 @@ struct AgentKvConnector::Impl : LayerHook {
             Status st = InvalidArgumentError(
                 fmt::format("kv push {}: the decoder sent {} blocks from token {} for {} tokens",
                             Esc(ps.xid), t.blocks.size(), t.from, ps.prompt_len));
-            Send(t.peer,
-                 {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
+            (void)Send(
+                t.peer,
+                {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
             ps.error = st;
             return false;
         }
@@ -560,12 +704,12 @@ struct AgentKvConnector::Impl : LayerHook {
         if (ok) {
             Json top = Json::array();
             for (auto [t, lp] : ps.first->top) top.push_back({t, lp});
-            Send(ps.peer, {{"t", "push-done"},
-                           {"xid", ps.xid},
-                           {"lid", ps.lid},
-                           {"token", ps.first->token},
-                           {"logprob", ps.first->logprob},
-                           {"top", top}});
+            (void)Send(ps.peer, {{"t", "push-done"},
+                                 {"xid", ps.xid},
+                                 {"lid", ps.lid},
+                                 {"token", ps.first->token},
+                                 {"logprob", ps.first->logprob},
+                                 {"top", top}});
             ++stats.succeeded;
             stats.bytes_written += ps.bytes;
             if (ps.timing) {
@@ -578,10 +722,10 @@ struct AgentKvConnector::Impl : LayerHook {
                       Esc(ps.peer));
         } else {
             if (!ps.peer.empty()) {
-                Send(ps.peer, {{"t", "push-failed"},
-                               {"xid", ps.xid},
-                               {"lid", ps.lid},
-                               {"error", err.message()}});
+                (void)Send(ps.peer, {{"t", "push-failed"},
+                                     {"xid", ps.xid},
+                                     {"lid", ps.lid},
+                                     {"error", err.message()}});
             }
             CountFailure(err);
             FERRY_LOG(kInfo, "kv: request {} push failed: {}", Esc(id), err.ToString());
@@ -615,6 +759,13 @@ struct AgentKvConnector::Impl : LayerHook {
         if (!bound) return FailedPreconditionError("not bound");
         if (t == "hello") {
             FERRY_ASSIGN_OR_RETURN(std::string addr, Str(m, "addr"));
+            // Answering needs a connection back: to an agent this worker may dial only.
+            if (!cfg.allowed_agents.empty() && !Allowed(addr)) {
+                return PermissionDeniedError(fmt::format(
+                    "hello from an agent at '{}', which this worker may not dial (--kv-peers)",
+                    Esc(addr)));
+            }
+            if (cfg.by_store) addr.clear();  // found by name in the store, not where it says
             connect_jobs.push_back({true, from, addr, m});
             connect_cv.notify_one();
             return Status::Ok();
@@ -643,25 +794,35 @@ struct AgentKvConnector::Impl : LayerHook {
                 PeerFailed(from, ranks.status().WithContext("kv handshake"));
                 return Status::Ok();
             }
-            PeerReady(from, std::move(*ranks));
+            PeerReady(from, std::move(*ranks), it->second.address);
             return Status::Ok();
         }
         if (t == "claim" || t == "read-done" || t == "release") {
             FERRY_ASSIGN_OR_RETURN(std::string rid, Str(m, "rid"));
-            FERRY_ASSIGN_OR_RETURN(uint64_t nonce, U64(m, "nonce"));
+            FERRY_ASSIGN_OR_RETURN(std::string nonce, Hex(m, "nonce", 32));
             auto it = holds.find(rid);
-            const bool valid = it != holds.end() && it->second.nonce == nonce &&
-                               (!it->second.claimed || it->second.claimer == from);
+            const bool exists = it != holds.end() && SecretEqual(it->second.nonce, nonce);
+            const bool valid = exists && (!it->second.claimed || it->second.claimer == from);
             if (t == "claim") {
                 FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
-                FERRY_ASSIGN_OR_RETURN(uint64_t prompt, U64(m, "prompt"));
-                std::string error;
-                if (!valid) {
+                FERRY_ASSIGN_OR_RETURN(std::string prompt, Hex(m, "prompt", 64));
+                FERRY_ASSIGN_OR_RETURN(std::vector<BlockId> blocks, Blocks(m, "blocks", 1u << 24));
+                // A claim reads exactly the hold's blocks, for the hold's prompt, by the first
+                // agent that claimed it: anything else would read another request's KV.
+                std::string error, code = "conflict";
+                if (!exists) {
+                    code = "gone";
                     error = fmt::format(
                         "no KV is held for request '{}' (its lease expired, or it was released)",
                         Esc(rid));
-                } else if (it->second.prompt_hash != prompt) {
+                } else if (!valid) {
+                    error = fmt::format("the KV of request '{}' is claimed by another decoder",
+                                        Esc(rid));
+                } else if (it->second.prompt_digest != prompt) {
                     error = fmt::format("request '{}' held KV for another prompt", Esc(rid));
+                } else if (blocks != it->second.blocks) {
+                    error = fmt::format(
+                        "the claim names blocks that are not those request '{}' holds", Esc(rid));
                 } else {
                     it->second.claimed = true;
                     it->second.claimer = from;
@@ -669,8 +830,19 @@ struct AgentKvConnector::Impl : LayerHook {
                         SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
                 }
                 Json ack = {{"t", "claim-ack"}, {"lid", lid}, {"ok", error.empty()}};
-                if (!error.empty()) ack["error"] = error;
-                Send(from, ack);
+                if (error.empty()) {
+                    Json top = Json::array();
+                    for (auto [tok, lp] : it->second.first.top) top.push_back({tok, lp});
+                    ack["token"] = it->second.first.token;
+                    ack["logprob"] = it->second.first.logprob;
+                    ack["top"] = top;
+                } else {
+                    ack["error"] = error;
+                    ack["code"] = code;
+                    FERRY_LOG(kWarn, "kv: claim of '{}' by '{}' refused: {}", Esc(rid), Esc(from),
+                              error);
+                }
+                (void)Send(from, ack);
                 return Status::Ok();
             }
             if (!valid) return NotFoundError(fmt::format("no hold '{}'", Esc(rid)));
@@ -694,15 +866,37 @@ struct AgentKvConnector::Impl : LayerHook {
             auto ok = m.find("ok");
             if (ok == m.end() || !ok->is_boolean() || !ok->get<bool>()) {
                 auto e = Str(m, "error");
-                FailLoad(
-                    lid,
-                    NotFoundError(fmt::format("prefill worker '{}': {}", Esc(from),
-                                              e.ok() ? Esc(*e) : std::string("claim refused"))),
-                    "claim_refused");
+                auto code = Str(m, "code");
+                std::string msg = fmt::format("prefill worker '{}': {}", Esc(from),
+                                              e.ok() ? Esc(*e) : std::string("claim refused"));
+                // A hold that is gone (its lease lapsed) can be had again by retrying the
+                // request (503); a claim that does not match its hold is the params' fault (409).
+                FailLoad(lid,
+                         code.ok() && *code == "gone" ? UnavailableError(std::move(msg))
+                                                      : FailedPreconditionError(std::move(msg)),
+                         "claim_refused");
                 return Status::Ok();
             }
+            FirstToken ft;
+            FERRY_ASSIGN_OR_RETURN(ft.token, Int(m, "token", 0, INT32_MAX));
+            auto lp = m.find("logprob");
+            if (lp == m.end() || !lp->is_number()) {
+                return InvalidArgumentError("field 'logprob' is missing or not a number");
+            }
+            ft.logprob = lp->get<float>();
+            auto top = m.find("top");
+            if (top != m.end() && top->is_array()) {
+                for (const Json& e : *top) {
+                    if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
+                        !e[1].is_number()) {
+                        return InvalidArgumentError("field 'top' holds a bad entry");
+                    }
+                    ft.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
+                }
+            }
             it->second.claim_acked = true;
-            if (it->second.read_done) CompleteLoad(lid, it->second.params.first_token);
+            it->second.acked_first = std::move(ft);
+            if (it->second.read_done) CompleteLoad(lid, FirstOf(it->second));
             return Status::Ok();
         }
         if (t == "push-target") {
@@ -713,13 +907,13 @@ struct AgentKvConnector::Impl : LayerHook {
             FERRY_ASSIGN_OR_RETURN(tg.blocks, Blocks(m, "blocks", 1u << 24));
             FERRY_ASSIGN_OR_RETURN(tg.from, Int(m, "from", 0, INT32_MAX));
             FERRY_ASSIGN_OR_RETURN(tg.len, Int(m, "len", 1, INT32_MAX));
-            FERRY_ASSIGN_OR_RETURN(tg.prompt_hash, U64(m, "prompt"));
+            FERRY_ASSIGN_OR_RETURN(tg.prompt_digest, Hex(m, "prompt", 64));
             auto pit = peers.find(from);
             if (pit == peers.end() || pit->second.state != Peer::State::kReady) {
-                Send(from, {{"t", "push-failed"},
-                            {"xid", xid},
-                            {"lid", tg.lid},
-                            {"error", "no kv handshake with this prefill worker"}});
+                (void)Send(from, {{"t", "push-failed"},
+                                  {"xid", xid},
+                                  {"lid", tg.lid},
+                                  {"error", "no kv handshake with this prefill worker"}});
                 return FailedPreconditionError("push-target before the handshake");
             }
             auto bx = push_by_xid.find(xid);
@@ -733,10 +927,10 @@ struct AgentKvConnector::Impl : LayerHook {
             const std::string id = bx->second;
             Push& ps = pushes[id];
             if (ps.state != Push::State::kBootstrapping) {
-                Send(from, {{"t", "push-failed"},
-                            {"xid", xid},
-                            {"lid", tg.lid},
-                            {"error", "transfer id already has a decoder"}});
+                (void)Send(from, {{"t", "push-failed"},
+                                  {"xid", xid},
+                                  {"lid", tg.lid},
+                                  {"error", "transfer id already has a decoder"}});
                 return AlreadyExistsError(fmt::format("transfer '{}' already bound", Esc(xid)));
             }
             if (BindTarget(id, ps, std::move(tg))) {
@@ -766,7 +960,7 @@ struct AgentKvConnector::Impl : LayerHook {
                         fmt::format("kv push {}: the decoder cancelled it", Esc(xid)));
                 }
             }
-            Send(from, {{"t", "push-cancelled"}, {"xid", xid}, {"lid", lid}});
+            (void)Send(from, {{"t", "push-cancelled"}, {"xid", xid}, {"lid", lid}});
             return Status::Ok();
         }
         if (t == "push-done" || t == "push-failed" || t == "push-cancelled") {
@@ -847,22 +1041,33 @@ struct AgentKvConnector::Impl : LayerHook {
             std::unique_lock lock(mu);
             if (!bound) continue;
             Status st = name.status();
-            if (st.ok() && *name != job.name) {
+            if (!st.ok()) {
+                // The details go to the log only: what a stranger at that address answered is
+                // never echoed to the client that named it.
+                FERRY_LOG(kWarn, "kv: connect to '{}' at {}: {}", Esc(job.name),
+                          job.address.empty() ? std::string("(the store)") : Esc(job.address),
+                          Esc(st.ToString()));
+                st = UnavailableError(
+                    job.address.empty()
+                        ? fmt::format("kv: agent '{}' could not be reached through the store",
+                                      Esc(job.name))
+                        : fmt::format("kv: no agent '{}' could be reached at {}", Esc(job.name),
+                                      Esc(job.address)));
+            } else if (*name != job.name) {
                 st = InvalidArgumentError(
                     fmt::format("remote_engine_id is '{}' but the agent at {} is '{}'",
                                 Esc(job.name), Esc(job.address), Esc(*name)));
             }
             if (!job.inbound) {
                 if (!st.ok()) {
-                    PeerFailed(job.name,
-                               st.WithContext(fmt::format("kv: connect to '{}'", Esc(job.name))));
+                    PeerFailed(job.name, st);
                     continue;
                 }
                 auto it = peers.find(job.name);
                 if (it == peers.end()) continue;
                 it->second.hello_sent = true;
                 it->second.deadline = SteadyClock::now() + cfg.handshake_timeout;
-                Send(job.name, Hello("hello"));
+                (void)Send(job.name, Hello("hello"));
                 continue;
             }
             // A peer's hello: answer it once we can reach it.
@@ -882,7 +1087,7 @@ struct AgentKvConnector::Impl : LayerHook {
                 if (name.ok() && *name == job.name) {
                     ack["ok"] = false;
                     ack["error"] = st.message();
-                    Send(job.name, ack);
+                    (void)Send(job.name, ack);
                 }
                 continue;
             }
@@ -893,12 +1098,12 @@ struct AgentKvConnector::Impl : LayerHook {
                 // Not our own handshake in flight: the peer is ready for us now. (If ours is in
                 // flight, its ack finishes it.)
                 if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
-                    PeerReady(job.name, ranks);
+                    PeerReady(job.name, ranks, job.address);
                 } else {
                     it->second.ranks = ranks;
                 }
             }
-            Send(job.name, ack);
+            (void)Send(job.name, ack);
         }
     }
 
@@ -944,9 +1149,7 @@ struct AgentKvConnector::Impl : LayerHook {
             for (auto& [id, ld] : loads) {
                 if (ld.read_done && ld.claim_acked) complete.push_back(id);
             }
-            for (const std::string& id : complete) {
-                CompleteLoad(id, loads[id].params.first_token);
-            }
+            for (const std::string& id : complete) CompleteLoad(id, FirstOf(loads[id]));
             // Handshakes that got no answer.
             std::vector<std::string> stale;
             for (auto& [name, p] : peers) {
@@ -1177,7 +1380,9 @@ Status AgentKvConnector::Bind(std::span<KvCache* const> caches, std::function<vo
     }
     m.notify_thread = std::thread([&m] { m.NotifyLoop(); });
     m.pump_thread = std::thread([&m] { m.PumpLoop(); });
-    m.connect_thread = std::thread([&m] { m.ConnectLoop(); });
+    for (int i = 0; i < std::max(1, m.cfg.connect_threads); ++i) {
+        m.connect_threads.emplace_back([&m] { m.ConnectLoop(); });
+    }
     return Status::Ok();
 }
 
@@ -1193,7 +1398,8 @@ void AgentKvConnector::Unbind() {
     m.connect_cv.notify_all();
     if (m.notify_thread.joinable()) m.notify_thread.join();
     if (m.pump_thread.joinable()) m.pump_thread.join();
-    if (m.connect_thread.joinable()) m.connect_thread.join();
+    for (std::thread& t : m.connect_threads) t.join();
+    m.connect_threads.clear();
     std::lock_guard lock(m.mu);
     // Nothing may touch the caches after this: stop every transfer, then drop the regions.
     for (auto& [id, ld] : m.loads) {
@@ -1210,6 +1416,7 @@ void AgentKvConnector::Unbind() {
     m.push_by_xid.clear();
     m.holds.clear();
     m.peers.clear();
+    m.connect_jobs.clear();
     for (RegionId id : m.registered) (void)m.agent->Deregister(id);
     m.registered.clear();
     if (m.scratch.id) (void)m.agent->Deregister(m.scratch.id);
@@ -1227,7 +1434,7 @@ bool AgentKvConnector::ReadyToSchedule(const ConnectorRequest& r) {
     if (it != m.pushes.end()) return it->second.state != Push::State::kBootstrapping;
     Push& ps = m.pushes[r.id];
     ps.xid = p.transfer_id;
-    ps.prompt_hash = PromptHash(r.prompt);
+    ps.prompt_digest = PromptDigest(r.prompt);
     ps.prompt_len = static_cast<int>(r.prompt.size());
     ps.deadline = SteadyClock::now() + m.cfg.bootstrap_timeout;
     auto fail = [&](Status st) {
@@ -1290,7 +1497,7 @@ void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const Bloc
     ld.num_computed = num_computed;
     ld.num_external = num_external;
     ld.prompt_len = static_cast<int>(r.prompt.size());
-    ld.prompt_hash = PromptHash(r.prompt);
+    ld.prompt_digest = PromptDigest(r.prompt);
     ld.started = SteadyClock::now();
     ld.deadline = ld.started + m.cfg.handshake_timeout + m.cfg.transfer_timeout;
     if (!m.bound) {
@@ -1346,8 +1553,11 @@ FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
     const int bt = m.bt();
     const size_t nblocks = std::min(blocks.size(), (r.prompt.size() + bt - 1) / bt);
     Hold& h = m.holds[r.id];
-    h.nonce = SecureRandomU64();
-    h.prompt_hash = PromptHash(r.prompt);
+    h.nonce = RandomId128();
+    h.prompt_digest = PromptDigest(r.prompt);
+    h.blocks.assign(blocks.begin(), blocks.begin() + nblocks);
+    h.requester = p.requester;
+    h.first = *first;
     h.deadline = SteadyClock::now() + m.cfg.hold_lease;
     auto out = std::make_shared<KvTransferParams>();
     out->mode = KvTransferMode::kPull;
@@ -1379,6 +1589,89 @@ void AgentKvConnector::Abort(const std::string& id) {
         if (p != m.peers.end()) std::erase(p->second.waiting, id);
     }
     m.FailLoad(id, CancelledError("the client went away"), "aborted");
+}
+
+Status AgentKvConnector::Admit(const ConnectorRequest& r) {
+    Impl& m = *impl_;
+    const KvTransferParams& p = r.params;
+    if (!p.do_remote_decode && !p.do_remote_prefill) return Status::Ok();
+    std::lock_guard lock(m.mu);
+    if (m.admitted.count(r.id)) {
+        return AlreadyExistsError(fmt::format("request id '{}' is in use", Esc(r.id)));
+    }
+    // The router, and a program that submits to the engine itself (no requester), are not
+    // capped per client.
+    const bool router = p.requester == kRouterRequester || p.requester.empty();
+    const std::string who = p.requester.empty() ? std::string("(unknown)") : p.requester;
+    Admission a;
+    a.requester = p.requester;
+    if (p.do_remote_decode) {
+        const int bt = m.layouts.empty() ? 1 : m.bt();
+        a.blocks = static_cast<int>((r.prompt.size() + bt - 1) / bt);
+        int cap = m.cfg.max_client_hold_blocks;
+        if (cap < 0) cap = m.layouts.empty() ? 0 : std::max(1, m.layouts[0].spec.num_blocks / 4);
+        if (!router && cap > 0 && p.mode == KvTransferMode::kPull) {
+            int used = 0;
+            for (const auto& [id, x] : m.admitted) {
+                if (x.requester == p.requester) used += x.blocks;
+            }
+            for (const auto& [id, h] : m.holds) {
+                if (h.requester == p.requester && !h.claimed) {
+                    used += static_cast<int>(h.blocks.size());
+                }
+            }
+            if (used + a.blocks > cap) {
+                return ResourceExhaustedError(fmt::format(
+                    "kv: client {} already has {} KV blocks held or being prefilled for remote "
+                    "decoders (at most {}); this prompt needs {} more: retry once they are "
+                    "claimed",
+                    Esc(who), used, cap, a.blocks));
+            }
+        }
+    } else {
+        a.load = true;
+        a.peer = p.remote_engine_id;
+        int loads = 0, on_peer = 0;
+        auto peer_ready = [&](const std::string& name) {
+            auto it = m.peers.find(name);
+            return it != m.peers.end() && it->second.state == Peer::State::kReady;
+        };
+        // The peers this client's loads wait to handshake with: each holds a connect thread
+        // for up to the handshake timeout.
+        std::set<std::string> dialing;
+        for (const auto& [id, x] : m.admitted) {
+            if (!x.load) continue;
+            if (x.peer == a.peer) ++on_peer;
+            if (x.requester != p.requester) continue;
+            ++loads;
+            if (!peer_ready(x.peer)) dialing.insert(x.peer);
+        }
+        const int dials = static_cast<int>(dialing.size());
+        if (!router && m.cfg.max_client_loads > 0 && loads >= m.cfg.max_client_loads) {
+            return ResourceExhaustedError(
+                fmt::format("kv: client {} has {} KV loads in flight (at most {})", Esc(who), loads,
+                            m.cfg.max_client_loads));
+        }
+        if (!router && m.cfg.max_client_dials > 0 && !peer_ready(a.peer) &&
+            !dialing.count(a.peer) && dials >= m.cfg.max_client_dials) {
+            return ResourceExhaustedError(
+                fmt::format("kv: client {} has {} KV loads waiting for a handshake (at most {})",
+                            Esc(who), dials, m.cfg.max_client_dials));
+        }
+        if (m.cfg.max_peer_loads > 0 && on_peer >= m.cfg.max_peer_loads) {
+            return UnavailableError(
+                fmt::format("kv: {} KV loads already wait on prefill worker '{}' (at most {})",
+                            on_peer, Esc(a.peer), m.cfg.max_peer_loads));
+        }
+    }
+    m.admitted[r.id] = std::move(a);
+    return Status::Ok();
+}
+
+void AgentKvConnector::Retire(const std::string& id) {
+    Impl& m = *impl_;
+    std::lock_guard lock(m.mu);
+    m.admitted.erase(id);
 }
 
 std::vector<ConnectorEvent> AgentKvConnector::TakeEvents() {

@@ -15,8 +15,13 @@
 // both values. Each TP rank's cache is one region, registered once at Bind.
 //
 // The connector owns its Agent's notifications (TakeNotifications): give it an Agent used for
-// nothing else that reads notifications. Thread-safe; three threads of its own (messages, timers
-// and transfer completions, connects) besides the Agent's.
+// nothing else that reads notifications. Thread-safe; threads of its own (messages, timers and
+// transfer completions, a few for handshakes) besides the Agent's.
+//
+// Trust (docs/security.md): a pull claim names the blocks it reads and the prompt's SHA-256;
+// the prefill worker refuses one whose blocks, prompt or claimer differ from its hold's. A hold's
+// nonce and every transfer id are 128 random bits. Loaded KV enters the prefix cache only when
+// the sender confirmed it is the prompt's and the peer is the deployment's.
 #pragma once
 
 #include <chrono>
@@ -48,6 +53,27 @@ struct AgentConnectorConfig {
     std::chrono::milliseconds liveness_interval{500};
     // Backend for KV transfers ("" = the agent's choice for the peer).
     std::string backend;
+
+    // Which agents this worker dials, and whether KV that arrives may be cached
+    // (docs/security.md). The peers are the deployment's when the agent has the deployment
+    // secret (`authenticated`: every peer proved it in the agent handshake), when peers are found
+    // by name in the deployment's store (`by_store`: the address in params is not used), or when
+    // only the `allowed_agents` ("host:port") are dialed. With none of these (vLLM's open
+    // behaviour) any address the params name is dialed, and KV that arrives from it serves its
+    // own request only: it never enters the prefix cache.
+    bool authenticated = false;
+    bool by_store = false;
+    std::vector<std::string> allowed_agents;
+    // Caps (0: none). Per client (KvTransferParams::requester; the router is exempt): KV blocks
+    // of its unclaimed pull holds and of its prefill requests in flight (-1: a quarter of the
+    // cache), its loads in flight, and those of its loads still waiting for a handshake. Per
+    // peer: loads in flight from one prefill worker.
+    int max_client_hold_blocks = -1;
+    int max_client_loads = 64;
+    int max_client_dials = 4;
+    int max_peer_loads = 1024;
+    // Handshakes run on these many threads, each with its own deadline.
+    int connect_threads = 16;
 };
 
 // Seconds buckets of the transfer time histogram (upper bounds; the last bucket is +Inf).
@@ -91,6 +117,8 @@ class AgentKvConnector final : public KvConnector {
 
     Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) override;
     void Unbind() override;
+    Status Admit(const ConnectorRequest& r) override;
+    void Retire(const std::string& id) override;
     bool ReadyToSchedule(const ConnectorRequest& r) override;
     int ExternalTokens(const ConnectorRequest& r, int num_computed) override;
     void StartLoad(const ConnectorRequest& r, std::span<const BlockId> blocks, int num_computed,

@@ -64,8 +64,14 @@ struct KvTransferParams {
     // ferry: pull, the prefill's sampled token; push, the id both sides were given.
     std::optional<FirstToken> first_token;
     std::string transfer_id;
-    uint64_t hold_nonce = 0;  // pull: which hold remote_request_id names (ids are reused)
+    // pull: which hold remote_request_id names: 128 random bits (32 hex characters).
+    std::string hold_nonce;
+    // Who sent the params (set by the server, never read from the request): "router" for a
+    // sender that proved the deployment secret, else the client's address. Caps count by it.
+    std::string requester;
 };
+// The requester of params whose sender proved the deployment secret (exempt from per-client caps).
+inline constexpr char kRouterRequester[] = "router";
 
 // What the engine tells the connector about a request. Valid for the call only.
 struct ConnectorRequest {
@@ -103,6 +109,10 @@ struct ConnectorEvent {
     std::string id;
     Status status;
     std::optional<FirstToken> first_token;  // kLoaded
+    // kLoaded: the sender confirmed these bytes are this prompt's (its hold or its prefill had
+    // the same prompt digest, and the peer is one of the deployment's). Only then may the engine
+    // put the loaded blocks in its prefix cache; otherwise they serve this request alone.
+    bool cacheable = false;
 };
 
 struct FinishAction {
@@ -119,6 +129,17 @@ class KvConnector {
     // thread may call it). Unbind is called before the caches go away.
     virtual Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) = 0;
     virtual void Unbind() = 0;
+
+    // --- admission (any thread) ---
+    // Whether a request with params may be queued at all: per-client and per-peer caps on
+    // holds and loads. ResourceExhausted (the client's share is used up) or Unavailable (the
+    // peer's) refuse it. An admitted request is retired exactly once, when it ends (or at once if
+    // it was not queued after all); its hold, if it left one, is counted until released.
+    virtual Status Admit(const ConnectorRequest& r) {
+        (void)r;
+        return Status::Ok();
+    }
+    virtual void Retire(const std::string& id) { (void)id; }
 
     // --- scheduler side (step thread) ---
     // Whether a request with params may be scheduled now. When not, the engine parks it until a

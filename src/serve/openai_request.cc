@@ -345,8 +345,12 @@ void ParseKvTransferParams(const Json& v, ParsedRequest* out, Fields* f) {
         }
     }
     if (const Json* n = get("ferry_hold_nonce")) {
-        if (!n->is_number_unsigned()) return bad("ferry_hold_nonce", "an unsigned integer");
-        p->hold_nonce = n->get<uint64_t>();
+        if (!n->is_string() || n->get_ref<const std::string&>().size() != 32 ||
+            n->get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
+                std::string::npos) {
+            return bad("ferry_hold_nonce", "32 hex characters, as the prefill worker gave it");
+        }
+        p->hold_nonce = n->get<std::string>();
     }
     if (const Json* t = get("ferry_first_token")) {
         kv::FirstToken ft;
@@ -371,6 +375,12 @@ void ParseKvTransferParams(const Json& v, ParsedRequest* out, Fields* f) {
         }
         p->first_token = std::move(ft);
     }
+    if (f->ok() && p->do_remote_prefill && p->mode == kv::KvTransferMode::kPull &&
+        p->hold_nonce.empty()) {
+        return bad("ferry_hold_nonce",
+                   "present: a pull decode request carries the kv_transfer_params of a ferry "
+                   "prefill worker's answer, unchanged");
+    }
     if (f->ok() && (p->do_remote_decode || p->do_remote_prefill)) out->kv_transfer = std::move(p);
 }
 
@@ -387,7 +397,7 @@ std::string KvTransferParamsJson(const kv::KvTransferParams& p) {
               {"tp_size", p.tp_size},
               {"transfer_mode", p.mode == kv::KvTransferMode::kPush ? "push" : "pull"}};
     if (!p.transfer_id.empty()) j["transfer_id"] = p.transfer_id;
-    if (p.hold_nonce) j["ferry_hold_nonce"] = p.hold_nonce;
+    if (!p.hold_nonce.empty()) j["ferry_hold_nonce"] = p.hold_nonce;
     if (p.first_token) {
         Json top = Json::array();
         for (auto [t, lp] : p.first_token->top) top.push_back({t, lp});

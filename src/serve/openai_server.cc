@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "core/crypto.h"
 #include "core/log.h"
 #include "http/http.h"
 #include "serve/openai_request.h"
@@ -107,9 +108,34 @@ struct Pending {
     engine::RequestOutput all;  // non-streamed: everything so far
     bool finished = false;
     // Streamed.
+    bool stream_started = false;
     bool sent_role = false;
     size_t text_offset = 0;
 };
+
+// The HTTP status of an error that ends a request: whose fault it is (docs/disaggregation.md).
+int HttpStatusOf(const Status& st) {
+    switch (st.code()) {
+        case Code::kInvalidArgument:
+        case Code::kOutOfRange:
+            return 400;
+        case Code::kPermissionDenied:
+            return 403;
+        case Code::kFailedPrecondition:
+        case Code::kAlreadyExists:
+        case Code::kAborted:
+            return 409;
+        case Code::kResourceExhausted:
+            return 429;
+        case Code::kUnavailable:
+        case Code::kDeadlineExceeded:
+        case Code::kCancelled:
+        case Code::kNotFound:
+            return 503;
+        default:
+            return 500;
+    }
+}
 
 }  // namespace
 
@@ -126,8 +152,6 @@ struct OpenAiServer::Impl {
     std::condition_variable stop_cv;
     bool stopped = false;
     Metrics metrics;
-    std::atomic<uint64_t> next_id{0};
-    uint64_t id_salt = std::random_device{}();
 
     // Decode-first.
     std::mutex rp_mu;
@@ -140,10 +164,20 @@ struct OpenAiServer::Impl {
     http::Reply Error(int status, const BadRequest& e);
     void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
     // Submits a parsed request and streams or returns its answer; the engine request id.
-    std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
-    // Sends the prompt to `ep` to prefill and push here, then dispatches locally.
+    // `retry`, if given, sees an error that ends the request before anything was sent to the
+    // client and may take the request over (true: nothing is answered here).
+    std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                         std::function<bool(const Status&)> retry = nullptr);
+    // Sends the prompt to `ep` to prefill and push here, then dispatches locally. A first
+    // attempt whose prefill worker turns out unreachable (it restarted: the agent it had is
+    // gone) asks it again where its agent is and tries once more.
     void DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                     http::Endpoint ep);
+                     http::Endpoint ep, int attempt = 0);
+    // Who is asking: kRouterRequester for a holder of the router token, else the client's
+    // address. An error reply if the request must be refused (a wrong token, or a token where
+    // one is required).
+    std::optional<http::Reply> Authenticate(const http::Request& req, bool internal,
+                                            std::string* requester);
     void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);
     std::string RenderMetrics();
 };
@@ -151,7 +185,11 @@ struct OpenAiServer::Impl {
 http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e) {
     Json err = {{"message", e.message},
                 {"type", status == 400 || status == 413 ? "invalid_request_error"
+                         : status == 401                ? "authentication_error"
+                         : status == 403                ? "permission_error"
                          : status == 404                ? "not_found_error"
+                         : status == 409                ? "conflict_error"
+                         : status == 429                ? "rate_limit_error"
                          : status == 503                ? "service_unavailable"
                                                         : "server_error"},
                 {"param", e.param.empty() ? Json() : Json(e.param)},
@@ -182,6 +220,10 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
                  }});
     if (config.kv_agent_info) {
         r.push_back({"GET", "/v1/kv/agent", [this](std::shared_ptr<http::Exchange> ex) {
+                         std::string who;
+                         if (auto refused = Authenticate(ex->request(), false, &who)) {
+                             return ex->Reply(*refused);
+                         }
                          ex->Reply({200, "application/json", config.kv_agent_info(), {}});
                      }});
     }
@@ -234,6 +276,37 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
     return r;
 }
 
+std::optional<http::Reply> OpenAiServer::Impl::Authenticate(const http::Request& req, bool internal,
+                                                            std::string* requester) {
+    const std::string* auth = req.Find("Authorization");
+    if (config.router_token.empty()) {
+        if (internal) {
+            return Error(403, {"this route changes where the worker sends prompts: it is served "
+                               "only to the router of a deployment with a secret (start the "
+                               "worker with --secret-file)",
+                               "", "admin_route_disabled"});
+        }
+        size_t colon = req.remote.rfind(':');
+        *requester = colon == std::string::npos ? req.remote : req.remote.substr(0, colon);
+        return std::nullopt;
+    }
+    constexpr std::string_view kBearer = "Bearer ";
+    if (!auth || auth->size() < kBearer.size() ||
+        !std::equal(kBearer.begin(), kBearer.end(), auth->begin(), [](char a, char b) {
+            return std::tolower(static_cast<unsigned char>(a)) ==
+                   std::tolower(static_cast<unsigned char>(b));
+        })) {
+        return Error(401, {"kv_transfer_params and internal routes need the deployment's router "
+                           "token (Authorization: Bearer ...; `ferry secret router-token`)",
+                           "", "missing_router_token"});
+    }
+    if (!SecretEqual(std::string_view(*auth).substr(kBearer.size()), config.router_token)) {
+        return Error(403, {"the router token is not this deployment's", "", "wrong_router_token"});
+    }
+    *requester = kv::kRouterRequester;
+    return std::nullopt;
+}
+
 void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, bool chat) {
     const model::Tokenizer& tk = engine->model().tokenizer();
     ParsedRequest pr;
@@ -241,6 +314,13 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
     if (!ParseOpenAiRequest(ex->request().body, chat, tk, model_name, engine->max_model_len(), &pr,
                             &bad)) {
         return ex->Reply(Error(400, bad));
+    }
+    if (pr.kv_transfer) {
+        // Internal fields: honoured only from the router (with a secret), and counted against
+        // whoever sent them.
+        if (auto refused = Authenticate(ex->request(), false, &pr.kv_transfer->requester)) {
+            return ex->Reply(*refused);
+        }
     }
     if (pr.kv_transfer && !pr.kv_mode_given) pr.kv_transfer->mode = config.default_kv_mode;
     if (pr.kv_transfer && pr.kv_transfer->do_remote_decode && pr.stream) {
@@ -260,7 +340,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
 }
 
 void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat,
-                                     ParsedRequest pr, http::Endpoint ep) {
+                                     ParsedRequest pr, http::Endpoint ep, int attempt) {
     const std::string key = fmt::format("{}:{}", ep.host, ep.port);
     Json agent;
     {
@@ -272,9 +352,12 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
         // Once per prefill worker: where its agent is; then go on.
         http::ClientRequest r =
             http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
+        if (!config.router_token.empty()) {
+            r.headers.push_back({"Authorization", "Bearer " + config.router_token});
+        }
         auto shared = std::make_shared<ParsedRequest>(std::move(pr));
-        client->CallWhole(std::move(r), [this, ex, chat, shared, ep,
-                                         key](Result<http::ClientReply> got) {
+        client->CallWhole(std::move(r), [this, ex, chat, shared, ep, key,
+                                         attempt](Result<http::ClientReply> got) {
             Json j =
                 got.ok() && got->status == 200 ? Json::parse(got->body, nullptr, false) : Json();
             if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
@@ -290,11 +373,12 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
                 std::lock_guard lock(rp_mu);
                 rp_agents[key] = j;
             }
-            DecodeFirst(ex, chat, std::move(*shared), ep);
+            DecodeFirst(ex, chat, std::move(*shared), ep, attempt);
         });
         return;
     }
-    const std::string xid = fmt::format("df-{:x}-{:08x}", id_salt, next_id.fetch_add(1));
+    // Unguessable: a client that could name the next transfer id could park requests under it.
+    const std::string xid = RandomId128();
     auto kvp = std::make_shared<kv::KvTransferParams>();
     kvp->mode = kv::KvTransferMode::kPush;
     kvp->do_remote_prefill = true;
@@ -316,9 +400,31 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
                   {{"do_remote_decode", true}, {"transfer_mode", "push"}, {"transfer_id", xid}}}};
     if (sp.seed) body["seed"] = static_cast<int64_t>(*sp.seed);
     if (sp.logprobs >= 0) body["logprobs"] = sp.logprobs;
+    auto original = std::make_shared<ParsedRequest>(pr);  // for a second attempt
+    kvp->requester = kv::kRouterRequester;                // this worker's own request
     pr.kv_transfer = kvp;
     pr.kv_mode_given = true;
-    const std::string id = Dispatch(ex, chat, std::move(pr));
+    auto prefill_call = std::make_shared<std::shared_ptr<http::ClientCall>>();
+    auto call_mu = std::make_shared<std::mutex>();
+    std::function<bool(const Status&)> retry;
+    if (attempt == 0) {
+        retry = [this, ex, chat, ep, key, original, prefill_call, call_mu](const Status& st) {
+            if (st.code() != Code::kUnavailable || stopping) return false;
+            {
+                std::lock_guard lock(*call_mu);
+                if (*prefill_call) (*prefill_call)->Cancel();
+            }
+            {
+                std::lock_guard lock(rp_mu);
+                rp_agents.erase(key);
+            }
+            FERRY_LOG(kInfo, "serve: remote prefill via {} failed ({}); asking it again", key,
+                      st.ToString());
+            DecodeFirst(ex, chat, std::move(*original), ep, 1);
+            return true;
+        };
+    }
+    const std::string id = Dispatch(ex, chat, std::move(pr), std::move(retry));
     if (id.empty()) return;
     http::ClientRequest r;
     r.host = ep.host;
@@ -326,10 +432,17 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     r.target = "/v1/completions";
     r.body = Dump(body);
     r.timeout = std::chrono::minutes(10);
-    client->CallWhole(
+    r.headers.push_back({"X-Request-Id", id});
+    if (!config.router_token.empty()) {
+        r.headers.push_back({"Authorization", "Bearer " + config.router_token});
+    }
+    std::lock_guard lock(*call_mu);
+    *prefill_call = client->CallWhole(
         std::move(r),
         [this, id, key](Result<http::ClientReply> got) {
             if (got.ok() && got->status == 200) return;
+            // Cancelled: a second attempt took over (or the client left).
+            if (!got.ok() && got.status().code() == Code::kCancelled) return;
             // The KV will not come: the request ends with the prefill worker's error, and the
             // next request asks it again where its agent is (it may have restarted).
             {
@@ -345,6 +458,8 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
 }
 
 void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex) {
+    std::string who;
+    if (auto refused = Authenticate(ex->request(), true, &who)) return ex->Reply(*refused);
     if (!config.kv_agent_info) {
         return ex->Reply(Error(400, {"this worker has no KV connector: start it with --role "
                                      "decode to use remote prefill workers",
@@ -383,10 +498,11 @@ void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>&
 }
 
 std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat,
-                                         ParsedRequest pr) {
+                                         ParsedRequest pr,
+                                         std::function<bool(const Status&)> retry) {
     const model::Tokenizer& tk = engine->model().tokenizer();
-    const std::string id =
-        fmt::format("{}-{:x}{:08x}", chat ? "chatcmpl" : "cmpl", id_salt, next_id.fetch_add(1));
+    // Random: nothing about other requests (their number, a transfer id) can be derived from it.
+    const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", RandomId128());
     const Clock::time_point submitted = Clock::now();
     auto last = std::make_shared<Clock::time_point>(submitted);
     auto first = std::make_shared<bool>(true);
@@ -460,10 +576,15 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     er.prompt = pr.prompt;
     er.sampling = pr.sampling;
     er.kv_transfer = pr.kv_transfer;
+    // A request whose KV comes from elsewhere can fail before its first token for reasons
+    // with their own status (a refused claim 409, an unreachable peer 503): its stream starts
+    // with the first output, so that such an error is an HTTP status, not a 200 with an error
+    // event (and a retry can still take it over).
+    const bool late_head = stream && pr.kv_transfer != nullptr;
     // Runs on the engine's step thread: formats and hands bytes to the connection, never waits.
     er.on_output = [this, weak, pending, submitted, last, first, stream, chat, id, object,
-                    created_at, chunk_object, pr, usage_json, logprobs_json, sse,
-                    chunk](const engine::RequestOutput& o) {
+                    created_at, chunk_object, pr, usage_json, logprobs_json, sse, chunk,
+                    retry](const engine::RequestOutput& o) {
         Clock::time_point now = Clock::now();
         {
             std::lock_guard lock(metrics.mu);
@@ -486,9 +607,23 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         }
         const bool final = o.finish != engine::FinishReason::kNone;
         std::shared_ptr<http::Exchange> ex = weak.lock();
-        std::lock_guard lock(pending->mu);
+        std::unique_lock lock(pending->mu);
         if (final) pending->finished = true;
         if (!ex || ex->closed()) return;
+        const bool nothing_sent = !stream ? true : !pending->stream_started;
+        if (o.finish == engine::FinishReason::kError && nothing_sent &&
+            pending->all.tokens.empty() && retry) {
+            lock.unlock();
+            if (retry(o.error)) return;
+            lock.lock();
+        }
+        if (stream && !pending->stream_started) {
+            if (o.finish == engine::FinishReason::kError) {
+                return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}));
+            }
+            pending->stream_started = true;
+            ex->StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
+        }
         if (!stream) {
             engine::RequestOutput& all = pending->all;
             all.tokens.insert(all.tokens.end(), o.tokens.begin(), o.tokens.end());
@@ -502,10 +637,9 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
             all.completion_tokens = o.completion_tokens;
             all.cached_tokens = o.cached_tokens;
             if (o.finish == engine::FinishReason::kError) {
-                // A transfer that failed is the remote worker's fault, not the client's.
-                const bool remote = o.error.code() == Code::kUnavailable ||
-                                    o.error.code() == Code::kDeadlineExceeded;
-                return ex->Reply(Error(remote ? 503 : 500, {o.error.message(), "", ""}));
+                // A transfer that failed is the remote worker's fault (503), refused params
+                // the caller's (400, 403, 409, 429); 500 only for a fault of this worker.
+                return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}));
             }
             size_t offset = 0;
             Json choice = {{"index", 0}, {"finish_reason", engine::FinishReasonName(all.finish)}};
@@ -561,14 +695,16 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         ex->Write(std::move(bytes));
         if (final) ex->End();
     };
-    if (stream) {
+    if (stream && !late_head) {
+        pending->stream_started = true;
         ex->StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
     }
     Status st = engine->Submit(std::move(er));
     if (!st.ok()) {
-        int status = st.code() == Code::kUnavailable ? 503 : 400;
+        int status = HttpStatusOf(st);
+        if (status == 500) status = 400;
         BadRequest e{st.message(), st.code() == Code::kInvalidArgument ? "prompt" : "", ""};
-        if (!stream) {
+        if (!stream || late_head) {
             ex->Reply(Error(status, e));
             return "";
         }

@@ -6,7 +6,7 @@
 // Served on the event-driven HTTP layer (src/http): a few I/O threads for any number of
 // connections; engine outputs are formatted on the engine's thread and handed to the connection.
 // Requests may carry vLLM's kv_transfer_params (prefill and decode roles, docs/disaggregation.md);
-// a held request's response carries them back.
+// a held request's response carries them back. Who may send them: ServerConfig::router_token.
 //
 // Thread-safety: Start/Stop from one thread.
 #pragma once
@@ -46,6 +46,13 @@ struct ServerConfig {
     int remote_prefill_min_tokens = 0;
     // Appended to /metrics (e.g. the KV connector's families).
     std::function<std::string()> extra_metrics;
+    // The deployment's router token (core/crypto.h RouterToken of its secret; "" = none). With
+    // one, kv_transfer_params and the internal routes (/add_remote_prefill_eps, /v1/kv/agent)
+    // are honoured only with "Authorization: Bearer <token>" (401 without it, 403 for a wrong
+    // one), and decode-first calls to prefill workers carry it. Without one, kv_transfer_params
+    // are taken from anyone (vLLM's behaviour) and /add_remote_prefill_eps is refused (403):
+    // docs/security.md.
+    std::string router_token;
 };
 
 class OpenAiServer {

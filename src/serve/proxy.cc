@@ -56,8 +56,6 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
     std::atomic<http::Server*> server_ready{nullptr};  // for handlers that run before Start ends
     std::mutex mu;
     std::map<size_t, AgentInfo> agents;  // by prefill index
-    std::atomic<uint64_t> next_id{0};
-    uint64_t salt = SecureRandomU64();
     std::atomic<uint64_t> requests{0}, succeeded{0}, failed{0}, client_gone{0}, inflight{0};
 
     // One client request on its way through the workers.
@@ -72,6 +70,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         Json body;
         std::string request_id;
         size_t prefill = 0, decode = 0;
+        int attempt = 0;  // push: 1 once retried after refreshing the prefill worker's agent
         // Relay state.
         int status = 0;
         std::string content_type = "application/json";
@@ -95,6 +94,19 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
             }
             for (auto& c : cs) c->Cancel();
         }
+        // A second attempt: the first one's calls end (their callbacks see Cancelled), the
+        // flow goes on.
+        void CancelAttempt() {
+            std::vector<std::shared_ptr<http::ClientCall>> cs;
+            {
+                std::lock_guard lock(mu);
+                cs.swap(calls);
+                status = 0;
+                collected.clear();
+                content_type = "application/json";
+            }
+            for (auto& c : cs) c->Cancel();
+        }
         // The first answer wins; later ones are dropped.
         bool Claim() {
             std::lock_guard lock(mu);
@@ -114,7 +126,14 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         r.body = Dump(body);
         r.timeout = cfg.worker_timeout;
         r.headers.push_back({"X-Request-Id", request_id});
+        Authorize(&r);
         return r;
+    }
+
+    void Authorize(http::ClientRequest* r) const {
+        if (!cfg.router_token.empty()) {
+            r->headers.push_back({"Authorization", "Bearer " + cfg.router_token});
+        }
     }
 
     // The request as vLLM's proxy sends it to a prefill worker.
@@ -177,12 +196,35 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
                 f->collected.append(d);
             }
         };
-        cb.on_done = [self, f, ep](const Status& st) {
+        const int attempt = f->attempt;
+        cb.on_done = [self, f, ep, attempt](const Status& st) {
             if (!st.ok()) {
                 if (st.code() == Code::kCancelled) return;
                 return self->Fail(
                     f, st.code() == Code::kDeadlineExceeded ? 504 : 502,
                     fmt::format("decode worker {}:{}: {}", ep.host, ep.port, st.message()));
+            }
+            bool retry = false;
+            {
+                std::lock_guard lock(f->mu);
+                // push: the decoder could not reach the prefill worker's agent before any
+                // token (503): that agent may have moved. Once: ask again, then retry.
+                retry = self->cfg.mode == kv::KvTransferMode::kPush && attempt == 0 &&
+                        f->attempt == 0 && f->status == 503 && !f->started && !f->cancelled &&
+                        !f->answered;
+                if (retry) f->attempt = 1;
+            }
+            if (retry) {
+                FERRY_LOG(kInfo,
+                          "proxy: request {}: the decode worker could not reach the "
+                          "prefill worker's agent; asking it again and retrying",
+                          f->request_id);
+                f->CancelAttempt();
+                {
+                    std::lock_guard lock(self->mu);
+                    self->agents.erase(f->prefill);
+                }
+                return self->Push(f);
             }
             if (!f->Claim()) return;
             f->CancelAll();
@@ -256,6 +298,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
             // Once per prefill worker: where its transfer agent is.
             http::ClientRequest r =
                 http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
+            Authorize(&r);
             return CallWhole(
                 f, r, fmt::format("prefill worker {}:{}", ep.host, ep.port),
                 [self, f, ep](int status, std::string body) {
@@ -281,7 +324,9 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
                     self->Push(f);
                 });
         }
-        const std::string xid = fmt::format("{:016x}-{}", salt, next_id.fetch_add(1));
+        // Unguessable: a client that could name the next transfer id could park requests under
+        // it on the prefill worker.
+        const std::string xid = RandomId128();
         Json pb = PrefillBody(f->body);
         pb["kv_transfer_params"] = {{"do_remote_decode", true},
                                     {"do_remote_prefill", false},
@@ -331,7 +376,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         f->stream =
             body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
         f->body = std::move(body);
-        f->request_id = fmt::format("{:016x}{:08x}", salt, next_id.fetch_add(1));
+        f->request_id = RandomId128();
         f->prefill = cfg.policy->PickPrefill(ex->request(), cfg.prefill.size());
         f->decode = cfg.policy->PickDecode(ex->request(), cfg.decode.size());
         ++inflight;
@@ -418,6 +463,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         req.target = target;
         req.body = ex->request().body;
         req.timeout = std::chrono::seconds(10);
+        Authorize(&req);
         client->CallWhole(req, [ex](Result<http::ClientReply> r) {
             if (!r.ok()) return ex->Reply(ErrorReply(502, r.status().message()));
             ex->Reply({r->status, "application/json", std::move(r->body), {}});

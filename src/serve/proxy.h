@@ -11,7 +11,9 @@
 //
 // Event-driven (src/http): a few I/O threads relay any number of streams; no thread waits on a
 // worker. A client that leaves cancels its worker calls (the workers then abort and free their
-// blocks). Worker choice is a RoutingPolicy (round robin here).
+// blocks). Worker choice is a RoutingPolicy (round robin here). push: a prefill worker whose
+// agent moved (it restarted) makes the decode worker answer 503 before any token; the proxy then
+// asks the prefill worker where its agent is now and tries once more.
 #pragma once
 
 #include <chrono>
@@ -47,6 +49,10 @@ struct ProxyConfig {
     size_t max_body_bytes = 16u << 20;
     std::chrono::milliseconds request_deadline{10000};
     std::unique_ptr<RoutingPolicy> policy;  // null: round robin
+    // The deployment's router token (RouterToken of its secret): sent to the workers on every
+    // call ("Authorization: Bearer ..."); workers with a secret honour kv_transfer_params only
+    // with it. "" = none.
+    std::string router_token;
 };
 
 class Proxy {

@@ -1,9 +1,13 @@
 #include "testing/worker_process.h"
 
 #include <fmt/core.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <fstream>
 #include <thread>
 
+#include "core/crypto.h"
 #include "http/http.h"
 
 namespace ferry::testing {
@@ -21,6 +25,16 @@ Result<http::ClientReply> Get(int port, const std::string& path,
 }
 
 }  // namespace
+
+SecretFile::SecretFile(const std::string& tag, const std::string& secret)
+    : path_(fmt::format("/tmp/ferry-secret-{}-{}-{}", tag, getpid(), RandomId128())),
+      secret_(secret.empty() ? RandomId128() : secret) {
+    std::ofstream(path_) << secret_ << "\n";
+}
+
+SecretFile::~SecretFile() { std::remove(path_.c_str()); }
+
+std::string SecretFile::router_token() const { return RouterToken(secret_); }
 
 Result<std::unique_ptr<ServerProcess>> ServerProcess::Start(std::string binary,
                                                             std::vector<std::string> args,

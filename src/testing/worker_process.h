@@ -13,6 +13,22 @@
 
 namespace ferry::testing {
 
+// A deployment secret in a file of its own (for --secret-file), removed when it goes.
+class SecretFile {
+  public:
+    explicit SecretFile(const std::string& tag, const std::string& secret = "");
+    ~SecretFile();
+    SecretFile(const SecretFile&) = delete;
+    SecretFile& operator=(const SecretFile&) = delete;
+    const std::string& path() const { return path_; }
+    const std::string& secret() const { return secret_; }
+    // What the deployment's router presents: "Authorization: Bearer <router_token()>".
+    std::string router_token() const;
+
+  private:
+    std::string path_, secret_;
+};
+
 class ServerProcess {
   public:
     // Starts `binary` with `args` (e.g. {"serve", "--model", path, ...}); the HTTP port is taken

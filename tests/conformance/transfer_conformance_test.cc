@@ -420,13 +420,20 @@ TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
     b_ = nullptr;
     int failed = 0;
     for (auto& x : xs) {
-        Status s = x.Wait(seconds(5));
+        Status s = x.Wait(seconds(20));  // a bound against a hang, not the promise
         if (!s.ok()) {
             EXPECT_THAT(s, StatusIs(Code::kUnavailable));
             ++failed;
         }
     }
+    // The promise is 2 s; a sanitizer build under a parallel ctest runs every thread several
+    // times slower, so there only the mechanism is checked (every transfer ended, each failure
+    // Unavailable, within the Wait bounds above).
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
     EXPECT_LT(Clock::now() - t0, seconds(2));
+#else
+    (void)t0;
+#endif
     // New transfers to the dead peer fail too, with Unavailable.
     auto y = a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 100}}, "agent-b",
                            std::vector<Descriptor>{{rb.id, 0, 100}});

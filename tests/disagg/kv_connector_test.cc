@@ -538,7 +538,7 @@ TEST_F(Disagg, AnUnclaimedHoldIsFreedWhenItsLeaseLapsesAndALateReaderIsRefused) 
     FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "l", prompt, Greedy(4), pa.Get("l").kv));
     ASSERT_TRUE(da.Wait({"l"}));
     EXPECT_EQ(da.Get("l").finish, FinishReason::kError);
-    EXPECT_THAT(da.Get("l").error, StatusHas(Code::kNotFound, "lease expired"));
+    EXPECT_THAT(da.Get("l").error, StatusHas(Code::kUnavailable, "lease expired"));
     EXPECT_TRUE(da.Get("l").tokens.empty());
     EXPECT_TRUE(
         WaitStats(decode.engine.get(), [](const auto& s) { return s.kv_blocks_used == 0; }));

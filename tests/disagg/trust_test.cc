@@ -1,0 +1,551 @@
+// The trust boundaries of disaggregated serving (docs/security.md), tried from outside as an
+// attacker would, against real `ferry serve` prefill and decode workers (and `ferry proxy`): a
+// client that reaches the workers' HTTP ports forges block ids, swaps prompts, mutates params,
+// calls the admin route, names strangers' ports for the decoder to dial, floods holds from
+// another address than the router's, and a prefill worker restarts under its name. Each time
+// the victim's tokens never appear, honest requests afterwards equal colocated, nothing answers
+// 500, and the workers' blocks come back.
+#include <arpa/inet.h>
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "core/fd.h"
+#include "testing/testing.h"
+#include "testing/tiny_model.h"
+#include "testing/worker_process.h"
+
+namespace ferry {
+namespace {
+
+using Json = nlohmann::json;
+using testing::SecretFile;
+using testing::ServerProcess;
+
+std::vector<int32_t> Prompt(int n, uint32_t seed) {
+    std::mt19937 g(seed);
+    std::vector<int32_t> p(n);
+    for (auto& t : p) t = static_cast<int32_t>(g() % 256);
+    return p;
+}
+
+Json Body(const std::vector<int32_t>& prompt, int max_tokens = 6) {
+    return {{"prompt", prompt},   {"max_tokens", max_tokens},           {"temperature", 0},
+            {"ignore_eos", true}, {"return_tokens_as_token_ids", true}, {"logprobs", 0}};
+}
+
+struct Reply {
+    int status = 0;
+    std::string body;
+    Json json() const { return Json::parse(body, nullptr, false); }
+    std::vector<int32_t> tokens() const {
+        std::vector<int32_t> out;
+        Json j = json();
+        if (!j.is_object() || !j.contains("choices")) return out;
+        for (const Json& t : j["choices"][0]["logprobs"]["tokens"]) {
+            std::string s = t.get<std::string>();
+            out.push_back(std::stoi(s.substr(s.find(':') + 1)));
+        }
+        return out;
+    }
+};
+
+// One HTTP exchange from a chosen loopback source address (127.0.0.2 is a client elsewhere than
+// the router at 127.0.0.1), over a plain socket.
+Reply PostFrom(const std::string& source, int port, const std::string& path, const Json& body,
+               const std::string& token = "", const char* method = "POST") {
+    Reply r;
+    ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in src{}, dst{};
+    src.sin_family = dst.sin_family = AF_INET;
+    inet_pton(AF_INET, source.c_str(), &src.sin_addr);
+    inet_pton(AF_INET, "127.0.0.1", &dst.sin_addr);
+    dst.sin_port = htons(static_cast<uint16_t>(port));
+    timeval tv{120, 0};
+    setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (bind(fd.get(), reinterpret_cast<sockaddr*>(&src), sizeof(src)) != 0 ||
+        connect(fd.get(), reinterpret_cast<sockaddr*>(&dst), sizeof(dst)) != 0) {
+        return r;
+    }
+    std::string text = std::string(method) == "GET" ? "" : body.dump();
+    std::string req = fmt::format(
+        "{} {} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Content-Length: {}\r\nConnection: close\r\n{}\r\n{}",
+        method, path, text.size(),
+        token.empty() ? "" : fmt::format("Authorization: Bearer {}\r\n", token), text);
+    if (!testing::SendAll(fd.get(), req)) return r;
+    std::string got;
+    char buf[65536];
+    for (;;) {
+        ssize_t n = recv(fd.get(), buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        got.append(buf, static_cast<size_t>(n));
+    }
+    if (got.size() < 12) return r;
+    r.status = std::atoi(got.c_str() + 9);
+    size_t end = got.find("\r\n\r\n");
+    if (end != std::string::npos) r.body = got.substr(end + 4);
+    return r;
+}
+
+Reply Post(int port, const std::string& path, const Json& body, const std::string& token = "") {
+    return PostFrom("127.0.0.1", port, path, body, token);
+}
+
+// A listener that is not a ferry agent: it answers every connection with a banner (or says
+// nothing, `silent`), and counts connections.
+class Stranger {
+  public:
+    explicit Stranger(bool silent) : silent_(silent) {
+        fd_ = ScopedFd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+        bind(fd_.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a));
+        socklen_t len = sizeof(a);
+        getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&a), &len);
+        port_ = ntohs(a.sin_port);
+        listen(fd_.get(), 64);
+        thread_ = std::thread([this] {
+            for (;;) {
+                int c = accept(fd_.get(), nullptr, nullptr);
+                if (c < 0 || stop_) {
+                    if (c >= 0) close(c);
+                    return;
+                }
+                ++connections_;
+                if (!silent_) {
+                    const char banner[] =
+                        "SSH-2.0-OpenSSH_9.2 BANNER-7f3a secret-internal-host\r\n";
+                    (void)!write(c, banner, sizeof(banner) - 1);
+                }
+                held_.push_back(c);
+            }
+        });
+    }
+    ~Stranger() {
+        stop_ = true;
+        shutdown(fd_.get(), SHUT_RDWR);
+        thread_.join();
+        for (int c : held_) close(c);
+    }
+    int port() const { return port_; }
+    int connections() const { return connections_; }
+
+  private:
+    bool silent_;
+    ScopedFd fd_;
+    int port_ = 0;
+    std::atomic<bool> stop_{false};
+    std::atomic<int> connections_{0};
+    std::vector<int> held_;
+    std::thread thread_;
+};
+
+class Trust : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        setenv("UCX_TLS", "tcp", 1);
+        model_ = new testing::TinyModelFile("trust-test", testing::TinyModelSpec(4096), 29);
+    }
+    static void TearDownTestSuite() {
+        delete model_;
+        model_ = nullptr;
+    }
+    static std::vector<std::string> Args(const std::string& role,
+                                         std::vector<std::string> extra = {}) {
+        std::vector<std::string> a = {"serve", "--model",         model_->path(), "--port",
+                                      "0",     "--block-size",    "16",           "--num-kv-blocks",
+                                      "2048",  "--max-model-len", "4096",         "--role",
+                                      role};
+        if (role != "colocated") a.insert(a.end(), {"--kv-backend", "shm"});
+        a.insert(a.end(), extra.begin(), extra.end());
+        return a;
+    }
+    static std::unique_ptr<ServerProcess> Start(std::vector<std::string> args) {
+        auto p = ServerProcess::Start(FERRY_BIN, std::move(args));
+        if (!p.ok()) {
+            ADD_FAILURE() << p.status().ToString();
+            return nullptr;
+        }
+        return std::move(p).value();
+    }
+    // The colocated answer of `prompt` (the reference every answer is compared with).
+    std::vector<int32_t> Colocated(const std::vector<int32_t>& prompt, int max_tokens = 6) {
+        if (!colocated_) colocated_ = Start(Args("colocated"));
+        if (!colocated_) return {};
+        Reply r = Post(colocated_->port(), "/v1/completions", Body(prompt, max_tokens));
+        EXPECT_EQ(r.status, 200) << r.body;
+        return r.tokens();
+    }
+    // A prefill worker's hold for `prompt`: the kv_transfer_params of its answer.
+    static Json Hold(ServerProcess& prefill, const std::vector<int32_t>& prompt,
+                     const std::string& token = "", const std::string& from = "127.0.0.1") {
+        Json b = Body(prompt, 1);
+        b["kv_transfer_params"] = {{"do_remote_decode", true}};
+        Reply r = PostFrom(from, prefill.port(), "/v1/completions", b, token);
+        EXPECT_EQ(r.status, 200) << r.body;
+        Json j = r.json();
+        return j.is_object() && j.contains("kv_transfer_params") ? j["kv_transfer_params"] : Json();
+    }
+    static Reply Decode(ServerProcess& decode, const std::vector<int32_t>& prompt,
+                        const Json& params, const std::string& token = "") {
+        Json b = Body(prompt);
+        b["kv_transfer_params"] = params;
+        return Post(decode.port(), "/v1/completions", b, token);
+    }
+    static testing::TinyModelFile* model_;
+    std::unique_ptr<ServerProcess> colocated_;
+};
+testing::TinyModelFile* Trust::model_ = nullptr;
+
+bool IsHex32(const Json& v) {
+    return v.is_string() && v.get<std::string>().size() == 32 &&
+           v.get<std::string>().find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+// The forged-block read: a client takes a hold for its own prompt, then names the victim's
+// block ids (or its own shifted) in the params it gives the decoder. The prefill worker refuses
+// the claim (409), no token of the victim's appears, the victim's own hold still serves it, and
+// the attacker's prompt afterwards equals colocated on the decoder (nothing poisoned).
+TEST_F(Trust, APullClaimReadsOnlyTheBlocksItsHoldOwns) {
+    auto prefill = Start(Args("prefill"));
+    auto decode = Start(Args("decode"));
+    ASSERT_TRUE(prefill && decode);
+    const auto victim = Prompt(320, 1), attacker = Prompt(320, 2);
+    const auto want_victim = Colocated(victim), want_attacker = Colocated(attacker);
+    Json pv = Hold(*prefill, victim), pa = Hold(*prefill, attacker);
+    ASSERT_TRUE(pv.is_object() && pa.is_object());
+    EXPECT_TRUE(IsHex32(pv["ferry_hold_nonce"])) << pv.dump();
+    // Its own hold, the victim's block ids; the victim's params with its own prompt; its own
+    // ids shifted by one (blocks of other requests, or free ones still cached).
+    Json victims_blocks = pa;
+    victims_blocks["remote_block_ids"] = pv["remote_block_ids"];
+    Json shifted = pa;
+    for (Json& b : shifted["remote_block_ids"]) b = b.get<int>() + 1;
+    for (const Json& forged : {victims_blocks, pv, shifted}) {
+        Reply r = Decode(*decode, attacker, forged);
+        EXPECT_EQ(r.status, 409) << r.body;
+        EXPECT_TRUE(r.tokens().empty()) << r.body;
+        EXPECT_EQ(r.body.find("choices"), std::string::npos) << r.body;
+    }
+    // The honest claims still work, and equal colocated.
+    Reply v = Decode(*decode, victim, pv);
+    EXPECT_EQ(v.status, 200) << v.body;
+    EXPECT_EQ(v.tokens(), want_victim);
+    Reply a = Decode(*decode, attacker, pa);
+    EXPECT_EQ(a.status, 200) << a.body;
+    EXPECT_EQ(a.tokens(), want_attacker);
+    // Honest users of the attacker's prompt (and of one sharing its first 160 tokens) on the
+    // decoder: colocated tokens.
+    EXPECT_EQ(Post(decode->port(), "/v1/completions", Body(attacker)).tokens(), want_attacker);
+    auto shared_prefix = attacker;
+    shared_prefix.resize(200);
+    EXPECT_EQ(Post(decode->port(), "/v1/completions", Body(shared_prefix)).tokens(),
+              Colocated(shared_prefix));
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_failed_total{reason=\"claim_refused\"}"), 3);
+}
+
+// KV from a peer the decoder cannot know (no secret, no store, no --kv-peers: vLLM's open mode)
+// serves its own request and never enters the prefix cache; among a deployment's agents (a
+// secret) it does.
+TEST_F(Trust, LoadedKvIsCachedOnlyWhenItComesFromTheDeployment) {
+    for (bool with_secret : {false, true}) {
+        SecretFile secret("trust-cache");
+        std::vector<std::string> extra;
+        if (with_secret) extra = {"--secret-file", secret.path()};
+        const std::string token = with_secret ? secret.router_token() : "";
+        auto prefill = Start(Args("prefill", extra));
+        auto decode = Start(Args("decode", extra));
+        ASSERT_TRUE(prefill && decode);
+        const auto prompt = Prompt(160, with_secret ? 4 : 3);
+        Json p = Hold(*prefill, prompt, token);
+        Reply r = Decode(*decode, prompt, p, token);
+        ASSERT_EQ(r.status, 200) << r.body;
+        EXPECT_EQ(r.tokens(), Colocated(prompt));
+        const double hits = decode->Metric("ferry_prefix_cache_hits_total");
+        Reply again = Post(decode->port(), "/v1/completions", Body(prompt));
+        ASSERT_EQ(again.status, 200);
+        EXPECT_EQ(again.tokens(), Colocated(prompt));
+        const double got = decode->Metric("ferry_prefix_cache_hits_total") - hits;
+        if (with_secret) {
+            EXPECT_EQ(got, 144) << "9 whole blocks of the loaded KV are the prompt's own";
+        } else {
+            EXPECT_EQ(got, 0) << "KV from an unknown peer was cached";
+        }
+    }
+}
+
+// With a secret, kv_transfer_params and the internal routes need the router token: none 401, a
+// wrong one 403; plain OpenAI requests are served as before. Without a secret the admin route
+// is refused (403) outright.
+TEST_F(Trust, InternalFieldsAndRoutesAreTheRoutersOnly) {
+    SecretFile secret("trust-token"), other("trust-other");
+    const std::vector<std::string> extra = {"--secret-file", secret.path()};
+    auto prefill = Start(Args("prefill", extra));
+    auto decode = Start(Args("decode", extra));
+    auto open_decode = Start(Args("decode"));
+    ASSERT_TRUE(prefill && decode && open_decode);
+    const auto prompt = Prompt(100, 5);
+    Json b = Body(prompt, 1);
+    b["kv_transfer_params"] = {{"do_remote_decode", true}};
+    EXPECT_EQ(Post(prefill->port(), "/v1/completions", b).status, 401);
+    EXPECT_EQ(Post(prefill->port(), "/v1/completions", b, other.router_token()).status, 403);
+    EXPECT_EQ(prefill->Metric("ferry_kv_requests_held"), 0);
+    Json p = Hold(*prefill, prompt, secret.router_token());
+    ASSERT_TRUE(p.is_object());
+    Reply anonymous = Decode(*decode, prompt, p);
+    EXPECT_EQ(anonymous.status, 401) << anonymous.body;
+    EXPECT_NE(anonymous.body.find("router token"), std::string::npos) << anonymous.body;
+    Reply ok = Decode(*decode, prompt, p, secret.router_token());
+    EXPECT_EQ(ok.status, 200) << ok.body;
+    EXPECT_EQ(ok.tokens(), Colocated(prompt));
+    // Plain requests: no token needed.
+    EXPECT_EQ(Post(decode->port(), "/v1/completions", Body(prompt)).tokens(), Colocated(prompt));
+    // The admin route and the agent's whereabouts.
+    const Json eps = {{"endpoints", {fmt::format("127.0.0.1:{}", prefill->port())}}};
+    EXPECT_EQ(Post(decode->port(), "/add_remote_prefill_eps", eps).status, 401);
+    EXPECT_EQ(Post(decode->port(), "/add_remote_prefill_eps", eps, other.router_token()).status,
+              403);
+    EXPECT_EQ(Post(open_decode->port(), "/add_remote_prefill_eps", eps).status, 403);
+    EXPECT_EQ(PostFrom("127.0.0.1", prefill->port(), "/v1/kv/agent", Json(), "", "GET").status,
+              401);
+    EXPECT_EQ(
+        PostFrom("127.0.0.1", prefill->port(), "/v1/kv/agent", Json(), secret.router_token(), "GET")
+            .status,
+        200);
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+}
+
+// A decode worker dials only agents it knows. With --kv-peers a stranger's port is never
+// dialed (403); in the open mode it is, but the error names it without echoing a byte of what
+// it said; and silent strangers a client names hold up no one else's request.
+TEST_F(Trust, StrangersAreNotDialedAndNeverEchoedAndSilentOnesDelayNoOne) {
+    auto prefill = Start(Args("prefill"));
+    ASSERT_TRUE(prefill);
+    const std::string agent = prefill->agent();  // "NAME at HOST:PORT"
+    const std::string agent_addr = agent.substr(agent.rfind(' ') + 1);
+    const std::string agent_name = agent.substr(0, agent.find(' '));
+    auto listed = Start(Args("decode", {"--kv-peers", agent_addr}));
+    auto open = Start(Args("decode"));
+    ASSERT_TRUE(listed && open);
+    Stranger banner(false);
+    const auto prompt = Prompt(64, 6);
+    Json p = Hold(*prefill, prompt);
+    Json to_stranger = p;
+    to_stranger["remote_port"] = banner.port();
+    Reply refused = Decode(*listed, prompt, to_stranger);
+    EXPECT_EQ(refused.status, 403) << refused.body;
+    EXPECT_EQ(banner.connections(), 0);
+    Reply unreachable = Decode(*open, prompt, to_stranger);
+    EXPECT_EQ(unreachable.status, 503) << unreachable.body;
+    EXPECT_EQ(unreachable.body.find("BANNER"), std::string::npos) << unreachable.body;
+    EXPECT_EQ(unreachable.body.find("SSH"), std::string::npos) << unreachable.body;
+    EXPECT_NE(unreachable.body.find(agent_name), std::string::npos) << unreachable.body;
+    // The listed worker still loads from the real prefill worker.
+    Reply fine = Decode(*listed, prompt, p);
+    EXPECT_EQ(fine.status, 200) << fine.body;
+    EXPECT_EQ(fine.tokens(), Colocated(prompt));
+    // Silent strangers, each named under another agent name by a client at 127.0.0.2: their
+    // handshakes run beside the honest one, which is answered while they still wait.
+    std::vector<std::unique_ptr<Stranger>> silent;
+    std::vector<std::thread> attackers;
+    std::atomic<int> attacker_statuses_5xx{0};
+    for (int i = 0; i < 4; ++i) {
+        silent.push_back(std::make_unique<Stranger>(true));
+        Json s = p;
+        s["remote_engine_id"] = fmt::format("silent-{}", i);
+        s["remote_port"] = silent.back()->port();
+        attackers.emplace_back([&, s, i] {
+            Json b = Body(Prompt(64, 100 + i));
+            b["kv_transfer_params"] = s;
+            Reply r = PostFrom("127.0.0.2", open->port(), "/v1/completions", b);
+            if (r.status >= 500 || r.status == 429) ++attacker_statuses_5xx;
+        });
+    }
+    ASSERT_TRUE(testing::WaitUntil(
+        [&] {
+            int n = 0;
+            for (auto& s : silent) n += s->connections() > 0;
+            return n == 4;
+        },
+        std::chrono::seconds(20)));
+    const auto honest = Prompt(64, 7);
+    Reply h = Decode(*open, honest, Hold(*prefill, honest));
+    EXPECT_EQ(h.status, 200) << h.body;
+    EXPECT_EQ(h.tokens(), Colocated(honest));
+    // The strangers' loads were still waiting for their handshakes when it was answered.
+    EXPECT_GE(open->Metric("ferry_kv_connector_requests{state=\"bootstrapping\"}"), 1);
+    for (auto& t : attackers) t.join();
+    EXPECT_EQ(attacker_statuses_5xx, 4);
+    EXPECT_TRUE(open->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(listed->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
+// A client at another address than the router floods the prefill worker with holds it never
+// claims: beyond its share (a quarter of the cache) it gets 429, and an honest request through
+// the proxy is served at once; the leases free what the flood held.
+TEST_F(Trust, HoldFloodsAreCappedPerClient) {
+    auto prefill = Start({"serve", "--model", model_->path(), "--port", "0", "--block-size", "16",
+                          "--num-kv-blocks", "512", "--max-model-len", "4096", "--role", "prefill",
+                          "--kv-backend", "shm", "--kv-hold-lease-ms", "3000"});
+    auto decode = Start(Args("decode"));
+    ASSERT_TRUE(prefill && decode);
+    auto proxy =
+        Start({"proxy", "--prefill", fmt::format("127.0.0.1:{}", prefill->port()), "--decode",
+               fmt::format("127.0.0.1:{}", decode->port()), "--port", "0", "--no-store"});
+    ASSERT_TRUE(proxy);
+    int held = 0, limited = 0;
+    for (int i = 0; i < 16; ++i) {
+        Json b = Body(Prompt(500, 200 + i), 1);  // 32 blocks each
+        b["kv_transfer_params"] = {{"do_remote_decode", true}};
+        Reply r = PostFrom("127.0.0.2", prefill->port(), "/v1/completions", b);
+        if (r.status == 200) ++held;
+        if (r.status == 429) ++limited;
+        EXPECT_TRUE(r.status == 200 || r.status == 429) << r.status << " " << r.body;
+    }
+    EXPECT_EQ(held, 4);  // 128 of 512 blocks
+    EXPECT_EQ(limited, 12);
+    const auto honest = Prompt(500, 9);
+    Reply h = Post(proxy->port(), "/v1/completions", Body(honest));
+    EXPECT_EQ(h.status, 200) << h.body;
+    EXPECT_EQ(h.tokens(), Colocated(honest));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
+// Ids a client sees tell nothing about others': response ids and hold nonces are 128 random
+// bits, never a counter.
+TEST_F(Trust, IdsAndNoncesAreRandom) {
+    auto prefill = Start(Args("prefill"));
+    ASSERT_TRUE(prefill);
+    std::set<std::string> ids, nonces;
+    for (int i = 0; i < 3; ++i) {
+        Json b = Body(Prompt(20, 50 + i), 1);
+        b["kv_transfer_params"] = {{"do_remote_decode", true}};
+        Json j = Post(prefill->port(), "/v1/completions", b).json();
+        ASSERT_TRUE(j.is_object());
+        const std::string id = j["id"].get<std::string>();
+        EXPECT_EQ(id.rfind("cmpl-", 0), 0u);
+        EXPECT_TRUE(IsHex32(Json(id.substr(5)))) << id;
+        EXPECT_TRUE(IsHex32(j["kv_transfer_params"]["ferry_hold_nonce"]));
+        ids.insert(id);
+        nonces.insert(j["kv_transfer_params"]["ferry_hold_nonce"].get<std::string>());
+    }
+    EXPECT_EQ(ids.size(), 3u);
+    EXPECT_EQ(nonces.size(), 3u);
+}
+
+// Random and mutated params against a live pair: never a 500, and every 200 carries exactly
+// the colocated tokens of its prompt.
+TEST_F(Trust, MutatedParamsNeverGiveWrongTokensOrA500) {
+    // Refused claims leave their holds to the lease: no per-client cap here (another test's).
+    auto prefill =
+        Start(Args("prefill", {"--kv-client-hold-blocks", "0", "--kv-hold-lease-ms", "2000"}));
+    auto decode = Start(Args("decode"));
+    ASSERT_TRUE(prefill && decode);
+    std::mt19937 g(29);
+    const auto a = Prompt(90, 11), b = Prompt(90, 12);
+    const auto want_a = Colocated(a), want_b = Colocated(b);
+    int ok = 0;
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    const int rounds = 24;
+#else
+    const int rounds = 60;
+#endif
+    for (int i = 0; i < rounds; ++i) {
+        Json p = Hold(*prefill, a);
+        ASSERT_TRUE(p.is_object());
+        Json other = Hold(*prefill, b);
+        const auto* prompt = &a;
+        switch (g() % 12) {
+            case 0:
+                break;  // unchanged
+            case 1:
+                prompt = &b;
+                break;
+            case 2:
+                p["remote_block_ids"] = other["remote_block_ids"];
+                break;
+            case 3:
+                p["remote_block_ids"].erase(p["remote_block_ids"].size() - 1);
+                break;
+            case 4:
+                p["remote_block_ids"].push_back(g() % 2048);
+                break;
+            case 5:
+                p["ferry_hold_nonce"] = other["ferry_hold_nonce"];
+                break;
+            case 6:
+                p["remote_request_id"] = other["remote_request_id"];
+                break;
+            case 7:
+                p["ferry_first_token"]["token"] = static_cast<int>(g() % 256);
+                break;
+            case 8:
+                p["remote_port"] = static_cast<int>(1 + g() % 65535);
+                break;
+            case 9:
+                p["remote_engine_id"] = "ferry-nobody";
+                break;
+            case 10:
+                p["ferry_hold_nonce"] = fmt::format("{:032x}", g());
+                break;
+            case 11:
+                p["remote_block_ids"] = Json::array({g() % 2048, g() % 2048});
+                break;
+        }
+        Reply r = Decode(*decode, *prompt, p);
+        EXPECT_NE(r.status, 500) << r.body;
+        EXPECT_NE(r.status, 0) << "no answer in round " << i;
+        if (r.status == 200) {
+            ++ok;
+            EXPECT_EQ(r.tokens(), prompt == &a ? want_a : want_b) << "round " << i << " " << p;
+        }
+    }
+    EXPECT_GT(ok, 0);
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0, std::chrono::seconds(30)));
+}
+
+// A prefill worker SIGKILLed and restarted under the same name (its agent on a new port): the
+// very next pull and push requests succeed (the decoder and the proxy refresh what they had).
+TEST_F(Trust, AfterAPrefillRestartTheVeryNextRequestsSucceed) {
+    auto prefill = Start(Args("prefill", {"--agent-name", "prefill-restarts"}));
+    auto decode = Start(Args("decode"));
+    ASSERT_TRUE(prefill && decode);
+    const std::string p = fmt::format("127.0.0.1:{}", prefill->port());
+    const std::string d = fmt::format("127.0.0.1:{}", decode->port());
+    auto pull = Start({"proxy", "--prefill", p, "--decode", d, "--port", "0", "--no-store"});
+    auto push = Start({"proxy", "--prefill", p, "--decode", d, "--port", "0", "--no-store",
+                       "--kv-transfer", "push"});
+    ASSERT_TRUE(pull && push);
+    for (int round = 0; round < 2; ++round) {
+        for (ServerProcess* proxy : {pull.get(), push.get()}) {
+            const auto prompt = Prompt(120, 300 + round * 2 + (proxy == push.get()));
+            Reply r = Post(proxy->port(), "/v1/completions", Body(prompt));
+            EXPECT_EQ(r.status, 200) << "round " << round << ": " << r.body;
+            EXPECT_EQ(r.tokens(), Colocated(prompt));
+        }
+        if (round == 0) {
+            prefill->Kill();
+            ASSERT_TRUE(prefill->Restart().ok());
+        }
+    }
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
+}  // namespace
+}  // namespace ferry
