@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include "bench/plot.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
+#include "core/crypto.h"
 #include "http/http.h"
 #include "model/model.h"
 
@@ -297,15 +299,26 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             std::string label;
             std::vector<std::vector<std::string>> procs;
         };
+        // A deployment secret, as in production: the workers take kv_transfer_params only
+        // from the proxy, which proves it with the router token (docs/security.md).
+        const std::string secret_path = (std::filesystem::path(out_dir) / "secret").string();
+        {
+            std::ofstream(secret_path) << RandomId128() << RandomId128() << "\n";
+            std::filesystem::permissions(secret_path, std::filesystem::perms::owner_read |
+                                                          std::filesystem::perms::owner_write);
+        }
         auto worker = [&](const std::string& role) {
-            return std::vector<std::string>{SelfExe(), "serve", "--model",         model_path,
-                                            "--port",  "0",     "--max-model-len", "4096",
-                                            "--role",  role};
+            std::vector<std::string> a = {SelfExe(), "serve", "--model",         model_path,
+                                          "--port",  "0",     "--max-model-len", "4096",
+                                          "--role",  role};
+            if (role != "colocated") a.insert(a.end(), {"--secret-file", secret_path});
+            return a;
         };
         auto proxy = [&](const std::string& mode) {
-            return std::vector<std::string>{SelfExe(),    "proxy",         "--prefill", "{0}",
-                                            "--decode",   "{1}",           "--port",    "0",
-                                            "--no-store", "--kv-transfer", mode};
+            return std::vector<std::string>{
+                SelfExe(), "proxy",         "--prefill", "{0}",        "--decode",
+                "{1}",     "--port",        "0",         "--no-store", "--kv-transfer",
+                mode,      "--secret-file", secret_path};
         };
         std::vector<Deployment> deployments = {
             {"colocated", {worker("colocated")}},

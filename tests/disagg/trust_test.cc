@@ -426,6 +426,86 @@ TEST_F(Trust, HoldFloodsAreCappedPerClient) {
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
+// push: a client pairs its own prefill request (prompt P) with a decode request for another
+// prompt Q under one transfer id. The prefill worker sees the decoder's prompt is not its own and
+// fails both: no 200, nothing of P lands in Q's cache, and Q afterwards equals colocated.
+TEST_F(Trust, APushPairsOnlyOneAndTheSamePrompt) {
+    auto prefill = Start(Args("prefill"));
+    auto decode = Start(Args("decode"));
+    ASSERT_TRUE(prefill && decode);
+    Json agent = PostFrom("127.0.0.1", prefill->port(), "/v1/kv/agent", Json(), "", "GET").json();
+    ASSERT_TRUE(agent.is_object());
+    const auto p = Prompt(200, 21), q = Prompt(200, 22);
+    const std::string xid = "a1b2c3d4e5f60718293a4b5c6d7e8f90";
+    Json pb = Body(p, 1);
+    pb["kv_transfer_params"] = {
+        {"do_remote_decode", true}, {"transfer_mode", "push"}, {"transfer_id", xid}};
+    Json qb = Body(q);
+    qb["kv_transfer_params"] = {
+        {"do_remote_prefill", true},    {"transfer_mode", "push"},
+        {"transfer_id", xid},           {"remote_engine_id", agent["engine_id"]},
+        {"remote_host", agent["host"]}, {"remote_port", agent["port"]}};
+    Reply prefill_reply;
+    std::thread t([&] { prefill_reply = Post(prefill->port(), "/v1/completions", pb); });
+    Reply decode_reply = Post(decode->port(), "/v1/completions", qb);
+    t.join();
+    EXPECT_TRUE(decode_reply.status == 409 || decode_reply.status == 503) << decode_reply.body;
+    EXPECT_TRUE(decode_reply.tokens().empty());
+    EXPECT_NE(prefill_reply.status, 200) << prefill_reply.body;
+    EXPECT_NE(prefill_reply.status, 500) << prefill_reply.body;
+    const double hits = decode->Metric("ferry_prefix_cache_hits_total");
+    EXPECT_EQ(Post(decode->port(), "/v1/completions", Body(q)).tokens(), Colocated(q));
+    EXPECT_EQ(decode->Metric("ferry_prefix_cache_hits_total"), hits);
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
+// vLLM's proxy protocol in front of workers with a secret, as toy_proxy_server.py does it:
+// "Authorization: Bearer $OPENAI_API_KEY" on both calls (the router token here), the prefill
+// answer's kv_transfer_params copied verbatim into the decode request.
+TEST_F(Trust, AVllmStyleRouterWithTheRouterTokenWorksUnchanged) {
+    SecretFile secret("trust-vllm");
+    auto prefill = Start(Args("prefill", {"--secret-file", secret.path()}));
+    auto decode = Start(Args("decode", {"--secret-file", secret.path()}));
+    ASSERT_TRUE(prefill && decode);
+    const std::string key = secret.router_token();
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+        const bool chat = std::string(path) == "/v1/chat/completions";
+        Json req = chat ? Json{{"messages", {{{"role", "user"}, {"content", "tell me more"}}}},
+                               {"max_tokens", 10},
+                               {"temperature", 0},
+                               {"ignore_eos", true}}
+                        : Json{{"prompt", "a vLLM router in front"},
+                               {"max_tokens", 10},
+                               {"temperature", 0},
+                               {"ignore_eos", true}};
+        if (!colocated_) colocated_ = Start(Args("colocated"));
+        ASSERT_TRUE(colocated_);
+        Reply want = Post(colocated_->port(), path, req);
+        ASSERT_EQ(want.status, 200);
+        Json p = req;
+        p["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                                   {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                   {"remote_host", nullptr},      {"remote_port", nullptr}};
+        p["stream"] = false;
+        p["max_tokens"] = 1;
+        Reply pr = Post(prefill->port(), path, p, key);
+        ASSERT_EQ(pr.status, 200) << pr.body;
+        Json dreq = req;
+        dreq["kv_transfer_params"] = pr.json()["kv_transfer_params"];
+        Reply dr = Post(decode->port(), path, dreq, key);
+        ASSERT_EQ(dr.status, 200) << dr.body;
+        Json a = want.json(), b = dr.json();
+        if (chat) {
+            EXPECT_EQ(b["choices"][0]["message"]["content"], a["choices"][0]["message"]["content"]);
+        } else {
+            EXPECT_EQ(b["choices"][0]["text"], a["choices"][0]["text"]);
+        }
+    }
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+}
+
 // Ids a client sees tell nothing about others': response ids and hold nonces are 128 random
 // bits, never a counter.
 TEST_F(Trust, IdsAndNoncesAreRandom) {
@@ -524,19 +604,23 @@ TEST_F(Trust, MutatedParamsNeverGiveWrongTokensOrA500) {
 // very next pull and push requests succeed (the decoder and the proxy refresh what they had).
 TEST_F(Trust, AfterAPrefillRestartTheVeryNextRequestsSucceed) {
     auto prefill = Start(Args("prefill", {"--agent-name", "prefill-restarts"}));
-    auto decode = Start(Args("decode"));
-    ASSERT_TRUE(prefill && decode);
+    ASSERT_TRUE(prefill);
     const std::string p = fmt::format("127.0.0.1:{}", prefill->port());
+    auto decode = Start(Args("decode"));
+    // decode-first: every prompt goes to the prefill worker, which pushes the KV here.
+    auto first = Start(Args("decode", {"--remote-prefill", p, "--remote-prefill-min-tokens", "1"}));
+    ASSERT_TRUE(decode && first);
     const std::string d = fmt::format("127.0.0.1:{}", decode->port());
     auto pull = Start({"proxy", "--prefill", p, "--decode", d, "--port", "0", "--no-store"});
     auto push = Start({"proxy", "--prefill", p, "--decode", d, "--port", "0", "--no-store",
                        "--kv-transfer", "push"});
     ASSERT_TRUE(pull && push);
     for (int round = 0; round < 2; ++round) {
-        for (ServerProcess* proxy : {pull.get(), push.get()}) {
-            const auto prompt = Prompt(120, 300 + round * 2 + (proxy == push.get()));
-            Reply r = Post(proxy->port(), "/v1/completions", Body(prompt));
-            EXPECT_EQ(r.status, 200) << "round " << round << ": " << r.body;
+        int k = 0;
+        for (ServerProcess* entry : {pull.get(), push.get(), first.get()}) {
+            const auto prompt = Prompt(120, 300 + round * 3 + k++);
+            Reply r = Post(entry->port(), "/v1/completions", Body(prompt));
+            EXPECT_EQ(r.status, 200) << "round " << round << " entry " << k << ": " << r.body;
             EXPECT_EQ(r.tokens(), Colocated(prompt));
         }
         if (round == 0) {
@@ -544,7 +628,9 @@ TEST_F(Trust, AfterAPrefillRestartTheVeryNextRequestsSucceed) {
             ASSERT_TRUE(prefill->Restart().ok());
         }
     }
+    EXPECT_EQ(first->Metric("ferry_prompt_tokens_total"), 0);
     EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(first->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
 }  // namespace
