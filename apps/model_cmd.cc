@@ -202,7 +202,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
     serve
         ->add_option("--kv-client-hold-blocks", client_hold_blocks,
                      "prefill: KV blocks one client (an address; the router is exempt) may have "
-                     "held for remote decoders (-1: a quarter of the cache, 0: no cap)")
+                     "held unclaimed for remote decoders (-1: a quarter of the cache, 0: no cap)")
         ->check(CLI::Range(-1, 1 << 24))
         ->capture_default_str();
     serve

@@ -614,6 +614,10 @@ void Engine::ReleaseBlocks(Sequence* s, bool ok, RequestOutput* out) {
         kv::FinishAction a =
             connector_->RequestFinished(Conn(s), s->blocks, ok, s->first ? &*s->first : nullptr);
         out->kv_transfer = std::move(a.params);
+        if (!a.refused.ok()) {
+            out->finish = FinishReason::kError;
+            out->error = std::move(a.refused);
+        }
         if (a.hold_blocks) {
             held_[s->req.id] = std::move(s->blocks);
             s->blocks.clear();

@@ -268,6 +268,27 @@ struct AgentKvConnector::Impl : LayerHook {
 
     int bt() const { return layouts[0].spec.block_tokens; }
 
+    // A client's share of blocks held for remote decoders (unclaimed pull holds: those pin the
+    // cache; an honest router's are claimed within milliseconds).
+    int HoldCap() const {
+        int cap = cfg.max_client_hold_blocks;
+        if (cap < 0) cap = layouts.empty() ? 0 : std::max(1, layouts[0].spec.num_blocks / 4);
+        return cap;
+    }
+    Status HoldShareLeft(const std::string& requester, int more) const {
+        const int cap = HoldCap();
+        if (cap <= 0) return Status::Ok();
+        int used = 0;
+        for (const auto& [id, h] : holds) {
+            if (h.requester == requester && !h.claimed) used += static_cast<int>(h.blocks.size());
+        }
+        if (used + more <= cap) return Status::Ok();
+        return ResourceExhaustedError(fmt::format(
+            "kv: client {} already has {} KV blocks held unclaimed for remote decoders (at most "
+            "{}); this prompt needs {} more: retry once they are claimed or their lease lapses",
+            Esc(requester), used, cap, more));
+    }
+
     // Whether every peer is the deployment's (then what it confirms may be cached).
     bool DeploymentPeers() const {
         return cfg.authenticated || cfg.by_store || !cfg.allowed_agents.empty();
@@ -1552,6 +1573,13 @@ FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
     // pull: hold the blocks for the reader and say where they are.
     const int bt = m.bt();
     const size_t nblocks = std::min(blocks.size(), (r.prompt.size() + bt - 1) / bt);
+    if (!p.requester.empty() && p.requester != kRouterRequester) {
+        a.refused = m.HoldShareLeft(p.requester, static_cast<int>(nblocks));
+        if (!a.refused.ok()) {
+            m.CountFailure(a.refused, "client_cap");
+            return a;
+        }
+    }
     Hold& h = m.holds[r.id];
     h.nonce = RandomId128();
     h.prompt_digest = PromptDigest(r.prompt);
@@ -1608,25 +1636,11 @@ Status AgentKvConnector::Admit(const ConnectorRequest& r) {
     if (p.do_remote_decode) {
         const int bt = m.layouts.empty() ? 1 : m.bt();
         a.blocks = static_cast<int>((r.prompt.size() + bt - 1) / bt);
-        int cap = m.cfg.max_client_hold_blocks;
-        if (cap < 0) cap = m.layouts.empty() ? 0 : std::max(1, m.layouts[0].spec.num_blocks / 4);
-        if (!router && cap > 0 && p.mode == KvTransferMode::kPull) {
-            int used = 0;
-            for (const auto& [id, x] : m.admitted) {
-                if (x.requester == p.requester) used += x.blocks;
-            }
-            for (const auto& [id, h] : m.holds) {
-                if (h.requester == p.requester && !h.claimed) {
-                    used += static_cast<int>(h.blocks.size());
-                }
-            }
-            if (used + a.blocks > cap) {
-                return ResourceExhaustedError(fmt::format(
-                    "kv: client {} already has {} KV blocks held or being prefilled for remote "
-                    "decoders (at most {}); this prompt needs {} more: retry once they are "
-                    "claimed",
-                    Esc(who), used, cap, a.blocks));
-            }
+        if (!router && p.mode == KvTransferMode::kPull) {
+            // Early, before any compute: the client's unclaimed holds already fill its share
+            // (RequestFinished checks again when the hold would be made).
+            Status st = m.HoldShareLeft(p.requester, a.blocks);
+            if (!st.ok()) return st;
         }
     } else {
         a.load = true;

@@ -65,9 +65,9 @@ struct AgentConnectorConfig {
     bool by_store = false;
     std::vector<std::string> allowed_agents;
     // Caps (0: none). Per client (KvTransferParams::requester; the router is exempt): KV blocks
-    // of its unclaimed pull holds and of its prefill requests in flight (-1: a quarter of the
-    // cache), its loads in flight, and those of its loads still waiting for a handshake. Per
-    // peer: loads in flight from one prefill worker.
+    // of its unclaimed pull holds (-1: a quarter of the cache; checked at Admit and again when
+    // the hold would be made, which then fails the request with ResourceExhausted), its loads in
+    // flight, and the peers its loads wait to handshake with. Per peer: loads in flight.
     int max_client_hold_blocks = -1;
     int max_client_loads = 64;
     int max_client_dials = 4;

@@ -118,6 +118,9 @@ struct ConnectorEvent {
 struct FinishAction {
     bool hold_blocks = false;                        // freed on kReleased, not now
     std::shared_ptr<const KvTransferParams> params;  // for the response (pull: where the KV is)
+    // Not OK: the request ends with this error instead (e.g. its client already holds its share
+    // of blocks); its blocks are freed now.
+    Status refused;
 };
 
 class KvConnector {

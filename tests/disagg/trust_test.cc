@@ -424,6 +424,27 @@ TEST_F(Trust, HoldFloodsAreCappedPerClient) {
     EXPECT_EQ(h.tokens(), Colocated(honest));
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    // The same flood all at once: the share is checked again as each hold is made, so a burst
+    // admitted together still holds no more than it.
+    std::atomic<int> burst_held{0}, burst_limited{0};
+    std::vector<std::thread> burst;
+    for (int i = 0; i < 16; ++i) {
+        burst.emplace_back([&, i] {
+            Json b = Body(Prompt(500, 400 + i), 1);
+            b["kv_transfer_params"] = {{"do_remote_decode", true}};
+            Reply r = PostFrom("127.0.0.2", prefill->port(), "/v1/completions", b);
+            if (r.status == 200) ++burst_held;
+            if (r.status == 429) ++burst_limited;
+        });
+    }
+    for (auto& t : burst) t.join();
+    EXPECT_LE(burst_held, 4);
+    EXPECT_EQ(burst_held + burst_limited, 16);
+    Reply h2 = Post(proxy->port(), "/v1/completions", Body(honest));
+    EXPECT_EQ(h2.status, 200) << h2.body;
+    EXPECT_EQ(h2.tokens(), Colocated(honest));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
 // push: a client pairs its own prefill request (prompt P) with a decode request for another
