@@ -93,6 +93,27 @@ Result<int> Int(const Json& j, const char* key, int64_t lo, int64_t hi) {
     }
     return static_cast<int>(v);
 }
+// The first token a prefill worker sampled ({token, logprob, top}: claim-ack, push-done).
+Result<FirstToken> ParseFirstToken(const Json& m) {
+    FirstToken ft;
+    FERRY_ASSIGN_OR_RETURN(ft.token, Int(m, "token", 0, INT32_MAX));
+    auto lp = m.find("logprob");
+    if (lp == m.end() || !lp->is_number()) {
+        return InvalidArgumentError("field 'logprob' is missing or not a number");
+    }
+    ft.logprob = lp->get<float>();
+    auto top = m.find("top");
+    if (top != m.end() && top->is_array()) {
+        for (const Json& e : *top) {
+            if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() || !e[1].is_number()) {
+                return InvalidArgumentError("field 'top' holds a bad entry");
+            }
+            ft.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
+        }
+    }
+    return ft;
+}
+
 Result<std::vector<BlockId>> Blocks(const Json& j, const char* key, size_t max) {
     auto it = j.find(key);
     if (it == j.end() || !it->is_array() || it->size() > max) {
@@ -898,23 +919,7 @@ struct AgentKvConnector::Impl : LayerHook {
                          "claim_refused");
                 return Status::Ok();
             }
-            FirstToken ft;
-            FERRY_ASSIGN_OR_RETURN(ft.token, Int(m, "token", 0, INT32_MAX));
-            auto lp = m.find("logprob");
-            if (lp == m.end() || !lp->is_number()) {
-                return InvalidArgumentError("field 'logprob' is missing or not a number");
-            }
-            ft.logprob = lp->get<float>();
-            auto top = m.find("top");
-            if (top != m.end() && top->is_array()) {
-                for (const Json& e : *top) {
-                    if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
-                        !e[1].is_number()) {
-                        return InvalidArgumentError("field 'top' holds a bad entry");
-                    }
-                    ft.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
-                }
-            }
+            FERRY_ASSIGN_OR_RETURN(FirstToken ft, ParseFirstToken(m));
             it->second.claim_acked = true;
             it->second.acked_first = std::move(ft);
             if (it->second.read_done) CompleteLoad(lid, FirstOf(it->second));
@@ -1009,23 +1014,7 @@ struct AgentKvConnector::Impl : LayerHook {
                 loads.erase(it);
                 return Status::Ok();
             }
-            FirstToken ft;
-            FERRY_ASSIGN_OR_RETURN(ft.token, Int(m, "token", 0, INT32_MAX));
-            auto lp = m.find("logprob");
-            if (lp == m.end() || !lp->is_number()) {
-                return InvalidArgumentError("field 'logprob' is missing or not a number");
-            }
-            ft.logprob = lp->get<float>();
-            auto top = m.find("top");
-            if (top != m.end() && top->is_array()) {
-                for (const Json& e : *top) {
-                    if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
-                        !e[1].is_number()) {
-                        return InvalidArgumentError("field 'top' holds a bad entry");
-                    }
-                    ft.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
-                }
-            }
+            FERRY_ASSIGN_OR_RETURN(FirstToken ft, ParseFirstToken(m));
             CompleteLoad(lid, std::move(ft));
             return Status::Ok();
         }

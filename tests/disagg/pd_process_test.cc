@@ -375,64 +375,6 @@ TEST_F(PdProcess, DecodeFirstRemotePrefillEqualsColocated) {
     EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
-// A router of our own that follows vLLM's protocol exactly as its toy_proxy_server does (not
-// `ferry proxy`): the prefill request carries kv_transfer_params with do_remote_decode and the
-// other fields null, max_tokens 1, stream false; the decode request carries the prefill
-// answer's kv_transfer_params as they came.
-TEST_F(PdProcess, AVllmStyleRouterWorksUnchanged) {
-    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
-    auto prefill = StartOrDie(WorkerArgs("prefill", "tcp", 1));
-    auto decode = StartOrDie(WorkerArgs("decode", "tcp", 1));
-    ASSERT_TRUE(colocated && prefill && decode);
-    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
-        const bool chat = std::string(path) == "/v1/chat/completions";
-        Json req = chat ? Json{{"messages", {{{"role", "user"}, {"content", "tell me more"}}}},
-                               {"max_tokens", 10},
-                               {"temperature", 0},
-                               {"ignore_eos", true}}
-                        : Json{{"prompt", "a vLLM router in front"},
-                               {"max_tokens", 10},
-                               {"temperature", 0},
-                               {"ignore_eos", true}};
-        auto want = http::Fetch(Post(colocated->port(), req, path));
-        ASSERT_TRUE(want.ok() && want->status == 200);
-        Json p = req;
-        p["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
-                                   {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
-                                   {"remote_host", nullptr},      {"remote_port", nullptr}};
-        p["stream"] = false;
-        p["max_tokens"] = 1;
-        auto pr = http::Fetch(Post(prefill->port(), p, path));
-        ASSERT_TRUE(pr.ok());
-        ASSERT_EQ(pr->status, 200) << pr->body;
-        Json pj = Json::parse(pr->body);
-        ASSERT_TRUE(pj.contains("kv_transfer_params")) << pr->body;
-        const Json& kv = pj["kv_transfer_params"];
-        EXPECT_EQ(kv["do_remote_prefill"], true);
-        EXPECT_EQ(kv["do_remote_decode"], false);
-        EXPECT_TRUE(kv["remote_engine_id"].is_string());
-        EXPECT_TRUE(kv["remote_block_ids"].is_array());
-        EXPECT_TRUE(kv["remote_host"].is_string());
-        EXPECT_TRUE(kv["remote_port"].is_number_integer());
-        EXPECT_TRUE(kv["remote_request_id"].is_string());
-        EXPECT_EQ(kv["tp_size"], 1);
-        Json dreq = req;
-        dreq["kv_transfer_params"] = kv;
-        auto dr = http::Fetch(Post(decode->port(), dreq, path));
-        ASSERT_TRUE(dr.ok());
-        ASSERT_EQ(dr->status, 200) << dr->body;
-        Json a = Json::parse(want->body), b = Json::parse(dr->body);
-        if (chat) {
-            EXPECT_EQ(b["choices"][0]["message"]["content"], a["choices"][0]["message"]["content"]);
-        } else {
-            EXPECT_EQ(b["choices"][0]["text"], a["choices"][0]["text"]);
-        }
-        EXPECT_EQ(b["usage"]["completion_tokens"], 10);
-    }
-    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
-    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
-}
-
 // Waits until `pred` (bounded).
 bool Eventually(const std::function<bool()>& pred,
                 std::chrono::milliseconds limit = std::chrono::seconds(20)) {

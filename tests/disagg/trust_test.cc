@@ -481,50 +481,67 @@ TEST_F(Trust, APushPairsOnlyOneAndTheSamePrompt) {
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
-// vLLM's proxy protocol in front of workers with a secret, as toy_proxy_server.py does it:
-// "Authorization: Bearer $OPENAI_API_KEY" on both calls (the router token here), the prefill
-// answer's kv_transfer_params copied verbatim into the decode request.
-TEST_F(Trust, AVllmStyleRouterWithTheRouterTokenWorksUnchanged) {
-    SecretFile secret("trust-vllm");
-    auto prefill = Start(Args("prefill", {"--secret-file", secret.path()}));
-    auto decode = Start(Args("decode", {"--secret-file", secret.path()}));
-    ASSERT_TRUE(prefill && decode);
-    const std::string key = secret.router_token();
-    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
-        const bool chat = std::string(path) == "/v1/chat/completions";
-        Json req = chat ? Json{{"messages", {{{"role", "user"}, {"content", "tell me more"}}}},
-                               {"max_tokens", 10},
-                               {"temperature", 0},
-                               {"ignore_eos", true}}
-                        : Json{{"prompt", "a vLLM router in front"},
-                               {"max_tokens", 10},
-                               {"temperature", 0},
-                               {"ignore_eos", true}};
-        if (!colocated_) colocated_ = Start(Args("colocated"));
-        ASSERT_TRUE(colocated_);
-        Reply want = Post(colocated_->port(), path, req);
-        ASSERT_EQ(want.status, 200);
-        Json p = req;
-        p["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
-                                   {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
-                                   {"remote_host", nullptr},      {"remote_port", nullptr}};
-        p["stream"] = false;
-        p["max_tokens"] = 1;
-        Reply pr = Post(prefill->port(), path, p, key);
-        ASSERT_EQ(pr.status, 200) << pr.body;
-        Json dreq = req;
-        dreq["kv_transfer_params"] = pr.json()["kv_transfer_params"];
-        Reply dr = Post(decode->port(), path, dreq, key);
-        ASSERT_EQ(dr.status, 200) << dr.body;
-        Json a = want.json(), b = dr.json();
-        if (chat) {
-            EXPECT_EQ(b["choices"][0]["message"]["content"], a["choices"][0]["message"]["content"]);
-        } else {
-            EXPECT_EQ(b["choices"][0]["text"], a["choices"][0]["text"]);
+// A router of our own that follows vLLM's protocol exactly as its toy_proxy_server.py does (not
+// `ferry proxy`): the prefill request carries kv_transfer_params with do_remote_decode and the
+// other fields null, max_tokens 1, stream false, and "Authorization: Bearer $OPENAI_API_KEY" (the
+// router token where the workers have a secret, anything where they have none); the decode
+// request carries the prefill answer's kv_transfer_params as they came.
+TEST_F(Trust, AVllmStyleRouterWorksUnchangedWithAndWithoutASecret) {
+    for (bool with_secret : {false, true}) {
+        SecretFile secret("trust-vllm");
+        std::vector<std::string> extra = {"--kv-backend", "tcp"};
+        if (with_secret) extra = {"--secret-file", secret.path()};
+        auto prefill = Start(Args("prefill", extra));
+        auto decode = Start(Args("decode", extra));
+        ASSERT_TRUE(prefill && decode);
+        const std::string key = with_secret ? secret.router_token() : "sk-anything";
+        for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+            const bool chat = std::string(path) == "/v1/chat/completions";
+            Json req = chat ? Json{{"messages", {{{"role", "user"}, {"content", "tell me more"}}}},
+                                   {"max_tokens", 10},
+                                   {"temperature", 0},
+                                   {"ignore_eos", true}}
+                            : Json{{"prompt", "a vLLM router in front"},
+                                   {"max_tokens", 10},
+                                   {"temperature", 0},
+                                   {"ignore_eos", true}};
+            if (!colocated_) colocated_ = Start(Args("colocated"));
+            ASSERT_TRUE(colocated_);
+            Reply want = Post(colocated_->port(), path, req);
+            ASSERT_EQ(want.status, 200);
+            Json p = req;
+            p["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                                       {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                       {"remote_host", nullptr},      {"remote_port", nullptr}};
+            p["stream"] = false;
+            p["max_tokens"] = 1;
+            Reply pr = Post(prefill->port(), path, p, key);
+            ASSERT_EQ(pr.status, 200) << pr.body;
+            const Json& kv = pr.json()["kv_transfer_params"];
+            EXPECT_EQ(kv["do_remote_prefill"], true);
+            EXPECT_EQ(kv["do_remote_decode"], false);
+            EXPECT_TRUE(kv["remote_engine_id"].is_string());
+            EXPECT_TRUE(kv["remote_block_ids"].is_array());
+            EXPECT_TRUE(kv["remote_host"].is_string());
+            EXPECT_TRUE(kv["remote_port"].is_number_integer());
+            EXPECT_TRUE(kv["remote_request_id"].is_string());
+            EXPECT_EQ(kv["tp_size"], 1);
+            Json dreq = req;
+            dreq["kv_transfer_params"] = kv;
+            Reply dr = Post(decode->port(), path, dreq, key);
+            ASSERT_EQ(dr.status, 200) << dr.body;
+            Json a = want.json(), b = dr.json();
+            if (chat) {
+                EXPECT_EQ(b["choices"][0]["message"]["content"],
+                          a["choices"][0]["message"]["content"]);
+            } else {
+                EXPECT_EQ(b["choices"][0]["text"], a["choices"][0]["text"]);
+            }
+            EXPECT_EQ(b["usage"]["completion_tokens"], 10);
         }
+        EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+        EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
     }
-    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
-    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
 }
 
 // Ids a client sees tell nothing about others': response ids and hold nonces are 128 random
