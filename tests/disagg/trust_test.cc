@@ -489,7 +489,7 @@ TEST_F(Trust, APushPairsOnlyOneAndTheSamePrompt) {
 TEST_F(Trust, AVllmStyleRouterWorksUnchangedWithAndWithoutASecret) {
     for (bool with_secret : {false, true}) {
         SecretFile secret("trust-vllm");
-        std::vector<std::string> extra = {"--kv-backend", "tcp"};
+        std::vector<std::string> extra;
         if (with_secret) extra = {"--secret-file", secret.path()};
         auto prefill = Start(Args("prefill", extra));
         auto decode = Start(Args("decode", extra));
@@ -517,7 +517,8 @@ TEST_F(Trust, AVllmStyleRouterWorksUnchangedWithAndWithoutASecret) {
             p["max_tokens"] = 1;
             Reply pr = Post(prefill->port(), path, p, key);
             ASSERT_EQ(pr.status, 200) << pr.body;
-            const Json& kv = pr.json()["kv_transfer_params"];
+            const Json answer = pr.json();
+            const Json& kv = answer["kv_transfer_params"];
             EXPECT_EQ(kv["do_remote_prefill"], true);
             EXPECT_EQ(kv["do_remote_decode"], false);
             EXPECT_TRUE(kv["remote_engine_id"].is_string());
