@@ -567,6 +567,46 @@ TEST_F(Trust, IdsAndNoncesAreRandom) {
     EXPECT_EQ(nonces.size(), 3u);
 }
 
+// The transfer-id guess: a client that sees response ids parks push prefill requests under the
+// transfer ids it would guess from them (the old ids were a salt shown in every response id and
+// a counter). The ids are random now: the next users of decode-first are served, and equal
+// colocated.
+TEST_F(Trust, ParkingUnderGuessedTransferIdsHarmsNoOne) {
+    auto prefill = Start(Args("prefill"));
+    ASSERT_TRUE(prefill);
+    auto first =
+        Start(Args("decode", {"--remote-prefill", fmt::format("127.0.0.1:{}", prefill->port()),
+                              "--remote-prefill-min-tokens", "1"}));
+    ASSERT_TRUE(first);
+    const auto seen = Prompt(40, 60);
+    Reply r = Post(first->port(), "/v1/completions", Body(seen));
+    ASSERT_EQ(r.status, 200) << r.body;
+    const std::string id = r.json()["id"].get<std::string>();  // cmpl-<32 hex>
+    std::vector<std::thread> parked;
+    for (int i = 0; i < 4; ++i) {
+        for (const std::string& guess :
+             {id.substr(5), fmt::format("df-{}-{:08x}", id.substr(5, 16), i + 1)}) {
+            parked.emplace_back([&, guess] {
+                Json b = Body(Prompt(40, 70 + i), 1);
+                b["kv_transfer_params"] = {
+                    {"do_remote_decode", true}, {"transfer_mode", "push"}, {"transfer_id", guess}};
+                // Parked until its (never coming) decoder names blocks, or its client leaves.
+                (void)PostFrom("127.0.0.2", prefill->port(), "/v1/completions", b);
+            });
+        }
+    }
+    ASSERT_TRUE(
+        testing::WaitUntil([&] { return prefill->Metric("ferry_kv_requests_parked") >= 5; }));
+    for (int i = 0; i < 4; ++i) {
+        const auto prompt = Prompt(80, 80 + i);
+        Reply h = Post(first->port(), "/v1/completions", Body(prompt));
+        EXPECT_EQ(h.status, 200) << h.body;
+        EXPECT_EQ(h.tokens(), Colocated(prompt));
+    }
+    prefill->Kill();  // ends the parked requests (their connections close)
+    for (auto& t : parked) t.join();
+}
+
 // Random and mutated params against a live pair: never a 500, and every 200 carries exactly
 // the colocated tokens of its prompt.
 TEST_F(Trust, MutatedParamsNeverGiveWrongTokensOrA500) {
