@@ -160,7 +160,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
     // Disaggregation (docs/disaggregation.md).
     static std::string role = "colocated", kv_transfer = "pull", kv_backend = "auto";
     static std::string agent_listen = "127.0.0.1:0", agent_name, store, secret_file;
-    static int64_t hold_lease_ms = 10000, kv_timeout_ms = 10000;
+    static int64_t hold_lease_ms = 10000, kv_timeout_ms = 10000, handshake_ms = 5000;
     serve
         ->add_option("--role", role,
                      "colocated (prefill and decode here), prefill or decode (KV moves to or "
@@ -192,6 +192,11 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ->add_option("--kv-transfer-timeout-ms", kv_timeout_ms,
                      "fail a KV transfer not done this long after it started")
         ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
+        ->capture_default_str();
+    serve
+        ->add_option("--kv-handshake-timeout-ms", handshake_ms,
+                     "give up on a peer agent that has not completed the KV handshake by then")
+        ->check(CLI::Range(int64_t{100}, int64_t{600000}))
         ->capture_default_str();
     static std::vector<std::string> kv_peers;
     serve->add_option("--kv-peers", kv_peers,
@@ -289,6 +294,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
             cc.model_kv_heads = m->config().num_kv_heads;
             cc.hold_lease = std::chrono::milliseconds(hold_lease_ms);
             cc.transfer_timeout = std::chrono::milliseconds(kv_timeout_ms);
+            cc.handshake_timeout = std::chrono::milliseconds(handshake_ms);
             cc.authenticated = !ac.secret.empty();
             cc.by_store = !store.empty();
             for (const std::string& p : kv_peers) {

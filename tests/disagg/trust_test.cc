@@ -339,7 +339,9 @@ TEST_F(Trust, StrangersAreNotDialedAndNeverEchoedAndSilentOnesDelayNoOne) {
     const std::string agent_addr = agent.substr(agent.rfind(' ') + 1);
     const std::string agent_name = agent.substr(0, agent.find(' '));
     auto listed = Start(Args("decode", {"--kv-peers", agent_addr}));
-    auto open = Start(Args("decode"));
+    // The silent strangers below must still be waiting when the honest request is answered,
+    // however slow the build: a long handshake deadline.
+    auto open = Start(Args("decode", {"--kv-handshake-timeout-ms", "30000"}));
     ASSERT_TRUE(listed && open);
     Stranger banner(false);
     const auto prompt = Prompt(64, 6);
@@ -388,6 +390,7 @@ TEST_F(Trust, StrangersAreNotDialedAndNeverEchoedAndSilentOnesDelayNoOne) {
     EXPECT_EQ(h.tokens(), Colocated(honest));
     // The strangers' loads were still waiting for their handshakes when it was answered.
     EXPECT_GE(open->Metric("ferry_kv_connector_requests{state=\"bootstrapping\"}"), 1);
+    silent.clear();  // they hang up: the handshakes fail now, not at their deadline
     for (auto& t : attackers) t.join();
     EXPECT_EQ(attacker_statuses_5xx, 4);
     EXPECT_TRUE(open->WaitMetric("ferry_kv_blocks_used", 0));
