@@ -113,6 +113,12 @@ struct Pending {
     size_t text_offset = 0;
 };
 
+// A request's id from its X-Request-Id (1..128 of [A-Za-z0-9._:-]), else 128 random bits.
+std::string RequestIdOf(const http::Request& req) {
+    const std::string* x = req.Find("X-Request-Id");
+    return x && ValidRequestId(*x) ? *x : RandomId128();
+}
+
 // The HTTP status of an error that ends a request: whose fault it is (docs/disaggregation.md).
 int HttpStatusOf(const Status& st) {
     switch (st.code()) {
@@ -166,8 +172,10 @@ struct OpenAiServer::Impl {
     // Submits a parsed request and streams or returns its answer; the engine request id.
     // `retry`, if given, sees an error that ends the request before anything was sent to the
     // client and may take the request over (true: nothing is answered here).
+    // `base` is the request's id without its "cmpl-" prefix ("": the X-Request-Id it came with,
+    // or a random one).
     std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                         std::function<bool(const Status&)> retry = nullptr);
+                         std::function<bool(const Status&)> retry = nullptr, std::string base = "");
     // Sends the prompt to `ep` to prefill and push here, then dispatches locally. A first
     // attempt whose prefill worker turns out unreachable (it restarted: the agent it had is
     // gone) asks it again where its agent is and tries once more.
@@ -432,7 +440,7 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     r.target = "/v1/completions";
     r.body = Dump(body);
     r.timeout = std::chrono::minutes(10);
-    r.headers.push_back({"X-Request-Id", id});
+    r.headers.push_back({"X-Request-Id", id.substr(id.find('-') + 1)});
     if (!config.router_token.empty()) {
         r.headers.push_back({"Authorization", "Bearer " + config.router_token});
     }
@@ -498,11 +506,14 @@ void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>&
 }
 
 std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat,
-                                         ParsedRequest pr,
-                                         std::function<bool(const Status&)> retry) {
+                                         ParsedRequest pr, std::function<bool(const Status&)> retry,
+                                         std::string base) {
     const model::Tokenizer& tk = engine->model().tokenizer();
-    // Random: nothing about other requests (their number, a transfer id) can be derived from it.
-    const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", RandomId128());
+    // One id for the request in every process (vLLM's rule: "cmpl-" + X-Request-Id): the
+    // router's id, which it sends to each worker, else 128 random bits (nothing about other
+    // requests can be derived from it).
+    if (base.empty()) base = RequestIdOf(ex->request());
+    const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", base);
     const Clock::time_point submitted = Clock::now();
     auto last = std::make_shared<Clock::time_point>(submitted);
     auto first = std::make_shared<bool>(true);
@@ -582,7 +593,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     // event (and a retry can still take it over).
     const bool late_head = stream && pr.kv_transfer != nullptr;
     // Runs on the engine's step thread: formats and hands bytes to the connection, never waits.
-    er.on_output = [this, weak, pending, submitted, last, first, stream, chat, id, object,
+    er.on_output = [this, weak, pending, submitted, last, first, stream, chat, id, base, object,
                     created_at, chunk_object, pr, usage_json, logprobs_json, sse, chunk,
                     retry](const engine::RequestOutput& o) {
         Clock::time_point now = Clock::now();
@@ -622,7 +633,8 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                 return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}));
             }
             pending->stream_started = true;
-            ex->StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
+            ex->StartStream(200, "text/event-stream",
+                            {{"Cache-Control", "no-cache"}, {"X-Request-Id", base}});
         }
         if (!stream) {
             engine::RequestOutput& all = pending->all;
@@ -658,7 +670,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
             if (o.kv_transfer) {
                 out["kv_transfer_params"] = Json::parse(KvTransferParamsJson(*o.kv_transfer));
             }
-            return ex->Reply({200, "application/json", Dump(out), {}});
+            return ex->Reply({200, "application/json", Dump(out), {{"X-Request-Id", base}}});
         }
         std::string bytes;
         if (chat && !pending->sent_role) {
@@ -697,9 +709,16 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     };
     if (stream && !late_head) {
         pending->stream_started = true;
-        ex->StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
+        ex->StartStream(200, "text/event-stream",
+                        {{"Cache-Control", "no-cache"}, {"X-Request-Id", base}});
     }
     Status st = engine->Submit(std::move(er));
+    if (st.code() == Code::kAlreadyExists && base.size() < 200) {
+        // The id is still in use here (a router's retry, a hold not yet released): the same id
+        // with a random tail, so the logs still join.
+        return Dispatch(ex, chat, std::move(pr), std::move(retry),
+                        base + "-" + RandomId128().substr(0, 8));
+    }
     if (!st.ok()) {
         int status = HttpStatusOf(st);
         if (status == 500) status = 400;

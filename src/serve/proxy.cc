@@ -185,7 +185,9 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
             }
             if (f->stream && h.status == 200) {
                 f->started = true;
-                f->ex->StartStream(h.status, f->content_type, {{"Cache-Control", "no-cache"}});
+                f->ex->StartStream(
+                    h.status, f->content_type,
+                    {{"Cache-Control", "no-cache"}, {"X-Request-Id", f->request_id}});
             }
         };
         cb.on_data = [f](std::string_view d) {
@@ -233,7 +235,10 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
             if (f->started) {
                 f->ex->End();
             } else {
-                f->ex->Reply({f->status, f->content_type, std::move(f->collected), {}});
+                f->ex->Reply({f->status,
+                              f->content_type,
+                              std::move(f->collected),
+                              {{"X-Request-Id", f->request_id}}});
             }
         };
         f->Add(client->Call(ToWorker(ep, f->path, body, f->request_id), std::move(cb)));
@@ -376,7 +381,10 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         f->stream =
             body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
         f->body = std::move(body);
-        f->request_id = RandomId128();
+        // One id through every worker: the client's X-Request-Id if it gave a valid one, else
+        // 128 random bits; the workers name their requests "cmpl-" + it.
+        const std::string* given = ex->request().Find("X-Request-Id");
+        f->request_id = given && ValidRequestId(*given) ? *given : RandomId128();
         f->prefill = cfg.policy->PickPrefill(ex->request(), cfg.prefill.size());
         f->decode = cfg.policy->PickDecode(ex->request(), cfg.decode.size());
         ++inflight;

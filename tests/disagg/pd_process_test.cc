@@ -375,6 +375,43 @@ TEST_F(PdProcess, DecodeFirstRemotePrefillEqualsColocated) {
     EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
+// One request id from the client (or the proxy) through the proxy and both workers: the id a
+// client gives in X-Request-Id comes back in the header and names the request ("cmpl-" + it) on
+// the prefill worker (its hold) and the decode worker (the answer); an id still in use gets a
+// random tail rather than a refusal.
+TEST_F(PdProcess, OneRequestIdThroughTheProxyAndBothWorkers) {
+    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1), WorkerArgs("decode", "shm", 1));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    for (ServerProcess* proxy : {d.proxy_pull.get(), d.proxy_push.get()}) {
+        const std::string rid = proxy == d.proxy_pull.get() ? "trace-pull-1" : "trace-push-1";
+        http::ClientRequest r = Post(proxy->port(), CompletionBody(RandomPrompt(50, 3), 3, false));
+        r.headers.push_back({"X-Request-Id", rid});
+        auto got = http::Fetch(r);
+        ASSERT_TRUE(got.ok());
+        ASSERT_EQ(got->status, 200) << got->body;
+        const std::string* echoed = http::FindHeader(got->headers, "X-Request-Id");
+        ASSERT_NE(echoed, nullptr);
+        EXPECT_EQ(*echoed, rid);
+        EXPECT_EQ(Json::parse(got->body)["id"], "cmpl-" + rid);
+    }
+    // Straight to the prefill worker, as a router sends it: the hold is named by the same id;
+    // the same id again while that hold lives gets a tail.
+    Json p = CompletionBody(RandomPrompt(50, 4), 1, false);
+    p["kv_transfer_params"] = {{"do_remote_decode", true}};
+    http::ClientRequest r = Post(d.prefill->port(), p);
+    r.headers.push_back({"X-Request-Id", "trace-hold"});
+    auto first = http::Fetch(r), second = http::Fetch(r);
+    ASSERT_TRUE(first.ok() && second.ok());
+    ASSERT_EQ(first->status, 200) << first->body;
+    ASSERT_EQ(second->status, 200) << second->body;
+    EXPECT_EQ(Json::parse(first->body)["kv_transfer_params"]["remote_request_id"],
+              "cmpl-trace-hold");
+    const std::string again =
+        Json::parse(second->body)["kv_transfer_params"]["remote_request_id"].get<std::string>();
+    EXPECT_EQ(again.rfind("cmpl-trace-hold-", 0), 0u) << again;
+    EXPECT_EQ(again.size(), std::string("cmpl-trace-hold-").size() + 8) << again;
+}
+
 // Waits until `pred` (bounded).
 bool Eventually(const std::function<bool()>& pred,
                 std::chrono::milliseconds limit = std::chrono::seconds(20)) {
