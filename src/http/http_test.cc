@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <functional>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
 

@@ -464,7 +464,6 @@ struct AgentKvConnector::Impl : LayerHook {
 
     // --- receiving side --------------------------------------------------------------------
 
-    // A load ends badly; its blocks are free for the engine once this emits kFailed.
     // A load whose peer was cached from an earlier request and is gone now (it restarted): a
     // fresh handshake (re-resolved through the params or the store), then the load once more.
     bool RetryLoad(const std::string& id, const Status& st, const std::string& reason) {
@@ -493,6 +492,7 @@ struct AgentKvConnector::Impl : LayerHook {
         return true;
     }
 
+    // A load ends badly; its blocks are free for the engine once this emits kFailed.
     void FailLoad(const std::string& id, Status st, const std::string& reason = "") {
         auto it = loads.find(id);
         if (it == loads.end()) return;
