@@ -589,7 +589,7 @@ TEST_F(Trust, ParkingUnderGuessedTransferIdsHarmsNoOne) {
     for (int i = 0; i < 4; ++i) {
         for (const std::string& guess :
              {id.substr(5), fmt::format("df-{}-{:08x}", id.substr(5, 16), i + 1)}) {
-            parked.emplace_back([&, guess] {
+            parked.emplace_back([&, guess, i] {
                 Json b = Body(Prompt(40, 70 + i), 1);
                 b["kv_transfer_params"] = {
                     {"do_remote_decode", true}, {"transfer_mode", "push"}, {"transfer_id", guess}};
