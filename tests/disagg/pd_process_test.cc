@@ -276,9 +276,9 @@ TEST_P(PdMatrix, HundredPromptsThroughTheProxyEqualColocatedForPullAndPush) {
     // A 2000-token prompt is 125 blocks per rank: one descriptor per run of blocks adjacent on
     // both sides (the pools reuse freed blocks, so a few runs), not one per block. How many runs
     // depends on how the concurrent requests' frees interleaved (34 seen at TP 2 on a loaded
-    // machine), so the bound is a quarter of one per block, which still fails if runs are not
-    // merged (33 seen once at TP 1: the bound is 48 per rank, still far below 125).
-    EXPECT_LE(d.decode->Metric("ferry_kv_connector_descriptors_max"), 48 * tp);
+    // machine; 51 at TP 1 once decoders stopped caching KV from unknown peers, which fragments
+    // the pool more), so the bound is 96 per rank, which still fails if runs are not merged.
+    EXPECT_LE(d.decode->Metric("ferry_kv_connector_descriptors_max"), 96 * tp);
 }
 
 std::vector<std::tuple<std::string, int>> MatrixCases() {
