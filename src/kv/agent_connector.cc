@@ -218,7 +218,6 @@ struct Target {
 // A request let in by Admit, until Retire.
 struct Admission {
     std::string requester;
-    int blocks = 0;     // prefill: blocks its prompt takes (a hold to come)
     bool load = false;  // decode: it loads from `peer`
     std::string peer;
 };
@@ -1624,11 +1623,11 @@ Status AgentKvConnector::Admit(const ConnectorRequest& r) {
     a.requester = p.requester;
     if (p.do_remote_decode) {
         const int bt = m.layouts.empty() ? 1 : m.bt();
-        a.blocks = static_cast<int>((r.prompt.size() + bt - 1) / bt);
+        const int blocks = static_cast<int>((r.prompt.size() + bt - 1) / bt);
         if (!router && p.mode == KvTransferMode::kPull) {
             // Early, before any compute: the client's unclaimed holds already fill its share
             // (RequestFinished checks again when the hold would be made).
-            Status st = m.HoldShareLeft(p.requester, a.blocks);
+            Status st = m.HoldShareLeft(p.requester, blocks);
             if (!st.ok()) return st;
         }
     } else {

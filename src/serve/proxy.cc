@@ -198,8 +198,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
                 f->collected.append(d);
             }
         };
-        const int attempt = f->attempt;
-        cb.on_done = [self, f, ep, attempt](const Status& st) {
+        cb.on_done = [self, f, ep](const Status& st) {
             if (!st.ok()) {
                 if (st.code() == Code::kCancelled) return;
                 return self->Fail(
@@ -211,9 +210,8 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
                 std::lock_guard lock(f->mu);
                 // push: the decoder could not reach the prefill worker's agent before any
                 // token (503): that agent may have moved. Once: ask again, then retry.
-                retry = self->cfg.mode == kv::KvTransferMode::kPush && attempt == 0 &&
-                        f->attempt == 0 && f->status == 503 && !f->started && !f->cancelled &&
-                        !f->answered;
+                retry = self->cfg.mode == kv::KvTransferMode::kPush && f->attempt == 0 &&
+                        f->status == 503 && !f->started && !f->cancelled && !f->answered;
                 if (retry) f->attempt = 1;
             }
             if (retry) {
