@@ -6,25 +6,20 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <thread>
 
 #include "core/crypto.h"
-#include "core/json_depth.h"
 #include "core/log.h"
 #include "kv/kv_layout.h"
+#include "kv/peer_messages.h"
 
 namespace ferry::kv {
 
 namespace {
 
-using Json = nlohmann::json;
 using SteadyClock = std::chrono::steady_clock;
-// 2: prompts named by SHA-256, hold nonces of 128 bits, claims that name their blocks.
-constexpr int kProtocolVersion = 2;
-constexpr size_t kMaxMessageDepth = 8;
 constexpr size_t kProbeBytes = 64;
 constexpr size_t kProbeSlots = 1024;
 
@@ -49,86 +44,6 @@ std::string PromptDigest(std::span<const int32_t> prompt) {
     Digest d = Sha256(std::string_view(reinterpret_cast<const char*>(prompt.data()),
                                        prompt.size() * sizeof(int32_t)));
     return HexEncode(d.data(), d.size());
-}
-
-Result<std::string> Hex(const Json& j, const char* key, size_t len) {
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_string() || it->get_ref<const std::string&>().size() != len ||
-        it->get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
-            std::string::npos) {
-        return InvalidArgumentError(
-            fmt::format("field '{}' is missing or not {} hex characters", key, len));
-    }
-    return it->get<std::string>();
-}
-
-// Typed reads of a peer's message; a missing or mistyped field is an error naming it.
-Result<std::string> Str(const Json& j, const char* key) {
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_string()) {
-        return InvalidArgumentError(fmt::format("field '{}' is missing or not a string", key));
-    }
-    return it->get<std::string>();
-}
-Result<uint64_t> U64(const Json& j, const char* key) {
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_number_unsigned()) {
-        return InvalidArgumentError(
-            fmt::format("field '{}' is missing or not an unsigned integer", key));
-    }
-    return it->get<uint64_t>();
-}
-Result<int> Int(const Json& j, const char* key, int64_t lo, int64_t hi) {
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_number_integer()) {
-        return InvalidArgumentError(fmt::format("field '{}' is missing or not an integer", key));
-    }
-    int64_t v =
-        it->is_number_unsigned()
-            ? static_cast<int64_t>(std::min<uint64_t>(it->get<uint64_t>(), uint64_t(INT64_MAX)))
-            : it->get<int64_t>();
-    if (v < lo || v > hi) {
-        return InvalidArgumentError(
-            fmt::format("field '{}' = {} is outside {}..{}", key, v, lo, hi));
-    }
-    return static_cast<int>(v);
-}
-// The first token a prefill worker sampled ({token, logprob, top}: claim-ack, push-done).
-Result<FirstToken> ParseFirstToken(const Json& m) {
-    FirstToken ft;
-    FERRY_ASSIGN_OR_RETURN(ft.token, Int(m, "token", 0, INT32_MAX));
-    auto lp = m.find("logprob");
-    if (lp == m.end() || !lp->is_number()) {
-        return InvalidArgumentError("field 'logprob' is missing or not a number");
-    }
-    ft.logprob = lp->get<float>();
-    auto top = m.find("top");
-    if (top != m.end() && top->is_array()) {
-        for (const Json& e : *top) {
-            if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() || !e[1].is_number()) {
-                return InvalidArgumentError("field 'top' holds a bad entry");
-            }
-            ft.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
-        }
-    }
-    return ft;
-}
-
-Result<std::vector<BlockId>> Blocks(const Json& j, const char* key, size_t max) {
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_array() || it->size() > max) {
-        return InvalidArgumentError(
-            fmt::format("field '{}' is missing, not an array, or longer than {}", key, max));
-    }
-    std::vector<BlockId> out;
-    out.reserve(it->size());
-    for (const Json& b : *it) {
-        if (!b.is_number_integer() || b.get<int64_t>() < 0 || b.get<int64_t>() > INT32_MAX) {
-            return InvalidArgumentError(fmt::format("field '{}' holds a bad block id", key));
-        }
-        out.push_back(static_cast<BlockId>(b.get<int64_t>()));
-    }
-    return out;
 }
 
 struct PeerRank {
@@ -238,7 +153,7 @@ struct Posted {
 struct ConnectJob {
     bool inbound = false;  // a peer's hello to answer (connect back first)
     std::string name, address;
-    Json hello;
+    msg::Hello hello;
 };
 
 std::string DtypeName(const KvCacheSpec& s) { return std::string(KvDtypeName(s.dtype)); }
@@ -337,74 +252,48 @@ struct AgentKvConnector::Impl : LayerHook {
         return address;
     }
 
-    Json Compat() const {
+    msg::Compat Compat() const {
         const KvCacheSpec& s = layouts[0].spec;
-        return Json{{"protocol", kProtocolVersion},
-                    {"model", cfg.model_fingerprint},
-                    {"layers", s.num_layers},
-                    {"kv_heads", cfg.model_kv_heads},
-                    {"head_dim", s.head_dim},
-                    {"dtype", DtypeName(s)},
-                    {"block_tokens", s.block_tokens},
-                    {"layout", "HND"},
-                    {"tp", tp}};
+        msg::Compat c;
+        c.model = cfg.model_fingerprint;
+        c.layers = s.num_layers;
+        c.kv_heads = cfg.model_kv_heads;
+        c.head_dim = s.head_dim;
+        c.dtype = DtypeName(s);
+        c.block_tokens = s.block_tokens;
+        c.tp = tp;
+        return c;
     }
-    Json Ranks() const {
-        Json out = Json::array();
-        for (int r = 0; r < tp; ++r) {
-            out.push_back({{"region", regions[r]}, {"blocks", layouts[r].spec.num_blocks}});
-        }
-        return out;
-    }
-    Json Hello(const char* type) const {
-        return Json{{"t", type},
-                    {"v", kProtocolVersion},
-                    {"compat", Compat()},
-                    {"ranks", Ranks()},
-                    {"addr", agent->ListenAddress()}};
+    msg::Hello Hello(bool ack) const {
+        msg::Hello h;
+        h.ack = ack;
+        h.compat = Compat();
+        for (int r = 0; r < tp; ++r) h.ranks.push_back({regions[r], layouts[r].spec.num_blocks});
+        h.addr = agent->ListenAddress();
+        return h;
     }
 
-    // Checks a peer's compat object against ours; the error names the field and both values.
-    Status CheckCompat(const std::string& peer, const Json& theirs) const {
-        if (!theirs.is_object()) {
-            return InvalidArgumentError(
-                fmt::format("kv handshake with '{}': no compat", Esc(peer)));
-        }
-        Json ours = Compat();
-        for (auto& [key, want] : ours.items()) {
-            auto it = theirs.find(key);
-            if (it == theirs.end()) {
-                return InvalidArgumentError(
-                    fmt::format("kv handshake with '{}': {} is missing", Esc(peer), key));
-            }
-            if (*it != want) {
-                std::string a = want.is_string() ? want.get<std::string>() : want.dump();
-                std::string b = it->is_string() ? it->get<std::string>() : it->dump();
-                std::string what = key == "model" ? "model (weights fingerprint)" : key;
-                return FailedPreconditionError(
-                    fmt::format("kv handshake with '{}': {} differs (this worker {}, '{}' {})",
-                                Esc(peer), what, Esc(a), Esc(peer), Esc(b)));
-            }
-        }
-        return Status::Ok();
+    // Checks a peer's compat against ours; the error names the field and both values.
+    Status CheckCompat(const std::string& peer, const msg::Compat& theirs) const {
+        auto d = msg::FirstDifference(Compat(), theirs);
+        if (!d) return Status::Ok();
+        std::string what = d->field == "model" ? "model (weights fingerprint)" : d->field;
+        return FailedPreconditionError(
+            fmt::format("kv handshake with '{}': {} differs (this worker {}, '{}' {})", Esc(peer),
+                        what, Esc(d->ours), Esc(peer), Esc(d->theirs)));
     }
 
     // The peer's ranks from its hello or ack.
-    Result<std::vector<PeerRank>> ParseRanks(const Json& j) const {
-        auto it = j.find("ranks");
-        if (it == j.end() || !it->is_array() || static_cast<int>(it->size()) != tp) {
+    Result<std::vector<PeerRank>> ParseRanks(const std::vector<msg::RankInfo>& ranks) const {
+        if (static_cast<int>(ranks.size()) != tp) {
             return InvalidArgumentError(fmt::format("field 'ranks' must list {} ranks", tp));
         }
         std::vector<PeerRank> out;
         for (int r = 0; r < tp; ++r) {
-            const Json& e = (*it)[r];
-            if (!e.is_object()) return InvalidArgumentError("field 'ranks' holds a non-object");
-            FERRY_ASSIGN_OR_RETURN(uint64_t region, U64(e, "region"));
-            FERRY_ASSIGN_OR_RETURN(int blocks, Int(e, "blocks", 1, 1 << 24));
             PeerRank pr;
-            pr.region = region;
+            pr.region = ranks[r].region;
             pr.layout = layouts[r];
-            pr.layout.spec.num_blocks = blocks;
+            pr.layout.spec.num_blocks = ranks[r].blocks;
             out.push_back(pr);
         }
         return out;
@@ -415,12 +304,18 @@ struct AgentKvConnector::Impl : LayerHook {
         if (wake) wake();
     }
 
-    Status Send(const std::string& peer, const Json& msg) {
-        Status s = agent->Notify(peer, msg.dump());
+    Status Send(const std::string& peer, const msg::PeerMessage& m) {
+        Status s = agent->Notify(peer, msg::Encode(m));
         if (!s.ok()) {
             FERRY_LOG(kWarn, "kv: message to '{}' not sent: {}", Esc(peer), s.ToString());
         }
         return s;
+    }
+
+    Status SendPushFailed(const std::string& peer, const std::string& xid, const std::string& lid,
+                          std::string error) {
+        return Send(peer, msg::PushEnd{msg::PushEnd::Kind::kFailed, xid, lid, std::nullopt,
+                                       std::move(error)});
     }
 
     void CountFailure(const Status& s, const std::string& reason = "") {
@@ -503,17 +398,15 @@ struct AgentKvConnector::Impl : LayerHook {
         auto pit = peers.find(ld.peer);
         const bool peer_ready = pit != peers.end() && pit->second.state == Peer::State::kReady;
         if (peer_ready && ld.params.mode == KvTransferMode::kPull && reason != "claim_refused") {
-            (void)Send(ld.peer, {{"t", "release"},
-                                 {"rid", ld.params.remote_request_id},
-                                 {"nonce", ld.params.hold_nonce}});
+            (void)Send(ld.peer, msg::HoldEnd{msg::HoldEnd::Kind::kRelease,
+                                             ld.params.remote_request_id, ld.params.hold_nonce});
         }
         if (peer_ready && ld.params.mode == KvTransferMode::kPush &&
             ld.state != Load::State::kBootstrapping && ld.state != Load::State::kCancelling &&
             reason != "peer_failed") {
             // The prefill worker may still be writing into our blocks: ask it to stop, and
             // release them once it says it has (or is gone, or cannot be writing any more).
-            (void)Send(ld.peer,
-                       {{"t", "push-cancel"}, {"xid", ld.params.transfer_id}, {"lid", id}});
+            (void)Send(ld.peer, msg::PushCancel{ld.params.transfer_id, id});
             ld.state = Load::State::kCancelling;
             ld.deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
             FERRY_LOG(kInfo, "kv: request {} cancelling: {}", Esc(id), st.ToString());
@@ -538,9 +431,8 @@ struct AgentKvConnector::Impl : LayerHook {
         if (it == loads.end()) return;
         Load& ld = it->second;
         if (ld.params.mode == KvTransferMode::kPull) {
-            (void)Send(ld.peer, {{"t", "read-done"},
-                                 {"rid", ld.params.remote_request_id},
-                                 {"nonce", ld.params.hold_nonce}});
+            (void)Send(ld.peer, msg::HoldEnd{msg::HoldEnd::Kind::kReadDone,
+                                             ld.params.remote_request_id, ld.params.hold_nonce});
             stats.bytes_read += ld.bytes;
         }
         ++stats.succeeded;
@@ -566,15 +458,9 @@ struct AgentKvConnector::Impl : LayerHook {
         if (ld.params.mode == KvTransferMode::kPush) {
             ld.state = Load::State::kWaitingForInput;
             ld.deadline = ld.started + cfg.bootstrap_timeout + cfg.transfer_timeout;
-            Json blocks = Json::array();
-            for (BlockId b : ld.blocks) blocks.push_back(b);
-            Status sent = Send(ld.peer, {{"t", "push-target"},
-                                         {"xid", ld.params.transfer_id},
-                                         {"lid", id},
-                                         {"blocks", blocks},
-                                         {"from", ld.num_computed},
-                                         {"len", ld.prompt_len},
-                                         {"prompt", ld.prompt_digest}});
+            Status sent =
+                Send(ld.peer, msg::PushTarget{ld.params.transfer_id, id, ld.blocks, ld.num_computed,
+                                              ld.prompt_len, ld.prompt_digest});
             if (!sent.ok()) {
                 FailLoad(id, UnavailableError(fmt::format(
                                  "kv: prefill worker '{}' is not reachable", Esc(ld.peer))));
@@ -596,12 +482,8 @@ struct AgentKvConnector::Impl : LayerHook {
         }
         // The claim names exactly the blocks the read touches (all the params named): the
         // prefill worker refuses it unless they are its hold's, for this prompt.
-        Status sent = Send(ld.peer, {{"t", "claim"},
-                                     {"rid", ld.params.remote_request_id},
-                                     {"nonce", ld.params.hold_nonce},
-                                     {"lid", id},
-                                     {"prompt", ld.prompt_digest},
-                                     {"blocks", ld.params.remote_block_ids}});
+        Status sent = Send(ld.peer, msg::Claim{ld.params.remote_request_id, ld.params.hold_nonce,
+                                               id, ld.prompt_digest, ld.params.remote_block_ids});
         if (!sent.ok()) {
             FailLoad(id, UnavailableError(fmt::format("kv: prefill worker '{}' is not reachable",
                                                       Esc(ld.peer))));
@@ -708,9 +590,7 @@ struct AgentKvConnector::Impl : LayerHook {
             Status st = FailedPreconditionError(fmt::format(
                 "kv push {}: the decoder's prompt ({} tokens) is not this prefill's ({} tokens)",
                 Esc(ps.xid), t.len, ps.prompt_len));
-            (void)Send(
-                t.peer,
-                {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
+            (void)SendPushFailed(t.peer, ps.xid, t.lid, st.message());
             ps.error = st;
             return false;
         }
@@ -720,9 +600,7 @@ struct AgentKvConnector::Impl : LayerHook {
             Status st = InvalidArgumentError(
                 fmt::format("kv push {}: the decoder sent {} blocks from token {} for {} tokens",
                             Esc(ps.xid), t.blocks.size(), t.from, ps.prompt_len));
-            (void)Send(
-                t.peer,
-                {{"t", "push-failed"}, {"xid", ps.xid}, {"lid", t.lid}, {"error", st.message()}});
+            (void)SendPushFailed(t.peer, ps.xid, t.lid, st.message());
             ps.error = st;
             return false;
         }
@@ -743,14 +621,8 @@ struct AgentKvConnector::Impl : LayerHook {
         Push& ps = it->second;
         for (Transfer& x : ps.transfers) (void)x.Cancel();
         if (ok) {
-            Json top = Json::array();
-            for (auto [t, lp] : ps.first->top) top.push_back({t, lp});
-            (void)Send(ps.peer, {{"t", "push-done"},
-                                 {"xid", ps.xid},
-                                 {"lid", ps.lid},
-                                 {"token", ps.first->token},
-                                 {"logprob", ps.first->logprob},
-                                 {"top", top}});
+            (void)Send(ps.peer,
+                       msg::PushEnd{msg::PushEnd::Kind::kDone, ps.xid, ps.lid, ps.first, ""});
             ++stats.succeeded;
             stats.bytes_written += ps.bytes;
             if (ps.timing) {
@@ -763,10 +635,7 @@ struct AgentKvConnector::Impl : LayerHook {
                       Esc(ps.peer));
         } else {
             if (!ps.peer.empty()) {
-                (void)Send(ps.peer, {{"t", "push-failed"},
-                                     {"xid", ps.xid},
-                                     {"lid", ps.lid},
-                                     {"error", err.message()}});
+                (void)SendPushFailed(ps.peer, ps.xid, ps.lid, err.message());
             }
             CountFailure(err);
             FERRY_LOG(kInfo, "kv: request {} push failed: {}", Esc(id), err.ToString());
@@ -778,246 +647,243 @@ struct AgentKvConnector::Impl : LayerHook {
     // --- messages --------------------------------------------------------------------------
 
     void OnMessage(const std::string& from, const std::string& payload) {
-        if (!JsonDepthWithin(payload, kMaxMessageDepth)) {
-            FERRY_LOG(kWarn, "kv: message from '{}' nests too deep; dropped", Esc(from));
+        std::string type;
+        Result<msg::PeerMessage> m = msg::Decode(payload, &type);
+        if (!m.ok()) {
+            FERRY_LOG(kWarn, "kv: '{}' message from '{}' dropped: {}", Esc(type), Esc(from),
+                      m.status().ToString());
+            if (type == "hello-ack") {
+                // Our handshake would wait for an answer that came: it fails now instead.
+                std::lock_guard lock(mu);
+                auto it = peers.find(from);
+                if (bound && it != peers.end() && it->second.state == Peer::State::kConnecting) {
+                    PeerFailed(from, m.status().WithContext("kv handshake"));
+                }
+            }
             return;
         }
-        Json m = Json::parse(payload, nullptr, false);
-        if (m.is_discarded() || !m.is_object() || !m.contains("t") || !m["t"].is_string()) {
-            FERRY_LOG(kWarn, "kv: message from '{}' is not a kv message; dropped", Esc(from));
-            return;
-        }
-        const std::string t = m["t"].get<std::string>();
-        Status st = Dispatch(from, t, m);
+        std::unique_lock lock(mu);
+        Status st = bound ? std::visit([&](auto& x) { return On(from, x); }, *m)
+                          : FailedPreconditionError("not bound");
         if (!st.ok()) {
-            FERRY_LOG(kWarn, "kv: '{}' message from '{}' refused: {}", Esc(t), Esc(from),
+            FERRY_LOG(kWarn, "kv: '{}' message from '{}' refused: {}", Esc(type), Esc(from),
                       st.ToString());
         }
     }
 
-    Status Dispatch(const std::string& from, const std::string& t, const Json& m) {
-        std::unique_lock lock(mu);
-        if (!bound) return FailedPreconditionError("not bound");
-        if (t == "hello") {
-            FERRY_ASSIGN_OR_RETURN(std::string addr, Str(m, "addr"));
-            // Answering needs a connection back: to an agent this worker may dial only.
-            if (!cfg.allowed_agents.empty() && !Allowed(addr)) {
-                return PermissionDeniedError(fmt::format(
-                    "hello from an agent at '{}', which this worker may not dial (--kv-peers)",
-                    Esc(addr)));
-            }
-            if (cfg.by_store) addr.clear();  // found by name in the store, not where it says
-            connect_jobs.push_back({true, from, addr, m});
-            connect_cv.notify_one();
+    // Each message's handler (mu held).
+    Status On(const std::string& from, msg::Hello& m) {
+        if (m.ack) return OnHelloAck(from, m);
+        // Answering needs a connection back: to an agent this worker may dial only.
+        if (!cfg.allowed_agents.empty() && !Allowed(m.addr)) {
+            return PermissionDeniedError(fmt::format(
+                "hello from an agent at '{}', which this worker may not dial (--kv-peers)",
+                Esc(m.addr)));
+        }
+        std::string addr = cfg.by_store ? "" : m.addr;  // by name through the store, if so
+        connect_jobs.push_back({true, from, std::move(addr), std::move(m)});
+        connect_cv.notify_one();
+        return Status::Ok();
+    }
+
+    Status OnHelloAck(const std::string& from, const msg::Hello& m) {
+        auto it = peers.find(from);
+        if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
+            return FailedPreconditionError("no handshake in progress");
+        }
+        // Our own view of a mismatch first (it names this worker and the peer the right way
+        // round), then the peer's reason.
+        Status c = CheckCompat(from, m.compat);
+        if (!c.ok()) {
+            PeerFailed(from, c);
             return Status::Ok();
         }
-        if (t == "hello-ack") {
-            auto it = peers.find(from);
-            if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
-                return FailedPreconditionError("no handshake in progress");
-            }
-            // Our own view of a mismatch first (it names this worker and the peer the right
-            // way round), then the peer's reason.
-            Status c = CheckCompat(from, m.value("compat", Json()));
-            if (!c.ok()) {
-                PeerFailed(from, c);
-                return Status::Ok();
-            }
-            auto ok = m.find("ok");
-            if (ok == m.end() || !ok->is_boolean() || !ok->get<bool>()) {
-                auto e = Str(m, "error");
-                PeerFailed(from, FailedPreconditionError(
-                                     e.ok() ? Esc(*e) : "kv handshake refused by the peer"));
-                return Status::Ok();
-            }
-            auto ranks = ParseRanks(m);
-            if (!ranks.ok()) {
-                PeerFailed(from, ranks.status().WithContext("kv handshake"));
-                return Status::Ok();
-            }
-            PeerReady(from, std::move(*ranks), it->second.address);
+        if (!m.ok) {
+            PeerFailed(from,
+                       FailedPreconditionError(m.error.empty() ? "kv handshake refused by the peer"
+                                                               : Esc(m.error)));
             return Status::Ok();
         }
-        if (t == "claim" || t == "read-done" || t == "release") {
-            FERRY_ASSIGN_OR_RETURN(std::string rid, Str(m, "rid"));
-            FERRY_ASSIGN_OR_RETURN(std::string nonce, Hex(m, "nonce", 32));
-            auto it = holds.find(rid);
-            const bool exists = it != holds.end() && SecretEqual(it->second.nonce, nonce);
-            const bool valid = exists && (!it->second.claimed || it->second.claimer == from);
-            if (t == "claim") {
-                FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
-                FERRY_ASSIGN_OR_RETURN(std::string prompt, Hex(m, "prompt", 64));
-                FERRY_ASSIGN_OR_RETURN(std::vector<BlockId> blocks, Blocks(m, "blocks", 1u << 24));
-                // A claim reads exactly the hold's blocks, for the hold's prompt, by the first
-                // agent that claimed it: anything else would read another request's KV.
-                std::string error, code = "conflict";
-                if (!exists) {
-                    code = "gone";
-                    error = fmt::format(
-                        "no KV is held for request '{}' (its lease expired, or it was released)",
-                        Esc(rid));
-                } else if (!valid) {
-                    error = fmt::format("the KV of request '{}' is claimed by another decoder",
-                                        Esc(rid));
-                } else if (it->second.prompt_digest != prompt) {
-                    error = fmt::format("request '{}' held KV for another prompt", Esc(rid));
-                } else if (blocks != it->second.blocks) {
-                    error = fmt::format(
-                        "the claim names blocks that are not those request '{}' holds", Esc(rid));
-                } else {
-                    it->second.claimed = true;
-                    it->second.claimer = from;
-                    it->second.deadline =
-                        SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
-                }
-                Json ack = {{"t", "claim-ack"}, {"lid", lid}, {"ok", error.empty()}};
-                if (error.empty()) {
-                    Json top = Json::array();
-                    for (auto [tok, lp] : it->second.first.top) top.push_back({tok, lp});
-                    ack["token"] = it->second.first.token;
-                    ack["logprob"] = it->second.first.logprob;
-                    ack["top"] = top;
-                } else {
-                    ack["error"] = error;
-                    ack["code"] = code;
-                    FERRY_LOG(kWarn, "kv: claim of '{}' by '{}' refused: {}", Esc(rid), Esc(from),
-                              error);
-                }
-                (void)Send(from, ack);
-                return Status::Ok();
-            }
-            if (!valid) return NotFoundError(fmt::format("no hold '{}'", Esc(rid)));
-            if (t == "read-done") {
-                ++stats.succeeded;
-            } else {
-                CountFailure(CancelledError(""), "released");
-            }
-            holds.erase(it);
-            FERRY_LOG(kInfo, "kv: request {} released by '{}' ({})", Esc(rid), Esc(from), t);
-            Emit({ConnectorEvent::Kind::kReleased, rid, Status::Ok(), std::nullopt});
+        auto ranks = ParseRanks(m.ranks);
+        if (!ranks.ok()) {
+            PeerFailed(from, ranks.status().WithContext("kv handshake"));
             return Status::Ok();
         }
-        if (t == "claim-ack") {
-            FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
-            auto it = loads.find(lid);
-            if (it == loads.end() || it->second.peer != from ||
-                it->second.params.mode != KvTransferMode::kPull) {
-                return NotFoundError(fmt::format("no load '{}' from this peer", Esc(lid)));
-            }
-            auto ok = m.find("ok");
-            if (ok == m.end() || !ok->is_boolean() || !ok->get<bool>()) {
-                auto e = Str(m, "error");
-                auto code = Str(m, "code");
-                std::string msg = fmt::format("prefill worker '{}': {}", Esc(from),
-                                              e.ok() ? Esc(*e) : std::string("claim refused"));
-                // A hold that is gone (its lease lapsed) can be had again by retrying the
-                // request (503); a claim that does not match its hold is the params' fault (409).
-                FailLoad(lid,
-                         code.ok() && *code == "gone" ? UnavailableError(std::move(msg))
-                                                      : FailedPreconditionError(std::move(msg)),
-                         "claim_refused");
-                return Status::Ok();
-            }
-            FERRY_ASSIGN_OR_RETURN(FirstToken ft, ParseFirstToken(m));
-            it->second.claim_acked = true;
-            it->second.acked_first = std::move(ft);
-            if (it->second.read_done) CompleteLoad(lid, FirstOf(it->second));
+        PeerReady(from, std::move(*ranks), it->second.address);
+        return Status::Ok();
+    }
+
+    // pull, holder: a hold that exists under this nonce and is not another decoder's.
+    Hold* FindHold(const std::string& from, const std::string& rid, const std::string& nonce,
+                   bool* exists) {
+        auto it = holds.find(rid);
+        *exists = it != holds.end() && SecretEqual(it->second.nonce, nonce);
+        if (!*exists) return nullptr;
+        Hold& h = it->second;
+        return !h.claimed || h.claimer == from ? &h : nullptr;
+    }
+
+    Status On(const std::string& from, msg::Claim& m) {
+        bool exists = false;
+        Hold* h = FindHold(from, m.rid, m.nonce, &exists);
+        // A claim reads exactly the hold's blocks, for the hold's prompt, by the first agent
+        // that claimed it: anything else would read another request's KV.
+        msg::ClaimAck ack;
+        ack.lid = m.lid;
+        std::string error, code = "conflict";
+        if (!exists) {
+            code = "gone";
+            error = fmt::format(
+                "no KV is held for request '{}' (its lease expired, or it was released)",
+                Esc(m.rid));
+        } else if (!h) {
+            error = fmt::format("the KV of request '{}' is claimed by another decoder", Esc(m.rid));
+        } else if (h->prompt_digest != m.prompt) {
+            error = fmt::format("request '{}' held KV for another prompt", Esc(m.rid));
+        } else if (m.blocks != h->blocks) {
+            error = fmt::format("the claim names blocks that are not those request '{}' holds",
+                                Esc(m.rid));
+        } else {
+            h->claimed = true;
+            h->claimer = from;
+            h->deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
+            ack.ok = true;
+            ack.first = h->first;
+        }
+        if (!ack.ok) {
+            ack.error = error;
+            ack.code = code;
+            FERRY_LOG(kWarn, "kv: claim of '{}' by '{}' refused: {}", Esc(m.rid), Esc(from), error);
+        }
+        (void)Send(from, ack);
+        return Status::Ok();
+    }
+
+    Status On(const std::string& from, msg::HoldEnd& m) {
+        bool exists = false;
+        if (!FindHold(from, m.rid, m.nonce, &exists)) {
+            return NotFoundError(fmt::format("no hold '{}'", Esc(m.rid)));
+        }
+        const bool read = m.kind == msg::HoldEnd::Kind::kReadDone;
+        if (read) {
+            ++stats.succeeded;
+        } else {
+            CountFailure(CancelledError(""), "released");
+        }
+        holds.erase(m.rid);
+        FERRY_LOG(kInfo, "kv: request {} released by '{}' ({})", Esc(m.rid), Esc(from),
+                  read ? "read-done" : "release");
+        Emit({ConnectorEvent::Kind::kReleased, m.rid, Status::Ok(), std::nullopt});
+        return Status::Ok();
+    }
+
+    Status On(const std::string& from, msg::ClaimAck& m) {
+        auto it = loads.find(m.lid);
+        if (it == loads.end() || it->second.peer != from ||
+            it->second.params.mode != KvTransferMode::kPull) {
+            return NotFoundError(fmt::format("no load '{}' from this peer", Esc(m.lid)));
+        }
+        if (!m.ok) {
+            std::string text =
+                fmt::format("prefill worker '{}': {}", Esc(from),
+                            m.error.empty() ? std::string("claim refused") : Esc(m.error));
+            // A hold that is gone (its lease lapsed) can be had again by retrying the request
+            // (503); a claim that does not match its hold is the params' fault (409).
+            FailLoad(m.lid,
+                     m.code == "gone" ? UnavailableError(std::move(text))
+                                      : FailedPreconditionError(std::move(text)),
+                     "claim_refused");
             return Status::Ok();
         }
-        if (t == "push-target") {
-            Target tg;
-            tg.peer = from;
-            FERRY_ASSIGN_OR_RETURN(std::string xid, Str(m, "xid"));
-            FERRY_ASSIGN_OR_RETURN(tg.lid, Str(m, "lid"));
-            FERRY_ASSIGN_OR_RETURN(tg.blocks, Blocks(m, "blocks", 1u << 24));
-            FERRY_ASSIGN_OR_RETURN(tg.from, Int(m, "from", 0, INT32_MAX));
-            FERRY_ASSIGN_OR_RETURN(tg.len, Int(m, "len", 1, INT32_MAX));
-            FERRY_ASSIGN_OR_RETURN(tg.prompt_digest, Hex(m, "prompt", 64));
-            auto pit = peers.find(from);
-            if (pit == peers.end() || pit->second.state != Peer::State::kReady) {
-                (void)Send(from, {{"t", "push-failed"},
-                                  {"xid", xid},
-                                  {"lid", tg.lid},
-                                  {"error", "no kv handshake with this prefill worker"}});
-                return FailedPreconditionError("push-target before the handshake");
-            }
-            auto bx = push_by_xid.find(xid);
-            if (bx == push_by_xid.end()) {
-                // The prefill request has not arrived yet: keep the target for it.
-                tg.deadline = SteadyClock::now() + cfg.bootstrap_timeout;
-                if (targets.size() >= 65536) return ResourceExhaustedError("too many targets");
-                targets[xid] = std::move(tg);
-                return Status::Ok();
-            }
-            const std::string id = bx->second;
-            Push& ps = pushes[id];
-            if (ps.state != Push::State::kBootstrapping) {
-                (void)Send(from, {{"t", "push-failed"},
-                                  {"xid", xid},
-                                  {"lid", tg.lid},
-                                  {"error", "transfer id already has a decoder"}});
-                return AlreadyExistsError(fmt::format("transfer '{}' already bound", Esc(xid)));
-            }
-            if (BindTarget(id, ps, std::move(tg))) {
-                Emit({ConnectorEvent::Kind::kReady, id, Status::Ok(), std::nullopt});
-            } else {
-                Status err = ps.error;
-                push_by_xid.erase(ps.xid);
-                pushes.erase(id);
-                CountFailure(err);
-                Emit({ConnectorEvent::Kind::kFailed, id, err, std::nullopt});
-            }
+        it->second.claim_acked = true;
+        it->second.acked_first = std::move(m.first);
+        if (it->second.read_done) CompleteLoad(m.lid, FirstOf(it->second));
+        return Status::Ok();
+    }
+
+    Status On(const std::string& from, msg::PushTarget& m) {
+        Target tg;
+        tg.peer = from;
+        tg.lid = m.lid;
+        tg.blocks = std::move(m.blocks);
+        tg.from = m.from;
+        tg.len = m.len;
+        tg.prompt_digest = m.prompt;
+        auto pit = peers.find(from);
+        if (pit == peers.end() || pit->second.state != Peer::State::kReady) {
+            (void)SendPushFailed(from, m.xid, tg.lid, "no kv handshake with this prefill worker");
+            return FailedPreconditionError("push-target before the handshake");
+        }
+        auto bx = push_by_xid.find(m.xid);
+        if (bx == push_by_xid.end()) {
+            // The prefill request has not arrived yet: keep the target for it.
+            tg.deadline = SteadyClock::now() + cfg.bootstrap_timeout;
+            if (targets.size() >= 65536) return ResourceExhaustedError("too many targets");
+            targets[m.xid] = std::move(tg);
             return Status::Ok();
         }
-        if (t == "push-cancel") {
-            FERRY_ASSIGN_OR_RETURN(std::string xid, Str(m, "xid"));
-            FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
-            if (targets.erase(xid) && cancelled_xids.size() < 65536) {
-                cancelled_xids[xid] = SteadyClock::now() + cfg.bootstrap_timeout;
+        const std::string id = bx->second;
+        Push& ps = pushes[id];
+        if (ps.state != Push::State::kBootstrapping) {
+            (void)SendPushFailed(from, m.xid, tg.lid, "transfer id already has a decoder");
+            return AlreadyExistsError(fmt::format("transfer '{}' already bound", Esc(m.xid)));
+        }
+        if (BindTarget(id, ps, std::move(tg))) {
+            Emit({ConnectorEvent::Kind::kReady, id, Status::Ok(), std::nullopt});
+        } else {
+            Status err = ps.error;
+            push_by_xid.erase(ps.xid);
+            pushes.erase(id);
+            CountFailure(err);
+            Emit({ConnectorEvent::Kind::kFailed, id, err, std::nullopt});
+        }
+        return Status::Ok();
+    }
+
+    Status On(const std::string& from, msg::PushCancel& m) {
+        if (targets.erase(m.xid) && cancelled_xids.size() < 65536) {
+            cancelled_xids[m.xid] = SteadyClock::now() + cfg.bootstrap_timeout;
+        }
+        auto bx = push_by_xid.find(m.xid);
+        if (bx != push_by_xid.end()) {
+            Push& ps = pushes[bx->second];
+            if (ps.peer == from) {
+                for (Transfer& x : ps.transfers) (void)x.Cancel();
+                ps.cancelled = true;
+                ps.error =
+                    CancelledError(fmt::format("kv push {}: the decoder cancelled it", Esc(m.xid)));
             }
-            auto bx = push_by_xid.find(xid);
-            if (bx != push_by_xid.end()) {
-                Push& ps = pushes[bx->second];
-                if (ps.peer == from) {
-                    for (Transfer& x : ps.transfers) (void)x.Cancel();
-                    ps.cancelled = true;
-                    ps.error = CancelledError(
-                        fmt::format("kv push {}: the decoder cancelled it", Esc(xid)));
-                }
-            }
-            (void)Send(from, {{"t", "push-cancelled"}, {"xid", xid}, {"lid", lid}});
+        }
+        (void)Send(from,
+                   msg::PushEnd{msg::PushEnd::Kind::kCancelled, m.xid, m.lid, std::nullopt, ""});
+        return Status::Ok();
+    }
+
+    Status On(const std::string& from, msg::PushEnd& m) {
+        auto it = loads.find(m.lid);
+        if (it == loads.end() || it->second.peer != from ||
+            it->second.params.mode != KvTransferMode::kPush) {
+            return NotFoundError(fmt::format("no push load '{}' from this peer", Esc(m.lid)));
+        }
+        Load& ld = it->second;
+        if (ld.state == Load::State::kCancelling) {
+            Emit({ConnectorEvent::Kind::kFailed, m.lid, CancelledError("kv transfer cancelled"),
+                  std::nullopt});
+            loads.erase(it);
             return Status::Ok();
         }
-        if (t == "push-done" || t == "push-failed" || t == "push-cancelled") {
-            FERRY_ASSIGN_OR_RETURN(std::string lid, Str(m, "lid"));
-            auto it = loads.find(lid);
-            if (it == loads.end() || it->second.peer != from ||
-                it->second.params.mode != KvTransferMode::kPush) {
-                return NotFoundError(fmt::format("no push load '{}' from this peer", Esc(lid)));
-            }
-            Load& ld = it->second;
-            if (ld.state == Load::State::kCancelling || t != "push-done") {
-                if (ld.state == Load::State::kCancelling) {
-                    Emit({ConnectorEvent::Kind::kFailed, lid,
-                          CancelledError("kv transfer cancelled"), std::nullopt});
-                    loads.erase(it);
-                    return Status::Ok();
-                }
-                auto e = Str(m, "error");
-                CountFailure(UnavailableError(""), "remote_failed");
-                Emit({ConnectorEvent::Kind::kFailed, lid,
-                      UnavailableError(fmt::format("prefill worker '{}' failed the transfer: {}",
-                                                   Esc(from),
-                                                   e.ok() ? Esc(*e) : std::string("no reason"))),
-                      std::nullopt});
-                loads.erase(it);
-                return Status::Ok();
-            }
-            FERRY_ASSIGN_OR_RETURN(FirstToken ft, ParseFirstToken(m));
-            CompleteLoad(lid, std::move(ft));
+        if (m.kind != msg::PushEnd::Kind::kDone) {
+            CountFailure(UnavailableError(""), "remote_failed");
+            Emit({ConnectorEvent::Kind::kFailed, m.lid,
+                  UnavailableError(
+                      fmt::format("prefill worker '{}' failed the transfer: {}", Esc(from),
+                                  m.error.empty() ? std::string("no reason") : Esc(m.error))),
+                  std::nullopt});
+            loads.erase(it);
             return Status::Ok();
         }
-        return InvalidArgumentError(fmt::format("unknown message type '{}'", Esc(t)));
+        CompleteLoad(m.lid, std::move(m.first));
+        return Status::Ok();
     }
 
     // --- threads ---------------------------------------------------------------------------
@@ -1076,15 +942,15 @@ struct AgentKvConnector::Impl : LayerHook {
                 if (it == peers.end()) continue;
                 it->second.hello_sent = true;
                 it->second.deadline = SteadyClock::now() + cfg.handshake_timeout;
-                (void)Send(job.name, Hello("hello"));
+                (void)Send(job.name, Hello(false));
                 continue;
             }
             // A peer's hello: answer it once we can reach it.
-            Json ack = Hello("hello-ack");
+            msg::Hello ack = Hello(true);
             std::vector<PeerRank> ranks;
-            if (st.ok()) st = CheckCompat(job.name, job.hello.value("compat", Json()));
+            if (st.ok()) st = CheckCompat(job.name, job.hello.compat);
             if (st.ok()) {
-                auto r = ParseRanks(job.hello);
+                auto r = ParseRanks(job.hello.ranks);
                 if (r.ok()) {
                     ranks = std::move(*r);
                 } else {
@@ -1094,13 +960,13 @@ struct AgentKvConnector::Impl : LayerHook {
             if (!st.ok()) {
                 FERRY_LOG(kWarn, "kv: hello from '{}' refused: {}", Esc(job.name), st.ToString());
                 if (name.ok() && *name == job.name) {
-                    ack["ok"] = false;
-                    ack["error"] = st.message();
+                    ack.ok = false;
+                    ack.error = st.message();
                     (void)Send(job.name, ack);
                 }
                 continue;
             }
-            ack["ok"] = true;
+            ack.ok = true;
             auto it = peers.find(job.name);
             if (it == peers.end() || it->second.state != Peer::State::kConnecting ||
                 !it->second.hello_sent) {

@@ -1,0 +1,306 @@
+#include "kv/peer_messages.h"
+
+#include <fmt/core.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/json_depth.h"
+#include "core/json_fields.h"
+
+namespace ferry::kv::msg {
+
+namespace {
+
+using Json = nlohmann::json;
+
+template <class... F>
+struct Overloaded : F... {
+    using F::operator()...;
+};
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;
+
+// --- encode ----------------------------------------------------------------------------------
+
+Json CompatJson(const Compat& c) {
+    return Json{{"protocol", c.protocol},         {"model", c.model},       {"layers", c.layers},
+                {"kv_heads", c.kv_heads},         {"head_dim", c.head_dim}, {"dtype", c.dtype},
+                {"block_tokens", c.block_tokens}, {"layout", c.layout},     {"tp", c.tp}};
+}
+
+void PutFirst(Json& j, const FirstToken& f) {
+    Json top = Json::array();
+    for (auto [t, lp] : f.top) top.push_back({t, lp});
+    j["token"] = f.token;
+    j["logprob"] = f.logprob;
+    j["top"] = std::move(top);
+}
+
+Json EncodeJson(const Hello& m) {
+    Json ranks = Json::array();
+    for (const RankInfo& r : m.ranks) ranks.push_back({{"region", r.region}, {"blocks", r.blocks}});
+    Json j{{"t", m.ack ? "hello-ack" : "hello"},
+           {"v", m.version},
+           {"compat", CompatJson(m.compat)},
+           {"ranks", std::move(ranks)},
+           {"addr", m.addr}};
+    if (m.ack) {
+        j["ok"] = m.ok;
+        if (!m.ok) j["error"] = m.error;
+    }
+    return j;
+}
+Json EncodeJson(const Claim& m) {
+    return Json{{"t", "claim"}, {"rid", m.rid},       {"nonce", m.nonce},
+                {"lid", m.lid}, {"prompt", m.prompt}, {"blocks", m.blocks}};
+}
+Json EncodeJson(const ClaimAck& m) {
+    Json j{{"t", "claim-ack"}, {"lid", m.lid}, {"ok", m.ok}};
+    if (m.ok && m.first) PutFirst(j, *m.first);
+    if (!m.ok) {
+        j["error"] = m.error;
+        if (!m.code.empty()) j["code"] = m.code;
+    }
+    return j;
+}
+Json EncodeJson(const HoldEnd& m) {
+    return Json{{"t", m.kind == HoldEnd::Kind::kReadDone ? "read-done" : "release"},
+                {"rid", m.rid},
+                {"nonce", m.nonce}};
+}
+Json EncodeJson(const PushTarget& m) {
+    return Json{{"t", "push-target"}, {"xid", m.xid}, {"lid", m.lid},      {"blocks", m.blocks},
+                {"from", m.from},     {"len", m.len}, {"prompt", m.prompt}};
+}
+Json EncodeJson(const PushCancel& m) {
+    return Json{{"t", "push-cancel"}, {"xid", m.xid}, {"lid", m.lid}};
+}
+Json EncodeJson(const PushEnd& m) {
+    const char* t = m.kind == PushEnd::Kind::kDone     ? "push-done"
+                    : m.kind == PushEnd::Kind::kFailed ? "push-failed"
+                                                       : "push-cancelled";
+    Json j{{"t", t}, {"xid", m.xid}, {"lid", m.lid}};
+    if (m.kind == PushEnd::Kind::kDone && m.first) PutFirst(j, *m.first);
+    if (m.kind == PushEnd::Kind::kFailed) j["error"] = m.error;
+    return j;
+}
+
+// --- decode ----------------------------------------------------------------------------------
+
+Result<int> SmallInt(const JsonFields& f, std::string_view key, int lo, int hi) {
+    FERRY_ASSIGN_OR_RETURN(int64_t v, f.Int(key, lo, hi));
+    return static_cast<int>(v);
+}
+
+Result<Compat> DecodeCompat(const JsonFields& f) {
+    Compat c;
+    FERRY_ASSIGN_OR_RETURN(c.protocol, SmallInt(f, "protocol", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(c.model, f.String("model", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(c.layers, SmallInt(f, "layers", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(c.kv_heads, SmallInt(f, "kv_heads", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(c.head_dim, SmallInt(f, "head_dim", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(c.dtype, f.String("dtype", 64));
+    FERRY_ASSIGN_OR_RETURN(c.block_tokens, SmallInt(f, "block_tokens", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(c.layout, f.String("layout", 64));
+    FERRY_ASSIGN_OR_RETURN(c.tp, SmallInt(f, "tp", 0, INT32_MAX));
+    return c;
+}
+
+Result<FirstToken> DecodeFirst(const JsonFields& f) {
+    FirstToken ft;
+    FERRY_ASSIGN_OR_RETURN(ft.token, SmallInt(f, "token", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(double lp, f.Number("logprob"));
+    ft.logprob = static_cast<float>(lp);
+    if (f.Has("top")) {
+        FERRY_ASSIGN_OR_RETURN(const Json* top, f.Array("top", kMaxTopLogprobs));
+        for (const Json& e : *top) {
+            if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() || !e[1].is_number() ||
+                e[0].get<int64_t>() < 0 || e[0].get<int64_t>() > INT32_MAX) {
+                return f.Bad("top", "holds an entry that is not [token id, logprob]");
+            }
+            ft.top.emplace_back(static_cast<int32_t>(e[0].get<int64_t>()), e[1].get<float>());
+        }
+    }
+    return ft;
+}
+
+Result<std::vector<BlockId>> DecodeBlocks(const JsonFields& f) {
+    return f.IntArray<BlockId>("blocks", 0, INT32_MAX, kMaxBlocks);
+}
+
+Result<PeerMessage> DecodeHello(const JsonFields& f, bool ack) {
+    Hello m;
+    m.ack = ack;
+    FERRY_ASSIGN_OR_RETURN(m.version, SmallInt(f, "v", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(JsonFields compat, f.Object("compat"));
+    FERRY_ASSIGN_OR_RETURN(m.compat, DecodeCompat(compat));
+    FERRY_ASSIGN_OR_RETURN(const Json* ranks, f.Array("ranks", kMaxRanks));
+    for (size_t i = 0; i < ranks->size(); ++i) {
+        JsonFields r((*ranks)[i], fmt::format("ranks[{}]", i));
+        RankInfo ri;
+        FERRY_ASSIGN_OR_RETURN(ri.region, r.Uint("region"));
+        FERRY_ASSIGN_OR_RETURN(ri.blocks, SmallInt(r, "blocks", 1, 1 << 24));
+        m.ranks.push_back(ri);
+    }
+    FERRY_ASSIGN_OR_RETURN(m.addr, f.String("addr", kMaxIdChars));
+    if (ack) {
+        FERRY_ASSIGN_OR_RETURN(m.ok, f.Bool("ok"));
+        if (!m.ok && f.Has("error")) {
+            FERRY_ASSIGN_OR_RETURN(m.error, f.String("error", kMaxErrorChars));
+        }
+    }
+    return PeerMessage(std::move(m));
+}
+
+Result<PeerMessage> DecodeClaim(const JsonFields& f) {
+    Claim m;
+    FERRY_ASSIGN_OR_RETURN(m.rid, f.String("rid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.nonce, f.Hex("nonce", 32));
+    FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.prompt, f.Hex("prompt", 64));
+    FERRY_ASSIGN_OR_RETURN(m.blocks, DecodeBlocks(f));
+    return PeerMessage(std::move(m));
+}
+
+Result<PeerMessage> DecodeClaimAck(const JsonFields& f) {
+    ClaimAck m;
+    FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.ok, f.Bool("ok"));
+    if (m.ok) {
+        FERRY_ASSIGN_OR_RETURN(m.first, DecodeFirst(f));
+    } else {
+        if (f.Has("error")) {
+            FERRY_ASSIGN_OR_RETURN(m.error, f.String("error", kMaxErrorChars));
+        }
+        if (f.Has("code")) {
+            FERRY_ASSIGN_OR_RETURN(m.code, f.String("code", 64));
+        }
+    }
+    return PeerMessage(std::move(m));
+}
+
+Result<PeerMessage> DecodeHoldEnd(const JsonFields& f, HoldEnd::Kind kind) {
+    HoldEnd m;
+    m.kind = kind;
+    FERRY_ASSIGN_OR_RETURN(m.rid, f.String("rid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.nonce, f.Hex("nonce", 32));
+    return PeerMessage(std::move(m));
+}
+
+Result<PeerMessage> DecodePushTarget(const JsonFields& f) {
+    PushTarget m;
+    FERRY_ASSIGN_OR_RETURN(m.xid, f.String("xid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.blocks, DecodeBlocks(f));
+    FERRY_ASSIGN_OR_RETURN(m.from, SmallInt(f, "from", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(m.len, SmallInt(f, "len", 1, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(m.prompt, f.Hex("prompt", 64));
+    return PeerMessage(std::move(m));
+}
+
+Result<PeerMessage> DecodePushCancel(const JsonFields& f) {
+    PushCancel m;
+    FERRY_ASSIGN_OR_RETURN(m.xid, f.String("xid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
+    return PeerMessage(std::move(m));
+}
+
+Result<PeerMessage> DecodePushEnd(const JsonFields& f, PushEnd::Kind kind) {
+    PushEnd m;
+    m.kind = kind;
+    FERRY_ASSIGN_OR_RETURN(m.xid, f.String("xid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
+    if (kind == PushEnd::Kind::kDone) {
+        FERRY_ASSIGN_OR_RETURN(m.first, DecodeFirst(f));
+    } else if (kind == PushEnd::Kind::kFailed && f.Has("error")) {
+        FERRY_ASSIGN_OR_RETURN(m.error, f.String("error", kMaxErrorChars));
+    }
+    return PeerMessage(std::move(m));
+}
+
+}  // namespace
+
+std::optional<CompatDiff> FirstDifference(const Compat& ours, const Compat& theirs) {
+    auto num = [](int v) { return std::to_string(v); };
+    const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
+        {"protocol", {num(ours.protocol), num(theirs.protocol)}},
+        {"model", {ours.model, theirs.model}},
+        {"layers", {num(ours.layers), num(theirs.layers)}},
+        {"kv_heads", {num(ours.kv_heads), num(theirs.kv_heads)}},
+        {"head_dim", {num(ours.head_dim), num(theirs.head_dim)}},
+        {"dtype", {ours.dtype, theirs.dtype}},
+        {"block_tokens", {num(ours.block_tokens), num(theirs.block_tokens)}},
+        {"layout", {ours.layout, theirs.layout}},
+        {"tp", {num(ours.tp), num(theirs.tp)}},
+    };
+    for (const auto& [name, v] : fields) {
+        if (v.first != v.second) return CompatDiff{name, v.first, v.second};
+    }
+    return std::nullopt;
+}
+
+std::string_view TypeOf(const PeerMessage& m) {
+    return std::visit(
+        Overloaded{
+            [](const Hello& h) -> std::string_view { return h.ack ? "hello-ack" : "hello"; },
+            [](const Claim&) -> std::string_view { return "claim"; },
+            [](const ClaimAck&) -> std::string_view { return "claim-ack"; },
+            [](const HoldEnd& h) -> std::string_view {
+                return h.kind == HoldEnd::Kind::kReadDone ? "read-done" : "release";
+            },
+            [](const PushTarget&) -> std::string_view { return "push-target"; },
+            [](const PushCancel&) -> std::string_view { return "push-cancel"; },
+            [](const PushEnd& p) -> std::string_view {
+                return p.kind == PushEnd::Kind::kDone     ? "push-done"
+                       : p.kind == PushEnd::Kind::kFailed ? "push-failed"
+                                                          : "push-cancelled";
+            },
+        },
+        m);
+}
+
+std::string Encode(const PeerMessage& m) {
+    Json j = std::visit([](const auto& x) { return EncodeJson(x); }, m);
+    // Peers' strings (errors) may hold invalid UTF-8: replaced, never thrown on.
+    return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+Result<PeerMessage> Decode(std::string_view payload, std::string* type) {
+    if (!JsonDepthWithin(payload, kMaxDepth)) {
+        return InvalidArgumentError(fmt::format("a kv message nests deeper than {}", kMaxDepth));
+    }
+    Json j = Json::parse(payload, nullptr, false);
+    if (j.is_discarded()) return InvalidArgumentError("a kv message is not JSON");
+    JsonFields f(j);
+    FERRY_ASSIGN_OR_RETURN(std::string t, f.String("t", 64));
+    if (type) *type = t;
+    Result<PeerMessage> m = InvalidArgumentError("");
+    if (t == "hello" || t == "hello-ack") {
+        m = DecodeHello(f, t == "hello-ack");
+    } else if (t == "claim") {
+        m = DecodeClaim(f);
+    } else if (t == "claim-ack") {
+        m = DecodeClaimAck(f);
+    } else if (t == "read-done") {
+        m = DecodeHoldEnd(f, HoldEnd::Kind::kReadDone);
+    } else if (t == "release") {
+        m = DecodeHoldEnd(f, HoldEnd::Kind::kRelease);
+    } else if (t == "push-target") {
+        m = DecodePushTarget(f);
+    } else if (t == "push-cancel") {
+        m = DecodePushCancel(f);
+    } else if (t == "push-done") {
+        m = DecodePushEnd(f, PushEnd::Kind::kDone);
+    } else if (t == "push-failed") {
+        m = DecodePushEnd(f, PushEnd::Kind::kFailed);
+    } else if (t == "push-cancelled") {
+        m = DecodePushEnd(f, PushEnd::Kind::kCancelled);
+    } else {
+        std::string shown;
+        for (char c : t) shown += (c >= 0x20 && c < 0x7f) ? c : '?';
+        return InvalidArgumentError(fmt::format("unknown kv message type '{}'", shown));
+    }
+    return m;
+}
+
+}  // namespace ferry::kv::msg

@@ -1,0 +1,129 @@
+// The messages two KV connectors exchange over their agents' notification channel, one struct
+// each, and their one codec. On the wire a message is a JSON object whose "t" names its type
+// (docs/disaggregation.md, "Connector messages").
+//
+// Decoding is strict in one way for every message: a missing or mistyped field, an out-of-range
+// number or an unknown type is an error naming the field (or the type); fields a message does not
+// define are ignored, so a newer peer may add some. Whether the values make sense for this worker
+// (its TP size, its holds and loads) is for the connector to decide, not the codec.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "ferry/status.h"
+#include "kv/block_pool.h"
+#include "kv/connector.h"
+
+namespace ferry::kv::msg {
+
+// 2: prompts named by SHA-256, hold nonces of 128 bits, claims that name their blocks.
+inline constexpr int kProtocolVersion = 2;
+// A message nests at most this deep (checked before any parse).
+inline constexpr size_t kMaxDepth = 8;
+// The most blocks one message names (a 16M-token prompt at block size 1).
+inline constexpr size_t kMaxBlocks = size_t{1} << 24;
+inline constexpr size_t kMaxIdChars = 1024;
+inline constexpr size_t kMaxErrorChars = 16384;
+inline constexpr size_t kMaxTopLogprobs = 64;
+inline constexpr int kMaxRanks = 1024;
+
+// What two workers must agree on to move KV between them.
+struct Compat {
+    int protocol = kProtocolVersion;
+    std::string model;  // weights fingerprint
+    int layers = 0;
+    int kv_heads = 0;  // the model's, over all ranks
+    int head_dim = 0;
+    std::string dtype;
+    int block_tokens = 0;
+    std::string layout = "HND";
+    int tp = 0;
+};
+
+// The first field where `theirs` differs from `ours`, in the order above.
+struct CompatDiff {
+    std::string field, ours, theirs;
+};
+std::optional<CompatDiff> FirstDifference(const Compat& ours, const Compat& theirs);
+
+// One rank's KV cache as its peer needs to address it.
+struct RankInfo {
+    uint64_t region = 0;
+    int blocks = 0;
+};
+
+// "hello" (the dialing side) and "hello-ack" (the answer).
+struct Hello {
+    bool ack = false;
+    int version = kProtocolVersion;
+    Compat compat;
+    std::vector<RankInfo> ranks;
+    std::string addr;  // the sender's agent listener
+    // hello-ack: whether the peer accepts us, and why not.
+    bool ok = true;
+    std::string error;
+};
+
+// pull: a decoder claims a prefill worker's hold; it names every block it will read.
+struct Claim {
+    std::string rid;     // the prefill worker's request id
+    std::string nonce;   // the hold's, 32 hex digits
+    std::string lid;     // the decoder's request id
+    std::string prompt;  // SHA-256 of the prompt's token ids, 64 hex digits
+    std::vector<BlockId> blocks;
+};
+
+// pull: the holder's answer; on success the token the prefill sampled.
+struct ClaimAck {
+    std::string lid;
+    bool ok = false;
+    std::optional<FirstToken> first;  // set when ok
+    std::string error;                // when !ok
+    std::string code;                 // when !ok: "gone" (lease lapsed) or "conflict"
+};
+
+// pull: the decoder is done with a hold ("read-done") or gives it up ("release").
+struct HoldEnd {
+    enum class Kind { kReadDone, kRelease } kind = Kind::kReadDone;
+    std::string rid, nonce;
+};
+
+// push: the decoder's blocks for a transfer id, sent to the prefill worker.
+struct PushTarget {
+    std::string xid, lid;
+    std::vector<BlockId> blocks;
+    int from = 0;  // first token to write (what the decoder has cached before it)
+    int len = 0;   // the prompt's length
+    std::string prompt;
+};
+
+// push: the decoder stops a transfer.
+struct PushCancel {
+    std::string xid, lid;
+};
+
+// push: how a transfer ended, from the prefill worker.
+struct PushEnd {
+    enum class Kind { kDone, kFailed, kCancelled } kind = Kind::kDone;
+    std::string xid, lid;
+    std::optional<FirstToken> first;  // kDone
+    std::string error;                // kFailed (may be empty)
+};
+
+using PeerMessage = std::variant<Hello, Claim, ClaimAck, HoldEnd, PushTarget, PushCancel, PushEnd>;
+
+// The wire name of a message ("hello-ack", "claim", ...).
+std::string_view TypeOf(const PeerMessage& m);
+
+std::string Encode(const PeerMessage& m);
+
+// Reads one message. `type`, when given, receives the "t" field as soon as it is read (so that a
+// caller can tell whose message failed to decode).
+Result<PeerMessage> Decode(std::string_view payload, std::string* type = nullptr);
+
+}  // namespace ferry::kv::msg
