@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "kv/peer_messages.h"
 #include "model/gguf.h"
 #include "transfer/metadata.h"
 #include "transfer/wire.h"
@@ -94,6 +95,35 @@ int main(int argc, char** argv) {
     Put(root + "/store_request", "delete", std::string(1, 7) + R"({"key":"ferry/agents/a"})");
     Put(root + "/store_request", "watch",
         std::string(1, 8) + R"({"prefix":"ferry/","after":0,"timeout_ms":1})");
+    // kv peer messages: first byte picks the sending peer (kv_messages_fuzzer.cc).
+    {
+        namespace msg = kv::msg;
+        const std::string nonce(32, 'a'), prompt(64, 'b');
+        msg::Hello hello;
+        hello.compat = {msg::kProtocolVersion, "fuzz", 2, 2, 8, "f32", 16, "HND", 1};
+        hello.ranks = {{1, 32}};
+        hello.addr = "127.0.0.1:1";
+        msg::Hello ack = hello;
+        ack.ack = true;
+        kv::FirstToken first{5, -0.25f, {{5, -0.25f}}};
+        const std::pair<const char*, msg::PeerMessage> seeds[] = {
+            {"hello", hello},
+            {"hello-ack", ack},
+            {"claim", msg::Claim{"r1", nonce, "l1", prompt, {0, 1}}},
+            {"claim-ack", msg::ClaimAck{"l1", true, first, "", ""}},
+            {"claim-refused", msg::ClaimAck{"l1", false, std::nullopt, "gone", "gone"}},
+            {"read-done", msg::HoldEnd{msg::HoldEnd::Kind::kReadDone, "r1", nonce}},
+            {"release", msg::HoldEnd{msg::HoldEnd::Kind::kRelease, "r1", nonce}},
+            {"push-target", msg::PushTarget{"x1", "l1", {0, 1}, 0, 20, prompt}},
+            {"push-cancel", msg::PushCancel{"x1", "l1"}},
+            {"push-done", msg::PushEnd{msg::PushEnd::Kind::kDone, "x1", "l1", first, ""}},
+            {"push-failed",
+             msg::PushEnd{msg::PushEnd::Kind::kFailed, "x1", "l1", std::nullopt, "no"}},
+        };
+        for (const auto& [name, m] : seeds) {
+            Put(root + "/kv_messages", name, std::string(1, 0) + msg::Encode(m));
+        }
+    }
     fmt::print("seeds written under {}\n", root);
 #ifdef FERRY_SEED_UCX
     // ucx_messages: first byte picks the decoder (as in ucx_messages_fuzzer.cc).

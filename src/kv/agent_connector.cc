@@ -1177,6 +1177,10 @@ AgentKvConnector::~AgentKvConnector() { Unbind(); }
 
 Agent& AgentKvConnector::agent() const { return *impl_->agent; }
 
+void AgentKvConnector::DeliverForTesting(const std::string& from, std::string_view payload) {
+    impl_->OnMessage(from, std::string(payload));
+}
+
 KvConnectorStats AgentKvConnector::Stats() const {
     Impl& m = *impl_;
     std::lock_guard lock(m.mu);
@@ -1630,8 +1634,9 @@ void AgentKvConnector::EndStep() {
     }
     m.step_advance.clear();
     // Drop handles of writes already done, so a long prompt does not pile them up.
-    for (auto& [id, ps] : m.pushes) {
-        std::erase_if(ps.transfers, [&](Transfer& x) {
+    for (auto& entry : m.pushes) {
+        Push& ps = entry.second;
+        std::erase_if(ps.transfers, [&ps](Transfer& x) {
             auto s = x.Poll();
             if (!s.ok()) {
                 if (ps.error.ok()) ps.error = s.status();

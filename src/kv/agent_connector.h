@@ -130,6 +130,10 @@ class AgentKvConnector final : public KvConnector {
     LayerHook* BeginStep(std::span<const StepChunk> chunks) override;
     void EndStep() override;
 
+    // Handles `payload` as a message from the peer `from` (the fuzzer's way in; peers' messages
+    // otherwise arrive through the Agent).
+    void DeliverForTesting(const std::string& from, std::string_view payload);
+
     struct Impl;
 
   private:
