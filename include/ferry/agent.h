@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -195,6 +196,12 @@ class Transfer {
     // no backend writes into the local memory of this transfer any more. A cancelled WRITE may
     // have written part of the remote range.
     Status Cancel();
+    // Calls `f` once when the transfer has finished (done, failed or cancelled: then Poll no
+    // longer says kPending), at once if it already has. It runs on whichever thread finishes the
+    // transfer, with internal locks held: it must return quickly and must not block or call into
+    // the Agent or this transfer (wake a thread of your own instead). At most one per transfer;
+    // a later call replaces an earlier one not yet run.
+    void OnDone(std::function<void()> f);
 
     uint64_t bytes() const;
     bool valid() const { return op_ != nullptr; }

@@ -7,6 +7,7 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <semaphore>
 #include <set>
 #include <thread>
 
@@ -156,6 +157,14 @@ struct ConnectJob {
     msg::Hello hello;
 };
 
+// Wakes the pump thread: a transfer finished (Transfer::OnDone, on an I/O thread that must not
+// block, so no lock of ours), or there is new work. Shared with the callbacks, which may run after
+// the connector is gone.
+struct Waker {
+    std::counting_semaphore<> sem{0};
+    void Kick() { sem.release(); }
+};
+
 std::string DtypeName(const KvCacheSpec& s) { return std::string(KvDtypeName(s.dtype)); }
 
 }  // namespace
@@ -174,7 +183,8 @@ struct AgentKvConnector::Impl : LayerHook {
     int tp = 0;
 
     mutable std::mutex mu;
-    std::condition_variable cv, connect_cv;
+    std::condition_variable connect_cv;
+    std::shared_ptr<Waker> waker = std::make_shared<Waker>();
     bool stop = false, bound = false;
     std::map<std::string, Peer> peers;
     std::map<std::string, Load> loads;
@@ -297,6 +307,11 @@ struct AgentKvConnector::Impl : LayerHook {
             out.push_back(pr);
         }
         return out;
+    }
+
+    // Transfers wake the pump when they finish: it sleeps otherwise.
+    void WakeOnDone(Transfer& x) {
+        x.OnDone([w = waker] { w->Kick(); });
     }
 
     void Emit(ConnectorEvent ev) {
@@ -500,6 +515,7 @@ struct AgentKvConnector::Impl : LayerHook {
             return;
         }
         ld.xfer = std::move(*x);
+        WakeOnDone(ld.xfer);
         FERRY_LOG(kInfo, "kv: request {} transferring {} bytes from '{}' in {} descriptors",
                   Esc(id), ld.bytes, Esc(ld.peer), local.size());
     }
@@ -986,7 +1002,6 @@ struct AgentKvConnector::Impl : LayerHook {
         std::unique_lock lock(mu);
         while (!stop) {
             const auto now = SteadyClock::now();
-            bool busy = false;
             std::vector<std::pair<std::string, Status>> fail;
             // Receiving side: reads done or failed, deadlines.
             for (auto& [id, ld] : loads) {
@@ -997,11 +1012,7 @@ struct AgentKvConnector::Impl : LayerHook {
                                                   fmt::format("kv read from '{}'", Esc(ld.peer))));
                         continue;
                     }
-                    if (*s == TransferState::kDone) {
-                        ld.read_done = true;
-                    } else {
-                        busy = true;
-                    }
+                    if (*s == TransferState::kDone) ld.read_done = true;
                 }
                 if (ld.deadline != SteadyClock::time_point{} && now > ld.deadline) {
                     fail.emplace_back(
@@ -1066,6 +1077,7 @@ struct AgentKvConnector::Impl : LayerHook {
                                              {.timeout = std::chrono::milliseconds(1500)});
                     if (x.ok()) {
                         p.probe = std::move(*x);
+                        WakeOnDone(p.probe);
                     } else {
                         gone.emplace_back(
                             name, UnavailableError(fmt::format("prefill worker '{}' is gone: {}",
@@ -1106,8 +1118,6 @@ struct AgentKvConnector::Impl : LayerHook {
                     ended.emplace_back(id, false,
                                        DeadlineExceededError(fmt::format(
                                            "kv push {} did not finish in time", Esc(ps.xid))));
-                } else {
-                    busy = true;
                 }
             }
             for (auto& [id, ok, st] : ended) {
@@ -1135,12 +1145,13 @@ struct AgentKvConnector::Impl : LayerHook {
             for (auto it = cancelled_xids.begin(); it != cancelled_xids.end();) {
                 it = now > it->second ? cancelled_xids.erase(it) : std::next(it);
             }
-            if (busy) {
-                // Transfers in flight: look again soon (completion has no wake-up of its own).
-                cv.wait_for(lock, std::chrono::microseconds(200));
-            } else {
-                cv.wait_for(lock, std::chrono::milliseconds(20));
+            // Sleep until a transfer finishes or there is new work (Waker); the timers above
+            // (deadlines, leases, liveness probes) are coarse: a tick of 20 ms serves them.
+            lock.unlock();
+            (void)waker->sem.try_acquire_for(std::chrono::milliseconds(20));
+            while (waker->sem.try_acquire()) {
             }
+            lock.lock();
         }
     }
 
@@ -1273,7 +1284,7 @@ void AgentKvConnector::Unbind() {
         m.stop = true;
         m.bound = false;
     }
-    m.cv.notify_all();
+    m.waker->Kick();
     m.connect_cv.notify_all();
     if (m.notify_thread.joinable()) m.notify_thread.join();
     if (m.pump_thread.joinable()) m.pump_thread.join();
@@ -1424,7 +1435,7 @@ FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
         ps.computed = SteadyClock::now();
         ps.deadline = (ps.timing ? ps.started : SteadyClock::now()) + m.cfg.transfer_timeout;
         a.hold_blocks = true;
-        m.cv.notify_all();
+        m.waker->Kick();
         return a;
     }
     if (!ok || !first) return a;
@@ -1623,6 +1634,7 @@ void AgentKvConnector::EndStep() {
                 continue;
             }
             it->second.bytes += p.bytes;
+            m.WakeOnDone(*p.xfer);
             it->second.transfers.push_back(std::move(*p.xfer));
         }
         m.step_posted[r].clear();

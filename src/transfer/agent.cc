@@ -46,6 +46,10 @@ Status Transfer::Cancel() {
     return Status::Ok();
 }
 
+void Transfer::OnDone(std::function<void()> f) {
+    if (op_ && f) op_->SetOnReported(std::move(f));
+}
+
 uint64_t Transfer::bytes() const { return op_ ? op_->bytes() : 0; }
 
 // --- Agent ----------------------------------------------------------------------------------

@@ -31,10 +31,28 @@ void TransferOp::AddConnection(const std::shared_ptr<Connection>& c) {
 
 void TransferOp::FinishLocked(const Status& s) {
     finished_ = true;
+    status_ = s;
+    ReportLocked();
+}
+
+void TransferOp::ReportLocked() {
     reported_ = true;
     reported_flag_.store(true, std::memory_order_release);
-    status_ = s;
     cv_.notify_all();
+    if (on_reported_) {
+        std::function<void()> f = std::move(on_reported_);
+        on_reported_ = nullptr;
+        f();
+    }
+}
+
+void TransferOp::SetOnReported(std::function<void()> f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reported_) {
+        f();
+        return;
+    }
+    on_reported_ = std::move(f);
 }
 
 void TransferOp::ChunkDone(const Status& s, uint64_t value) {
@@ -177,9 +195,7 @@ void TransferOp::Fail(const Status& s, bool close_streams) {
     if (cut_off) {
         cut_off(s);
         std::lock_guard<std::mutex> lock(mu_);
-        reported_ = true;
-        reported_flag_.store(true, std::memory_order_release);
-        cv_.notify_all();
+        ReportLocked();
         return;
     }
     if (close.empty()) {
@@ -190,9 +206,7 @@ void TransferOp::Fail(const Status& s, bool close_streams) {
                                          " that ended with: " + s.ToString()));
     }
     std::lock_guard<std::mutex> lock(mu_);
-    reported_ = true;
-    reported_flag_.store(true, std::memory_order_release);
-    cv_.notify_all();
+    ReportLocked();
 }
 
 Result<TransferState> TransferOp::Poll() const {

@@ -80,6 +80,9 @@ class TransferOp {
 
     Result<TransferState> Poll() const;
     Status Wait(Clock::time_point deadline);
+    // Runs `f` once the op reports (done or failed), at once if it has: on the reporting thread,
+    // under the op's lock, so `f` must neither block nor touch the op.
+    void SetOnReported(std::function<void()> f);
     bool finished() const;
     bool UsesLocalRegion(RegionId id) const;
     std::optional<uint64_t> pull_size() const;
@@ -91,6 +94,7 @@ class TransferOp {
 
   private:
     void FinishLocked(const Status& s);  // under mu_: final status, visible at once
+    void ReportLocked();                 // under mu_: Poll and Wait see the status now
     // Sets io_closed and waits until no local copy runs.
     void CloseIo();
 
@@ -120,6 +124,7 @@ class TransferOp {
     std::vector<RegionPin> pins_;
     std::vector<RegionId> local_regions_;
     std::function<void()> on_success_;
+    std::function<void()> on_reported_;
     std::vector<std::weak_ptr<Connection>> conns_;
     std::optional<uint64_t> pull_size_;
     std::function<void(const Status&)> cut_off_;

@@ -4,7 +4,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "testing/testing.h"
@@ -389,6 +392,67 @@ TEST_P(TransferConformance, StalledPeerHitsTheDeadlineAndCancelWorks) {
     EXPECT_THAT(y.Wait(seconds(1)), StatusIs(Code::kCancelled));
     EXPECT_THAT(a_->PullByKey("stalled", "k", {la.id, 0, 10}, milliseconds(200)),
                 StatusIs(Code::kDeadlineExceeded));
+}
+
+// Transfer::OnDone: called exactly once when the transfer ends (done, past its deadline,
+// cancelled), at once for one already over, and Poll no longer says pending when it runs.
+TEST_P(TransferConformance, OnDoneWakesOnceForEveryEnding) {
+    struct Counter {
+        std::mutex mu;
+        std::condition_variable cv;
+        int calls = 0;
+        void Hit() {
+            std::lock_guard lock(mu);
+            ++calls;
+            cv.notify_all();
+        }
+        bool WaitFor(int n) {
+            std::unique_lock lock(mu);
+            return cv.wait_for(lock, seconds(10), [&] { return calls >= n; });
+        }
+    };
+    RegionInfo la = ValueOrDie(a_->AllocateRegion(8u << 20));
+    RegionInfo rb = ValueOrDie(b_->AllocateRegion(8u << 20));
+    RefreshB();
+    FillPattern(rb.base, 8u << 20, 5);
+    // Done.
+    auto ok = std::make_shared<Counter>();
+    auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 8u << 20}}, "agent-b",
+                                     std::vector<Descriptor>{{rb.id, 0, 8u << 20}}));
+    x.OnDone([ok] { ok->Hit(); });
+    ASSERT_TRUE(ok->WaitFor(1));
+    EXPECT_EQ(ValueOrDie(x.Poll()), TransferState::kDone);
+    EXPECT_EQ(FirstMismatch(la.base, 8u << 20, 5), -1);
+    // Already over: at once, on this thread.
+    auto late = std::make_shared<Counter>();
+    x.OnDone([late] { late->Hit(); });
+    EXPECT_EQ(late->calls, 1);
+    // Past its deadline, and cancelled, against a peer that never answers.
+    Blackhole hole(testing::BackendName(GetParam()));
+    ASSERT_TRUE(a_->AddPeer(BlackholeMetadata("stalled", testing::BackendName(GetParam()),
+                                              hole.address(), 1, 1 << 20, 7))
+                    .ok());
+    TransferOptions opts;
+    opts.timeout = milliseconds(200);
+    auto timed = std::make_shared<Counter>();
+    auto y = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
+                                     std::vector<Descriptor>{{1, 0, 1 << 20}}, opts));
+    y.OnDone([timed] { timed->Hit(); });
+    ASSERT_TRUE(timed->WaitFor(1));
+    EXPECT_THAT(y.Poll(), StatusIs(Code::kDeadlineExceeded));
+    auto cancelled = std::make_shared<Counter>();
+    auto z = ValueOrDie(a_->PostWrite(std::vector<Descriptor>{{la.id, 0, 1 << 20}}, "stalled",
+                                      std::vector<Descriptor>{{1, 0, 1 << 20}}));
+    z.OnDone([cancelled] { cancelled->Hit(); });
+    EXPECT_EQ(cancelled->calls, 0);
+    FERRY_EXPECT_OK(z.Cancel());
+    ASSERT_TRUE(cancelled->WaitFor(1));
+    EXPECT_THAT(z.Poll(), StatusIs(Code::kCancelled));
+    // Never twice.
+    std::this_thread::sleep_for(milliseconds(50));
+    EXPECT_EQ(ok->calls, 1);
+    EXPECT_EQ(timed->calls, 1);
+    EXPECT_EQ(cancelled->calls, 1);
 }
 
 TEST_P(TransferConformance, DeregisteringALocalRegionFailsItsPendingTransfers) {
