@@ -167,7 +167,9 @@ struct OpenAiServer::Impl {
     std::unique_ptr<http::Client> client;   // for the prefill workers
 
     std::vector<http::Route> Routes();
-    http::Reply Error(int status, const BadRequest& e);
+    // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body
+    // names it ("request_id") and the X-Request-Id header carries it.
+    http::Reply Error(int status, const BadRequest& e, const std::string& request_id = "");
     void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
     // Submits a parsed request and streams or returns its answer; the engine request id.
     // `retry`, if given, sees an error that ends the request before anything was sent to the
@@ -190,7 +192,8 @@ struct OpenAiServer::Impl {
     std::string RenderMetrics();
 };
 
-http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e) {
+http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e,
+                                      const std::string& request_id) {
     Json err = {{"message", e.message},
                 {"type", status == 400 || status == 413 ? "invalid_request_error"
                          : status == 401                ? "authentication_error"
@@ -206,7 +209,9 @@ http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e) {
         std::lock_guard lock(metrics.mu);
         ++metrics.bad_requests;
     }
-    return {status, "application/json", Dump({{"error", err}}), {}};
+    if (request_id.empty()) return {status, "application/json", Dump({{"error", err}}), {}};
+    err["request_id"] = request_id;
+    return {status, "application/json", Dump({{"error", err}}), {{"X-Request-Id", request_id}}};
 }
 
 std::vector<http::Route> OpenAiServer::Impl::Routes() {
@@ -321,7 +326,8 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
     BadRequest bad;
     if (!ParseOpenAiRequest(ex->request().body, chat, tk, model_name, engine->max_model_len(), &pr,
                             &bad)) {
-        return ex->Reply(Error(400, bad));
+        const std::string* x = ex->request().Find("X-Request-Id");
+        return ex->Reply(Error(400, bad, x && ValidRequestId(*x) ? *x : ""));
     }
     if (pr.kv_transfer) {
         // Internal fields: honoured only from the router (with a secret), and counted against
@@ -630,7 +636,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         }
         if (stream && !pending->stream_started) {
             if (o.finish == engine::FinishReason::kError) {
-                return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}));
+                return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}, base));
             }
             pending->stream_started = true;
             ex->StartStream(200, "text/event-stream",
@@ -651,7 +657,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
             if (o.finish == engine::FinishReason::kError) {
                 // A transfer that failed is the remote worker's fault (503), refused params
                 // the caller's (400, 403, 409, 429); 500 only for a fault of this worker.
-                return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}));
+                return ex->Reply(Error(HttpStatusOf(o.error), {o.error.message(), "", ""}, base));
             }
             size_t offset = 0;
             Json choice = {{"index", 0}, {"finish_reason", engine::FinishReasonName(all.finish)}};
@@ -681,7 +687,10 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                                 {"finish_reason", Json()}}));
         }
         if (o.finish == engine::FinishReason::kError) {
-            bytes += sse({{"error", {{"message", o.error.message()}, {"type", "server_error"}}}});
+            bytes += sse({{"error",
+                           {{"message", o.error.message()},
+                            {"type", "server_error"},
+                            {"request_id", base}}}});
             bytes += "data: [DONE]\n\n";
             ex->Write(std::move(bytes));
             return ex->End();
@@ -724,10 +733,12 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         if (status == 500) status = 400;
         BadRequest e{st.message(), st.code() == Code::kInvalidArgument ? "prompt" : "", ""};
         if (!stream || late_head) {
-            ex->Reply(Error(status, e));
+            ex->Reply(Error(status, e, base));
             return "";
         }
-        Json err = {{"error", {{"message", e.message}, {"type", "invalid_request_error"}}}};
+        Json err = {
+            {"error",
+             {{"message", e.message}, {"type", "invalid_request_error"}, {"request_id", base}}}};
         ex->Write(sse(err) + "data: [DONE]\n\n");
         ex->End();
         return "";

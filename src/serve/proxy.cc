@@ -21,12 +21,15 @@ using Json = nlohmann::json;
 
 std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
-http::Reply ErrorReply(int status, const std::string& message) {
+// An OpenAI error body; with `request_id` it names the request (body and X-Request-Id).
+http::Reply ErrorReply(int status, const std::string& message, const std::string& request_id = "") {
     Json err = {{"message", message},
                 {"type", status < 500 ? "invalid_request_error" : "server_error"},
                 {"param", nullptr},
                 {"code", status}};
-    return {status, "application/json", Dump({{"error", err}}), {}};
+    if (request_id.empty()) return {status, "application/json", Dump({{"error", err}}), {}};
+    err["request_id"] = request_id;
+    return {status, "application/json", Dump({{"error", err}}), {{"X-Request-Id", request_id}}};
 }
 
 class RoundRobin : public RoutingPolicy {
@@ -164,12 +167,15 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         FERRY_LOG(kInfo, "proxy: request {} failed: {} {}", f->request_id, status, message);
         if (f->started) {
             // Mid-stream: an error event, then the end.
-            f->ex->Write("data: " + Dump({{"error", {{"message", message}, {"code", status}}}}) +
-                         "\n\ndata: [DONE]\n\n");
+            f->ex->Write(
+                "data: " +
+                Dump({{"error",
+                       {{"message", message}, {"code", status}, {"request_id", f->request_id}}}}) +
+                "\n\ndata: [DONE]\n\n");
             f->ex->End();
             return;
         }
-        f->ex->Reply(ErrorReply(status, message));
+        f->ex->Reply(ErrorReply(status, message, f->request_id));
     }
 
     // Sends the request to the decode worker and relays its answer to the client.
@@ -271,7 +277,10 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
                           if (!f->Claim()) return;
                           f->CancelAll();
                           self->Finish(f, false);
-                          return f->ex->Reply({status, "application/json", std::move(body), {}});
+                          return f->ex->Reply({status,
+                                               "application/json",
+                                               std::move(body),
+                                               {{"X-Request-Id", f->request_id}}});
                       }
                       Json answer = Json::parse(body, nullptr, false);
                       Json decode = f->body;
@@ -385,6 +394,10 @@ struct Proxy::Impl : std::enable_shared_from_this<Impl> {
         f->request_id = given && ValidRequestId(*given) ? *given : RandomId128();
         f->prefill = cfg.policy->PickPrefill(ex->request(), cfg.prefill.size());
         f->decode = cfg.policy->PickDecode(ex->request(), cfg.decode.size());
+        FERRY_LOG(kInfo, "proxy: request {}: prefill {}:{}, decode {}:{} ({})", f->request_id,
+                  cfg.prefill[f->prefill].host, cfg.prefill[f->prefill].port,
+                  cfg.decode[f->decode].host, cfg.decode[f->decode].port,
+                  cfg.mode == kv::KvTransferMode::kPush ? "push" : "pull");
         ++inflight;
         auto self = shared_from_this();
         ex->OnClose([self, f] {
@@ -494,7 +507,9 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     hc.io_threads = impl->cfg.io_threads;
     hc.max_body_bytes = impl->cfg.max_body_bytes;
     hc.request_deadline = impl->cfg.request_deadline;
-    hc.error_reply = ErrorReply;
+    hc.error_reply = [](int status, const std::string& message) {
+        return ErrorReply(status, message);
+    };
     FERRY_ASSIGN_OR_RETURN(impl->server, http::Server::Start(std::move(hc), impl->Routes()));
     impl->server_ready = impl->server.get();
     return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));

@@ -133,7 +133,8 @@ void ChildProcess::Kill() {
 
 Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
                                          const std::string& ready_prefix, std::string* ready_line,
-                                         std::chrono::milliseconds timeout) {
+                                         std::chrono::milliseconds timeout,
+                                         const std::string& stderr_path) {
     int in[2], out[2];
     if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
         return InternalError(std::string("pipe: ") + std::strerror(errno));
@@ -142,6 +143,10 @@ Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, in[0], 0);
     posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    if (!stderr_path.empty()) {
+        posix_spawn_file_actions_addopen(&fa, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND,
+                                         0644);
+    }
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);

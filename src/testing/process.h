@@ -20,10 +20,12 @@ class ChildProcess {
     ~ChildProcess();
 
     // Starts `argv` and waits up to `timeout` for a stdout line beginning with `ready_prefix`;
-    // returns the rest of that line in *ready_line.
+    // returns the rest of that line in *ready_line. Its stderr is ours, or appended to
+    // `stderr_path` when given.
     static Result<ChildProcess> Start(const std::vector<std::string>& argv,
                                       const std::string& ready_prefix, std::string* ready_line,
-                                      std::chrono::milliseconds timeout = std::chrono::seconds(10));
+                                      std::chrono::milliseconds timeout = std::chrono::seconds(10),
+                                      const std::string& stderr_path = "");
 
     pid_t pid() const { return pid_; }
     void Signal(int sig) const;

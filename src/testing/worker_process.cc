@@ -38,10 +38,12 @@ std::string SecretFile::router_token() const { return RouterToken(secret_); }
 
 Result<std::unique_ptr<ServerProcess>> ServerProcess::Start(std::string binary,
                                                             std::vector<std::string> args,
-                                                            std::chrono::milliseconds timeout) {
+                                                            std::chrono::milliseconds timeout,
+                                                            std::string log_path) {
     std::unique_ptr<ServerProcess> p(new ServerProcess());
     p->binary_ = std::move(binary);
     p->args_ = std::move(args);
+    p->log_path_ = std::move(log_path);
     FERRY_RETURN_IF_ERROR(p->Launch(timeout));
     return p;
 }
@@ -67,7 +69,7 @@ Status ServerProcess::Launch(std::chrono::milliseconds timeout) {
     }
     std::string line;
     std::vector<std::string> before;
-    FERRY_ASSIGN_OR_RETURN(child_, ChildProcess::Start(argv, "", &line, timeout));
+    FERRY_ASSIGN_OR_RETURN(child_, ChildProcess::Start(argv, "", &line, timeout, log_path_));
     // Read lines until the listening line, remembering the agent line.
     std::string rest = line;
     auto until = std::chrono::steady_clock::now() + timeout;

@@ -33,9 +33,10 @@ class ServerProcess {
   public:
     // Starts `binary` with `args` (e.g. {"serve", "--model", path, ...}); the HTTP port is taken
     // from its "listening on http://HOST:PORT" line, and it is ready when GET /health is 200.
+    // Its stderr (the log) is the test's, or appended to `log_path` when given.
     static Result<std::unique_ptr<ServerProcess>> Start(
         std::string binary, std::vector<std::string> args,
-        std::chrono::milliseconds timeout = std::chrono::seconds(60));
+        std::chrono::milliseconds timeout = std::chrono::seconds(60), std::string log_path = "");
     ~ServerProcess();
 
     int port() const { return port_; }
@@ -59,6 +60,7 @@ class ServerProcess {
     Status Launch(std::chrono::milliseconds timeout);
     std::string binary_;
     std::vector<std::string> args_;
+    std::string log_path_;
     ChildProcess child_;
     int port_ = 0;
     std::string agent_;

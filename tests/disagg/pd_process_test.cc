@@ -11,6 +11,8 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -152,8 +154,10 @@ std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int paral
     return out;
 }
 
-std::unique_ptr<ServerProcess> StartOrDie(std::vector<std::string> args) {
-    auto p = ServerProcess::Start(FERRY_BIN, std::move(args));
+std::unique_ptr<ServerProcess> StartOrDie(std::vector<std::string> args,
+                                          std::string log_path = "") {
+    auto p = ServerProcess::Start(FERRY_BIN, std::move(args), std::chrono::seconds(60),
+                                  std::move(log_path));
     if (!p.ok()) {
         ADD_FAILURE() << p.status().ToString();
         return nullptr;
@@ -410,6 +414,66 @@ TEST_F(PdProcess, OneRequestIdThroughTheProxyAndBothWorkers) {
         Json::parse(second->body)["kv_transfer_params"]["remote_request_id"].get<std::string>();
     EXPECT_EQ(again.rfind("cmpl-trace-hold-", 0), 0u) << again;
     EXPECT_EQ(again.size(), std::string("cmpl-trace-hold-").size() + 8) << again;
+}
+
+// The logs of one request are joined across processes by one grep of its id: the proxy's, the
+// prefill worker's and the decode worker's (FERRY_LOG_LEVEL=info), for pull and push; and an
+// error answer names the request too (body and X-Request-Id).
+TEST_F(PdProcess, OneGrepOfTheRequestIdFindsItInEveryProcesssLog) {
+    setenv("FERRY_LOG_LEVEL", "info", 1);
+    const std::string dir = ::testing::TempDir() + fmt::format("ferry-logs-{}", getpid());
+    std::filesystem::create_directories(dir);
+    auto log = [&](const std::string& name) { return dir + "/" + name + ".log"; };
+    auto read = [](const std::string& path) {
+        std::ifstream in(path);
+        return std::string((std::istreambuf_iterator<char>(in)), {});
+    };
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1), log("prefill"));
+    auto decode = StartOrDie(WorkerArgs("decode", "shm", 1), log("decode"));
+    ASSERT_TRUE(prefill && decode);
+    const std::string p = fmt::format("127.0.0.1:{}", prefill->port());
+    const std::string q = fmt::format("127.0.0.1:{}", decode->port());
+    auto pull = StartOrDie({"proxy", "--prefill", p, "--decode", q, "--port", "0", "--no-store"},
+                           log("proxy-pull"));
+    auto push = StartOrDie({"proxy", "--prefill", p, "--decode", q, "--port", "0", "--no-store",
+                            "--kv-transfer", "push"},
+                           log("proxy-push"));
+    ASSERT_TRUE(pull && push);
+    for (ServerProcess* proxy : {pull.get(), push.get()}) {
+        const std::string rid = fmt::format("grep-{}-{}", proxy == pull.get() ? "pull" : "push",
+                                            RandomId128().substr(0, 12));
+        http::ClientRequest r = Post(proxy->port(), CompletionBody(RandomPrompt(40, 9), 2, false));
+        r.headers.push_back({"X-Request-Id", rid});
+        auto got = http::Fetch(r);
+        ASSERT_TRUE(got.ok());
+        ASSERT_EQ(got->status, 200) << got->body;
+        const std::string proxy_log = log(proxy == pull.get() ? "proxy-pull" : "proxy-push");
+        for (const std::string& path : {proxy_log, log("prefill"), log("decode")}) {
+            // The lines may still be on their way to the file.
+            EXPECT_TRUE(testing::WaitUntil(
+                [&] { return read(path).find(rid) != std::string::npos; }, std::chrono::seconds(5)))
+                << rid << " is not in " << path << ":\n"
+                << read(path);
+        }
+    }
+    // An error: a prompt longer than the model takes, refused by the prefill worker (400) and
+    // relayed by the proxy; both name the request.
+    const std::string rid = "grep-error-" + RandomId128().substr(0, 12);
+    http::ClientRequest r = Post(pull->port(), CompletionBody(RandomPrompt(5000, 1), 2, false));
+    r.headers.push_back({"X-Request-Id", rid});
+    auto got = http::Fetch(r);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->status, 400) << got->body;
+    Json err = Json::parse(got->body, nullptr, false);
+    ASSERT_TRUE(err.is_object() && err.contains("error")) << got->body;
+    EXPECT_EQ(err["error"].value("request_id", ""), rid) << got->body;
+    const std::string* echoed = http::FindHeader(got->headers, "X-Request-Id");
+    ASSERT_NE(echoed, nullptr);
+    EXPECT_EQ(*echoed, rid);
+    EXPECT_TRUE(
+        testing::WaitUntil([&] { return read(log("proxy-pull")).find(rid) != std::string::npos; },
+                           std::chrono::seconds(5)));
+    std::filesystem::remove_all(dir);
 }
 
 // Waits until `pred` (bounded).
