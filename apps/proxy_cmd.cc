@@ -20,7 +20,8 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         "Serve the OpenAI API in front of prefill and decode workers (pull: vLLM's NixlConnector "
         "protocol; push: layer-wise), and the discovery store the workers' agents register in");
     static std::vector<std::string> prefill, decode;
-    static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0";
+    static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0",
+                       policy = "round-robin";
     static int port = 8000;
     static bool no_store = false;
     static std::string secret_file;
@@ -35,6 +36,11 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         ->capture_default_str();
     px->add_option("--kv-transfer", mode, "pull or push")
         ->check(CLI::IsMember({"pull", "push"}))
+        ->capture_default_str();
+    px->add_option("--policy", policy,
+                   "how a worker of each kind is picked: round-robin (healthy workers in turn) or "
+                   "least-loaded (fewest requests, then prompt tokens, in flight)")
+        ->check(CLI::IsMember({"round-robin", "least-loaded"}))
         ->capture_default_str();
     px->add_option("--store", store,
                    "a discovery store the workers use instead of the embedded one");
@@ -62,8 +68,11 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.router_token = RouterToken(secret);
         pc.host = host;
         pc.port = port;
-        pc.mode = mode == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
+        pc.protocol = mode == "push" ? router::Protocol::kPush : router::Protocol::kPull;
         pc.worker_timeout = std::chrono::milliseconds(timeout_ms);
+        auto picked = router::MakePolicy(policy);
+        if (!picked.ok()) return fail(picked.status());
+        pc.policy = std::move(picked).value();
         for (const auto& [list, dst] : {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}}) {
             for (const std::string& u : *list) {
                 auto ep = http::ParseEndpoint(u);

@@ -386,13 +386,6 @@ void ParseKvTransferParams(const Json& v, ParsedRequest* out, Fields* f) {
 
 }  // namespace
 
-bool ValidRequestId(std::string_view id) {
-    return !id.empty() && id.size() <= 128 && std::all_of(id.begin(), id.end(), [](char c) {
-        return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
-               c == '-';
-    });
-}
-
 std::string KvTransferParamsJson(const kv::KvTransferParams& p) {
     Json j = {{"do_remote_decode", p.do_remote_decode},
               {"do_remote_prefill", p.do_remote_prefill},

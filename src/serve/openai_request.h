@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/json_depth.h"
+#include "core/request_id.h"
 #include "kv/connector.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -34,10 +35,6 @@ struct ParsedRequest {
     std::shared_ptr<kv::KvTransferParams> kv_transfer;
     bool kv_mode_given = false;  // kv_transfer_params named its transfer_mode
 };
-
-// Whether an X-Request-Id may name a request in ferry's ids and logs: 1..128 characters of
-// [A-Za-z0-9._:-].
-bool ValidRequestId(std::string_view id);
 
 // Nesting deeper than this is refused before any JSON tree is built (JsonDepthWithin).
 inline constexpr size_t kMaxJsonDepth = 64;

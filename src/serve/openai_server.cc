@@ -17,6 +17,8 @@
 #include "core/crypto.h"
 #include "core/log.h"
 #include "http/http.h"
+#include "router/protocol.h"
+#include "router/router.h"
 #include "serve/openai_request.h"
 
 namespace ferry::serve {
@@ -159,12 +161,9 @@ struct OpenAiServer::Impl {
     bool stopped = false;
     Metrics metrics;
 
-    // Decode-first.
-    std::mutex rp_mu;
-    std::vector<http::Endpoint> remote_prefill;
-    size_t rp_next = 0;
-    std::map<std::string, Json> rp_agents;  // "host:port" -> its GET /v1/kv/agent answer
-    std::unique_ptr<http::Client> client;   // for the prefill workers
+    // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
+    std::shared_ptr<router::Router> remote_prefill = std::make_shared<router::Router>();
+    std::unique_ptr<http::Client> client;  // for the prefill workers
 
     std::vector<http::Route> Routes();
     // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body
@@ -178,16 +177,20 @@ struct OpenAiServer::Impl {
     // or a random one).
     std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                          std::function<bool(const Status&)> retry = nullptr, std::string base = "");
-    // Sends the prompt to `ep` to prefill and push here, then dispatches locally. A first
-    // attempt whose prefill worker turns out unreachable (it restarted: the agent it had is
-    // gone) asks it again where its agent is and tries once more.
+    // Sends the prompt to the prefill worker `ticket` routed it to, to prefill and push here,
+    // then dispatches locally under `base` (the request's id). A first attempt whose prefill
+    // worker turns out unreachable (it restarted: the agent it had is gone) asks it again where
+    // its agent is and tries once more. The ticket ends with the prefill worker's answer.
     void DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                     http::Endpoint ep, int attempt = 0);
+                     std::shared_ptr<router::Ticket> ticket, std::string base, int attempt = 0);
     // Who is asking: kRouterRequester for a holder of the router token, else the client's
     // address. An error reply if the request must be refused (a wrong token, or a token where
     // one is required).
     std::optional<http::Reply> Authenticate(const http::Request& req, bool internal,
                                             std::string* requester);
+    void SendToRemotePrefill(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                             std::shared_ptr<router::Ticket> ticket, const std::string& base,
+                             int attempt, const router::AgentInfo& agent);
     void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);
     std::string RenderMetrics();
 };
@@ -343,63 +346,48 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
     }
     if (!pr.kv_transfer && config.kv_agent_info &&
         static_cast<int>(pr.prompt.size()) >= config.remote_prefill_min_tokens) {
-        std::optional<http::Endpoint> ep;
-        {
-            std::lock_guard lock(rp_mu);
-            if (!remote_prefill.empty()) ep = remote_prefill[rp_next++ % remote_prefill.size()];
+        const std::string base = RequestIdOr(ex->request().Find("X-Request-Id"));
+        Result<router::Ticket> t =
+            remote_prefill->Route(router::Role::kPrefill, {base, pr.prompt.size()});
+        if (t.ok()) {
+            return DecodeFirst(ex, chat, std::move(pr),
+                               std::make_shared<router::Ticket>(std::move(*t)), base);
         }
-        if (ep) return DecodeFirst(ex, chat, std::move(pr), *ep);
     }
     Dispatch(ex, chat, std::move(pr));
 }
 
 void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat,
-                                     ParsedRequest pr, http::Endpoint ep, int attempt) {
-    const std::string key = fmt::format("{}:{}", ep.host, ep.port);
-    Json agent;
-    {
-        std::lock_guard lock(rp_mu);
-        auto it = rp_agents.find(key);
-        if (it != rp_agents.end()) agent = it->second;
-    }
-    if (agent.is_null()) {
-        // Once per prefill worker: where its agent is; then go on.
-        http::ClientRequest r =
-            http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
-        if (!config.router_token.empty()) {
-            r.headers.push_back({"Authorization", "Bearer " + config.router_token});
-        }
-        auto shared = std::make_shared<ParsedRequest>(std::move(pr));
-        client->CallWhole(std::move(r), [this, ex, chat, shared, ep, key,
-                                         attempt](Result<http::ClientReply> got) {
-            Json j =
-                got.ok() && got->status == 200 ? Json::parse(got->body, nullptr, false) : Json();
-            if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
-                !j.contains("port") || !j["port"].is_number_integer()) {
-                return ex->Reply(Error(
-                    503,
-                    {fmt::format("remote prefill worker {} has no KV agent: {}", key,
-                                 got.ok() ? fmt::format("GET /v1/kv/agent answered {}", got->status)
-                                          : got.status().message()),
-                     "", ""}));
+                                     ParsedRequest pr, std::shared_ptr<router::Ticket> ticket,
+                                     std::string base, int attempt) {
+    auto shared = std::make_shared<ParsedRequest>(std::move(pr));
+    router::FindAgent(
+        *client, remote_prefill, router::Role::kPrefill, ticket->worker(), config.router_token,
+        [this, ex, chat, shared, ticket, base, attempt](Result<router::AgentInfo> agent) {
+            if (!agent.ok()) {
+                ticket->End(router::Outcome::kWorkerFailed);
+                return ex->Reply(Error(503, {"remote " + agent.status().message(), "", ""}, base));
             }
-            {
-                std::lock_guard lock(rp_mu);
-                rp_agents[key] = j;
-            }
-            DecodeFirst(ex, chat, std::move(*shared), ep, attempt);
+            SendToRemotePrefill(ex, chat, std::move(*shared), ticket, base, attempt, *agent);
         });
-        return;
-    }
+}
+
+void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                                             ParsedRequest pr,
+                                             std::shared_ptr<router::Ticket> ticket,
+                                             const std::string& base, int attempt,
+                                             const router::AgentInfo& agent) {
+    const http::Endpoint ep = ticket->endpoint();
+    const std::string key = fmt::format("{}:{}", ep.host, ep.port);
     // Unguessable: a client that could name the next transfer id could park requests under it.
     const std::string xid = RandomId128();
     auto kvp = std::make_shared<kv::KvTransferParams>();
     kvp->mode = kv::KvTransferMode::kPush;
     kvp->do_remote_prefill = true;
     kvp->transfer_id = xid;
-    kvp->remote_engine_id = agent["engine_id"].get<std::string>();
-    kvp->remote_host = agent.value("host", ep.host);
-    kvp->remote_port = agent["port"].get<int>();
+    kvp->remote_engine_id = agent.engine_id;
+    kvp->remote_host = agent.host;
+    kvp->remote_port = agent.port;
     // The prefill worker gets the prompt as token ids (the chat template is applied here) and
     // the sampling parameters: it samples the first token, which comes back with the KV.
     const model::SamplingParams& sp = pr.sampling;
@@ -410,8 +398,7 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
                  {"top_p", sp.top_p},
                  {"top_k", sp.top_k},
                  {"ignore_eos", sp.ignore_eos},
-                 {"kv_transfer_params",
-                  {{"do_remote_decode", true}, {"transfer_mode", "push"}, {"transfer_id", xid}}}};
+                 {"kv_transfer_params", router::PushPrefillParams(xid)}};
     if (sp.seed) body["seed"] = static_cast<int64_t>(*sp.seed);
     if (sp.logprobs >= 0) body["logprobs"] = sp.logprobs;
     auto original = std::make_shared<ParsedRequest>(pr);  // for a second attempt
@@ -422,24 +409,23 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     auto call_mu = std::make_shared<std::mutex>();
     std::function<bool(const Status&)> retry;
     if (attempt == 0) {
-        retry = [this, ex, chat, ep, key, original, prefill_call, call_mu](const Status& st) {
+        retry = [this, ex, chat, key, original, prefill_call, call_mu, ticket,
+                 base](const Status& st) {
             if (st.code() != Code::kUnavailable || stopping) return false;
             {
                 std::lock_guard lock(*call_mu);
                 if (*prefill_call) (*prefill_call)->Cancel();
             }
-            {
-                std::lock_guard lock(rp_mu);
-                rp_agents.erase(key);
-            }
-            FERRY_LOG(kInfo, "serve: remote prefill via {} failed ({}); asking it again", key,
-                      st.ToString());
-            DecodeFirst(ex, chat, std::move(*original), ep, 1);
+            remote_prefill->ForgetAgent(router::Role::kPrefill, ticket->worker());
+            FERRY_LOG(kInfo,
+                      "serve: request {}: remote prefill via {} failed ({}); asking it again", base,
+                      key, st.ToString());
+            DecodeFirst(ex, chat, std::move(*original), ticket, base, 1);
             return true;
         };
     }
-    const std::string id = Dispatch(ex, chat, std::move(pr), std::move(retry));
-    if (id.empty()) return;
+    const std::string id = Dispatch(ex, chat, std::move(pr), std::move(retry), base);
+    if (id.empty()) return ticket->End(router::Outcome::kCancelled);
     http::ClientRequest r;
     r.host = ep.host;
     r.port = ep.port;
@@ -447,22 +433,19 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     r.body = Dump(body);
     r.timeout = std::chrono::minutes(10);
     r.headers.push_back({"X-Request-Id", id.substr(id.find('-') + 1)});
-    if (!config.router_token.empty()) {
-        r.headers.push_back({"Authorization", "Bearer " + config.router_token});
-    }
+    router::Authorize(&r, config.router_token);
     std::lock_guard lock(*call_mu);
     *prefill_call = client->CallWhole(
         std::move(r),
-        [this, id, key](Result<http::ClientReply> got) {
-            if (got.ok() && got->status == 200) return;
-            // Cancelled: a second attempt took over (or the client left).
+        [this, id, key, ticket](Result<http::ClientReply> got) {
+            // Cancelled: a second attempt took over, and carries the ticket on.
             if (!got.ok() && got.status().code() == Code::kCancelled) return;
+            ticket->End(got.ok() ? router::OutcomeOfStatus(got->status)
+                                 : router::Outcome::kWorkerFailed);
+            if (got.ok() && got->status == 200) return;
             // The KV will not come: the request ends with the prefill worker's error, and the
             // next request asks it again where its agent is (it may have restarted).
-            {
-                std::lock_guard lock(rp_mu);
-                rp_agents.erase(key);
-            }
+            remote_prefill->ForgetAgent(router::Role::kPrefill, ticket->worker());
             engine->Abort(id, UnavailableError(fmt::format(
                                   "remote prefill worker {} failed: {}", key,
                                   got.ok() ? fmt::format("HTTP {}: {}", got->status, got->body)
@@ -494,19 +477,10 @@ void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>&
         if (!ep.ok()) return ex->Reply(Error(400, {ep.status().message(), "endpoints", ""}));
         eps.push_back(*ep);
     }
+    for (const http::Endpoint& ep : eps) remote_prefill->AddWorker(router::Role::kPrefill, ep);
     Json all = Json::array();
-    {
-        std::lock_guard lock(rp_mu);
-        for (const http::Endpoint& ep : eps) {
-            bool known = false;
-            for (const http::Endpoint& x : remote_prefill) {
-                known = known || (x.host == ep.host && x.port == ep.port);
-            }
-            if (!known) remote_prefill.push_back(ep);
-        }
-        for (const http::Endpoint& x : remote_prefill) {
-            all.push_back(fmt::format("{}:{}", x.host, x.port));
-        }
+    for (const router::WorkerState& w : remote_prefill->Workers(router::Role::kPrefill)) {
+        all.push_back(fmt::format("{}:{}", w.endpoint.host, w.endpoint.port));
     }
     ex->Reply({200, "application/json", Dump({{"status", "ok"}, {"remote_prefill", all}}), {}});
 }
@@ -848,7 +822,9 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     hc.error_reply = [p](int status, const std::string& message) {
         return p->Error(status, {message, "", ""});
     };
-    impl->remote_prefill = config.remote_prefill;
+    for (const http::Endpoint& ep : config.remote_prefill) {
+        impl->remote_prefill->AddWorker(router::Role::kPrefill, ep);
+    }
     impl->client = http::Client::Create(1);
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     impl->http_ready = impl->http.get();

@@ -1,0 +1,368 @@
+#include "router/driver.h"
+
+#include <fmt/core.h>
+
+#include <mutex>
+#include <vector>
+
+#include "core/crypto.h"
+#include "core/json_depth.h"
+#include "core/log.h"
+#include "core/request_id.h"
+
+namespace ferry::router {
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+}  // namespace
+
+// One client request on its way through the workers.
+struct Driver::Flow {
+    std::mutex mu;
+    std::shared_ptr<http::Exchange> ex;
+    std::vector<std::shared_ptr<http::ClientCall>> calls;
+    bool cancelled = false;
+    bool answered = false;
+    bool stream = false;
+    std::string path;
+    Json body;
+    std::string request_id;
+    size_t prompt_tokens = 0;
+    // The workers it was routed to, counted on them until their tickets end.
+    Ticket prefill, decode;
+    size_t prefill_worker = 0;
+    http::Endpoint prefill_ep, decode_ep;
+    int attempt = 0;  // push: 1 once retried after refreshing the prefill worker's agent
+    // Relay state.
+    int status = 0;
+    std::string content_type = "application/json";
+    std::string collected;
+    bool started = false;
+
+    void Add(std::shared_ptr<http::ClientCall> c) {
+        if (!c) return;
+        std::lock_guard lock(mu);
+        if (cancelled) {
+            c->Cancel();
+            return;
+        }
+        calls.push_back(std::move(c));
+    }
+    void CancelAll() {
+        std::vector<std::shared_ptr<http::ClientCall>> cs;
+        {
+            std::lock_guard lock(mu);
+            cancelled = true;
+            cs.swap(calls);
+        }
+        for (auto& c : cs) c->Cancel();
+    }
+    // A second attempt: the first one's calls end (their callbacks see Cancelled), the flow
+    // goes on.
+    void CancelAttempt() {
+        std::vector<std::shared_ptr<http::ClientCall>> cs;
+        {
+            std::lock_guard lock(mu);
+            cs.swap(calls);
+            status = 0;
+            collected.clear();
+            content_type = "application/json";
+        }
+        for (auto& c : cs) c->Cancel();
+    }
+    // The first answer wins; later ones are dropped.
+    bool Claim() {
+        std::lock_guard lock(mu);
+        if (answered) return false;
+        answered = true;
+        return true;
+    }
+    // Ends one worker's ticket (a no-op once ended).
+    void End(Ticket Flow::*which, Outcome outcome) {
+        std::lock_guard lock(mu);
+        (this->*which).End(outcome);
+    }
+};
+
+std::shared_ptr<Driver> Driver::Create(DriverConfig config, std::shared_ptr<Router> router,
+                                       http::Client* client) {
+    return std::shared_ptr<Driver>(new Driver(std::move(config), std::move(router), client));
+}
+
+Driver::Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client* client)
+    : config_(std::move(config)), router_(std::move(router)), client_(client) {}
+
+DriverStats Driver::Stats() const {
+    return {requests_.load(), succeeded_.load(), failed_.load(), client_gone_.load(),
+            in_flight_.load()};
+}
+
+http::ClientRequest Driver::ToWorker(const http::Endpoint& ep, const std::string& path,
+                                     const Json& body, const std::string& request_id) const {
+    http::ClientRequest r;
+    r.method = "POST";
+    r.host = ep.host;
+    r.port = ep.port;
+    r.target = path;
+    r.body = Dump(body);
+    r.timeout = config_.worker_timeout;
+    r.headers.push_back({"X-Request-Id", request_id});
+    Authorize(&r, config_.router_token);
+    return r;
+}
+
+// Counts the request's end; tickets still open end as `rest` (the flow's success, or another
+// stage's failure: kCancelled).
+void Driver::Finish(const std::shared_ptr<Flow>& f, bool ok) {
+    --in_flight_;
+    (ok ? succeeded_ : failed_)++;
+    const Outcome rest = ok ? Outcome::kSucceeded : Outcome::kCancelled;
+    f->End(&Flow::prefill, rest);
+    f->End(&Flow::decode, rest);
+    if (!ok && config_.protocol == Protocol::kPush) {
+        // The prefill worker may have restarted with another agent: ask it again next time.
+        router_->ForgetAgent(Role::kPrefill, f->prefill_worker);
+    }
+}
+
+void Driver::Fail(const std::shared_ptr<Flow>& f, int status, const std::string& message) {
+    if (!f->Claim()) return;
+    f->CancelAll();
+    Finish(f, false);
+    FERRY_LOG(kInfo, "proxy: request {} failed: {} {}", f->request_id, status, message);
+    if (f->started) {
+        // Mid-stream: an error event, then the end.
+        f->ex->Write(
+            "data: " +
+            Dump({{"error",
+                   {{"message", message}, {"code", status}, {"request_id", f->request_id}}}}) +
+            "\n\ndata: [DONE]\n\n");
+        f->ex->End();
+        return;
+    }
+    f->ex->Reply(ErrorReply(status, message, f->request_id));
+}
+
+// Sends the request to the decode worker and relays its answer to the client.
+void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
+    const http::Endpoint ep = f->decode_ep;
+    auto self = shared_from_this();
+    http::ClientCallbacks cb;
+    cb.on_head = [f](const http::ClientHead& h) {
+        std::lock_guard lock(f->mu);
+        f->status = h.status;
+        if (const std::string* ct = http::FindHeader(h.headers, "content-type")) {
+            f->content_type = *ct;
+        }
+        if (f->stream && h.status == 200) {
+            f->started = true;
+            f->ex->StartStream(h.status, f->content_type,
+                               {{"Cache-Control", "no-cache"}, {"X-Request-Id", f->request_id}});
+        }
+    };
+    cb.on_data = [f](std::string_view d) {
+        std::lock_guard lock(f->mu);
+        if (f->started) {
+            f->ex->Write(std::string(d));
+        } else if (f->collected.size() < (64u << 20)) {
+            f->collected.append(d);
+        }
+    };
+    cb.on_done = [self, f, ep](const Status& st) {
+        if (!st.ok()) {
+            if (st.code() == Code::kCancelled) return;
+            f->End(&Flow::decode, Outcome::kWorkerFailed);
+            return self->Fail(
+                f, st.code() == Code::kDeadlineExceeded ? 504 : 502,
+                fmt::format("decode worker {}:{}: {}", ep.host, ep.port, st.message()));
+        }
+        bool retry = false;
+        {
+            std::lock_guard lock(f->mu);
+            // push: the decoder could not reach the prefill worker's agent before any token
+            // (503): that agent may have moved. Once: ask again, then retry on the same workers.
+            retry = self->config_.protocol == Protocol::kPush && f->attempt == 0 &&
+                    f->status == 503 && !f->started && !f->cancelled && !f->answered;
+            if (retry) f->attempt = 1;
+        }
+        if (retry) {
+            FERRY_LOG(kInfo,
+                      "proxy: request {}: the decode worker could not reach the prefill worker's "
+                      "agent; asking it again and retrying",
+                      f->request_id);
+            f->CancelAttempt();
+            self->router_->ForgetAgent(Role::kPrefill, f->prefill_worker);
+            return self->Push(f);
+        }
+        if (!f->Claim()) return;
+        f->CancelAll();
+        int status;
+        bool started;
+        std::string content_type, collected;
+        {
+            std::lock_guard lock(f->mu);
+            status = f->status;
+            started = f->started;
+            content_type = f->content_type;
+            collected = std::move(f->collected);
+        }
+        f->End(&Flow::decode, OutcomeOfStatus(status));
+        self->Finish(f, status == 200);
+        if (started) {
+            f->ex->End();
+        } else {
+            f->ex->Reply({status,
+                          std::move(content_type),
+                          std::move(collected),
+                          {{"X-Request-Id", f->request_id}}});
+        }
+    };
+    f->Add(client_->Call(ToWorker(ep, f->path, body, f->request_id), std::move(cb)));
+}
+
+void Driver::Pull(const std::shared_ptr<Flow>& f) {
+    Json pb = PrefillBody(f->body);
+    pb["kv_transfer_params"] = PullPrefillParams();
+    const http::Endpoint ep = f->prefill_ep;
+    auto self = shared_from_this();
+    f->Add(client_->CallWhole(
+        ToWorker(ep, f->path, pb, f->request_id), [self, f, ep](Result<http::ClientReply> r) {
+            if (!r.ok()) {
+                if (r.status().code() == Code::kCancelled) return;
+                f->End(&Flow::prefill, Outcome::kWorkerFailed);
+                return self->Fail(f, r.status().code() == Code::kDeadlineExceeded ? 504 : 502,
+                                  fmt::format("prefill worker {}:{}: {}", ep.host, ep.port,
+                                              r.status().message()));
+            }
+            f->End(&Flow::prefill, OutcomeOfStatus(r->status));
+            if (r->status != 200) {
+                if (!f->Claim()) return;
+                f->CancelAll();
+                self->Finish(f, false);
+                return f->ex->Reply({r->status,
+                                     "application/json",
+                                     std::move(r->body),
+                                     {{"X-Request-Id", f->request_id}}});
+            }
+            Json answer = Json::parse(r->body, nullptr, false);
+            Json decode = f->body;
+            if (answer.is_object() && answer.contains("kv_transfer_params") &&
+                answer["kv_transfer_params"].is_object() && !answer["kv_transfer_params"].empty()) {
+                decode["kv_transfer_params"] = answer["kv_transfer_params"];
+            }
+            {
+                std::lock_guard lock(f->mu);
+                if (f->cancelled) return;
+            }
+            self->Decode(f, std::move(decode));
+        }));
+}
+
+void Driver::Push(const std::shared_ptr<Flow>& f) {
+    auto self = shared_from_this();
+    auto got_agent = [self, f](Result<AgentInfo> agent) {
+        if (!agent.ok()) {
+            if (agent.status().code() == Code::kCancelled) return;
+            f->End(&Flow::prefill, Outcome::kWorkerFailed);
+            return self->Fail(f, 502, agent.status().message());
+        }
+        // Unguessable: a client that could name the next transfer id could park requests
+        // under it on the prefill worker.
+        const std::string xid = RandomId128();
+        Json pb = PrefillBody(f->body);
+        pb["kv_transfer_params"] = PushPrefillParams(xid);
+        Json db = f->body;
+        db["kv_transfer_params"] = PushDecodeParams(xid, *agent);
+        // Both at once: the decode worker allocates and names its blocks while the prefill
+        // worker waits for them.
+        self->Decode(f, std::move(db));
+        const http::Endpoint ep = f->prefill_ep;
+        f->Add(self->client_->CallWhole(
+            self->ToWorker(ep, f->path, pb, f->request_id),
+            [self, f, ep](Result<http::ClientReply> r) {
+                if (!r.ok()) {
+                    if (r.status().code() == Code::kCancelled) return;
+                    f->End(&Flow::prefill, Outcome::kWorkerFailed);
+                    return self->Fail(f, r.status().code() == Code::kDeadlineExceeded ? 504 : 502,
+                                      fmt::format("prefill worker {}:{}: {}", ep.host, ep.port,
+                                                  r.status().message()));
+                }
+                f->End(&Flow::prefill, OutcomeOfStatus(r->status));
+                if (r->status == 200) return;
+                // The decode worker would wait for KV that never comes: stop it.
+                if (!f->Claim()) return;
+                f->CancelAll();
+                self->Finish(f, false);
+                f->ex->Reply({r->status,
+                              "application/json",
+                              std::move(r->body),
+                              {{"X-Request-Id", f->request_id}}});
+            }));
+    };
+    f->Add(FindAgent(*client_, router_, Role::kPrefill, f->prefill_worker, config_.router_token,
+                     std::move(got_agent)));
+}
+
+void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string& path) {
+    ++requests_;
+    const std::string& text = ex->request().body;
+    if (!JsonDepthWithin(text, kMaxJsonDepth)) {
+        return ex->Reply(ErrorReply(400, "the body nests too deep"));
+    }
+    Json body = Json::parse(text, nullptr, false);
+    if (body.is_discarded() || !body.is_object()) {
+        return ex->Reply(ErrorReply(400, "the body must be a JSON object"));
+    }
+    if (body.contains("kv_transfer_params")) {
+        return ex->Reply(
+            ErrorReply(400, "kv_transfer_params are the proxy's to set, not the client's"));
+    }
+    auto f = std::make_shared<Flow>();
+    f->ex = ex;
+    f->path = path;
+    f->stream =
+        body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
+    // Token ids given as the prompt are counted; text is not tokenized here.
+    if (body.contains("prompt") && body["prompt"].is_array()) {
+        f->prompt_tokens = body["prompt"].size();
+    }
+    f->body = std::move(body);
+    // One id through every worker: the client's X-Request-Id if it gave a valid one, else 128
+    // random bits; the workers name their requests "cmpl-" + it.
+    f->request_id = RequestIdOr(ex->request().Find("X-Request-Id"));
+    const RouteRequest rr{f->request_id, f->prompt_tokens};
+    Result<Ticket> p = router_->Route(Role::kPrefill, rr);
+    Result<Ticket> d = p.ok() ? router_->Route(Role::kDecode, rr) : Result<Ticket>(p.status());
+    if (!p.ok() || !d.ok()) {
+        return ex->Reply(ErrorReply(503, (p.ok() ? d : p).status().message(), f->request_id));
+    }
+    f->prefill_worker = p->worker();
+    f->prefill_ep = p->endpoint();
+    f->decode_ep = d->endpoint();
+    f->prefill = std::move(*p);
+    f->decode = std::move(*d);
+    FERRY_LOG(kInfo, "proxy: request {}: prefill {}:{}, decode {}:{} ({})", f->request_id,
+              f->prefill_ep.host, f->prefill_ep.port, f->decode_ep.host, f->decode_ep.port,
+              ProtocolName(config_.protocol));
+    ++in_flight_;
+    auto self = shared_from_this();
+    ex->OnClose([self, f] {
+        if (!f->Claim()) return;
+        ++self->client_gone_;
+        f->End(&Flow::prefill, Outcome::kClientGone);
+        f->End(&Flow::decode, Outcome::kClientGone);
+        self->Finish(f, false);
+        f->CancelAll();  // the workers see their connections close and abort
+    });
+    if (config_.protocol == Protocol::kPush) {
+        Push(f);
+    } else {
+        Pull(f);
+    }
+}
+
+}  // namespace ferry::router

@@ -1,0 +1,75 @@
+// The P/D driver: takes one client completion request, routes it to a prefill and a decode
+// worker and drives the pull or push protocol between them (docs/disaggregation.md), relaying the
+// decode worker's answer (streamed or whole) to the client.
+//
+// pull (vLLM's NixlConnector protocol, as vLLM's toy_proxy_server does it): the request goes to
+//   a prefill worker with kv_transfer_params {do_remote_decode: true}, max_tokens 1, not
+//   streamed; the kv_transfer_params of its answer go with the original request to a decode
+//   worker.
+// push (layer-wise): the request goes to a prefill and a decode worker at once, under a transfer
+//   id; the decode worker names its blocks to the prefill worker, which writes each layer into
+//   them. A prefill worker whose agent moved (it restarted) makes the decode worker answer 503
+//   before any token; the driver then asks the prefill worker where its agent is now and tries
+//   once more.
+//
+// Event-driven: no thread waits on a worker. A client that leaves cancels its worker calls (the
+// workers then abort and free their blocks). Every request carries one id (the client's valid
+// X-Request-Id, else 128 random bits) to every worker as X-Request-Id, and every error names it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "http/http.h"
+#include "router/protocol.h"
+#include "router/router.h"
+
+namespace ferry::router {
+
+struct DriverConfig {
+    Protocol protocol = Protocol::kPull;
+    // A worker call not answered by then fails the request (504).
+    std::chrono::milliseconds worker_timeout{600000};
+    // The deployment's router token, sent to the workers on every call ("" = none).
+    std::string router_token;
+};
+
+struct DriverStats {
+    uint64_t requests = 0, succeeded = 0, failed = 0, client_gone = 0, in_flight = 0;
+};
+
+class Driver : public std::enable_shared_from_this<Driver> {
+  public:
+    // `router` holds at least one worker of each role by the first request. `client` is not
+    // owned: destroy it (which stops its calls) before the driver goes.
+    static std::shared_ptr<Driver> Create(DriverConfig config, std::shared_ptr<Router> router,
+                                          http::Client* client);
+
+    // Serves one POST of `path` (/v1/completions or /v1/chat/completions). Thread-safe.
+    void Handle(const std::shared_ptr<http::Exchange>& ex, const std::string& path);
+
+    DriverStats Stats() const;
+    const DriverConfig& config() const { return config_; }
+
+  private:
+    struct Flow;
+    Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client* client);
+
+    http::ClientRequest ToWorker(const http::Endpoint& ep, const std::string& path,
+                                 const nlohmann::json& body, const std::string& request_id) const;
+    void Finish(const std::shared_ptr<Flow>& f, bool ok);
+    void Fail(const std::shared_ptr<Flow>& f, int status, const std::string& message);
+    void Decode(const std::shared_ptr<Flow>& f, nlohmann::json body);
+    void Pull(const std::shared_ptr<Flow>& f);
+    void Push(const std::shared_ptr<Flow>& f);
+
+    DriverConfig config_;
+    std::shared_ptr<Router> router_;
+    http::Client* client_;
+    std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0};
+};
+
+}  // namespace ferry::router

@@ -1,0 +1,130 @@
+#include "router/protocol.h"
+
+#include <fmt/core.h>
+
+namespace ferry::router {
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+}  // namespace
+
+const char* ProtocolName(Protocol protocol) {
+    return protocol == Protocol::kPush ? "push" : "pull";
+}
+
+http::Reply ErrorReply(int status, const std::string& message, const std::string& request_id) {
+    Json err = {{"message", message},
+                {"type", status < 500 ? "invalid_request_error" : "server_error"},
+                {"param", nullptr},
+                {"code", status}};
+    if (request_id.empty()) return {status, "application/json", Dump({{"error", err}}), {}};
+    err["request_id"] = request_id;
+    return {status, "application/json", Dump({{"error", err}}), {{"X-Request-Id", request_id}}};
+}
+
+Json PrefillBody(Json body) {
+    body["stream"] = false;
+    body["max_tokens"] = 1;
+    if (body.contains("max_completion_tokens")) body["max_completion_tokens"] = 1;
+    body.erase("stream_options");
+    body.erase("min_tokens");
+    body.erase("min_completion_tokens");
+    return body;
+}
+
+Json PullPrefillParams() {
+    return {{"do_remote_decode", true},    {"do_remote_prefill", false},
+            {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+            {"remote_host", nullptr},      {"remote_port", nullptr}};
+}
+
+Json PushPrefillParams(const std::string& transfer_id) {
+    return {{"do_remote_decode", true},
+            {"do_remote_prefill", false},
+            {"transfer_mode", "push"},
+            {"transfer_id", transfer_id}};
+}
+
+Json PushDecodeParams(const std::string& transfer_id, const AgentInfo& agent) {
+    return {{"do_remote_decode", false},
+            {"do_remote_prefill", true},
+            {"transfer_mode", "push"},
+            {"transfer_id", transfer_id},
+            {"remote_engine_id", agent.engine_id},
+            {"remote_host", agent.host},
+            {"remote_port", agent.port},
+            {"tp_size", agent.tp_size}};
+}
+
+Result<AgentInfo> ParseAgentInfo(int status, const std::string& body,
+                                 const http::Endpoint& worker) {
+    Json j = status == 200 ? Json::parse(body, nullptr, false) : Json();
+    if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
+        !j.contains("port") || !j["port"].is_number_integer()) {
+        return UnavailableError(
+            fmt::format("prefill worker {}:{} has no KV agent (GET /v1/kv/agent answered {}): "
+                        "start it with --role prefill",
+                        worker.host, worker.port, status));
+    }
+    AgentInfo a;
+    a.engine_id = j["engine_id"].get<std::string>();
+    a.host =
+        j.contains("host") && j["host"].is_string() ? j["host"].get<std::string>() : worker.host;
+    a.port = j["port"].get<int>();
+    a.tp_size =
+        j.contains("tp_size") && j["tp_size"].is_number_integer() ? j["tp_size"].get<int>() : 1;
+    if (a.port <= 0 || a.port > 65535 || a.tp_size < 1) {
+        return UnavailableError(fmt::format(
+            "prefill worker {}:{} names an agent at port {} with tp_size {}: not usable",
+            worker.host, worker.port, a.port, a.tp_size));
+    }
+    return a;
+}
+
+void Authorize(http::ClientRequest* request, const std::string& router_token) {
+    if (!router_token.empty()) {
+        request->headers.push_back({"Authorization", "Bearer " + router_token});
+    }
+}
+
+std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_ptr<Router> router,
+                                            Role role, size_t worker,
+                                            const std::string& router_token,
+                                            std::function<void(Result<AgentInfo>)> done) {
+    if (std::optional<AgentInfo> known = router->Agent(role, worker)) {
+        done(std::move(*known));
+        return nullptr;
+    }
+    std::vector<WorkerState> ws = router->Workers(role);
+    if (worker >= ws.size()) {
+        done(InternalError(fmt::format("router: no {} worker {}", RoleName(role), worker)));
+        return nullptr;
+    }
+    const http::Endpoint ep = ws[worker].endpoint;
+    http::ClientRequest r =
+        http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
+    Authorize(&r, router_token);
+    return client.CallWhole(std::move(r), [router, role, worker, ep,
+                                           done = std::move(done)](Result<http::ClientReply> got) {
+        if (!got.ok()) {
+            if (got.status().code() == Code::kCancelled) return done(got.status());
+            return done(got.status().WithContext(
+                fmt::format("prefill worker {}:{}: GET /v1/kv/agent", ep.host, ep.port)));
+        }
+        Result<AgentInfo> a = ParseAgentInfo(got->status, got->body, ep);
+        if (a.ok()) router->SetAgent(role, worker, *a);
+        done(std::move(a));
+    });
+}
+
+Outcome OutcomeOfStatus(int status) {
+    if (status >= 200 && status < 300) return Outcome::kSucceeded;
+    if (status >= 400 && status < 500 && status != 408 && status != 429) return Outcome::kRefused;
+    return Outcome::kWorkerFailed;
+}
+
+}  // namespace ferry::router

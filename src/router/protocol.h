@@ -1,0 +1,60 @@
+// The disaggregation protocols' HTTP messages as the router writes them (docs/disaggregation.md):
+// the bodies each kind of worker gets, the kv_transfer_params of pull and push, a prefill
+// worker's agent, and OpenAI error replies. Written once: `ferry proxy` and decode-first
+// workers both build their requests here.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "ferry/status.h"
+#include "http/http.h"
+#include "router/router.h"
+
+namespace ferry::router {
+
+enum class Protocol {
+    kPull,  // vLLM's NixlConnector protocol: prefill first, its params go to the decoder
+    kPush,  // layer-wise: prefill and decode at once under a transfer id
+};
+const char* ProtocolName(Protocol protocol);
+
+// Request bodies nesting deeper than this are refused before they are parsed.
+inline constexpr size_t kMaxJsonDepth = 64;
+
+// An OpenAI error reply; with `request_id` the body names it ("request_id") and the X-Request-Id
+// header carries it.
+http::Reply ErrorReply(int status, const std::string& message, const std::string& request_id = "");
+
+// The client's request as vLLM's proxies send it to a prefill worker: one token, not streamed.
+nlohmann::json PrefillBody(nlohmann::json body);
+
+// kv_transfer_params of a pull prefill request (vLLM's: the prefill worker fills them in).
+nlohmann::json PullPrefillParams();
+// ... of a push prefill request: write the KV to whichever decoder names `transfer_id`.
+nlohmann::json PushPrefillParams(const std::string& transfer_id);
+// ... of a push decode request: name your blocks to `agent` under `transfer_id`.
+nlohmann::json PushDecodeParams(const std::string& transfer_id, const AgentInfo& agent);
+
+// A worker's GET /v1/kv/agent answer; Unavailable naming the worker when it has no agent.
+Result<AgentInfo> ParseAgentInfo(int status, const std::string& body, const http::Endpoint& worker);
+
+// Where `worker`'s transfer agent is: from the router when known, else asked of the worker (GET
+// /v1/kv/agent, with the router token when there is one) and remembered. `done` runs once, on
+// this thread when the agent is known, else on an I/O thread of `client`. The call, if one was
+// made (cancel it to stop waiting; `done` then gets Cancelled).
+std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_ptr<Router> router,
+                                            Role role, size_t worker,
+                                            const std::string& router_token,
+                                            std::function<void(Result<AgentInfo>)> done);
+
+// "Authorization: Bearer <token>" on a call to a worker, when there is a token.
+void Authorize(http::ClientRequest* request, const std::string& router_token);
+
+// How a worker's HTTP status ends its ticket.
+Outcome OutcomeOfStatus(int status);
+
+}  // namespace ferry::router

@@ -1,0 +1,158 @@
+// The router: the set of workers a deployment routes to, what it knows of each (requests and
+// prompt tokens in flight, outcomes, health, where its KV agent is), and the policy that picks
+// one for a request. `ferry proxy` routes prefill and decode workers with it; a decode worker
+// that asks prefill workers itself (decode-first) routes those with it.
+//
+// The router counts a request on the worker it picked from `Route` until its `Ticket` ends, on
+// every path (success, error, client gone, another stage's failure): a ticket destroyed without
+// `End` ends as kAbandoned, so load is never left counted on a worker.
+//
+// This library links core, http and discovery only: no model, no KV, no engine.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/status.h"
+#include "http/http.h"
+
+namespace ferry::router {
+
+enum class Role { kPrefill, kDecode };
+const char* RoleName(Role role);
+
+// Where a prefill worker's transfer agent listens (its GET /v1/kv/agent answer).
+struct AgentInfo {
+    std::string engine_id, host;
+    int port = 0, tp_size = 1;
+};
+
+// How a routed request ended, as the router counts it.
+enum class Outcome {
+    kSucceeded,     // the worker answered 200
+    kRefused,       // the worker answered 4xx: the request's fault, not the worker's
+    kWorkerFailed,  // 5xx, unreachable, timed out: counts against the worker's health
+    kClientGone,    // the client left first
+    kCancelled,     // another stage of the request failed; this worker is not to blame
+    kAbandoned,     // the ticket was dropped without an ending (a bug elsewhere; still counted)
+};
+const char* OutcomeName(Outcome outcome);
+
+// What the router knows of one worker.
+struct WorkerState {
+    http::Endpoint endpoint;
+    size_t in_flight = 0;           // requests routed to it whose tickets have not ended
+    uint64_t in_flight_tokens = 0;  // their prompt tokens, where the router knew them
+    uint64_t routed = 0;
+    uint64_t succeeded = 0, refused = 0, failed = 0;  // by Outcome (the others in metrics)
+    int consecutive_failures = 0;                     // kWorkerFailed in a row
+    // False after `unhealthy_after` consecutive failures, until `probe_after` has passed since
+    // the last one (then one request may try it) or a request succeeds.
+    bool healthy = true;
+    std::optional<AgentInfo> agent;  // where its KV agent is, once known
+};
+
+// A request as the policy sees it.
+struct RouteRequest {
+    std::string_view request_id;
+    size_t prompt_tokens = 0;  // 0: not known (the router does not tokenize)
+};
+
+// Picks a worker of one role for a request. Called with the router's lock held (never
+// concurrently, never re-entrant): keep it short; it must not call back into the router.
+class RoutingPolicy {
+  public:
+    virtual ~RoutingPolicy() = default;
+    virtual const char* name() const = 0;
+    // An index into `workers` (never empty). Healthy workers should be preferred; when none is,
+    // any may be picked.
+    virtual size_t Pick(Role role, const RouteRequest& request,
+                        std::span<const WorkerState> workers) = 0;
+    // How a request this policy routed ended (after the state is updated).
+    virtual void OnEnd(Role /*role*/, size_t /*worker*/, const RouteRequest& /*request*/,
+                       Outcome /*outcome*/) {}
+};
+
+// Healthy workers in turn (all in turn when none is healthy).
+std::unique_ptr<RoutingPolicy> MakeRoundRobin();
+// The healthy worker with the fewest requests in flight, then the fewest prompt tokens in
+// flight, then the first in turn.
+std::unique_ptr<RoutingPolicy> MakeLeastLoaded();
+// "round-robin" or "least-loaded"; InvalidArgument naming the choices otherwise.
+Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name);
+
+struct RouterConfig {
+    std::unique_ptr<RoutingPolicy> policy;  // null: round robin
+    int unhealthy_after = 3;                // consecutive worker failures
+    std::chrono::milliseconds probe_after{5000};
+};
+
+class Router;
+
+// One routed request on one worker. Move-only; ends once (End, or its destructor as kAbandoned).
+class Ticket {
+  public:
+    Ticket() = default;
+    Ticket(Ticket&& other) noexcept;
+    Ticket& operator=(Ticket&& other) noexcept;
+    Ticket(const Ticket&) = delete;
+    Ticket& operator=(const Ticket&) = delete;
+    ~Ticket();
+
+    bool valid() const { return state_ != nullptr; }
+    Role role() const { return role_; }
+    size_t worker() const { return worker_; }
+    const http::Endpoint& endpoint() const { return endpoint_; }
+    void End(Outcome outcome);
+
+  private:
+    friend class Router;
+    struct State;
+    std::shared_ptr<State> state_;
+    Role role_ = Role::kPrefill;
+    size_t worker_ = 0;
+    size_t tokens_ = 0;
+    std::string request_id_;
+    http::Endpoint endpoint_;
+};
+
+// Thread-safe; never blocks on the network.
+class Router {
+  public:
+    explicit Router(RouterConfig config = {});
+    ~Router();
+    Router(const Router&) = delete;
+    Router& operator=(const Router&) = delete;
+
+    // Adds a worker (a known endpoint is not added twice); its index.
+    size_t AddWorker(Role role, http::Endpoint endpoint);
+    size_t size(Role role) const;
+    std::vector<WorkerState> Workers(Role role) const;
+    const char* policy_name() const;
+
+    // Picks a worker for `request` and counts the request on it until the ticket ends.
+    // Unavailable if there is no worker of that role.
+    Result<Ticket> Route(Role role, const RouteRequest& request);
+
+    // The worker's agent, once known; Forget after the worker may have restarted.
+    std::optional<AgentInfo> Agent(Role role, size_t worker) const;
+    void SetAgent(Role role, size_t worker, AgentInfo agent);
+    void ForgetAgent(Role role, size_t worker);
+
+    // Prometheus text: per worker, requests in flight, prompt tokens in flight, health, and
+    // requests by outcome (ferry_router_*, labelled role and worker).
+    std::string RenderMetrics() const;
+
+  private:
+    std::shared_ptr<Ticket::State> state_;
+};
+
+}  // namespace ferry::router

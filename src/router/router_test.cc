@@ -1,0 +1,390 @@
+// The router library alone: its binary links ferry_router (http, core) and GoogleTest, nothing
+// else, so the router is proven to need no model, KV or engine.
+#include "router/router.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "router/driver.h"
+#include "router/protocol.h"
+
+namespace ferry::router {
+namespace {
+
+using Json = nlohmann::json;
+
+http::Endpoint Ep(int port) { return {"127.0.0.1", port}; }
+
+TEST(Router, RoundRobinTakesEachRolesWorkersInTurn) {
+    Router r;
+    for (int i = 0; i < 3; ++i) r.AddWorker(Role::kPrefill, Ep(1000 + i));
+    for (int i = 0; i < 2; ++i) r.AddWorker(Role::kDecode, Ep(2000 + i));
+    EXPECT_EQ(r.AddWorker(Role::kPrefill, Ep(1001)), 1u) << "a known worker is not added twice";
+    std::vector<size_t> p, d;
+    for (int i = 0; i < 6; ++i) {
+        Result<Ticket> tp = r.Route(Role::kPrefill, {"x", 0});
+        Result<Ticket> td = r.Route(Role::kDecode, {"x", 0});
+        ASSERT_TRUE(tp.ok() && td.ok());
+        p.push_back(tp->worker());
+        d.push_back(td->worker());
+        tp->End(Outcome::kSucceeded);
+        td->End(Outcome::kSucceeded);
+    }
+    EXPECT_EQ(p, (std::vector<size_t>{0, 1, 2, 0, 1, 2}));
+    EXPECT_EQ(d, (std::vector<size_t>{0, 1, 0, 1, 0, 1}));
+    EXPECT_STREQ(r.policy_name(), "round-robin");
+}
+
+TEST(Router, ATicketCountsItsRequestUntilItEndsOnEveryPath) {
+    Router r;
+    r.AddWorker(Role::kDecode, Ep(2000));
+    {
+        Result<Ticket> a = r.Route(Role::kDecode, {"a", 100});
+        Result<Ticket> b = r.Route(Role::kDecode, {"b", 20});
+        ASSERT_TRUE(a.ok() && b.ok());
+        EXPECT_EQ(r.Workers(Role::kDecode)[0].in_flight, 2u);
+        EXPECT_EQ(r.Workers(Role::kDecode)[0].in_flight_tokens, 120u);
+        Ticket moved = std::move(*a);  // a move carries the count, it does not end it
+        EXPECT_FALSE(a->valid());
+        EXPECT_EQ(r.Workers(Role::kDecode)[0].in_flight, 2u);
+        moved.End(Outcome::kClientGone);
+        moved.End(Outcome::kSucceeded);  // ends once
+        EXPECT_EQ(r.Workers(Role::kDecode)[0].in_flight, 1u);
+        EXPECT_EQ(r.Workers(Role::kDecode)[0].in_flight_tokens, 20u);
+        EXPECT_EQ(r.Workers(Role::kDecode)[0].succeeded, 0u);
+    }  // b is dropped without an ending: still released, counted as abandoned
+    WorkerState w = r.Workers(Role::kDecode)[0];
+    EXPECT_EQ(w.in_flight, 0u);
+    EXPECT_EQ(w.in_flight_tokens, 0u);
+    EXPECT_EQ(w.routed, 2u);
+    const std::string m = r.RenderMetrics();
+    EXPECT_NE(m.find("ferry_router_worker_requests_total{role=\"decode\",worker=\"127.0.0.1:2000\","
+                     "outcome=\"abandoned\"} 1"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("outcome=\"client_gone\"} 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("ferry_router_worker_requests_in_flight{role=\"decode\",worker=\"127.0.0.1:"
+                     "2000\"} 0"),
+              std::string::npos)
+        << m;
+}
+
+TEST(Router, LeastLoadedPicksTheFewestRequestsThenTheFewestTokens) {
+    RouterConfig c;
+    c.policy = MakeLeastLoaded();
+    Router r(std::move(c));
+    for (int i = 0; i < 3; ++i) r.AddWorker(Role::kPrefill, Ep(1000 + i));
+    Result<Ticket> a = r.Route(Role::kPrefill, {"a", 5000});  // worker 0: a long prompt
+    Result<Ticket> b = r.Route(Role::kPrefill, {"b", 10});    // worker 1
+    Result<Ticket> c2 = r.Route(Role::kPrefill, {"c", 10});   // worker 2
+    ASSERT_TRUE(a.ok() && b.ok() && c2.ok());
+    EXPECT_EQ(a->worker(), 0u);
+    EXPECT_NE(b->worker(), 0u);
+    EXPECT_NE(c2->worker(), 0u);
+    // All hold one request; worker 0 the most tokens: the next goes elsewhere.
+    Result<Ticket> d = r.Route(Role::kPrefill, {"d", 10});
+    ASSERT_TRUE(d.ok());
+    EXPECT_NE(d->worker(), 0u);
+    // Worker 0's long request ends: it is now the least loaded.
+    a->End(Outcome::kSucceeded);
+    Result<Ticket> e = r.Route(Role::kPrefill, {"e", 10});
+    ASSERT_TRUE(e.ok());
+    EXPECT_EQ(e->worker(), 0u);
+    // A burst of long one-token requests spreads: never two on one worker while one is idle.
+    RouterConfig c3;
+    c3.policy = MakeLeastLoaded();
+    Router burst(std::move(c3));
+    for (int i = 0; i < 3; ++i) burst.AddWorker(Role::kPrefill, Ep(1000 + i));
+    std::vector<Ticket> held;
+    for (int i = 0; i < 9; ++i) held.push_back(*burst.Route(Role::kPrefill, {"x", 32000}));
+    for (const WorkerState& w : burst.Workers(Role::kPrefill)) EXPECT_EQ(w.in_flight, 3u);
+}
+
+TEST(Router, AWorkerThatKeepsFailingIsSkippedUntilItsProbeAndBackOnASuccess) {
+    RouterConfig c;
+    c.unhealthy_after = 2;
+    c.probe_after = std::chrono::hours(1);
+    auto r = std::make_shared<Router>(std::move(c));
+    r->AddWorker(Role::kDecode, Ep(2000));
+    r->AddWorker(Role::kDecode, Ep(2001));
+    // Worker 0 fails twice in a row; a 4xx in between does not count against it.
+    for (Outcome o : {Outcome::kWorkerFailed, Outcome::kRefused, Outcome::kWorkerFailed,
+                      Outcome::kWorkerFailed}) {
+        Result<Ticket> t = r->Route(Role::kDecode, {"x", 0});
+        while (t->worker() != 0) {
+            t->End(Outcome::kSucceeded);
+            t = r->Route(Role::kDecode, {"x", 0});
+        }
+        t->End(o);
+    }
+    EXPECT_FALSE(r->Workers(Role::kDecode)[0].healthy);
+    EXPECT_EQ(r->Workers(Role::kDecode)[0].failed, 3u);
+    EXPECT_EQ(r->Workers(Role::kDecode)[0].refused, 1u);
+    for (int i = 0; i < 5; ++i) {
+        Result<Ticket> t = r->Route(Role::kDecode, {"x", 0});
+        EXPECT_EQ(t->worker(), 1u) << "an unhealthy worker gets nothing while another is healthy";
+        t->End(Outcome::kSucceeded);
+    }
+    // With no healthy worker left, requests still go somewhere.
+    Router alone({.policy = nullptr, .unhealthy_after = 1, .probe_after = std::chrono::hours(1)});
+    alone.AddWorker(Role::kDecode, Ep(2000));
+    alone.Route(Role::kDecode, {"x", 0})->End(Outcome::kWorkerFailed);
+    EXPECT_FALSE(alone.Workers(Role::kDecode)[0].healthy);
+    Result<Ticket> t = alone.Route(Role::kDecode, {"x", 0});
+    ASSERT_TRUE(t.ok());
+    t->End(Outcome::kSucceeded);
+    EXPECT_TRUE(alone.Workers(Role::kDecode)[0].healthy) << "a success makes it healthy again";
+    // Past its probe time an unhealthy worker is tried again.
+    Router probed({.policy = nullptr, .unhealthy_after = 1, .probe_after = std::chrono::hours(0)});
+    probed.AddWorker(Role::kDecode, Ep(2000));
+    probed.AddWorker(Role::kDecode, Ep(2001));
+    probed.Route(Role::kDecode, {"x", 0})->End(Outcome::kWorkerFailed);
+    EXPECT_TRUE(probed.Workers(Role::kDecode)[0].healthy);
+}
+
+TEST(Router, NoWorkerAndUnknownPoliciesAreErrorsThatSaySo) {
+    Router r;
+    Result<Ticket> t = r.Route(Role::kPrefill, {"x", 0});
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), Code::kUnavailable);
+    EXPECT_NE(t.status().message().find("no prefill worker"), std::string::npos);
+    auto p = MakePolicy("random");
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(p.status().message().find("round-robin, least-loaded"), std::string::npos);
+    EXPECT_STREQ((*MakePolicy("least-loaded"))->name(), "least-loaded");
+}
+
+TEST(RouterProtocol, BodiesAndParamsAreVllmsAndFerrysFields) {
+    Json pb = PrefillBody({{"prompt", "hi"},
+                           {"stream", true},
+                           {"max_tokens", 50},
+                           {"max_completion_tokens", 50},
+                           {"stream_options", {{"include_usage", true}}},
+                           {"min_tokens", 3}});
+    EXPECT_EQ(pb["stream"], false);
+    EXPECT_EQ(pb["max_tokens"], 1);
+    EXPECT_EQ(pb["max_completion_tokens"], 1);
+    EXPECT_FALSE(pb.contains("stream_options"));
+    EXPECT_FALSE(pb.contains("min_tokens"));
+    EXPECT_EQ(pb["prompt"], "hi");
+    Json pull = PullPrefillParams();
+    EXPECT_EQ(pull["do_remote_decode"], true);
+    EXPECT_TRUE(pull["remote_engine_id"].is_null());
+    AgentInfo a{"eng", "10.0.0.1", 7000, 2};
+    Json d = PushDecodeParams("xid", a);
+    EXPECT_EQ(d["do_remote_prefill"], true);
+    EXPECT_EQ(d["transfer_mode"], "push");
+    EXPECT_EQ(d["transfer_id"], "xid");
+    EXPECT_EQ(d["remote_engine_id"], "eng");
+    EXPECT_EQ(d["remote_host"], "10.0.0.1");
+    EXPECT_EQ(d["remote_port"], 7000);
+    EXPECT_EQ(d["tp_size"], 2);
+    EXPECT_EQ(PushPrefillParams("xid")["transfer_id"], "xid");
+
+    Result<AgentInfo> ok = ParseAgentInfo(200, R"({"engine_id":"e","port":7001})", Ep(9000));
+    ASSERT_TRUE(ok.ok());
+    EXPECT_EQ(ok->host, "127.0.0.1") << "no host: the worker's";
+    EXPECT_EQ(ok->tp_size, 1);
+    for (auto [status, body] : std::vector<std::pair<int, std::string>>{
+             {404, R"({"engine_id":"e","port":7001})"},
+             {200, "not json"},
+             {200, R"({"port":7001})"},
+             {200, R"({"engine_id":"e","port":"7001"})"},
+             {200, R"({"engine_id":"e","port":70000})"},
+             {200, R"({"engine_id":"e","port":7001,"tp_size":0})"}}) {
+        Result<AgentInfo> bad = ParseAgentInfo(status, body, Ep(9000));
+        ASSERT_FALSE(bad.ok()) << body;
+        EXPECT_EQ(bad.status().code(), Code::kUnavailable);
+        EXPECT_NE(bad.status().message().find("127.0.0.1:9000"), std::string::npos);
+    }
+    EXPECT_EQ(OutcomeOfStatus(200), Outcome::kSucceeded);
+    EXPECT_EQ(OutcomeOfStatus(400), Outcome::kRefused);
+    EXPECT_EQ(OutcomeOfStatus(429), Outcome::kWorkerFailed);
+    EXPECT_EQ(OutcomeOfStatus(503), Outcome::kWorkerFailed);
+    http::Reply e = ErrorReply(502, "boom", "rid-1");
+    Json ej = Json::parse(e.body);
+    EXPECT_EQ(ej["error"]["request_id"], "rid-1");
+    EXPECT_EQ(ej["error"]["type"], "server_error");
+}
+
+// A worker's OpenAI server as the driver sees it: records what it got, answers as told.
+struct FakeWorker {
+    std::mutex mu;
+    std::vector<http::Request> got;
+    int status = 200;
+    Json answer = Json::object();
+    std::unique_ptr<http::Server> server;
+
+    explicit FakeWorker(std::string name) {
+        http::ServerConfig c;
+        c.name = std::move(name);
+        c.io_threads = 1;
+        auto handler = [this](std::shared_ptr<http::Exchange> ex) {
+            int s;
+            Json a;
+            {
+                std::lock_guard lock(mu);
+                got.push_back(ex->request());
+                s = status;
+                a = answer;
+            }
+            ex->Reply({s, "application/json", a.dump(), {}});
+        };
+        std::vector<http::Route> routes = {{"POST", "/v1/completions", handler, 0},
+                                           {"GET", "/v1/kv/agent", handler, 0}};
+        server = std::move(http::Server::Start(c, routes)).value();
+    }
+    http::Endpoint ep() const { return Ep(server->port()); }
+    std::vector<http::Request> Got() {
+        std::lock_guard lock(mu);
+        return got;
+    }
+};
+
+struct DriverHarness {
+    FakeWorker prefill{"prefill"}, decode{"decode"};
+    std::shared_ptr<Router> router = std::make_shared<Router>();
+    std::unique_ptr<http::Client> client = http::Client::Create(1);
+    std::shared_ptr<Driver> driver;
+    std::unique_ptr<http::Server> front;
+
+    explicit DriverHarness(Protocol protocol) {
+        router->AddWorker(Role::kPrefill, prefill.ep());
+        router->AddWorker(Role::kDecode, decode.ep());
+        driver = Driver::Create({protocol, std::chrono::seconds(10), "tok"}, router, client.get());
+        http::ServerConfig c;
+        c.name = "front";
+        c.io_threads = 1;
+        front = std::move(http::Server::Start(c, {{"POST", "/v1/completions",
+                                                   [this](std::shared_ptr<http::Exchange> ex) {
+                                                       driver->Handle(ex, "/v1/completions");
+                                                   },
+                                                   0}}))
+                    .value();
+    }
+    ~DriverHarness() {
+        front->Stop();
+        client.reset();
+    }
+    Result<http::ClientReply> Post(Json body, std::string request_id = "") {
+        http::ClientRequest r;
+        r.method = "POST";
+        r.host = "127.0.0.1";
+        r.port = front->port();
+        r.target = "/v1/completions";
+        r.body = body.dump();
+        r.timeout = std::chrono::seconds(10);
+        if (!request_id.empty()) r.headers.push_back({"X-Request-Id", request_id});
+        return http::Fetch(r);
+    }
+    // Tickets end just after the client's answer is sent: wait for them.
+    void ExpectNothingInFlight() {
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        for (Role role : {Role::kPrefill, Role::kDecode}) {
+            while (router->Workers(role)[0].in_flight != 0 &&
+                   std::chrono::steady_clock::now() < deadline) {
+                std::this_thread::yield();
+            }
+            EXPECT_EQ(router->Workers(role)[0].in_flight, 0u) << RoleName(role);
+        }
+    }
+};
+
+const std::string* Header(const http::Request& r, const char* name) { return r.Find(name); }
+
+TEST(RouterDriver, PullSendsThePrefillWorkersParamsToTheDecoderUnderOneRequestId) {
+    DriverHarness h(Protocol::kPull);
+    h.prefill.answer = {{"kv_transfer_params", {{"remote_engine_id", "p0"}, {"nonce", "n"}}}};
+    h.decode.answer = {{"choices", Json::array({{{"text", "ok"}}})}};
+    Result<http::ClientReply> got = h.Post({{"prompt", {1, 2, 3}}, {"max_tokens", 4}}, "req-7");
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->status, 200);
+    EXPECT_EQ(Json::parse(got->body)["choices"][0]["text"], "ok");
+    std::vector<http::Request> p = h.prefill.Got(), d = h.decode.Got();
+    ASSERT_EQ(p.size(), 1u);
+    ASSERT_EQ(d.size(), 1u);
+    Json pb = Json::parse(p[0].body), db = Json::parse(d[0].body);
+    EXPECT_EQ(pb["max_tokens"], 1);
+    EXPECT_EQ(pb["kv_transfer_params"], PullPrefillParams());
+    EXPECT_EQ(db["max_tokens"], 4);
+    EXPECT_EQ(db["kv_transfer_params"]["remote_engine_id"], "p0");
+    for (const http::Request& r : {p[0], d[0]}) {
+        ASSERT_NE(Header(r, "X-Request-Id"), nullptr);
+        EXPECT_EQ(*Header(r, "X-Request-Id"), "req-7");
+        ASSERT_NE(Header(r, "Authorization"), nullptr);
+        EXPECT_EQ(*Header(r, "Authorization"), "Bearer tok");
+    }
+    h.ExpectNothingInFlight();
+    EXPECT_EQ(h.router->Workers(Role::kPrefill)[0].succeeded, 1u);
+    EXPECT_EQ(h.router->Workers(Role::kDecode)[0].succeeded, 1u);
+    EXPECT_EQ(h.driver->Stats().succeeded, 1u);
+}
+
+TEST(RouterDriver, PushAsksTheAgentOnceAndSendsBothWorkersOneTransferId) {
+    DriverHarness h(Protocol::kPush);
+    h.prefill.answer = {{"engine_id", "p0"}, {"host", "127.0.0.9"}, {"port", 7100}};
+    for (int i = 0; i < 2; ++i) {
+        Result<http::ClientReply> got = h.Post({{"prompt", "hello"}});
+        ASSERT_TRUE(got.ok());
+        EXPECT_EQ(got->status, 200);
+    }
+    std::vector<http::Request> p = h.prefill.Got(), d = h.decode.Got();
+    ASSERT_EQ(p.size(), 3u) << "one GET /v1/kv/agent, then two prefill requests";
+    EXPECT_EQ(p[0].method, "GET");
+    ASSERT_EQ(d.size(), 2u);
+    std::set<std::string> ids;
+    for (int i = 0; i < 2; ++i) {
+        Json pb = Json::parse(p[1 + i].body);
+        const std::string xid = pb["kv_transfer_params"]["transfer_id"];
+        EXPECT_EQ(xid.size(), 32u);
+        ids.insert(xid);
+        bool found = false;
+        for (const http::Request& r : d) {
+            Json db = Json::parse(r.body);
+            if (db["kv_transfer_params"]["transfer_id"] != xid) continue;
+            found = true;
+            EXPECT_EQ(db["kv_transfer_params"]["remote_host"], "127.0.0.9");
+            EXPECT_EQ(db["kv_transfer_params"]["remote_port"], 7100);
+        }
+        EXPECT_TRUE(found) << xid;
+    }
+    EXPECT_EQ(ids.size(), 2u) << "a transfer id per request";
+    h.ExpectNothingInFlight();
+}
+
+TEST(RouterDriver, AFailingDecoderCountsAgainstItAndNotThePrefillWorker) {
+    DriverHarness h(Protocol::kPull);
+    h.decode.status = 500;
+    h.decode.answer = {{"error", {{"message", "boom"}}}};
+    Result<http::ClientReply> got = h.Post({{"prompt", "hi"}}, "req-9");
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->status, 500);
+    h.ExpectNothingInFlight();
+    EXPECT_EQ(h.router->Workers(Role::kDecode)[0].failed, 1u);
+    EXPECT_EQ(h.router->Workers(Role::kPrefill)[0].failed, 0u);
+    EXPECT_EQ(h.router->Workers(Role::kPrefill)[0].succeeded, 1u);
+    // An unreachable prefill worker: 502 naming it and the request, and counted against it.
+    h.prefill.server->Stop();
+    got = h.Post({{"prompt", "hi"}}, "req-10");
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->status, 502);
+    Json e = Json::parse(got->body);
+    EXPECT_EQ(e["error"]["request_id"], "req-10");
+    EXPECT_NE(e["error"]["message"].get<std::string>().find("prefill worker"), std::string::npos);
+    h.ExpectNothingInFlight();
+    EXPECT_EQ(h.router->Workers(Role::kPrefill)[0].failed, 1u);
+    // A client's kv_transfer_params are refused before any worker is asked.
+    got = h.Post({{"prompt", "hi"}, {"kv_transfer_params", {{"do_remote_prefill", true}}}});
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->status, 400);
+}
+
+}  // namespace
+}  // namespace ferry::router
