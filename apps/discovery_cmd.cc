@@ -9,6 +9,7 @@
 
 #include "core/crypto.h"
 #include "ferry/discovery.h"
+#include "http/http.h"
 #include "transfer/metadata.h"
 
 namespace ferry::cli {
@@ -147,18 +148,10 @@ void AddDiscoveryCommand(CLI::App& app, int* rc) {
         if (!cmd->get_subcommands().empty()) return;  // `ls` ran
         StoreServerConfig config;
         config.request_deadline = std::chrono::milliseconds(request_deadline_ms);
-        auto colon = listen.rfind(':');
-        if (colon == std::string::npos) {
-            throw CLI::ValidationError("--listen", "'" + listen + "': expected host:port");
-        }
-        config.listen_host = listen.substr(0, colon);
-        try {
-            int port = std::stoi(listen.substr(colon + 1));
-            if (port < 0 || port > 65535) throw std::out_of_range("port");
-            config.listen_port = static_cast<uint16_t>(port);
-        } catch (const std::exception&) {
-            throw CLI::ValidationError("--listen", "'" + listen + "': port must be 0..65535");
-        }
+        auto address = http::ParseListenAddress(listen);
+        if (!address.ok()) throw CLI::ValidationError("--listen", address.status().message());
+        config.listen_host = address->host;
+        config.listen_port = static_cast<uint16_t>(address->port);
         config.secret = LoadSecret(secret_file);
         config.validate = [](std::string_view key, std::string_view value) -> Status {
             if (key.substr(0, kAgentPrefix.size()) != kAgentPrefix) return Status::Ok();

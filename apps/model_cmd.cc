@@ -17,6 +17,7 @@
 #include "kv/agent_connector.h"
 #include "model/model.h"
 #include "serve/openai_server.h"
+#include "serve/worker.h"
 
 namespace ferry::cli {
 
@@ -246,57 +247,36 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
         ec.chunked_prefill = !no_chunked;
         ec.prefix_caching = !no_prefix;
-        if (!remote_prefill.empty() && role != "decode") {
-            return fail(InvalidArgumentError("--remote-prefill needs --role decode"));
-        }
+        serve::WorkerConfig wc;
+        wc.role = *serve::ParseWorkerRole(role);
+        wc.model = m;
         for (const std::string& u : remote_prefill) {
             auto ep = http::ParseEndpoint(u);
             if (!ep.ok()) return fail(ep.status().WithContext("--remote-prefill"));
             sc.remote_prefill.push_back(*ep);
         }
-        std::shared_ptr<Agent> agent;
-        std::shared_ptr<kv::AgentKvConnector> connector;
-        if (role != "colocated") {
-            AgentConfig ac;
-            ac.name = agent_name.empty() ? fmt::format("ferry-{}-{}", role, getpid()) : agent_name;
-            size_t colon = agent_listen.rfind(':');
-            if (colon == std::string::npos) {
-                return fail(InvalidArgumentError(
-                    fmt::format("--agent-listen '{}' is not HOST:PORT", agent_listen)));
-            }
-            ac.listen_host = agent_listen.substr(0, colon);
-            try {
-                int port = std::stoi(agent_listen.substr(colon + 1));
-                if (port < 0 || port > 65535) throw std::out_of_range("port");
-                ac.listen_port = static_cast<uint16_t>(port);
-            } catch (const std::exception&) {
-                return fail(InvalidArgumentError(
-                    fmt::format("--agent-listen '{}': the port is not 0..65535", agent_listen)));
-            }
+        if (wc.role != serve::WorkerRole::kColocated) {
+            wc.agent.name = agent_name;
+            auto listen = http::ParseListenAddress(agent_listen);
+            if (!listen.ok()) return fail(listen.status().WithContext("--agent-listen"));
+            wc.agent.listen_host = listen->host;
+            wc.agent.listen_port = static_cast<uint16_t>(listen->port);
             if (kv_backend != "auto") {
-                ac.backends = {kv_backend};
-                ac.force_backend = kv_backend;
+                wc.agent.backends = {kv_backend};
+                wc.agent.force_backend = kv_backend;
             } else {
-                ac.backends = AvailableBackends();
+                wc.agent.backends = AvailableBackends();
             }
-            ac.store = store;
+            wc.agent.store = store;
             try {
-                ac.secret = LoadSecret(secret_file);
+                wc.agent.secret = LoadSecret(secret_file);
             } catch (const CLI::ValidationError& e) {
                 return fail(InvalidArgumentError(e.what()));
             }
-            sc.router_token = RouterToken(ac.secret);
-            auto a = Agent::Create(ac);
-            if (!a.ok()) return fail(a.status().WithContext("--agent-listen"));
-            agent = std::shared_ptr<Agent>(std::move(a).value());
-            kv::AgentConnectorConfig cc;
-            cc.model_fingerprint = m->fingerprint();
-            cc.model_kv_heads = m->config().num_kv_heads;
+            kv::AgentConnectorConfig& cc = wc.connector;
             cc.hold_lease = std::chrono::milliseconds(hold_lease_ms);
             cc.transfer_timeout = std::chrono::milliseconds(kv_timeout_ms);
             cc.handshake_timeout = std::chrono::milliseconds(handshake_ms);
-            cc.authenticated = !ac.secret.empty();
-            cc.by_store = !store.empty();
             for (const std::string& p : kv_peers) {
                 auto ep = http::ParseEndpoint(p);
                 if (!ep.ok()) return fail(ep.status().WithContext("--kv-peers"));
@@ -304,47 +284,34 @@ void AddServeCommand(CLI::App& app, int* rc) {
             }
             cc.max_client_hold_blocks = client_hold_blocks;
             cc.max_client_loads = client_loads;
-            auto c = kv::AgentKvConnector::Create(agent, cc);
-            if (!c.ok()) return fail(c.status());
-            connector = *c;
-            ec.connector = connector;
-            ec.allocator = kv::AgentKvAllocator(agent);
-            sc.default_kv_mode =
+            wc.kv_mode =
                 kv_transfer == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
-            sc.kv_agent_info = [agent, tp_size = tp] {
-                std::string a = agent->ListenAddress();
-                size_t c = a.rfind(':');
-                return fmt::format(
-                    "{{\"engine_id\":\"{}\",\"host\":\"{}\",\"port\":{},\"tp_size\":{}}}",
-                    agent->name(), a.substr(0, c), a.substr(c + 1), tp_size);
-            };
-            sc.extra_metrics = [connector] {
-                return kv::RenderKvConnectorMetrics(connector->Stats());
-            };
         }
-        auto created = engine::Engine::Create(m, ec);
-        if (!created.ok()) return fail(created.status());
-        std::shared_ptr<engine::Engine> e(std::move(created).value());
-        auto server = serve::OpenAiServer::Start(e, sc);
-        if (!server.ok()) return fail(server.status());
+        wc.engine = ec;
+        wc.server = sc;
+        auto started = serve::Worker::Start(std::move(wc));
+        if (!started.ok()) return fail(started.status());
+        std::unique_ptr<serve::Worker> worker = std::move(started).value();
+        const std::shared_ptr<engine::Engine>& e = worker->shared_engine();
+        const std::shared_ptr<Agent>& agent = worker->agent();
+        serve::OpenAiServer* server = worker->server();
         const model::ModelConfig& c = m->config();
         const engine::EngineConfig& got = e->config();
         fmt::print(
             "ferry serve: model {} ({:.1f} M parameters, {} layers), tp {}, kv cache {} blocks x "
             "{} tokens ({}), max model len {}\n",
-            (*server)->model_name(), c.ParamCount() / 1e6, c.num_layers, tp, got.num_blocks,
+            server->model_name(), c.ParamCount() / 1e6, c.num_layers, tp, got.num_blocks,
             got.block_tokens, kv_dtype, got.max_model_len);
         if (agent) {
             fmt::print("ferry serve: role {}, kv agent {} at {}\n", role, agent->name(),
                        agent->ListenAddress());
         }
-        fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, (*server)->port());
+        fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, server->port());
         std::fflush(stdout);
         int sig = 0;
         sigwait(&signals, &sig);
         fmt::print("ferry serve: signal {}, stopping\n", sig);
-        (*server)->Stop();
-        e.reset();  // the engine unbinds the connector before the agent goes
+        worker.reset();  // server, engine (it unbinds the connector), connector, agent
     });
 }
 

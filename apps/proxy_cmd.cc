@@ -89,13 +89,10 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         if (store.empty() && !no_store) {
             StoreServerConfig sc;
             sc.secret = secret;
-            size_t colon = store_listen.rfind(':');
-            if (colon == std::string::npos) {
-                return fail(InvalidArgumentError(
-                    fmt::format("--store-listen '{}' is not HOST:PORT", store_listen)));
-            }
-            sc.listen_host = store_listen.substr(0, colon);
-            sc.listen_port = static_cast<uint16_t>(std::atoi(store_listen.c_str() + colon + 1));
+            auto listen = http::ParseListenAddress(store_listen);
+            if (!listen.ok()) return fail(listen.status().WithContext("--store-listen"));
+            sc.listen_host = listen->host;
+            sc.listen_port = static_cast<uint16_t>(listen->port);
             auto s = StoreServer::Start(sc);
             if (!s.ok()) return fail(s.status().WithContext("--store-listen"));
             embedded = std::move(s).value();

@@ -234,13 +234,13 @@ Result<ClientReply> Fetch(const ClientRequest& request) {
                                              request.timeout.count()));
 }
 
-Result<Endpoint> ParseEndpoint(std::string_view url) {
-    std::string_view s = url;
-    if (s.substr(0, 7) == "http://") s.remove_prefix(7);
-    s = s.substr(0, s.find('/'));
+namespace {
+
+// "host:port" (IPv6 hosts in brackets) with a port of min_port..65535.
+Result<Endpoint> ParseHostPort(std::string_view text, std::string_view s, int min_port) {
     size_t colon = s.rfind(':');
     if (colon == std::string_view::npos || colon == 0 || colon + 1 == s.size()) {
-        return InvalidArgumentError(fmt::format("'{}' is not host:port", url));
+        return InvalidArgumentError(fmt::format("'{}' is not host:port", text));
     }
     Endpoint ep;
     ep.host = std::string(s.substr(0, colon));
@@ -250,15 +250,28 @@ Result<Endpoint> ParseEndpoint(std::string_view url) {
     int port = 0;
     for (char c : s.substr(colon + 1)) {
         if (c < '0' || c > '9' || port > 65535) {
-            return InvalidArgumentError(fmt::format("'{}': the port is not a number", url));
+            return InvalidArgumentError(fmt::format("'{}': the port is not a number", text));
         }
         port = port * 10 + (c - '0');
     }
-    if (port <= 0 || port > 65535) {
-        return InvalidArgumentError(fmt::format("'{}': port {} is not 1..65535", url, port));
+    if (port < min_port || port > 65535) {
+        return InvalidArgumentError(
+            fmt::format("'{}': port {} is not {}..65535", text, port, min_port));
     }
     ep.port = port;
     return ep;
+}
+
+}  // namespace
+
+Result<Endpoint> ParseEndpoint(std::string_view url) {
+    std::string_view s = url;
+    if (s.substr(0, 7) == "http://") s.remove_prefix(7);
+    return ParseHostPort(url, s.substr(0, s.find('/')), 1);
+}
+
+Result<Endpoint> ParseListenAddress(std::string_view address) {
+    return ParseHostPort(address, address, 0);
 }
 
 }  // namespace ferry::http

@@ -219,5 +219,7 @@ struct Endpoint {
     int port = 0;
 };
 Result<Endpoint> ParseEndpoint(std::string_view url);
+// "host:port" to listen on: port 0..65535 (0: any free port). InvalidArgument naming the text.
+Result<Endpoint> ParseListenAddress(std::string_view address);
 
 }  // namespace ferry::http

@@ -367,6 +367,12 @@ TEST(HttpClient, ErrorsSayWhatFailed) {
     EXPECT_EQ(ParseEndpoint("http://127.0.0.1:8080/v1")->port, 8080);
     EXPECT_THAT(ParseEndpoint("127.0.0.1"), StatusIs(Code::kInvalidArgument));
     EXPECT_THAT(ParseEndpoint("h:99999"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(ParseEndpoint("h:0"), StatusIs(Code::kInvalidArgument));
+    EXPECT_EQ(ParseListenAddress("127.0.0.1:0")->port, 0);
+    EXPECT_EQ(ParseListenAddress("[::1]:7000")->host, "::1");
+    EXPECT_THAT(ParseListenAddress("127.0.0.1"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(ParseListenAddress("127.0.0.1:x"), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(ParseListenAddress("127.0.0.1:65536"), StatusIs(Code::kInvalidArgument));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "engine/engine.h"
 #include "kv/agent_connector.h"
+#include "serve/worker.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
 
@@ -81,15 +82,18 @@ class Answers {
 struct WorkerOptions {
     int block_tokens = 8;
     int num_blocks = 512;
+    int max_batched_tokens = 512;
     std::chrono::milliseconds hold_lease{10000};
     std::chrono::milliseconds transfer_timeout{10000};
 };
 
-// One worker: an Agent, its connector, an engine whose caches are the Agent's regions.
+// One worker as `ferry serve` assembles it (serve::Worker), without its HTTP server: an Agent,
+// its connector, an engine whose caches are the Agent's regions.
 struct Worker {
+    std::unique_ptr<serve::Worker> parts;  // released last: it stops them in order
     std::shared_ptr<Agent> agent;
     std::shared_ptr<kv::AgentKvConnector> conn;
-    std::unique_ptr<Engine> engine;
+    std::shared_ptr<Engine> engine;
 
     std::string host() const {
         std::string a = agent->ListenAddress();
@@ -101,23 +105,25 @@ struct Worker {
     }
 };
 
+// A worker named "prefill-..." has the prefill role, any other the decode role.
 Worker MakeWorker(const std::string& name, const std::string& backend,
                   std::shared_ptr<model::Model> model, const WorkerOptions& o = {}) {
+    serve::WorkerConfig c;
+    c.role =
+        name.rfind("prefill", 0) == 0 ? serve::WorkerRole::kPrefill : serve::WorkerRole::kDecode;
+    c.model = std::move(model);
+    c.agent = testing::TestConfig(name, backend);
+    c.connector.hold_lease = o.hold_lease;
+    c.connector.transfer_timeout = o.transfer_timeout;
+    c.engine.block_tokens = o.block_tokens;
+    c.engine.num_blocks = o.num_blocks;
+    c.engine.max_batched_tokens = o.max_batched_tokens;
+    c.serve_http = false;
     Worker w;
-    w.agent = testing::ValueOrDie(Agent::Create(testing::TestConfig(name, backend)), "agent");
-    kv::AgentConnectorConfig cc;
-    cc.model_fingerprint = model->fingerprint();
-    cc.model_kv_heads = model->config().num_kv_heads;
-    cc.hold_lease = o.hold_lease;
-    cc.transfer_timeout = o.transfer_timeout;
-    w.conn = testing::ValueOrDie(kv::AgentKvConnector::Create(w.agent, cc), "connector");
-    engine::EngineConfig ec;
-    ec.block_tokens = o.block_tokens;
-    ec.num_blocks = o.num_blocks;
-    ec.max_batched_tokens = 512;
-    ec.allocator = kv::AgentKvAllocator(w.agent);
-    ec.connector = w.conn;
-    w.engine = testing::ValueOrDie(Engine::Create(std::move(model), ec), "engine");
+    w.parts = testing::ValueOrDie(serve::Worker::Start(std::move(c)), "worker");
+    w.agent = w.parts->agent();
+    w.conn = w.parts->connector();
+    w.engine = w.parts->shared_engine();
     return w;
 }
 
@@ -457,20 +463,8 @@ TEST_F(Disagg, ChunkedPrefillPushesEachChunkAsItIsComputed) {
     auto sp = Greedy(5);
     auto prompt = Prompt(600, 4);
     auto want = Colocated({{"x", prompt}}, sp);
-    engine::EngineConfig ec;
-    Worker prefill;
-    prefill.agent = testing::ValueOrDie(Agent::Create(testing::TestConfig("prefill-k", "shm")));
-    kv::AgentConnectorConfig cc;
-    auto model = Model(1);
-    cc.model_fingerprint = model->fingerprint();
-    cc.model_kv_heads = model->config().num_kv_heads;
-    prefill.conn = testing::ValueOrDie(kv::AgentKvConnector::Create(prefill.agent, cc));
-    ec.block_tokens = 8;
-    ec.num_blocks = 512;
-    ec.max_batched_tokens = 61;  // chunks end inside blocks
-    ec.allocator = kv::AgentKvAllocator(prefill.agent);
-    ec.connector = prefill.conn;
-    prefill.engine = testing::ValueOrDie(Engine::Create(model, ec));
+    // Chunks end inside blocks.
+    Worker prefill = MakeWorker("prefill-k", "shm", Model(1), {.max_batched_tokens = 61});
     Worker decode = MakeWorker("decode-k", "shm", Model(1));
     Answers pa, da;
     FERRY_ASSERT_OK(

@@ -1,0 +1,93 @@
+#include "serve/worker.h"
+
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include "core/crypto.h"
+
+namespace ferry::serve {
+
+const char* WorkerRoleName(WorkerRole role) {
+    switch (role) {
+        case WorkerRole::kColocated:
+            return "colocated";
+        case WorkerRole::kPrefill:
+            return "prefill";
+        case WorkerRole::kDecode:
+            return "decode";
+    }
+    return "unknown";
+}
+
+Result<WorkerRole> ParseWorkerRole(std::string_view name) {
+    for (WorkerRole r : {WorkerRole::kColocated, WorkerRole::kPrefill, WorkerRole::kDecode}) {
+        if (name == WorkerRoleName(r)) return r;
+    }
+    return InvalidArgumentError(
+        fmt::format("worker role '{}' is not one of colocated, prefill, decode", name));
+}
+
+Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
+    if (!c.model) return InvalidArgumentError("worker: no model");
+    if (!c.server.remote_prefill.empty() && c.role != WorkerRole::kDecode) {
+        return InvalidArgumentError("--remote-prefill needs --role decode");
+    }
+    std::unique_ptr<Worker> w(new Worker());
+    w->role_ = c.role;
+    if (c.role != WorkerRole::kColocated) {
+        if (c.agent.name.empty()) {
+            c.agent.name = fmt::format("ferry-{}-{}", WorkerRoleName(c.role), getpid());
+        }
+        const bool by_store = !c.agent.store.empty();
+        const bool authenticated = !c.agent.secret.empty();
+        c.server.router_token = RouterToken(c.agent.secret);
+        auto agent = Agent::Create(c.agent);
+        if (!agent.ok()) return agent.status().WithContext("agent");
+        w->agent_ = std::shared_ptr<Agent>(std::move(agent).value());
+        c.connector.model_fingerprint = c.model->fingerprint();
+        c.connector.model_kv_heads = c.model->config().num_kv_heads;
+        c.connector.authenticated = authenticated;
+        c.connector.by_store = by_store;
+        auto conn = kv::AgentKvConnector::Create(w->agent_, c.connector);
+        if (!conn.ok()) return conn.status().WithContext("kv connector");
+        w->connector_ = *conn;
+        c.engine.connector = w->connector_;
+        c.engine.allocator = kv::AgentKvAllocator(w->agent_);
+        c.server.default_kv_mode = c.kv_mode;
+        c.server.kv_agent_info = [agent = w->agent_, tp = c.model->tp()] {
+            const std::string a = agent->ListenAddress();
+            const size_t colon = a.rfind(':');
+            return fmt::format(
+                "{{\"engine_id\":\"{}\",\"host\":\"{}\",\"port\":{},\"tp_size\":{}}}",
+                agent->name(), a.substr(0, colon), a.substr(colon + 1), tp);
+        };
+        c.server.extra_metrics = [conn = w->connector_] {
+            return kv::RenderKvConnectorMetrics(conn->Stats());
+        };
+    }
+    auto engine = engine::Engine::Create(c.model, c.engine);
+    if (!engine.ok()) return engine.status();
+    w->engine_ = std::shared_ptr<engine::Engine>(std::move(engine).value());
+    if (c.serve_http) {
+        auto server = OpenAiServer::Start(w->engine_, c.server);
+        if (!server.ok()) return server.status();
+        w->server_ = std::move(server).value();
+    }
+    return w;
+}
+
+int Worker::port() const { return server_ ? server_->port() : 0; }
+
+void Worker::Stop() {
+    if (server_) server_->Stop();
+}
+
+Worker::~Worker() {
+    Stop();
+    server_.reset();
+    engine_.reset();  // the engine unbinds the connector before the agent goes
+    connector_.reset();
+    agent_.reset();
+}
+
+}  // namespace ferry::serve

@@ -1,0 +1,79 @@
+// One worker process's parts, assembled in one place for every role: the engine, and for a
+// disaggregated role the transfer agent and the KV connector bound to the engine's caches, and
+// the OpenAI server in front. `ferry serve` and the tests build workers with it.
+//
+//   colocated  engine + server; refuses kv_transfer_params
+//   prefill    agent + connector + engine + server; holds (pull) or pushes its requests' KV
+//   decode     the same; loads KV from prefill workers; with remote prefill workers, decode-first
+//
+// (An encode role, an encoder-cache connector beside the KV one, comes with the EPD issue.)
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "engine/engine.h"
+#include "ferry/agent.h"
+#include "ferry/status.h"
+#include "kv/agent_connector.h"
+#include "model/model.h"
+#include "serve/openai_server.h"
+
+namespace ferry::serve {
+
+enum class WorkerRole { kColocated, kPrefill, kDecode };
+const char* WorkerRoleName(WorkerRole role);
+// "colocated", "prefill" or "decode"; InvalidArgument naming the choices otherwise.
+Result<WorkerRole> ParseWorkerRole(std::string_view name);
+
+struct WorkerConfig {
+    WorkerRole role = WorkerRole::kColocated;
+    std::shared_ptr<model::Model> model;  // required
+    // The engine's settings; the assembly sets its connector and allocator.
+    engine::EngineConfig engine;
+    // Disaggregated roles only. The agent's name defaults to "ferry-ROLE-PID"; its secret also
+    // makes the server's router token and the connector's `authenticated`. The connector's model
+    // fingerprint and KV heads come from the model, `by_store` from the agent's store.
+    AgentConfig agent;
+    kv::AgentConnectorConfig connector;
+    // The protocol of kv_transfer_params that do not name one.
+    kv::KvTransferMode kv_mode = kv::KvTransferMode::kPull;
+    // The OpenAI server; the assembly sets kv_agent_info, extra_metrics, router_token and
+    // default_kv_mode. Decode-first prefill workers (server.remote_prefill) need role decode.
+    ServerConfig server;
+    bool serve_http = true;  // false: no server (tests that drive the engine directly)
+};
+
+// Owns the parts; stops them in the safe order (server, engine, connector, agent).
+class Worker {
+  public:
+    // InvalidArgument for a config that cannot work (no model, remote prefill workers on a role
+    // other than decode); otherwise the first part's error that failed, with what failed.
+    static Result<std::unique_ptr<Worker>> Start(WorkerConfig config);
+    ~Worker();
+    Worker(const Worker&) = delete;
+    Worker& operator=(const Worker&) = delete;
+
+    WorkerRole role() const { return role_; }
+    engine::Engine& engine() { return *engine_; }
+    const std::shared_ptr<engine::Engine>& shared_engine() const { return engine_; }
+    // Null for a colocated worker.
+    const std::shared_ptr<Agent>& agent() const { return agent_; }
+    const std::shared_ptr<kv::AgentKvConnector>& connector() const { return connector_; }
+    // Null without serve_http.
+    OpenAiServer* server() { return server_.get(); }
+    int port() const;  // the server's; 0 without one
+    // Stops serving (open streams end), then aborts what is in flight. Idempotent.
+    void Stop();
+
+  private:
+    Worker() = default;
+    WorkerRole role_ = WorkerRole::kColocated;
+    std::shared_ptr<Agent> agent_;
+    std::shared_ptr<kv::AgentKvConnector> connector_;
+    std::shared_ptr<engine::Engine> engine_;
+    std::unique_ptr<OpenAiServer> server_;
+};
+
+}  // namespace ferry::serve
