@@ -1,0 +1,372 @@
+// The inside of AgentKvConnector (agent_connector.h), shared by its files, one job each:
+//
+//   agent_connector.cc          the facade (the KvConnector the engine calls), messages, threads
+//   agent_connector_peers.cc    peers: dialing, the handshake and what must match, liveness
+//   agent_connector_loads.cc    the receiving side's life cycle, both protocols
+//   agent_connector_pull.cc     pull: holds, claims, the READ
+//   agent_connector_push.cc     push: the decoder's target, layer-wise WRITEs, the end of a push
+//   agent_connector_metrics.cc  counters and their Prometheus text
+//   peer_messages.{h,cc}        the messages between peers, one codec
+//
+// Internal: included by those files only. Everything here is guarded by Impl::mu unless it says
+// otherwise.
+#pragma once
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <semaphore>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/crypto.h"
+#include "core/log.h"
+#include "kv/agent_connector.h"
+#include "kv/kv_layout.h"
+#include "kv/peer_messages.h"
+
+namespace ferry::kv {
+namespace connector_parts {
+
+using SteadyClock = std::chrono::steady_clock;
+constexpr size_t kProbeBytes = 64;
+constexpr size_t kProbeSlots = 1024;
+
+// A peer's words in a log line: printable ASCII only, bounded.
+inline std::string Esc(std::string_view s) {
+    std::string out;
+    for (char c : s.substr(0, 200)) {
+        auto u = static_cast<unsigned char>(c);
+        if (u >= 0x20 && u < 0x7f && c != '\\') {
+            out += c;
+        } else {
+            out += fmt::format("\\x{:02x}", u);
+        }
+    }
+    if (s.size() > 200) out += "...";
+    return out;
+}
+
+// The prompt's identity in messages: SHA-256 over its token ids (int32, little-endian), hex.
+// Cryptographic, so that no other prompt can pass for it.
+inline std::string PromptDigest(std::span<const int32_t> prompt) {
+    Digest d = Sha256(std::string_view(reinterpret_cast<const char*>(prompt.data()),
+                                       prompt.size() * sizeof(int32_t)));
+    return HexEncode(d.data(), d.size());
+}
+
+struct PeerRank {
+    RegionId region = 0;
+    KvLayout layout;
+};
+
+struct Peer {
+    enum class State { kConnecting, kReady, kFailed } state = State::kConnecting;
+    Status error;
+    std::string address;  // where it was dialed ("": found by name in the store)
+    std::vector<PeerRank> ranks;
+    std::vector<std::string> waiting;  // loads (by id) to go on with once ready
+    SteadyClock::time_point deadline;
+    bool hello_sent = false;
+    // Liveness (push decoders waiting for this peer).
+    size_t probe_slot = 0;
+    Transfer probe;
+    SteadyClock::time_point next_probe;
+};
+
+// The receiving side of one request.
+struct Load {
+    KvTransferParams params;
+    std::string peer;
+    std::vector<BlockId> blocks;
+    int num_computed = 0, num_external = 0, prompt_len = 0;
+    std::string prompt_digest;
+    // The peer was ready from an earlier request: if it turns out gone (a restart), the load
+    // is retried once after a fresh handshake.
+    bool cached_peer = false, retried = false;
+    enum class State {
+        kBootstrapping,
+        kWaitingForInput,
+        kTransferring,
+        kCancelling
+    } state = State::kBootstrapping;
+    Transfer xfer;  // pull
+    bool read_done = false, claim_acked = false;
+    // pull: the first token as the prefill worker's claim-ack gives it (the params' copy is
+    // the client's to change; this one is the holder's).
+    std::optional<FirstToken> acked_first;
+    uint64_t bytes = 0;
+    SteadyClock::time_point started, deadline;
+};
+
+// pull: a finished prefill request's blocks, held for a reader.
+struct Hold {
+    std::string nonce;
+    std::string prompt_digest;
+    std::vector<BlockId> blocks;  // what a claim must name
+    std::string requester;        // whose cap it counts against
+    FirstToken first;             // sampled by the prefill: the claim-ack carries it
+    bool claimed = false;
+    std::string claimer;
+    SteadyClock::time_point deadline;
+};
+
+// push: the sending side of one request.
+struct Push {
+    std::string xid;
+    std::string prompt_digest;
+    int prompt_len = 0;
+    enum class State { kBootstrapping, kReady, kFinishing } state = State::kBootstrapping;
+    std::string lid;  // the decoder's request id, echoed in our messages
+    std::string peer;
+    std::vector<BlockId> target;
+    int next_send = 0;
+    std::vector<Transfer> transfers;
+    Status error;
+    bool cancelled = false;
+    std::optional<FirstToken> first;
+    uint64_t bytes = 0;
+    bool timing = false;
+    SteadyClock::time_point started, deadline, computed;
+};
+
+// push: a decoder's block list that came before its prefill request.
+struct Target {
+    std::string peer, lid;
+    std::vector<BlockId> blocks;
+    int from = 0, len = 0;
+    std::string prompt_digest;
+    SteadyClock::time_point deadline;
+};
+
+// A request let in by Admit, until Retire.
+struct Admission {
+    std::string requester;
+    bool load = false;  // decode: it loads from `peer`
+    std::string peer;
+};
+
+struct PlannedWrite {
+    std::string id, peer;
+    std::vector<Descriptor> local, remote;
+    uint64_t bytes = 0;
+};
+
+struct Posted {
+    std::string id;
+    Result<Transfer> xfer;
+    uint64_t bytes = 0;
+    size_t descriptors = 0;
+};
+
+struct ConnectJob {
+    bool inbound = false;  // a peer's hello to answer (connect back first)
+    std::string name, address;
+    msg::Hello hello;
+};
+
+// Wakes the pump thread: a transfer finished (Transfer::OnDone, on an I/O thread that must not
+// block, so no lock of ours), or there is new work. Shared with the callbacks, which may run after
+// the connector is gone.
+struct Waker {
+    std::counting_semaphore<> sem{0};
+    void Kick() { sem.release(); }
+};
+
+inline std::string DtypeName(const KvCacheSpec& s) { return std::string(KvDtypeName(s.dtype)); }
+
+}  // namespace connector_parts
+// The connector's files name these parts unqualified (this header is theirs alone).
+using namespace connector_parts;  // NOLINT(build/namespaces)
+
+struct AgentKvConnector::Impl : LayerHook {
+    std::shared_ptr<Agent> agent;
+    AgentConnectorConfig cfg;
+
+    // Bound caches (immutable between Bind and Unbind).
+    std::vector<KvCache*> caches;
+    std::vector<KvLayout> layouts;
+    std::vector<RegionId> regions;
+    std::vector<RegionId> registered;  // the ones Bind registered (Unbind deregisters)
+    RegionInfo scratch;
+    std::function<void()> wake;
+    int tp = 0;
+
+    mutable std::mutex mu;
+    std::condition_variable connect_cv;
+    std::shared_ptr<Waker> waker = std::make_shared<Waker>();
+    bool stop = false, bound = false;
+    std::map<std::string, Peer> peers;
+    std::map<std::string, Load> loads;
+    std::map<std::string, Hold> holds;
+    std::map<std::string, Push> pushes;
+    std::map<std::string, std::string> push_by_xid;
+    std::map<std::string, Target> targets;
+    // push: transfer ids a decoder cancelled before its prefill request came, until the
+    // bootstrap timeout (the request then fails at once instead of waiting for it).
+    std::map<std::string, SteadyClock::time_point> cancelled_xids;
+    std::vector<ConnectorEvent> events;
+    std::deque<ConnectJob> connect_jobs;
+    std::map<std::string, Admission> admitted;
+    KvConnectorStats stats;
+    size_t next_probe_slot = 0;
+
+    // One step's writes (push): planned on the step thread, posted on the rank threads.
+    std::vector<std::vector<std::vector<PlannedWrite>>> step_writes;  // [rank][layer]
+    std::vector<std::vector<Posted>> step_posted;                     // [rank]
+    std::vector<std::pair<std::string, int>> step_advance;
+
+    std::thread notify_thread, pump_thread;
+    std::vector<std::thread> connect_threads;
+
+    // --- helpers (mu held) -----------------------------------------------------------------
+
+    int bt() const { return layouts[0].spec.block_tokens; }
+
+    // --- Messages and threads (agent_connector.cc)
+    // -------------------------------------------------
+
+    // Transfers wake the pump when they finish: it sleeps otherwise.
+    void WakeOnDone(Transfer& x);
+
+    void Emit(ConnectorEvent ev);
+
+    Status Send(const std::string& peer, const msg::PeerMessage& m);
+
+    void OnMessage(const std::string& from, const std::string& payload);
+
+    void NotifyLoop();
+
+    void PumpLoop();
+    // One pass of the pump over each part's timers and transfers (each in its part's file).
+    void PumpLoads(SteadyClock::time_point now);
+    void PumpPeers(SteadyClock::time_point now);
+    void PumpPushes(SteadyClock::time_point now);
+    void PumpHolds(SteadyClock::time_point now);
+    // RequestFinished of each protocol's sending side.
+    FinishAction FinishPush(const ConnectorRequest& r, bool ok, const FirstToken* first);
+    FinishAction HoldForReader(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                               const FirstToken& first);
+
+    // --- Peers and the handshake (agent_connector_peers.cc)
+    // ----------------------------------------
+
+    // Whether every peer is the deployment's (then what it confirms may be cached).
+    bool DeploymentPeers() const;
+
+    bool Allowed(const std::string& address) const;
+
+    // Where to dial the prefill worker params name: "host:port", or "" for by name through the
+    // store. PermissionDenied for an agent this worker may not dial.
+    Result<std::string> DialAddress(const KvTransferParams& kp) const;
+
+    msg::Compat Compat() const;
+
+    msg::Hello Hello(bool ack) const;
+
+    // Checks a peer's compat against ours; the error names the field and both values.
+    Status CheckCompat(const std::string& peer, const msg::Compat& theirs) const;
+
+    // The peer's ranks from its hello or ack.
+    Result<std::vector<PeerRank>> ParseRanks(const std::vector<msg::RankInfo>& ranks) const;
+
+    void PeerReady(const std::string& name, std::vector<PeerRank> ranks,
+                   const std::string& address);
+
+    void PeerFailed(const std::string& name, const Status& st);
+
+    // A peer that stopped answering: everything waiting on it fails now.
+    void PeerGone(const std::string& name, const Status& st);
+
+    void EnsurePeer(const std::string& id, const KvTransferParams& kp);
+
+    // Each message's handler (mu held).
+    Status On(const std::string& from, msg::Hello& m);
+
+    Status OnHelloAck(const std::string& from, const msg::Hello& m);
+
+    void ConnectLoop();
+
+    // --- The receiving side: a load from bootstrapping to loaded or failed, both protocols
+    // (agent_connector_loads.cc) ---
+
+    // A load whose peer was cached from an earlier request and is gone now (it restarted): a
+    // fresh handshake (re-resolved through the params or the store), then the load once more.
+    bool RetryLoad(const std::string& id, const Status& st, const std::string& reason);
+
+    // A load ends badly; its blocks are free for the engine once this emits kFailed.
+    void FailLoad(const std::string& id, Status st, const std::string& reason = "");
+
+    // pull: continue from the first token only if the params said the prefill sampled one
+    // (else the decoder computes the last prompt token itself), and then the holder's own.
+    static std::optional<FirstToken> FirstOf(const Load& ld);
+
+    void CompleteLoad(const std::string& id, std::optional<FirstToken> first);
+
+    // The peer is ready: start moving.
+    void ProceedLoad(const std::string& id);
+    void ProceedPush(const std::string& id, Load& ld);           // agent_connector_push.cc
+    void ProceedPull(const std::string& id, Load& ld, Peer& p);  // agent_connector_pull.cc
+
+    // --- pull: holds and claims on the prefill side, the READ on the decode side
+    // (agent_connector_pull.cc) ---
+
+    // A client's share of blocks held for remote decoders (unclaimed pull holds: those pin the
+    // cache; an honest router's are claimed within milliseconds).
+    int HoldCap() const;
+
+    Status HoldShareLeft(const std::string& requester, int more) const;
+
+    // Builds descriptor lists for moving `move` of every rank (local rank r <-> peer rank r).
+    Status PlanAllRanks(const Peer& p, const KvMove& move, std::vector<Descriptor>* local,
+                        std::vector<Descriptor>* remote, uint64_t* bytes) const;
+
+    // pull, holder: a hold that exists under this nonce and is not another decoder's.
+    Hold* FindHold(const std::string& from, const std::string& rid, const std::string& nonce,
+                   bool* exists);
+
+    Status On(const std::string& from, msg::Claim& m);
+
+    Status On(const std::string& from, msg::HoldEnd& m);
+
+    Status On(const std::string& from, msg::ClaimAck& m);
+
+    // --- push: layer-wise writes on the prefill side, the decoder's target and its end
+    // (agent_connector_push.cc) ---
+
+    Status SendPushFailed(const std::string& peer, const std::string& xid, const std::string& lid,
+                          std::string error);
+
+    // Binds a decoder's block list to a prefill request. Returns false if they do not belong
+    // together (the request then fails).
+    bool BindTarget(const std::string& id, Push& ps, Target t);
+
+    // A finished push: tell the decoder, free the blocks.
+    void EndPush(const std::string& id, bool ok, const Status& err);
+
+    Status On(const std::string& from, msg::PushTarget& m);
+
+    Status On(const std::string& from, msg::PushCancel& m);
+
+    Status On(const std::string& from, msg::PushEnd& m);
+
+    void OnLayerStored(int rank, int layer) override;
+
+    // --- Counters (agent_connector_metrics.cc)
+    // -----------------------------------------------------
+
+    void CountFailure(const Status& s, const std::string& reason = "");
+
+    void RecordTime(SteadyClock::time_point started);
+
+    void CountPosted(size_t descriptors);
+};
+
+}  // namespace ferry::kv

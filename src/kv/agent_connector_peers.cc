@@ -1,0 +1,331 @@
+// Peers: where to dial, the handshake and what must match, peers ready, failed or gone.
+#include "kv/agent_connector_parts.h"
+
+namespace ferry::kv {
+
+bool AgentKvConnector::Impl::DeploymentPeers() const {
+    return cfg.authenticated || cfg.by_store || !cfg.allowed_agents.empty();
+}
+
+bool AgentKvConnector::Impl::Allowed(const std::string& address) const {
+    return std::find(cfg.allowed_agents.begin(), cfg.allowed_agents.end(), address) !=
+           cfg.allowed_agents.end();
+}
+
+Result<std::string> AgentKvConnector::Impl::DialAddress(const KvTransferParams& kp) const {
+    const std::string address =
+        kp.remote_host.empty() ? "" : fmt::format("{}:{}", kp.remote_host, kp.remote_port);
+    if (!cfg.allowed_agents.empty()) {
+        if (!Allowed(address)) {
+            return PermissionDeniedError(
+                fmt::format("kv_transfer_params: the agent at '{}' is not one this worker may dial "
+                            "(--kv-peers)",
+                            Esc(address)));
+        }
+        return address;
+    }
+    if (cfg.by_store) return std::string();
+    return address;
+}
+
+msg::Compat AgentKvConnector::Impl::Compat() const {
+    const KvCacheSpec& s = layouts[0].spec;
+    msg::Compat c;
+    c.model = cfg.model_fingerprint;
+    c.layers = s.num_layers;
+    c.kv_heads = cfg.model_kv_heads;
+    c.head_dim = s.head_dim;
+    c.dtype = DtypeName(s);
+    c.block_tokens = s.block_tokens;
+    c.tp = tp;
+    return c;
+}
+
+msg::Hello AgentKvConnector::Impl::Hello(bool ack) const {
+    msg::Hello h;
+    h.ack = ack;
+    h.compat = Compat();
+    for (int r = 0; r < tp; ++r) h.ranks.push_back({regions[r], layouts[r].spec.num_blocks});
+    h.addr = agent->ListenAddress();
+    return h;
+}
+
+Status AgentKvConnector::Impl::CheckCompat(const std::string& peer,
+                                           const msg::Compat& theirs) const {
+    auto d = msg::FirstDifference(Compat(), theirs);
+    if (!d) return Status::Ok();
+    std::string what = d->field == "model" ? "model (weights fingerprint)" : d->field;
+    return FailedPreconditionError(
+        fmt::format("kv handshake with '{}': {} differs (this worker {}, '{}' {})", Esc(peer), what,
+                    Esc(d->ours), Esc(peer), Esc(d->theirs)));
+}
+
+Result<std::vector<PeerRank>> AgentKvConnector::Impl::ParseRanks(
+    const std::vector<msg::RankInfo>& ranks) const {
+    if (static_cast<int>(ranks.size()) != tp) {
+        return InvalidArgumentError(fmt::format("field 'ranks' must list {} ranks", tp));
+    }
+    std::vector<PeerRank> out;
+    for (int r = 0; r < tp; ++r) {
+        PeerRank pr;
+        pr.region = ranks[r].region;
+        pr.layout = layouts[r];
+        pr.layout.spec.num_blocks = ranks[r].blocks;
+        out.push_back(pr);
+    }
+    return out;
+}
+
+void AgentKvConnector::Impl::PeerReady(const std::string& name, std::vector<PeerRank> ranks,
+                                       const std::string& address) {
+    Peer& p = peers[name];
+    p.state = Peer::State::kReady;
+    p.address = address;
+    p.ranks = std::move(ranks);
+    p.probe_slot = next_probe_slot++ % kProbeSlots;
+    ++stats.handshakes;
+    FERRY_LOG(kInfo, "kv: handshake with '{}' done", Esc(name));
+    std::vector<std::string> waiting = std::move(p.waiting);
+    for (const std::string& id : waiting) ProceedLoad(id);
+}
+
+void AgentKvConnector::Impl::PeerFailed(const std::string& name, const Status& st) {
+    auto it = peers.find(name);
+    if (it == peers.end()) return;
+    std::vector<std::string> waiting = std::move(it->second.waiting);
+    peers.erase(it);  // the next request tries again
+    FERRY_LOG(kWarn, "kv: peer '{}': {}", Esc(name), st.ToString());
+    for (const std::string& id : waiting) FailLoad(id, st, "handshake");
+}
+
+void AgentKvConnector::Impl::PeerGone(const std::string& name, const Status& st) {
+    std::vector<std::string> ids;
+    for (auto& [id, ld] : loads) {
+        if (ld.peer == name) ids.push_back(id);
+    }
+    // First: a load retried below handshakes afresh.
+    peers.erase(name);
+    for (const std::string& id : ids) {
+        auto it = loads.find(id);
+        if (it != loads.end() && it->second.state == Load::State::kCancelling) {
+            Emit({ConnectorEvent::Kind::kFailed, id, CancelledError("kv transfer cancelled"),
+                  std::nullopt});
+            loads.erase(it);
+            continue;
+        }
+        FailLoad(id, st, "peer_failed");
+    }
+}
+
+void AgentKvConnector::Impl::EnsurePeer(const std::string& id, const KvTransferParams& kp) {
+    const std::string& name = kp.remote_engine_id;
+    Result<std::string> address = DialAddress(kp);
+    if (!address.ok()) {
+        FailLoad(id, address.status());
+        return;
+    }
+    auto it = peers.find(name);
+    if (it != peers.end() && it->second.state == Peer::State::kReady) {
+        if (!address->empty() && !it->second.address.empty() && it->second.address != *address) {
+            // The params name another address for this agent: it restarted elsewhere.
+            FERRY_LOG(kInfo, "kv: '{}' moved from {} to {}: handshake again", Esc(name),
+                      Esc(it->second.address), Esc(*address));
+            peers.erase(it);
+            it = peers.end();
+        } else {
+            auto ld = loads.find(id);
+            if (ld != loads.end()) ld->second.cached_peer = true;
+            ProceedLoad(id);
+            return;
+        }
+    }
+    if (it == peers.end()) {
+        Peer& p = peers[name];
+        p.deadline = SteadyClock::now() + cfg.handshake_timeout;
+        p.waiting.push_back(id);
+        p.address = *address;
+        connect_jobs.push_back({false, name, *address, {}});
+        connect_cv.notify_one();
+        return;
+    }
+    it->second.waiting.push_back(id);
+}
+
+Status AgentKvConnector::Impl::On(const std::string& from, msg::Hello& m) {
+    if (m.ack) return OnHelloAck(from, m);
+    // Answering needs a connection back: to an agent this worker may dial only.
+    if (!cfg.allowed_agents.empty() && !Allowed(m.addr)) {
+        return PermissionDeniedError(
+            fmt::format("hello from an agent at '{}', which this worker may not dial (--kv-peers)",
+                        Esc(m.addr)));
+    }
+    std::string addr = cfg.by_store ? "" : m.addr;  // by name through the store, if so
+    connect_jobs.push_back({true, from, std::move(addr), std::move(m)});
+    connect_cv.notify_one();
+    return Status::Ok();
+}
+
+Status AgentKvConnector::Impl::OnHelloAck(const std::string& from, const msg::Hello& m) {
+    auto it = peers.find(from);
+    if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
+        return FailedPreconditionError("no handshake in progress");
+    }
+    // Our own view of a mismatch first (it names this worker and the peer the right way
+    // round), then the peer's reason.
+    Status c = CheckCompat(from, m.compat);
+    if (!c.ok()) {
+        PeerFailed(from, c);
+        return Status::Ok();
+    }
+    if (!m.ok) {
+        PeerFailed(from, FailedPreconditionError(
+                             m.error.empty() ? "kv handshake refused by the peer" : Esc(m.error)));
+        return Status::Ok();
+    }
+    auto ranks = ParseRanks(m.ranks);
+    if (!ranks.ok()) {
+        PeerFailed(from, ranks.status().WithContext("kv handshake"));
+        return Status::Ok();
+    }
+    PeerReady(from, std::move(*ranks), it->second.address);
+    return Status::Ok();
+}
+
+void AgentKvConnector::Impl::ConnectLoop() {
+    for (;;) {
+        ConnectJob job;
+        {
+            std::unique_lock lock(mu);
+            connect_cv.wait(lock, [&] { return stop || !connect_jobs.empty(); });
+            if (stop) return;
+            job = std::move(connect_jobs.front());
+            connect_jobs.pop_front();
+        }
+        Result<std::string> name = job.address.empty()
+                                       ? agent->ConnectByName(job.name)
+                                       : agent->Connect(job.address, cfg.handshake_timeout);
+        std::unique_lock lock(mu);
+        if (!bound) continue;
+        Status st = name.status();
+        if (!st.ok()) {
+            // The details go to the log only: what a stranger at that address answered is
+            // never echoed to the client that named it.
+            FERRY_LOG(kWarn, "kv: connect to '{}' at {}: {}", Esc(job.name),
+                      job.address.empty() ? std::string("(the store)") : Esc(job.address),
+                      Esc(st.ToString()));
+            st = UnavailableError(
+                job.address.empty()
+                    ? fmt::format("kv: agent '{}' could not be reached through the store",
+                                  Esc(job.name))
+                    : fmt::format("kv: no agent '{}' could be reached at {}", Esc(job.name),
+                                  Esc(job.address)));
+        } else if (*name != job.name) {
+            st = InvalidArgumentError(
+                fmt::format("remote_engine_id is '{}' but the agent at {} is '{}'", Esc(job.name),
+                            Esc(job.address), Esc(*name)));
+        }
+        if (!job.inbound) {
+            if (!st.ok()) {
+                PeerFailed(job.name, st);
+                continue;
+            }
+            auto it = peers.find(job.name);
+            if (it == peers.end()) continue;
+            it->second.hello_sent = true;
+            it->second.deadline = SteadyClock::now() + cfg.handshake_timeout;
+            (void)Send(job.name, Hello(false));
+            continue;
+        }
+        // A peer's hello: answer it once we can reach it.
+        msg::Hello ack = Hello(true);
+        std::vector<PeerRank> ranks;
+        if (st.ok()) st = CheckCompat(job.name, job.hello.compat);
+        if (st.ok()) {
+            auto r = ParseRanks(job.hello.ranks);
+            if (r.ok()) {
+                ranks = std::move(*r);
+            } else {
+                st = r.status().WithContext("kv handshake");
+            }
+        }
+        if (!st.ok()) {
+            FERRY_LOG(kWarn, "kv: hello from '{}' refused: {}", Esc(job.name), st.ToString());
+            if (name.ok() && *name == job.name) {
+                ack.ok = false;
+                ack.error = st.message();
+                (void)Send(job.name, ack);
+            }
+            continue;
+        }
+        ack.ok = true;
+        auto it = peers.find(job.name);
+        if (it == peers.end() || it->second.state != Peer::State::kConnecting ||
+            !it->second.hello_sent) {
+            // Not our own handshake in flight: the peer is ready for us now. (If ours is in
+            // flight, its ack finishes it.)
+            if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
+                PeerReady(job.name, ranks, job.address);
+            } else {
+                it->second.ranks = ranks;
+            }
+        }
+        (void)Send(job.name, ack);
+    }
+}
+
+// Handshakes that got no answer; the liveness of peers that loads wait on.
+void AgentKvConnector::Impl::PumpPeers(SteadyClock::time_point now) {
+    // Handshakes that got no answer.
+    std::vector<std::string> stale;
+    for (auto& [name, p] : peers) {
+        if (p.state == Peer::State::kConnecting && p.hello_sent && now > p.deadline) {
+            stale.push_back(name);
+        }
+    }
+    for (const std::string& name : stale) {
+        PeerFailed(name, DeadlineExceededError(
+                             fmt::format("kv handshake with '{}' got no answer", Esc(name))));
+    }
+    // Liveness of peers that push decoders wait on.
+    std::vector<std::pair<std::string, Status>> gone;
+    for (auto& [name, p] : peers) {
+        if (p.state != Peer::State::kReady) continue;
+        bool waited_on = false;
+        for (auto& [id, ld] : loads) {
+            // push: waiting for the writes; pull: waiting for the claim's answer (a
+            // one-sided shm read completes whether or not the peer lives).
+            if (ld.peer == name && ld.state != Load::State::kBootstrapping) {
+                waited_on = true;
+            }
+        }
+        if (p.probe.valid()) {
+            auto s = p.probe.Poll();
+            if (!s.ok()) {
+                gone.emplace_back(
+                    name, UnavailableError(fmt::format("prefill worker '{}' is gone: {}", Esc(name),
+                                                       s.status().ToString())));
+                continue;
+            }
+            if (*s == TransferState::kDone) p.probe = Transfer();
+            continue;
+        }
+        if (waited_on && now >= p.next_probe) {
+            Descriptor l{scratch.id, p.probe_slot * kProbeBytes, kProbeBytes};
+            Descriptor r{p.ranks[0].region, 0, kProbeBytes};
+            auto x = agent->PostRead({&l, 1}, name, {&r, 1},
+                                     {.timeout = std::chrono::milliseconds(1500)});
+            if (x.ok()) {
+                p.probe = std::move(*x);
+                WakeOnDone(p.probe);
+            } else {
+                gone.emplace_back(
+                    name, UnavailableError(fmt::format("prefill worker '{}' is gone: {}", Esc(name),
+                                                       x.status().ToString())));
+            }
+            p.next_probe = now + cfg.liveness_interval;
+        }
+    }
+    for (auto& [name, st] : gone) PeerGone(name, st);
+}
+
+}  // namespace ferry::kv

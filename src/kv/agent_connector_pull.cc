@@ -1,0 +1,226 @@
+// pull (vLLM's NixlConnector protocol): the prefill side holds a finished request's blocks under
+// a lease and answers claims; the decode side claims and READs.
+#include "kv/agent_connector_parts.h"
+
+namespace ferry::kv {
+
+int AgentKvConnector::Impl::HoldCap() const {
+    int cap = cfg.max_client_hold_blocks;
+    if (cap < 0) cap = layouts.empty() ? 0 : std::max(1, layouts[0].spec.num_blocks / 4);
+    return cap;
+}
+
+Status AgentKvConnector::Impl::HoldShareLeft(const std::string& requester, int more) const {
+    const int cap = HoldCap();
+    if (cap <= 0) return Status::Ok();
+    int used = 0;
+    for (const auto& [id, h] : holds) {
+        if (h.requester == requester && !h.claimed) used += static_cast<int>(h.blocks.size());
+    }
+    if (used + more <= cap) return Status::Ok();
+    return ResourceExhaustedError(fmt::format(
+        "kv: client {} already has {} KV blocks held unclaimed for remote decoders (at most "
+        "{}); this prompt needs {} more: retry once they are claimed or their lease lapses",
+        Esc(requester), used, cap, more));
+}
+
+Status AgentKvConnector::Impl::PlanAllRanks(const Peer& p, const KvMove& move,
+                                            std::vector<Descriptor>* local,
+                                            std::vector<Descriptor>* remote,
+                                            uint64_t* bytes) const {
+    for (int r = 0; r < tp; ++r) {
+        FERRY_ASSIGN_OR_RETURN(KvPlan plan, PlanKvMove(layouts[r], p.ranks[r].layout, move));
+        for (size_t i = 0; i < plan.local.size(); ++i) {
+            const KvSpan& l = plan.local[i];
+            const KvSpan& m = plan.remote[i];
+            local->push_back({regions[r], l.offset, l.length, l.stride, l.count});
+            remote->push_back({p.ranks[r].region, m.offset, m.length, m.stride, m.count});
+        }
+        *bytes += plan.bytes;
+    }
+    return Status::Ok();
+}
+
+Hold* AgentKvConnector::Impl::FindHold(const std::string& from, const std::string& rid,
+                                       const std::string& nonce, bool* exists) {
+    auto it = holds.find(rid);
+    *exists = it != holds.end() && SecretEqual(it->second.nonce, nonce);
+    if (!*exists) return nullptr;
+    Hold& h = it->second;
+    return !h.claimed || h.claimer == from ? &h : nullptr;
+}
+
+Status AgentKvConnector::Impl::On(const std::string& from, msg::Claim& m) {
+    bool exists = false;
+    Hold* h = FindHold(from, m.rid, m.nonce, &exists);
+    // A claim reads exactly the hold's blocks, for the hold's prompt, by the first agent
+    // that claimed it: anything else would read another request's KV.
+    msg::ClaimAck ack;
+    ack.lid = m.lid;
+    std::string error, code = "conflict";
+    if (!exists) {
+        code = "gone";
+        error = fmt::format(
+            "no KV is held for request '{}' (its lease expired, or it was released)", Esc(m.rid));
+    } else if (!h) {
+        error = fmt::format("the KV of request '{}' is claimed by another decoder", Esc(m.rid));
+    } else if (h->prompt_digest != m.prompt) {
+        error = fmt::format("request '{}' held KV for another prompt", Esc(m.rid));
+    } else if (m.blocks != h->blocks) {
+        error =
+            fmt::format("the claim names blocks that are not those request '{}' holds", Esc(m.rid));
+    } else {
+        h->claimed = true;
+        h->claimer = from;
+        h->deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
+        ack.ok = true;
+        ack.first = h->first;
+    }
+    if (!ack.ok) {
+        ack.error = error;
+        ack.code = code;
+        FERRY_LOG(kWarn, "kv: claim of '{}' by '{}' refused: {}", Esc(m.rid), Esc(from), error);
+    }
+    (void)Send(from, ack);
+    return Status::Ok();
+}
+
+Status AgentKvConnector::Impl::On(const std::string& from, msg::HoldEnd& m) {
+    bool exists = false;
+    if (!FindHold(from, m.rid, m.nonce, &exists)) {
+        return NotFoundError(fmt::format("no hold '{}'", Esc(m.rid)));
+    }
+    const bool read = m.kind == msg::HoldEnd::Kind::kReadDone;
+    if (read) {
+        ++stats.succeeded;
+    } else {
+        CountFailure(CancelledError(""), "released");
+    }
+    holds.erase(m.rid);
+    FERRY_LOG(kInfo, "kv: request {} released by '{}' ({})", Esc(m.rid), Esc(from),
+              read ? "read-done" : "release");
+    Emit({ConnectorEvent::Kind::kReleased, m.rid, Status::Ok(), std::nullopt});
+    return Status::Ok();
+}
+
+Status AgentKvConnector::Impl::On(const std::string& from, msg::ClaimAck& m) {
+    auto it = loads.find(m.lid);
+    if (it == loads.end() || it->second.peer != from ||
+        it->second.params.mode != KvTransferMode::kPull) {
+        return NotFoundError(fmt::format("no load '{}' from this peer", Esc(m.lid)));
+    }
+    if (!m.ok) {
+        std::string text =
+            fmt::format("prefill worker '{}': {}", Esc(from),
+                        m.error.empty() ? std::string("claim refused") : Esc(m.error));
+        // A hold that is gone (its lease lapsed) can be had again by retrying the request
+        // (503); a claim that does not match its hold is the params' fault (409).
+        FailLoad(m.lid,
+                 m.code == "gone" ? UnavailableError(std::move(text))
+                                  : FailedPreconditionError(std::move(text)),
+                 "claim_refused");
+        return Status::Ok();
+    }
+    it->second.claim_acked = true;
+    it->second.acked_first = std::move(m.first);
+    if (it->second.read_done) CompleteLoad(m.lid, FirstOf(it->second));
+    return Status::Ok();
+}
+
+// Holds whose lease lapsed: their blocks go back to the engine.
+void AgentKvConnector::Impl::PumpHolds(SteadyClock::time_point now) {
+    // Holds whose lease lapsed; targets nobody came for.
+    std::vector<std::string> lapsed;
+    for (auto& [rid, h] : holds) {
+        if (now > h.deadline) lapsed.push_back(rid);
+    }
+    for (const std::string& rid : lapsed) {
+        holds.erase(rid);
+        CountFailure(DeadlineExceededError(""), "lease_expired");
+        FERRY_LOG(kInfo, "kv: request {}: hold lease expired, blocks freed", Esc(rid));
+        Emit({ConnectorEvent::Kind::kReleased, rid, Status::Ok(), std::nullopt});
+    }
+}
+
+// pull, decode side: claim the hold and READ at once (the data counts only once the claim is
+// acked).
+void AgentKvConnector::Impl::ProceedPull(const std::string& id, Load& ld, Peer& p) {
+    const int end = std::min<int>((ld.num_computed + ld.num_external + bt() - 1) / bt() * bt(),
+                                  static_cast<int>(ld.params.remote_block_ids.size()) * bt());
+    std::vector<Descriptor> local, remote;
+    KvMove move{ld.blocks, ld.params.remote_block_ids, ld.num_computed, end};
+    Status st = PlanAllRanks(p, move, &local, &remote, &ld.bytes);
+    if (!st.ok()) {
+        FailLoad(id, st.WithContext("kv_transfer_params"));
+        return;
+    }
+    // The claim names exactly the blocks the read touches (all the params named): the
+    // prefill worker refuses it unless they are its hold's, for this prompt.
+    Status sent = Send(ld.peer, msg::Claim{ld.params.remote_request_id, ld.params.hold_nonce, id,
+                                           ld.prompt_digest, ld.params.remote_block_ids});
+    if (!sent.ok()) {
+        FailLoad(id, UnavailableError(
+                         fmt::format("kv: prefill worker '{}' is not reachable", Esc(ld.peer))));
+        return;
+    }
+    ld.state = Load::State::kTransferring;
+    ld.deadline = ld.started + cfg.transfer_timeout;
+    Result<Transfer> x = agent->PostRead(local, ld.peer, remote,
+                                         {.timeout = cfg.transfer_timeout, .backend = cfg.backend});
+    CountPosted(local.size());
+    if (!x.ok()) {
+        FailLoad(id, x.status().WithContext(
+                         fmt::format("kv read from prefill worker '{}'", Esc(ld.peer))));
+        return;
+    }
+    ld.xfer = std::move(*x);
+    WakeOnDone(ld.xfer);
+    FERRY_LOG(kInfo, "kv: request {} transferring {} bytes from '{}' in {} descriptors", Esc(id),
+              ld.bytes, Esc(ld.peer), local.size());
+}
+
+// pull, prefill side: hold the finished request's blocks for a reader under a lease and say
+// where they are (the params of the answer).
+FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
+                                                   std::span<const BlockId> blocks,
+                                                   const FirstToken& first) {
+    const KvTransferParams& p = r.params;
+    FinishAction a;
+    const int block_tokens = bt();
+    const size_t nblocks =
+        std::min(blocks.size(), (r.prompt.size() + block_tokens - 1) / block_tokens);
+    if (!p.requester.empty() && p.requester != kRouterRequester) {
+        a.refused = HoldShareLeft(p.requester, static_cast<int>(nblocks));
+        if (!a.refused.ok()) {
+            CountFailure(a.refused, "client_cap");
+            return a;
+        }
+    }
+    Hold& h = holds[r.id];
+    h.nonce = RandomId128();
+    h.prompt_digest = PromptDigest(r.prompt);
+    h.blocks.assign(blocks.begin(), blocks.begin() + nblocks);
+    h.requester = p.requester;
+    h.first = first;
+    h.deadline = SteadyClock::now() + cfg.hold_lease;
+    auto out = std::make_shared<KvTransferParams>();
+    out->mode = KvTransferMode::kPull;
+    out->do_remote_prefill = true;
+    out->do_remote_decode = false;
+    out->remote_engine_id = agent->name();
+    std::string addr = agent->ListenAddress();
+    size_t colon = addr.rfind(':');
+    out->remote_host = addr.substr(0, colon);
+    out->remote_port = std::atoi(addr.c_str() + colon + 1);
+    out->remote_block_ids.assign(blocks.begin(), blocks.begin() + nblocks);
+    out->remote_request_id = r.id;
+    out->tp_size = tp;
+    out->first_token = first;
+    out->hold_nonce = h.nonce;
+    a.hold_blocks = true;
+    a.params = std::move(out);
+    FERRY_LOG(kInfo, "kv: request {} holding {} blocks for a reader", Esc(r.id), nblocks);
+    return a;
+}
+
+}  // namespace ferry::kv
