@@ -15,6 +15,7 @@
 #include "ferry/agent.h"
 #include "http/http.h"
 #include "kv/agent_connector.h"
+#include "kv/connector_registry.h"
 #include "model/model.h"
 #include "serve/openai_server.h"
 #include "serve/worker.h"
@@ -161,6 +162,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
     // Disaggregation (docs/disaggregation.md).
     static std::string role = "colocated", kv_transfer = "pull", kv_backend = "auto";
     static std::string agent_listen = "127.0.0.1:0", agent_name, store, secret_file;
+    static std::string kv_connector = kv::kDefaultKvConnector;
     static int64_t hold_lease_ms = 10000, kv_timeout_ms = 10000, handshake_ms = 5000;
     serve
         ->add_option("--role", role,
@@ -175,6 +177,17 @@ void AddServeCommand(CLI::App& app, int* rc) {
                      "writes from the prefill worker)")
         ->check(CLI::IsMember({"pull", "push"}))
         ->capture_default_str();
+    {
+        std::string kinds;
+        for (const std::string& n : kv::KvConnectorNames())
+            kinds += (kinds.empty() ? "" : ", ") + n;
+        serve
+            ->add_option("--kv-connector", kv_connector,
+                         "the KV connector's kind (registered: " + kinds +
+                             "); it defines and parses kv_transfer_params")
+            ->check(CLI::IsMember(kv::KvConnectorNames()))
+            ->capture_default_str();
+    }
     serve->add_option("--kv-backend", kv_backend, "transfer backend for KV: auto, shm, tcp, ucx")
         ->check(CLI::IsMember({"auto", "shm", "tcp", "ucx"}))
         ->capture_default_str();
@@ -249,6 +262,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ec.prefix_caching = !no_prefix;
         serve::WorkerConfig wc;
         wc.role = *serve::ParseWorkerRole(role);
+        wc.kv_connector = kv_connector;
         wc.model = m;
         for (const std::string& u : remote_prefill) {
             auto ep = http::ParseEndpoint(u);

@@ -1,7 +1,9 @@
 // The KV connector's peer messages (src/kv/peer_messages.h): the codec on arbitrary bytes, and
 // the same bytes delivered to a bound connector as a peer's message. A message that decodes must
 // encode and decode again to the same text; the connector must survive anything (it refuses
-// with a log line). The first byte picks which of two peers sent it.
+// with a log line). The first byte picks which of two peers sent it. The same bytes are also a
+// client's kv_transfer_params (kv/kv_transfer_params.h): params that parse must print and parse
+// again to the same text; any that do not must say why.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -12,6 +14,7 @@
 #include "ferry/agent.h"
 #include "kv/agent_connector.h"
 #include "kv/kv_cache.h"
+#include "kv/kv_transfer_params.h"
 #include "kv/peer_messages.h"
 
 namespace {
@@ -68,5 +71,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::abort();
     }
     Connector().DeliverForTesting(data[0] % 2 ? "peer-a" : "peer-b", payload);
+    auto params = ferry::kv::ParseKvTransferParams(payload, ferry::kv::KvTransferMode::kPull);
+    if (params.ok() && *params) {
+        const std::string once = (*params)->ToJson();
+        auto again = ferry::kv::ParseKvTransferParams(once, ferry::kv::KvTransferMode::kPull);
+        if (!again.ok() || !*again || (*again)->ToJson() != once) std::abort();
+    } else if (!params.ok() && params.status().message().empty()) {
+        std::abort();
+    }
     return 0;
 }

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "kv/kv_transfer_params.h"
 #include "kv/peer_messages.h"
 #include "model/gguf.h"
 #include "transfer/metadata.h"
@@ -123,6 +124,20 @@ int main(int argc, char** argv) {
         for (const auto& [name, m] : seeds) {
             Put(root + "/kv_messages", name, std::string(1, 0) + msg::Encode(m));
         }
+        // The same bytes are parsed as kv_transfer_params too.
+        kv::KvTransferParams pull;
+        pull.do_remote_prefill = true;
+        pull.remote_engine_id = "p0";
+        pull.remote_host = "127.0.0.1";
+        pull.remote_port = 7000;
+        pull.remote_block_ids = {0, 1, 2};
+        pull.remote_request_id = "cmpl-r1";
+        pull.hold_nonce = nonce;
+        pull.first_token = first;
+        Put(root + "/kv_messages", "params-pull", std::string(1, 0) + pull.ToJson());
+        Put(root + "/kv_messages", "params-push",
+            std::string(1, 0) +
+                R"({"do_remote_decode":true,"transfer_mode":"push","transfer_id":"x1"})");
     }
     fmt::print("seeds written under {}\n", root);
 #ifdef FERRY_SEED_UCX

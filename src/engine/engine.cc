@@ -184,18 +184,19 @@ Status Engine::Submit(Request request) {
     FERRY_RETURN_IF_ERROR(request.sampling.Validate());
     if (request.prompt.empty()) return InvalidArgumentError("the prompt is empty");
     if (request.kv_transfer) {
-        const kv::KvTransferParams& p = *request.kv_transfer;
+        const kv::ConnectorParams& p = *request.kv_transfer;
         if (!connector_) {
             return InvalidArgumentError(
                 "kv_transfer_params: this worker has no KV connector (start it with a prefill "
                 "or decode role)");
         }
-        if (p.do_remote_decode && p.do_remote_prefill) {
+        if (p.prefill_only() && p.loads_kv()) {
             return InvalidArgumentError(
-                "kv_transfer_params: do_remote_decode and do_remote_prefill are both true");
+                "kv_transfer_params: a request cannot both prefill for another worker and load "
+                "its KV from one");
         }
         // A prefill for a remote decoder produces the first token only.
-        if (p.do_remote_decode) request.sampling.max_tokens = 1;
+        if (p.prefill_only()) request.sampling.max_tokens = 1;
     }
     for (int32_t t : request.prompt) {
         if (t < 0 || t >= mc.vocab_size) {

@@ -72,7 +72,7 @@ struct RequestOutput {
     int external_tokens = 0;    // prompt tokens whose KV came from another worker
     // Final output of a request that kept its KV for a remote reader: where it is (the
     // response's kv_transfer_params).
-    std::shared_ptr<const kv::KvTransferParams> kv_transfer;
+    std::shared_ptr<const kv::ConnectorParams> kv_transfer;
 };
 using OutputCallback = std::function<void(const RequestOutput&)>;
 
@@ -81,9 +81,10 @@ struct Request {
     std::vector<int32_t> prompt;
     model::SamplingParams sampling;
     OutputCallback on_output;
-    // Disaggregation (needs a connector): do_remote_decode prefills and keeps the KV (the request
-    // then stops after its first token); do_remote_prefill gets the prompt's KV from elsewhere.
-    std::shared_ptr<const kv::KvTransferParams> kv_transfer;
+    // Disaggregation (needs a connector): the request's kv_transfer_params as the connector
+    // parsed them (KvConnector::ParseParams). prefill_only: it prefills and keeps the KV (and
+    // stops after its first token); loads_kv: the prompt's KV comes from elsewhere.
+    std::shared_ptr<const kv::ConnectorParams> kv_transfer;
 };
 
 struct EngineStats {

@@ -199,8 +199,15 @@ void AgentKvConnector::Unbind() {
     m.wake = nullptr;
 }
 
+Result<std::shared_ptr<ConnectorParams>> AgentKvConnector::ParseParams(
+    std::string_view json) const {
+    FERRY_ASSIGN_OR_RETURN(std::shared_ptr<KvTransferParams> p,
+                           ParseKvTransferParams(json, impl_->cfg.default_mode));
+    return std::shared_ptr<ConnectorParams>(std::move(p));
+}
+
 int AgentKvConnector::ExternalTokens(const ConnectorRequest& r, int num_computed) {
-    const KvTransferParams& p = r.params;
+    const KvTransferParams& p = AsKvTransferParams(r.params);
     if (!p.do_remote_prefill) return 0;
     const int len = static_cast<int>(r.prompt.size());
     if (p.mode == KvTransferMode::kPush) return len - num_computed;
@@ -218,8 +225,9 @@ void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const Bloc
     Impl& m = *impl_;
     std::lock_guard lock(m.mu);
     Load& ld = m.loads[r.id];
-    ld.params = r.params;
-    ld.peer = r.params.remote_engine_id;
+    const KvTransferParams& params = AsKvTransferParams(r.params);
+    ld.params = params;
+    ld.peer = params.remote_engine_id;
     ld.blocks.assign(blocks.begin(), blocks.end());
     ld.num_computed = num_computed;
     ld.num_external = num_external;
@@ -240,20 +248,20 @@ void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const Bloc
                              "kv_transfer_params: remote_engine_id names this worker itself"));
         return;
     }
-    if (r.params.mode == KvTransferMode::kPush && r.params.transfer_id.empty()) {
+    if (params.mode == KvTransferMode::kPush && params.transfer_id.empty()) {
         m.FailLoad(r.id, InvalidArgumentError("kv_transfer_params: push needs a transfer_id"));
         return;
     }
     FERRY_LOG(kInfo, "kv: request {} bootstrapping with '{}' ({} tokens to load)", Esc(r.id),
               Esc(ld.peer), num_external);
-    m.EnsurePeer(r.id, r.params);
+    m.EnsurePeer(r.id, params);
 }
 
 FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
                                                std::span<const BlockId> blocks, bool ok,
                                                const FirstToken* first) {
     Impl& m = *impl_;
-    const KvTransferParams& p = r.params;
+    const KvTransferParams& p = AsKvTransferParams(r.params);
     FinishAction a;
     if (!p.do_remote_decode) return a;
     std::lock_guard lock(m.mu);
@@ -277,7 +285,7 @@ void AgentKvConnector::Abort(const std::string& id) {
 
 Status AgentKvConnector::Admit(const ConnectorRequest& r) {
     Impl& m = *impl_;
-    const KvTransferParams& p = r.params;
+    const KvTransferParams& p = AsKvTransferParams(r.params);
     if (!p.do_remote_decode && !p.do_remote_prefill) return Status::Ok();
     std::lock_guard lock(m.mu);
     if (m.admitted.count(r.id)) {

@@ -33,6 +33,7 @@
 
 #include "ferry/agent.h"
 #include "kv/connector.h"
+#include "kv/kv_transfer_params.h"
 
 namespace ferry::kv {
 
@@ -51,6 +52,8 @@ struct AgentConnectorConfig {
     // its claim) it checks every interval that the peer is alive (a small READ, which fails once
     // the peer's streams are closed), so a killed prefill fails the request within ~2 s.
     std::chrono::milliseconds liveness_interval{500};
+    // The protocol of kv_transfer_params that do not name one ("transfer_mode").
+    KvTransferMode default_mode = KvTransferMode::kPull;
     // Backend for KV transfers ("" = the agent's choice for the peer).
     std::string backend;
 
@@ -64,7 +67,7 @@ struct AgentConnectorConfig {
     bool authenticated = false;
     bool by_store = false;
     std::vector<std::string> allowed_agents;
-    // Caps (0: none). Per client (KvTransferParams::requester; the router is exempt): KV blocks
+    // Caps (0: none). Per client (ConnectorParams::requester; the router is exempt): KV blocks
     // of its unclaimed pull holds (-1: a quarter of the cache; checked at Admit and again when
     // the hold would be made, which then fails the request with ResourceExhausted), its loads in
     // flight, and the peers its loads wait to handshake with. Per peer: loads in flight.
@@ -116,6 +119,8 @@ class AgentKvConnector final : public KvConnector {
     KvConnectorStats Stats() const;
 
     Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) override;
+    // kv::ParseKvTransferParams with the configured default mode.
+    Result<std::shared_ptr<ConnectorParams>> ParseParams(std::string_view json) const override;
     void Unbind() override;
     Status Admit(const ConnectorRequest& r) override;
     void Retire(const std::string& id) override;
@@ -129,6 +134,7 @@ class AgentKvConnector final : public KvConnector {
     std::vector<ConnectorEvent> TakeEvents() override;
     LayerHook* BeginStep(std::span<const StepChunk> chunks) override;
     void EndStep() override;
+    std::string RenderMetrics() const override;  // RenderKvConnectorMetrics(Stats())
 
     // Handles `payload` as a message from the peer `from` (the fuzzer's way in; peers' messages
     // otherwise arrive through the Agent).

@@ -108,4 +108,6 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
     return out;
 }
 
+std::string AgentKvConnector::RenderMetrics() const { return RenderKvConnectorMetrics(Stats()); }
+
 }  // namespace ferry::kv

@@ -184,7 +184,7 @@ void AgentKvConnector::Impl::ProceedPull(const std::string& id, Load& ld, Peer& 
 FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
                                                    std::span<const BlockId> blocks,
                                                    const FirstToken& first) {
-    const KvTransferParams& p = r.params;
+    const KvTransferParams& p = AsKvTransferParams(r.params);
     FinishAction a;
     const int block_tokens = bt();
     const size_t nblocks =

@@ -160,7 +160,7 @@ void AgentKvConnector::Impl::OnLayerStored(int rank, int layer) {
 
 bool AgentKvConnector::ReadyToSchedule(const ConnectorRequest& r) {
     Impl& m = *impl_;
-    const KvTransferParams& p = r.params;
+    const KvTransferParams& p = AsKvTransferParams(r.params);
     if (!p.do_remote_decode || p.mode != KvTransferMode::kPush) return true;
     std::lock_guard lock(m.mu);
     if (!m.bound) return true;
@@ -212,7 +212,8 @@ LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
     if (!m.bound) return nullptr;
     bool any = false;
     for (const StepChunk& c : chunks) {
-        if (!c.params->do_remote_decode || c.params->mode != KvTransferMode::kPush) continue;
+        const KvTransferParams& cp = AsKvTransferParams(*c.params);
+        if (!cp.do_remote_decode || cp.mode != KvTransferMode::kPush) continue;
         auto it = m.pushes.find(*c.id);
         if (it == m.pushes.end()) continue;
         Push& ps = it->second;

@@ -24,6 +24,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -41,33 +42,23 @@ struct FirstToken {
     std::vector<std::pair<int32_t, float>> top;
 };
 
-enum class KvTransferMode : uint8_t {
-    kPull,  // vLLM's NixlConnector protocol: the receiver READs the held blocks
-    kPush,  // SGLang / Mooncake style: the sender WRITEs each layer into the receiver's blocks
-};
+// A request's kv_transfer_params as its connector parsed them (vLLM's design: the engine passes
+// them through unread, and each connector defines its own; src/kv/kv_transfer_params.h is the
+// built-in connector's). The engine reads only what it schedules by.
+class ConnectorParams {
+  public:
+    virtual ~ConnectorParams() = default;
+    // This worker prefills for another: the request stops after its first token and its KV is
+    // kept for (or sent to) the other worker.
+    virtual bool prefill_only() const = 0;
+    // The prompt's KV comes from another worker.
+    virtual bool loads_kv() const = 0;
+    // The params of a response, as a JSON object (a router copies them to the next worker).
+    virtual std::string ToJson() const = 0;
 
-// What the router said about moving one request's KV: vLLM's `kv_transfer_params`, field for
-// field, plus ferry's own (which a vLLM router copies along unchanged, as it copies the whole
-// object from the prefill response to the decode request).
-struct KvTransferParams {
-    KvTransferMode mode = KvTransferMode::kPull;
-    bool do_remote_decode = false;   // this worker prefills; another decodes
-    bool do_remote_prefill = false;  // this worker decodes; the prompt's KV is elsewhere
-    // Where the other side is (pull: the prefill worker that holds the blocks; push: the
-    // prefill worker this decoder sends its block ids to).
-    std::string remote_engine_id;  // its agent name
-    std::string remote_host;
-    int remote_port = 0;  // its agent's listener
-    std::vector<BlockId> remote_block_ids;
-    std::string remote_request_id;
-    int tp_size = 1;
-    // ferry: pull, the prefill's sampled token; push, the id both sides were given.
-    std::optional<FirstToken> first_token;
-    std::string transfer_id;
-    // pull: which hold remote_request_id names: 128 random bits (32 hex characters).
-    std::string hold_nonce;
-    // Who sent the params (set by the server, never read from the request): "router" for a
-    // sender that proved the deployment secret, else the client's address. Caps count by it.
+    // Who sent them (set by the server once it authenticated the sender, never read from the
+    // request): kRouterRequester for a sender that proved the deployment secret, else the
+    // client's address. Caps count by it.
     std::string requester;
 };
 // The requester of params whose sender proved the deployment secret (exempt from per-client caps).
@@ -77,13 +68,13 @@ inline constexpr char kRouterRequester[] = "router";
 struct ConnectorRequest {
     const std::string& id;
     std::span<const int32_t> prompt;
-    const KvTransferParams& params;
+    const ConnectorParams& params;  // what this connector's ParseParams made
 };
 
 // One sequence's share of a forward pass, for the worker side.
 struct StepChunk {
     const std::string* id = nullptr;
-    const KvTransferParams* params = nullptr;
+    const ConnectorParams* params = nullptr;
     std::span<const BlockId> block_table;
     int start_pos = 0;
     int num_tokens = 0;
@@ -116,8 +107,8 @@ struct ConnectorEvent {
 };
 
 struct FinishAction {
-    bool hold_blocks = false;                        // freed on kReleased, not now
-    std::shared_ptr<const KvTransferParams> params;  // for the response (pull: where the KV is)
+    bool hold_blocks = false;                       // freed on kReleased, not now
+    std::shared_ptr<const ConnectorParams> params;  // for the response (pull: where the KV is)
     // Not OK: the request ends with this error instead (e.g. its client already holds its share
     // of blocks); its blocks are freed now.
     Status refused;
@@ -132,6 +123,11 @@ class KvConnector {
     // thread may call it). Unbind is called before the caches go away.
     virtual Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) = 0;
     virtual void Unbind() = 0;
+
+    // A request's kv_transfer_params (the text of a JSON object) as this connector's params.
+    // InvalidArgument naming the field ("'kv_transfer_params.remote_port' must be ..."); null
+    // without an error when they ask nothing of a connector. Any thread.
+    virtual Result<std::shared_ptr<ConnectorParams>> ParseParams(std::string_view json) const = 0;
 
     // --- admission (any thread) ---
     // Whether a request with params may be queued at all: per-client and per-peer caps on
@@ -170,6 +166,10 @@ class KvConnector {
     // (null: none needed). EndStep follows the forward pass.
     virtual LayerHook* BeginStep(std::span<const StepChunk> chunks) = 0;
     virtual void EndStep() = 0;
+
+    // --- observation (any thread) ---
+    // Its state as Prometheus text, for the worker's /metrics ("" = nothing to add).
+    virtual std::string RenderMetrics() const { return ""; }
 };
 
 }  // namespace ferry::kv

@@ -282,130 +282,7 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
     sp.max_tokens = static_cast<int>(max_tokens);
 }
 
-// kv_transfer_params: vLLM's NixlConnector fields (null means absent, as vLLM's proxies send),
-// and ferry's: transfer_mode "pull" | "push", transfer_id, ferry_first_token, ferry_hold_nonce.
-void ParseKvTransferParams(const Json& v, ParsedRequest* out, Fields* f) {
-    const char* kParam = "kv_transfer_params";
-    if (!v.is_object()) {
-        return f->Fail(fmt::format("'{}' must be an object, not {}", kParam, TypeName(v)), kParam);
-    }
-    auto p = std::make_shared<kv::KvTransferParams>();
-    auto bad = [&](const char* key, const char* want) {
-        f->Fail(fmt::format("'{}.{}' must be {}", kParam, key, want), kParam);
-    };
-    auto get = [&](const char* key) -> const Json* {
-        auto it = v.find(key);
-        return it == v.end() || it->is_null() ? nullptr : &*it;
-    };
-    auto boolean = [&](const char* key, bool* dst) {
-        if (const Json* x = get(key)) {
-            if (!x->is_boolean()) return bad(key, "a boolean");
-            *dst = x->get<bool>();
-        }
-    };
-    auto string = [&](const char* key, std::string* dst) {
-        if (const Json* x = get(key)) {
-            if (!x->is_string() || x->get_ref<const std::string&>().size() > 1024) {
-                return bad(key, "a string of at most 1024 bytes");
-            }
-            *dst = x->get<std::string>();
-        }
-    };
-    auto integer = [&](const char* key, int* dst, int64_t lo, int64_t hi) {
-        if (const Json* x = get(key)) {
-            if (!x->is_number_integer() || ClampedInt(*x) < lo || ClampedInt(*x) > hi) {
-                return bad(key, "an integer in range");
-            }
-            *dst = static_cast<int>(ClampedInt(*x));
-        }
-    };
-    boolean("do_remote_decode", &p->do_remote_decode);
-    boolean("do_remote_prefill", &p->do_remote_prefill);
-    string("remote_engine_id", &p->remote_engine_id);
-    string("remote_host", &p->remote_host);
-    integer("remote_port", &p->remote_port, 0, 65535);
-    string("remote_request_id", &p->remote_request_id);
-    integer("tp_size", &p->tp_size, 1, 1024);
-    string("transfer_id", &p->transfer_id);
-    std::string mode = "pull";
-    out->kv_mode_given = get("transfer_mode") != nullptr;
-    string("transfer_mode", &mode);
-    if (mode == "push") {
-        p->mode = kv::KvTransferMode::kPush;
-    } else if (mode != "pull") {
-        bad("transfer_mode", "\"pull\" or \"push\"");
-    }
-    if (const Json* b = get("remote_block_ids")) {
-        if (!b->is_array() || b->size() > (1u << 24)) return bad("remote_block_ids", "an array");
-        for (const Json& id : *b) {
-            if (!id.is_number_integer() || ClampedInt(id) < 0 || ClampedInt(id) > INT32_MAX) {
-                return bad("remote_block_ids", "an array of block ids");
-            }
-            p->remote_block_ids.push_back(static_cast<kv::BlockId>(ClampedInt(id)));
-        }
-    }
-    if (const Json* n = get("ferry_hold_nonce")) {
-        if (!n->is_string() || n->get_ref<const std::string&>().size() != 32 ||
-            n->get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
-                std::string::npos) {
-            return bad("ferry_hold_nonce", "32 hex characters, as the prefill worker gave it");
-        }
-        p->hold_nonce = n->get<std::string>();
-    }
-    if (const Json* t = get("ferry_first_token")) {
-        kv::FirstToken ft;
-        auto tok = t->is_object() ? t->find("token") : Json::const_iterator();
-        if (!t->is_object() || tok == t->end() || !tok->is_number_integer() ||
-            ClampedInt(*tok) < 0 || ClampedInt(*tok) > INT32_MAX || !t->contains("logprob") ||
-            !(*t)["logprob"].is_number()) {
-            return bad("ferry_first_token", "an object with an integer token and a logprob");
-        }
-        ft.token = static_cast<int32_t>(ClampedInt(*tok));
-        ft.logprob = (*t)["logprob"].get<float>();
-        if (t->contains("top")) {
-            const Json& top = (*t)["top"];
-            if (!top.is_array() || top.size() > 1024) return bad("ferry_first_token", "valid");
-            for (const Json& e : top) {
-                if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
-                    !e[1].is_number() || ClampedInt(e[0]) < 0 || ClampedInt(e[0]) > INT32_MAX) {
-                    return bad("ferry_first_token", "valid (top: [[token, logprob], ...])");
-                }
-                ft.top.emplace_back(static_cast<int32_t>(ClampedInt(e[0])), e[1].get<float>());
-            }
-        }
-        p->first_token = std::move(ft);
-    }
-    if (f->ok() && p->do_remote_prefill && p->mode == kv::KvTransferMode::kPull &&
-        p->hold_nonce.empty()) {
-        return bad("ferry_hold_nonce",
-                   "present: a pull decode request carries the kv_transfer_params of a ferry "
-                   "prefill worker's answer, unchanged");
-    }
-    if (f->ok() && (p->do_remote_decode || p->do_remote_prefill)) out->kv_transfer = std::move(p);
-}
-
 }  // namespace
-
-std::string KvTransferParamsJson(const kv::KvTransferParams& p) {
-    Json j = {{"do_remote_decode", p.do_remote_decode},
-              {"do_remote_prefill", p.do_remote_prefill},
-              {"remote_engine_id", p.remote_engine_id},
-              {"remote_block_ids", p.remote_block_ids},
-              {"remote_host", p.remote_host},
-              {"remote_port", p.remote_port},
-              {"remote_request_id", p.remote_request_id},
-              {"tp_size", p.tp_size},
-              {"transfer_mode", p.mode == kv::KvTransferMode::kPush ? "push" : "pull"}};
-    if (!p.transfer_id.empty()) j["transfer_id"] = p.transfer_id;
-    if (!p.hold_nonce.empty()) j["ferry_hold_nonce"] = p.hold_nonce;
-    if (p.first_token) {
-        Json top = Json::array();
-        for (auto [t, lp] : p.first_token->top) top.push_back({t, lp});
-        j["ferry_first_token"] = {
-            {"token", p.first_token->token}, {"logprob", p.first_token->logprob}, {"top", top}};
-    }
-    return j.dump();
-}
 
 namespace {
 
@@ -438,7 +315,13 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer
     ParseRequest(body, chat, tk, model_name, out, &fields);
     if (fields.ok() && body.contains("kv_transfer_params") &&
         !body["kv_transfer_params"].is_null()) {
-        ParseKvTransferParams(body["kv_transfer_params"], out, &fields);
+        const Json& kv = body["kv_transfer_params"];
+        if (!kv.is_object()) {
+            fields.Fail(fmt::format("'kv_transfer_params' must be an object, not {}", TypeName(kv)),
+                        "kv_transfer_params");
+        } else {
+            out->kv_transfer_json = kv.dump();
+        }
     }
     if (!fields.ok()) {
         *error = fields.error();

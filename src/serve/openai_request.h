@@ -31,17 +31,15 @@ struct ParsedRequest {
     bool want_logprobs = false;  // completions: logprobs >= 0; chat: logprobs true
     // vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:<id>".
     bool tokens_as_ids = false;
-    // "kv_transfer_params" (vLLM's disaggregation fields, and ferry's): null when absent.
-    std::shared_ptr<kv::KvTransferParams> kv_transfer;
-    bool kv_mode_given = false;  // kv_transfer_params named its transfer_mode
+    // "kv_transfer_params": the text of the object as the request gave it ("" when absent or
+    // null). The worker's KV connector parses it (its own format); the server keeps the result
+    // in kv_transfer.
+    std::string kv_transfer_json;
+    std::shared_ptr<kv::ConnectorParams> kv_transfer;
 };
 
 // Nesting deeper than this is refused before any JSON tree is built (JsonDepthWithin).
 inline constexpr size_t kMaxJsonDepth = 64;
-
-// The kv_transfer_params object of a response (vLLM's field names; ferry's fields beside them:
-// a vLLM router copies the object whole from the prefill response to the decode request).
-std::string KvTransferParamsJson(const kv::KvTransferParams& p);
 
 // Parses `body`; false with `error` filled for anything malformed. Chat requests without a token
 // limit get what is left of `max_model_len` after the prompt.

@@ -332,6 +332,24 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400, bad, x && ValidRequestId(*x) ? *x : ""));
     }
+    if (!pr.kv_transfer_json.empty()) {
+        // The connector's own format: a malformed field is named before anything else.
+        const std::string* x = ex->request().Find("X-Request-Id");
+        const std::string rid = x && ValidRequestId(*x) ? *x : "";
+        if (!config.parse_kv_params) {
+            return ex->Reply(Error(400,
+                                   {"kv_transfer_params: this worker has no KV connector (start "
+                                    "it with a prefill or decode role)",
+                                    "kv_transfer_params", ""},
+                                   rid));
+        }
+        Result<std::shared_ptr<kv::ConnectorParams>> kv =
+            config.parse_kv_params(pr.kv_transfer_json);
+        if (!kv.ok()) {
+            return ex->Reply(Error(400, {kv.status().message(), "kv_transfer_params", ""}, rid));
+        }
+        pr.kv_transfer = std::move(*kv);
+    }
     if (pr.kv_transfer) {
         // Internal fields: honoured only from the router (with a secret), and counted against
         // whoever sent them.
@@ -339,8 +357,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
             return ex->Reply(*refused);
         }
     }
-    if (pr.kv_transfer && !pr.kv_mode_given) pr.kv_transfer->mode = config.default_kv_mode;
-    if (pr.kv_transfer && pr.kv_transfer->do_remote_decode && pr.stream) {
+    if (pr.kv_transfer && pr.kv_transfer->prefill_only() && pr.stream) {
         // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
         pr.stream = false;
     }
@@ -381,13 +398,20 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
     const std::string key = fmt::format("{}:{}", ep.host, ep.port);
     // Unguessable: a client that could name the next transfer id could park requests under it.
     const std::string xid = RandomId128();
-    auto kvp = std::make_shared<kv::KvTransferParams>();
-    kvp->mode = kv::KvTransferMode::kPush;
-    kvp->do_remote_prefill = true;
-    kvp->transfer_id = xid;
-    kvp->remote_engine_id = agent.engine_id;
-    kvp->remote_host = agent.host;
-    kvp->remote_port = agent.port;
+    // This worker's own params for the local request, in the connector's format (the router's
+    // push decode params: written once), parsed as any request's are.
+    Result<std::shared_ptr<kv::ConnectorParams>> kvp =
+        config.parse_kv_params ? config.parse_kv_params(router::PushDecodeParams(xid, agent).dump())
+                               : Result<std::shared_ptr<kv::ConnectorParams>>(
+                                     FailedPreconditionError("this worker has no KV connector"));
+    if (!kvp.ok() || !*kvp) {
+        ticket->End(router::Outcome::kCancelled);
+        return ex->Reply(
+            Error(500,
+                  {fmt::format("decode-first: {}", kvp.ok() ? "no params" : kvp.status().message()),
+                   "", ""},
+                  base));
+    }
     // The prefill worker gets the prompt as token ids (the chat template is applied here) and
     // the sampling parameters: it samples the first token, which comes back with the KV.
     const model::SamplingParams& sp = pr.sampling;
@@ -402,9 +426,8 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
     if (sp.seed) body["seed"] = static_cast<int64_t>(*sp.seed);
     if (sp.logprobs >= 0) body["logprobs"] = sp.logprobs;
     auto original = std::make_shared<ParsedRequest>(pr);  // for a second attempt
-    kvp->requester = kv::kRouterRequester;                // this worker's own request
-    pr.kv_transfer = kvp;
-    pr.kv_mode_given = true;
+    (*kvp)->requester = kv::kRouterRequester;             // this worker's own request
+    pr.kv_transfer = std::move(*kvp);
     auto prefill_call = std::make_shared<std::shared_ptr<http::ClientCall>>();
     auto call_mu = std::make_shared<std::mutex>();
     std::function<bool(const Status&)> retry;
@@ -648,7 +671,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                         {"choices", Json::array({choice})},
                         {"usage", usage_json(all)}};
             if (o.kv_transfer) {
-                out["kv_transfer_params"] = Json::parse(KvTransferParamsJson(*o.kv_transfer));
+                out["kv_transfer_params"] = Json::parse(o.kv_transfer->ToJson());
             }
             return ex->Reply({200, "application/json", Dump(out), {{"X-Request-Id", base}}});
         }

@@ -33,8 +33,11 @@ struct ServerConfig {
     // A connection must deliver a complete request within this long of connecting or of its
     // previous response, else it is closed (slowloris).
     std::chrono::milliseconds request_deadline{10000};
-    // The protocol of kv_transfer_params that do not name one ("transfer_mode").
-    kv::KvTransferMode default_kv_mode = kv::KvTransferMode::kPull;
+    // Parses a request's kv_transfer_params (the text of a JSON object) as the worker's KV
+    // connector defines them (KvConnector::ParseParams; a colocated worker checks them the
+    // default connector's way, then refuses them for want of a connector). Null: the params are
+    // refused.
+    std::function<Result<std::shared_ptr<kv::ConnectorParams>>(std::string_view)> parse_kv_params;
     // GET /v1/kv/agent: where this worker's transfer agent is (JSON: engine_id, host, port,
     // tp_size), for a proxy that drives push; absent without a connector.
     std::function<std::string()> kv_agent_info;

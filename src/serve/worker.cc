@@ -32,9 +32,16 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     if (!c.server.remote_prefill.empty() && c.role != WorkerRole::kDecode) {
         return InvalidArgumentError("--remote-prefill needs --role decode");
     }
+    FERRY_ASSIGN_OR_RETURN(kv::KvConnectorKind kind, kv::FindKvConnector(c.kv_connector));
     std::unique_ptr<Worker> w(new Worker());
     w->role_ = c.role;
-    if (c.role != WorkerRole::kColocated) {
+    c.connector.default_mode = c.kv_mode;
+    if (c.role == WorkerRole::kColocated) {
+        // No connector: malformed params are named the default kind's way, then refused.
+        c.server.parse_kv_params = [parse = kind.parse, cc = c.connector](std::string_view json) {
+            return parse(json, cc);
+        };
+    } else {
         if (c.agent.name.empty()) {
             c.agent.name = fmt::format("ferry-{}-{}", WorkerRoleName(c.role), getpid());
         }
@@ -48,12 +55,14 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         c.connector.model_kv_heads = c.model->config().num_kv_heads;
         c.connector.authenticated = authenticated;
         c.connector.by_store = by_store;
-        auto conn = kv::AgentKvConnector::Create(w->agent_, c.connector);
+        auto conn = kind.create({w->agent_, c.connector});
         if (!conn.ok()) return conn.status().WithContext("kv connector");
         w->connector_ = *conn;
         c.engine.connector = w->connector_;
         c.engine.allocator = kv::AgentKvAllocator(w->agent_);
-        c.server.default_kv_mode = c.kv_mode;
+        c.server.parse_kv_params = [conn = w->connector_](std::string_view json) {
+            return conn->ParseParams(json);
+        };
         c.server.kv_agent_info = [agent = w->agent_, tp = c.model->tp()] {
             const std::string a = agent->ListenAddress();
             const size_t colon = a.rfind(':');
@@ -61,9 +70,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
                 "{{\"engine_id\":\"{}\",\"host\":\"{}\",\"port\":{},\"tp_size\":{}}}",
                 agent->name(), a.substr(0, colon), a.substr(colon + 1), tp);
         };
-        c.server.extra_metrics = [conn = w->connector_] {
-            return kv::RenderKvConnectorMetrics(conn->Stats());
-        };
+        c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
     }
     auto engine = engine::Engine::Create(c.model, c.engine);
     if (!engine.ok()) return engine.status();

@@ -17,6 +17,7 @@
 #include "ferry/agent.h"
 #include "ferry/status.h"
 #include "kv/agent_connector.h"
+#include "kv/connector_registry.h"
 #include "model/model.h"
 #include "serve/openai_server.h"
 
@@ -36,11 +37,13 @@ struct WorkerConfig {
     // makes the server's router token and the connector's `authenticated`. The connector's model
     // fingerprint and KV heads come from the model, `by_store` from the agent's store.
     AgentConfig agent;
+    // The connector's kind (kv/connector_registry.h) and settings.
+    std::string kv_connector = kv::kDefaultKvConnector;
     kv::AgentConnectorConfig connector;
     // The protocol of kv_transfer_params that do not name one.
     kv::KvTransferMode kv_mode = kv::KvTransferMode::kPull;
     // The OpenAI server; the assembly sets kv_agent_info, extra_metrics, router_token and
-    // default_kv_mode. Decode-first prefill workers (server.remote_prefill) need role decode.
+    // parse_kv_params. Decode-first prefill workers (server.remote_prefill) need role decode.
     ServerConfig server;
     bool serve_http = true;  // false: no server (tests that drive the engine directly)
 };
@@ -49,7 +52,8 @@ struct WorkerConfig {
 class Worker {
   public:
     // InvalidArgument for a config that cannot work (no model, remote prefill workers on a role
-    // other than decode); otherwise the first part's error that failed, with what failed.
+    // other than decode), NotFound for an unknown connector kind; otherwise the first part's
+    // error that failed, with what failed.
     static Result<std::unique_ptr<Worker>> Start(WorkerConfig config);
     ~Worker();
     Worker(const Worker&) = delete;
@@ -60,7 +64,7 @@ class Worker {
     const std::shared_ptr<engine::Engine>& shared_engine() const { return engine_; }
     // Null for a colocated worker.
     const std::shared_ptr<Agent>& agent() const { return agent_; }
-    const std::shared_ptr<kv::AgentKvConnector>& connector() const { return connector_; }
+    const std::shared_ptr<kv::KvConnector>& connector() const { return connector_; }
     // Null without serve_http.
     OpenAiServer* server() { return server_.get(); }
     int port() const;  // the server's; 0 without one
@@ -71,7 +75,7 @@ class Worker {
     Worker() = default;
     WorkerRole role_ = WorkerRole::kColocated;
     std::shared_ptr<Agent> agent_;
-    std::shared_ptr<kv::AgentKvConnector> connector_;
+    std::shared_ptr<kv::KvConnector> connector_;
     std::shared_ptr<engine::Engine> engine_;
     std::unique_ptr<OpenAiServer> server_;
 };

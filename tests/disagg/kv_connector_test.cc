@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -49,7 +50,7 @@ class Answers {
             if (o.finish != FinishReason::kNone) {
                 a.finish = o.finish;
                 a.error = o.error;
-                a.kv = o.kv_transfer;
+                a.kv = std::static_pointer_cast<const KvTransferParams>(o.kv_transfer);
                 a.external = o.external_tokens;
                 a.done = true;
                 cv_.notify_all();
@@ -122,7 +123,7 @@ Worker MakeWorker(const std::string& name, const std::string& backend,
     Worker w;
     w.parts = testing::ValueOrDie(serve::Worker::Start(std::move(c)), "worker");
     w.agent = w.parts->agent();
-    w.conn = w.parts->connector();
+    w.conn = std::dynamic_pointer_cast<kv::AgentKvConnector>(w.parts->connector());
     w.engine = w.parts->shared_engine();
     return w;
 }
@@ -598,6 +599,42 @@ TEST_F(Disagg, ParamsWithoutAConnectorAreRefused) {
     kvp->do_remote_decode = true;
     EXPECT_THAT(Submit(e.get(), &a, "x", Prompt(5, 1), Greedy(1), kvp),
                 StatusHas(Code::kInvalidArgument, "no KV connector"));
+}
+
+// A connector kind added by name, as an encoder-cache or speculative-decoding connector would be:
+// the worker assembly creates it from the registry and the engine runs it, neither changed.
+TEST_F(Disagg, AConnectorKindRegisteredByNameIsTheOneAWorkerRuns) {
+    static std::atomic<int> created{0};
+    kv::KvConnectorKind base = testing::ValueOrDie(kv::FindKvConnector("ferry"));
+    kv::KvConnectorKind k = base;
+    k.name = "ferry-counted";
+    k.create = [base](const kv::KvConnectorContext& c) {
+        ++created;
+        return base.create(c);
+    };
+    if (kv::FindKvConnector(k.name).status().code() == Code::kNotFound) {
+        FERRY_ASSERT_OK(kv::RegisterKvConnector(k));
+    }
+    const int before = created.load();
+    serve::WorkerConfig c;
+    c.role = serve::WorkerRole::kDecode;
+    c.model = Model(1);
+    c.agent = testing::TestConfig("decode-kind", "shm");
+    c.kv_connector = "ferry-counted";
+    c.engine.block_tokens = 8;
+    c.engine.num_blocks = 64;
+    c.serve_http = false;
+    auto w = testing::ValueOrDie(serve::Worker::Start(c), "worker");
+    EXPECT_EQ(created.load(), before + 1);
+    ASSERT_NE(std::dynamic_pointer_cast<kv::AgentKvConnector>(w->connector()), nullptr);
+    // Its params are the connector's to parse.
+    auto p = w->connector()->ParseParams(R"({"do_remote_decode":true})");
+    ASSERT_TRUE(p.ok() && *p) << p.status().ToString();
+    EXPECT_TRUE((*p)->prefill_only());
+    // An unknown kind stops the worker before anything starts.
+    c.kv_connector = "no-such-kind";
+    c.agent.name = "decode-kind-2";
+    EXPECT_THAT(serve::Worker::Start(c), StatusHas(Code::kNotFound, "no-such-kind"));
 }
 
 }  // namespace

@@ -1,0 +1,186 @@
+#include "kv/kv_transfer_params.h"
+
+#include <fmt/core.h>
+
+#include <climits>
+#include <nlohmann/json.hpp>
+
+#include "core/json_depth.h"
+
+namespace ferry::kv {
+
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr char kParam[] = "kv_transfer_params";
+
+std::string TypeName(const Json& v) {
+    if (v.is_null()) return "null";
+    if (v.is_boolean()) return "a boolean";
+    if (v.is_number()) return "a number";
+    if (v.is_string()) return "a string";
+    if (v.is_array()) return "an array";
+    return "an object";
+}
+
+// A JSON integer as int64_t; one beyond its range (only unsigned ones can be) becomes INT64_MAX.
+int64_t ClampedInt(const Json& v) {
+    return v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX
+                                                                             : v.get<int64_t>();
+}
+
+}  // namespace
+
+std::string KvTransferParams::ToJson() const {
+    Json j = {{"do_remote_decode", do_remote_decode},
+              {"do_remote_prefill", do_remote_prefill},
+              {"remote_engine_id", remote_engine_id},
+              {"remote_block_ids", remote_block_ids},
+              {"remote_host", remote_host},
+              {"remote_port", remote_port},
+              {"remote_request_id", remote_request_id},
+              {"tp_size", tp_size},
+              {"transfer_mode", mode == KvTransferMode::kPush ? "push" : "pull"}};
+    if (!transfer_id.empty()) j["transfer_id"] = transfer_id;
+    if (!hold_nonce.empty()) j["ferry_hold_nonce"] = hold_nonce;
+    if (first_token) {
+        Json top = Json::array();
+        for (auto [t, lp] : first_token->top) top.push_back({t, lp});
+        j["ferry_first_token"] = {
+            {"token", first_token->token}, {"logprob", first_token->logprob}, {"top", top}};
+    }
+    return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view json,
+                                                                KvTransferMode default_mode) {
+    if (!JsonDepthWithin(json, 8)) {
+        return InvalidArgumentError(fmt::format("'{}' nests too deep", kParam));
+    }
+    const Json v = Json::parse(json.begin(), json.end(), nullptr, false);
+    if (v.is_discarded() || !v.is_object()) {
+        return InvalidArgumentError(fmt::format("'{}' must be an object, not {}", kParam,
+                                                v.is_discarded() ? "valid JSON" : TypeName(v)));
+    }
+    auto p = std::make_shared<KvTransferParams>();
+    Status error;
+    auto bad = [&](const char* key, const char* want) {
+        if (error.ok()) {
+            error = InvalidArgumentError(fmt::format("'{}.{}' must be {}", kParam, key, want));
+        }
+    };
+    auto get = [&](const char* key) -> const Json* {
+        auto it = v.find(key);
+        return it == v.end() || it->is_null() ? nullptr : &*it;
+    };
+    auto boolean = [&](const char* key, bool* dst) {
+        if (const Json* x = get(key)) {
+            if (!x->is_boolean()) return bad(key, "a boolean");
+            *dst = x->get<bool>();
+        }
+    };
+    auto string = [&](const char* key, std::string* dst) {
+        if (const Json* x = get(key)) {
+            if (!x->is_string() || x->get_ref<const std::string&>().size() > 1024) {
+                return bad(key, "a string of at most 1024 bytes");
+            }
+            *dst = x->get<std::string>();
+        }
+    };
+    auto integer = [&](const char* key, int* dst, int64_t lo, int64_t hi) {
+        if (const Json* x = get(key)) {
+            if (!x->is_number_integer() || ClampedInt(*x) < lo || ClampedInt(*x) > hi) {
+                return bad(key, "an integer in range");
+            }
+            *dst = static_cast<int>(ClampedInt(*x));
+        }
+    };
+    boolean("do_remote_decode", &p->do_remote_decode);
+    boolean("do_remote_prefill", &p->do_remote_prefill);
+    string("remote_engine_id", &p->remote_engine_id);
+    string("remote_host", &p->remote_host);
+    integer("remote_port", &p->remote_port, 0, 65535);
+    string("remote_request_id", &p->remote_request_id);
+    integer("tp_size", &p->tp_size, 1, 1024);
+    string("transfer_id", &p->transfer_id);
+    p->mode = default_mode;
+    if (get("transfer_mode")) {
+        std::string mode;
+        string("transfer_mode", &mode);
+        if (mode == "push") {
+            p->mode = KvTransferMode::kPush;
+        } else if (mode == "pull") {
+            p->mode = KvTransferMode::kPull;
+        } else {
+            bad("transfer_mode", "\"pull\" or \"push\"");
+        }
+    }
+    if (const Json* b = get("remote_block_ids")) {
+        if (!b->is_array() || b->size() > (1u << 24)) {
+            bad("remote_block_ids", "an array");
+        } else {
+            for (const Json& id : *b) {
+                if (!id.is_number_integer() || ClampedInt(id) < 0 || ClampedInt(id) > INT32_MAX) {
+                    bad("remote_block_ids", "an array of block ids");
+                    break;
+                }
+                p->remote_block_ids.push_back(static_cast<BlockId>(ClampedInt(id)));
+            }
+        }
+    }
+    if (const Json* n = get("ferry_hold_nonce")) {
+        if (!n->is_string() || n->get_ref<const std::string&>().size() != 32 ||
+            n->get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
+                std::string::npos) {
+            bad("ferry_hold_nonce", "32 hex characters, as the prefill worker gave it");
+        } else {
+            p->hold_nonce = n->get<std::string>();
+        }
+    }
+    if (const Json* t = get("ferry_first_token")) {
+        FirstToken ft;
+        auto tok = t->is_object() ? t->find("token") : Json::const_iterator();
+        if (!t->is_object() || tok == t->end() || !tok->is_number_integer() ||
+            ClampedInt(*tok) < 0 || ClampedInt(*tok) > INT32_MAX || !t->contains("logprob") ||
+            !(*t)["logprob"].is_number()) {
+            bad("ferry_first_token", "an object with an integer token and a logprob");
+        } else {
+            ft.token = static_cast<int32_t>(ClampedInt(*tok));
+            ft.logprob = (*t)["logprob"].get<float>();
+            if (t->contains("top")) {
+                const Json& top = (*t)["top"];
+                if (!top.is_array() || top.size() > 1024) {
+                    bad("ferry_first_token", "valid");
+                } else {
+                    for (const Json& e : top) {
+                        if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
+                            !e[1].is_number() || ClampedInt(e[0]) < 0 ||
+                            ClampedInt(e[0]) > INT32_MAX) {
+                            bad("ferry_first_token", "valid (top: [[token, logprob], ...])");
+                            break;
+                        }
+                        ft.top.emplace_back(static_cast<int32_t>(ClampedInt(e[0])),
+                                            e[1].get<float>());
+                    }
+                }
+            }
+            p->first_token = std::move(ft);
+        }
+    }
+    if (!error.ok()) return error;
+    if (p->do_remote_prefill && p->mode == KvTransferMode::kPull && p->hold_nonce.empty()) {
+        return InvalidArgumentError(
+            fmt::format("'{}.ferry_hold_nonce' must be present: a pull decode request carries the "
+                        "kv_transfer_params of a ferry prefill worker's answer, unchanged",
+                        kParam));
+    }
+    if (p->do_remote_decode && p->do_remote_prefill) {
+        return InvalidArgumentError(
+            "kv_transfer_params: do_remote_decode and do_remote_prefill are both true");
+    }
+    if (!p->do_remote_decode && !p->do_remote_prefill) return std::shared_ptr<KvTransferParams>();
+    return p;
+}
+
+}  // namespace ferry::kv

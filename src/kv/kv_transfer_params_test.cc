@@ -1,0 +1,131 @@
+// The built-in connector's kv_transfer_params and the connector registry.
+#include "kv/kv_transfer_params.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "kv/connector_registry.h"
+
+namespace ferry::kv {
+namespace {
+
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+Result<std::shared_ptr<KvTransferParams>> Parse(const Json& j,
+                                                KvTransferMode mode = KvTransferMode::kPull) {
+    return ParseKvTransferParams(j.dump(), mode);
+}
+
+TEST(KvTransferParams, WhatAPrefillWorkerAnswersParsesBackToTheSame) {
+    KvTransferParams p;
+    p.do_remote_prefill = true;
+    p.remote_engine_id = "p0";
+    p.remote_host = "10.0.0.2";
+    p.remote_port = 7001;
+    p.remote_block_ids = {4, 5, 9};
+    p.remote_request_id = "cmpl-r1";
+    p.tp_size = 2;
+    p.hold_nonce = std::string(32, 'f');
+    p.first_token = FirstToken{42, -0.5f, {{42, -0.5f}, {7, -1.25f}}};
+    auto back = ParseKvTransferParams(p.ToJson(), KvTransferMode::kPush);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    ASSERT_TRUE(*back);
+    EXPECT_EQ((*back)->ToJson(), p.ToJson());
+    EXPECT_EQ((*back)->mode, KvTransferMode::kPull) << "the params name their mode";
+    EXPECT_TRUE((*back)->loads_kv());
+    EXPECT_FALSE((*back)->prefill_only());
+    EXPECT_EQ((*back)->first_token->top.size(), 2u);
+}
+
+TEST(KvTransferParams, VllmsProxyShapeIsPrefillOnlyAndTheModeDefaultsAsConfigured) {
+    // vLLM's toy proxy sends its nulls; they count as absent.
+    Json vllm = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                 {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                 {"remote_host", nullptr},      {"remote_port", nullptr}};
+    auto pull = Parse(vllm);
+    ASSERT_TRUE(pull.ok() && *pull);
+    EXPECT_TRUE((*pull)->prefill_only());
+    EXPECT_EQ((*pull)->mode, KvTransferMode::kPull);
+    auto push = Parse(vllm, KvTransferMode::kPush);
+    ASSERT_TRUE(push.ok() && *push);
+    EXPECT_EQ((*push)->mode, KvTransferMode::kPush);
+    // Asking nothing of a connector is no error, and no params.
+    auto none = Parse(Json{{"do_remote_decode", false}});
+    ASSERT_TRUE(none.ok());
+    EXPECT_FALSE(*none);
+}
+
+TEST(KvTransferParams, EveryBadFieldIsNamed) {
+    const std::pair<Json, const char*> cases[] = {
+        {Json::array({1}), "'kv_transfer_params' must be an object, not an array"},
+        {{{"do_remote_decode", "yes"}}, "'kv_transfer_params.do_remote_decode' must be a boolean"},
+        {{{"do_remote_prefill", true}, {"remote_port", 70000}},
+         "'kv_transfer_params.remote_port' must be an integer in range"},
+        {{{"do_remote_prefill", true}, {"remote_block_ids", {1, -2}}},
+         "'kv_transfer_params.remote_block_ids' must be an array of block ids"},
+        {{{"do_remote_decode", true}, {"transfer_mode", "teleport"}},
+         "'kv_transfer_params.transfer_mode' must be \"pull\" or \"push\""},
+        {{{"do_remote_decode", true}, {"remote_engine_id", std::string(2000, 'x')}},
+         "'kv_transfer_params.remote_engine_id' must be a string of at most 1024 bytes"},
+        {{{"do_remote_prefill", true}, {"ferry_hold_nonce", "short"}},
+         "'kv_transfer_params.ferry_hold_nonce' must be 32 hex characters"},
+        {{{"do_remote_prefill", true}}, "'kv_transfer_params.ferry_hold_nonce' must be present"},
+        {{{"do_remote_prefill", true},
+          {"ferry_hold_nonce", std::string(32, 'a')},
+          {"ferry_first_token", {{"token", 1}}}},
+         "'kv_transfer_params.ferry_first_token' must be an object with an integer token"},
+        {{{"do_remote_decode", true}, {"do_remote_prefill", true}, {"transfer_mode", "push"}},
+         "do_remote_decode and do_remote_prefill are both true"},
+        {{{"tp_size", 0}, {"do_remote_decode", true}},
+         "'kv_transfer_params.tp_size' must be an integer in range"},
+    };
+    for (const auto& [j, want] : cases) {
+        auto r = Parse(j);
+        ASSERT_FALSE(r.ok()) << j.dump();
+        EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+        EXPECT_THAT(r.status().message(), HasSubstr(want)) << j.dump();
+    }
+    EXPECT_FALSE(ParseKvTransferParams("{not json", KvTransferMode::kPull).ok());
+    EXPECT_FALSE(
+        ParseKvTransferParams(std::string(100, '[') + std::string(100, ']'), KvTransferMode::kPull)
+            .ok());
+}
+
+TEST(KvConnectorRegistry, TheBuiltInKindIsFoundAndAnUnknownOneNamesTheKnown) {
+    auto k = FindKvConnector(kDefaultKvConnector);
+    ASSERT_TRUE(k.ok());
+    AgentConnectorConfig cc;
+    cc.default_mode = KvTransferMode::kPush;
+    auto p = k->parse(R"({"do_remote_decode":true})", cc);
+    ASSERT_TRUE(p.ok() && *p);
+    EXPECT_EQ(AsKvTransferParams(**p).mode, KvTransferMode::kPush);
+    auto missing = FindKvConnector("LMCacheConnector");
+    ASSERT_FALSE(missing.ok());
+    EXPECT_EQ(missing.status().code(), Code::kNotFound);
+    EXPECT_THAT(missing.status().message(), HasSubstr("is not one of: ferry"));
+}
+
+TEST(KvConnectorRegistry, AKindIsAddedOnceWithEverythingItNeeds) {
+    KvConnectorKind k;
+    k.name = "unit-test-kind";
+    EXPECT_EQ(RegisterKvConnector(k).code(), Code::kInvalidArgument);
+    k.parse = [](std::string_view,
+                 const AgentConnectorConfig&) -> Result<std::shared_ptr<ConnectorParams>> {
+        return InvalidArgumentError("unit-test-kind parsed it");
+    };
+    k.create = [](const KvConnectorContext&) -> Result<std::shared_ptr<KvConnector>> {
+        return UnimplementedError("not here");
+    };
+    ASSERT_TRUE(RegisterKvConnector(k).ok());
+    EXPECT_EQ(RegisterKvConnector(k).code(), Code::kAlreadyExists);
+    auto names = KvConnectorNames();
+    EXPECT_NE(std::find(names.begin(), names.end(), "unit-test-kind"), names.end());
+    EXPECT_THAT(FindKvConnector("unit-test-kind")->parse("{}", {}).status().message(),
+                HasSubstr("unit-test-kind parsed it"));
+}
+
+}  // namespace
+}  // namespace ferry::kv
