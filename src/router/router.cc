@@ -5,6 +5,8 @@
 #include <atomic>
 #include <mutex>
 
+#include "core/prometheus.h"
+
 namespace ferry::router {
 
 const char* RoleName(Role role) { return role == Role::kPrefill ? "prefill" : "decode"; }
@@ -256,50 +258,53 @@ void Router::ForgetAgent(Role role, size_t worker) {
 
 std::string Router::RenderMetrics() const {
     std::lock_guard lock(state_->mu);
-    std::string out;
-    auto family = [&](const char* name, const char* type, const char* help, auto value) {
-        out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+    PrometheusWriter w;
+    auto each = [&](auto fn) {
         for (int r = 0; r < 2; ++r) {
-            const char* role = RoleName(r == 0 ? Role::kPrefill : Role::kDecode);
-            for (size_t i = 0; i < state_->workers[r].size(); ++i) {
-                const WorkerState& w = state_->workers[r][i];
-                out += fmt::format("{}{{role=\"{}\",worker=\"{}:{}\"}} {}\n", name, role,
-                                   w.endpoint.host, w.endpoint.port, value(r, i, w));
-            }
+            for (size_t i = 0; i < state_->workers[r].size(); ++i) fn(r, i);
         }
+    };
+    auto family = [&](const char* name, const char* type, const char* help, auto value) {
+        w.Family(name, type, help);
+        each([&](int r, size_t i) {
+            const WorkerState& ws = state_->workers[r][i];
+            const std::string worker = fmt::format("{}:{}", ws.endpoint.host, ws.endpoint.port);
+            w.Sample(
+                name,
+                {{"role", RoleName(r == 0 ? Role::kPrefill : Role::kDecode)}, {"worker", worker}},
+                double(value(ws)));
+        });
     };
     family("ferry_router_worker_requests_in_flight", "gauge",
            "Requests routed to the worker and not yet ended.",
-           [](int, size_t, const WorkerState& w) { return w.in_flight; });
+           [](const WorkerState& ws) { return ws.in_flight; });
     family("ferry_router_worker_prompt_tokens_in_flight", "gauge",
            "Prompt tokens of those requests, where known.",
-           [](int, size_t, const WorkerState& w) { return w.in_flight_tokens; });
+           [](const WorkerState& ws) { return ws.in_flight_tokens; });
     family("ferry_router_worker_healthy", "gauge",
            "1 unless the worker failed its last requests in a row.",
-           [](int, size_t, const WorkerState& w) { return w.healthy ? 1 : 0; });
-    out +=
-        "# HELP ferry_router_worker_requests_total Requests routed to the worker, by how they "
-        "ended.\n# TYPE ferry_router_worker_requests_total counter\n";
-    for (int r = 0; r < 2; ++r) {
-        const char* role = RoleName(r == 0 ? Role::kPrefill : Role::kDecode);
-        for (size_t i = 0; i < state_->workers[r].size(); ++i) {
-            const WorkerState& w = state_->workers[r][i];
-            const std::pair<Outcome, uint64_t> counts[] = {
-                {Outcome::kSucceeded, w.succeeded},
-                {Outcome::kRefused, w.refused},
-                {Outcome::kWorkerFailed, w.failed},
-                {Outcome::kClientGone, state_->client_gone[r][i]},
-                {Outcome::kCancelled, state_->cancelled[r][i]},
-                {Outcome::kAbandoned, state_->abandoned[r][i]}};
-            for (const auto& [o, n] : counts) {
-                out += fmt::format(
-                    "ferry_router_worker_requests_total{{role=\"{}\",worker=\"{}:{}\",outcome=\"{}"
-                    "\"}} {}\n",
-                    role, w.endpoint.host, w.endpoint.port, OutcomeName(o), n);
-            }
+           [](const WorkerState& ws) { return ws.healthy ? 1 : 0; });
+    w.Family("ferry_router_worker_requests_total", "counter",
+             "Requests routed to the worker, by how they ended.");
+    each([&](int r, size_t i) {
+        const WorkerState& ws = state_->workers[r][i];
+        const std::string worker = fmt::format("{}:{}", ws.endpoint.host, ws.endpoint.port);
+        const std::pair<Outcome, uint64_t> counts[] = {
+            {Outcome::kSucceeded, ws.succeeded},
+            {Outcome::kRefused, ws.refused},
+            {Outcome::kWorkerFailed, ws.failed},
+            {Outcome::kClientGone, state_->client_gone[r][i]},
+            {Outcome::kCancelled, state_->cancelled[r][i]},
+            {Outcome::kAbandoned, state_->abandoned[r][i]}};
+        for (const auto& [o, n] : counts) {
+            w.Sample("ferry_router_worker_requests_total",
+                     {{"role", RoleName(r == 0 ? Role::kPrefill : Role::kDecode)},
+                      {"worker", worker},
+                      {"outcome", OutcomeName(o)}},
+                     double(n));
         }
-    }
-    return out;
+    });
+    return w.Take();
 }
 
 }  // namespace ferry::router

@@ -16,6 +16,7 @@
 
 #include "core/crypto.h"
 #include "core/log.h"
+#include "core/prometheus.h"
 #include "http/http.h"
 #include "router/protocol.h"
 #include "router/router.h"
@@ -48,15 +49,11 @@ class Histogram {
         sum_ += v;
         ++count_;
     }
-    void Render(const std::string& name, const std::string& help, std::string* out) const {
-        *out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+    void Render(const std::string& name, const std::string& help, PrometheusWriter* w) const {
+        std::vector<uint64_t> cumulative(bounds_.size());
         uint64_t acc = 0;
-        for (size_t i = 0; i < bounds_.size(); ++i) {
-            acc += counts_[i];
-            *out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds_[i], acc);
-        }
-        *out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, count_,
-                            name, sum_, name, count_);
+        for (size_t i = 0; i < bounds_.size(); ++i) cumulative[i] = acc += counts_[i];
+        w->Histogram(name, help, bounds_, cumulative, sum_, count_);
     }
 
   private:
@@ -754,13 +751,9 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
 
 std::string OpenAiServer::Impl::RenderMetrics() {
     engine::EngineStats s = engine->Stats();
-    std::string out;
-    auto gauge = [&](const char* name, const char* help, double v) {
-        out += fmt::format("# HELP {} {}\n# TYPE {} gauge\n{} {}\n", name, help, name, name, v);
-    };
-    auto counter = [&](const char* name, const char* help, double v) {
-        out += fmt::format("# HELP {} {}\n# TYPE {} counter\n{} {}\n", name, help, name, name, v);
-    };
+    PrometheusWriter w;
+    auto gauge = [&](const char* name, const char* help, double v) { w.Gauge(name, help, v); };
+    auto counter = [&](const char* name, const char* help, double v) { w.Counter(name, help, v); };
     gauge("ferry_num_requests_running", "Requests in the running batch.", s.running);
     gauge("ferry_num_requests_waiting", "Requests waiting to be scheduled.", s.waiting);
     gauge("ferry_kv_blocks_total", "KV cache blocks.", s.kv_blocks_total);
@@ -791,7 +784,7 @@ std::string OpenAiServer::Impl::RenderMetrics() {
             double(s.kv_external_tokens));
     counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
             double(s.kv_load_failures));
-    if (config.extra_metrics) out += config.extra_metrics();
+    if (config.extra_metrics) w.Append(config.extra_metrics());
     if (http::Server* server = http_ready.load()) {
         http::ServerStats hs = server->Stats();
         gauge("ferry_http_connections_open", "Open HTTP connections.", double(hs.connections_open));
@@ -805,19 +798,17 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         std::chrono::duration_cast<std::chrono::seconds>(Clock::now().time_since_epoch()).count();
     gauge("ferry_generation_tokens_per_second", "Tokens generated per second over the last 10 s.",
           metrics.TokensPerSecond(now_s));
-    out +=
-        "# HELP ferry_request_success_total Finished requests by finish reason.\n"
-        "# TYPE ferry_request_success_total counter\n";
+    w.Family("ferry_request_success_total", "counter", "Finished requests by finish reason.");
     for (const char* r : {"stop", "length", "abort", "error"}) {
-        out += fmt::format("ferry_request_success_total{{finished_reason=\"{}\"}} {}\n", r,
-                           metrics.finished[r]);
+        w.Sample("ferry_request_success_total", {{"finished_reason", r}},
+                 double(metrics.finished[r]));
     }
     counter("ferry_request_bad_total", "Requests refused with HTTP 400.",
             double(metrics.bad_requests));
-    metrics.ttft.Render("ferry_time_to_first_token_seconds", "Time to first token.", &out);
-    metrics.itl.Render("ferry_inter_token_latency_seconds", "Time between output tokens.", &out);
-    metrics.e2e.Render("ferry_e2e_request_latency_seconds", "Request latency, end to end.", &out);
-    return out;
+    metrics.ttft.Render("ferry_time_to_first_token_seconds", "Time to first token.", &w);
+    metrics.itl.Render("ferry_inter_token_latency_seconds", "Time between output tokens.", &w);
+    metrics.e2e.Render("ferry_e2e_request_latency_seconds", "Request latency, end to end.", &w);
+    return w.Take();
 }
 
 OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <nlohmann/json.hpp>
 
+#include "core/prometheus.h"
 #include "router/driver.h"
 
 namespace ferry::serve {
@@ -27,29 +28,23 @@ struct Proxy::Impl {
     std::atomic<http::Server*> server_ready{nullptr};  // for handlers that run before Start ends
 
     std::string Metrics() const {
-        std::string out;
+        PrometheusWriter w;
         const router::DriverStats s = driver->Stats();
-        auto counter = [&](const char* name, const char* help, uint64_t v) {
-            out +=
-                fmt::format("# HELP {} {}\n# TYPE {} counter\n{} {}\n", name, help, name, name, v);
-        };
-        counter("ferry_proxy_requests_total", "Completion requests received.", s.requests);
-        counter("ferry_proxy_requests_succeeded_total", "Requests answered with 200.", s.succeeded);
-        counter("ferry_proxy_requests_failed_total", "Requests answered with an error.", s.failed);
-        counter("ferry_proxy_client_gone_total", "Requests whose client left first.",
-                s.client_gone);
-        out += fmt::format(
-            "# HELP ferry_proxy_requests_in_flight Requests being relayed.\n# TYPE "
-            "ferry_proxy_requests_in_flight gauge\nferry_proxy_requests_in_flight {}\n",
-            s.in_flight);
-        out += router->RenderMetrics();
+        w.Counter("ferry_proxy_requests_total", "Completion requests received.",
+                  double(s.requests));
+        w.Counter("ferry_proxy_requests_succeeded_total", "Requests answered with 200.",
+                  double(s.succeeded));
+        w.Counter("ferry_proxy_requests_failed_total", "Requests answered with an error.",
+                  double(s.failed));
+        w.Counter("ferry_proxy_client_gone_total", "Requests whose client left first.",
+                  double(s.client_gone));
+        w.Gauge("ferry_proxy_requests_in_flight", "Requests being relayed.", double(s.in_flight));
+        w.Append(router->RenderMetrics());
         http::Server* srv = server_ready.load();
         http::ServerStats hs = srv ? srv->Stats() : http::ServerStats{};
-        out += fmt::format(
-            "# HELP ferry_http_connections_open Open HTTP connections.\n# TYPE "
-            "ferry_http_connections_open gauge\nferry_http_connections_open {}\n",
-            hs.connections_open);
-        return out;
+        w.Gauge("ferry_http_connections_open", "Open HTTP connections.",
+                double(hs.connections_open));
+        return w.Take();
     }
 
     std::vector<http::Route> Routes() {
