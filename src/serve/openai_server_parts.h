@@ -1,0 +1,208 @@
+// The inside of OpenAiServer (openai_server.h), shared by its files, one job each:
+//
+//   openai_server.cc    routes, authentication, the completions entry, start and stop
+//   openai_dispatch.cc  a parsed request into the engine, its answer streamed or whole
+//   decode_first.cc     decode-first: prompts sent to prefill workers, /add_remote_prefill_eps
+//   server_metrics.cc   /metrics
+//
+// Internal: included by those files only.
+#pragma once
+
+#include <fmt/core.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "core/crypto.h"
+#include "core/log.h"
+#include "core/prometheus.h"
+#include "http/http.h"
+#include "router/protocol.h"
+#include "router/router.h"
+#include "serve/openai_request.h"
+#include "serve/openai_server.h"
+
+namespace ferry::serve {
+
+namespace server_parts {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+inline std::string Dump(const Json& j) {
+    return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+inline int64_t UnixSeconds() {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
+
+// --- metrics ----------------------------------------------------------------------------------
+
+class Histogram {
+  public:
+    explicit Histogram(std::vector<double> bounds)
+        : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+    void Observe(double v) {
+        size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
+        ++counts_[i];
+        sum_ += v;
+        ++count_;
+    }
+    void Render(const std::string& name, const std::string& help, PrometheusWriter* w) const {
+        std::vector<uint64_t> cumulative(bounds_.size());
+        uint64_t acc = 0;
+        for (size_t i = 0; i < bounds_.size(); ++i) cumulative[i] = acc += counts_[i];
+        w->Histogram(name, help, bounds_, cumulative, sum_, count_);
+    }
+
+  private:
+    std::vector<double> bounds_;
+    std::vector<uint64_t> counts_;
+    double sum_ = 0;
+    uint64_t count_ = 0;
+};
+
+// What the server adds to the engine's counters: latencies as the client sees them.
+struct Metrics {
+    std::mutex mu;
+    Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0}};
+    Histogram itl{
+        {0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5}};
+    Histogram e2e{{0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0}};
+    std::map<std::string, uint64_t> finished;  // by finish reason
+    uint64_t bad_requests = 0;
+    // Generated tokens per second over the last 10 s, in one-second buckets.
+    std::array<uint64_t, 10> token_buckets{};
+    int64_t bucket_second = 0;
+
+    void AddTokens(uint64_t n, int64_t now_s) {
+        Roll(now_s);
+        token_buckets[now_s % 10] += n;
+    }
+    double TokensPerSecond(int64_t now_s) {
+        Roll(now_s);
+        uint64_t sum = 0;
+        for (size_t i = 0; i < 10; ++i) {
+            if (static_cast<int64_t>(i) != now_s % 10) sum += token_buckets[i];  // full seconds
+        }
+        return sum / 9.0;
+    }
+
+  private:
+    void Roll(int64_t now_s) {
+        if (bucket_second == 0) bucket_second = now_s;
+        for (int64_t s = bucket_second + 1; s <= now_s && s <= bucket_second + 10; ++s) {
+            token_buckets[s % 10] = 0;
+        }
+        bucket_second = std::max(bucket_second, now_s);
+    }
+};
+
+// One request's state between the engine's step thread and the connection.
+struct Pending {
+    std::mutex mu;
+    engine::RequestOutput all;  // non-streamed: everything so far
+    bool finished = false;
+    // Streamed.
+    bool stream_started = false;
+    bool sent_role = false;
+    size_t text_offset = 0;
+};
+
+// A request's id from its X-Request-Id (1..128 of [A-Za-z0-9._:-]), else 128 random bits.
+inline std::string RequestIdOf(const http::Request& req) {
+    const std::string* x = req.Find("X-Request-Id");
+    return x && ValidRequestId(*x) ? *x : RandomId128();
+}
+
+// The HTTP status of an error that ends a request: whose fault it is (docs/disaggregation.md).
+inline int HttpStatusOf(const Status& st) {
+    switch (st.code()) {
+        case Code::kInvalidArgument:
+        case Code::kOutOfRange:
+            return 400;
+        case Code::kPermissionDenied:
+            return 403;
+        case Code::kFailedPrecondition:
+        case Code::kAlreadyExists:
+        case Code::kAborted:
+            return 409;
+        case Code::kResourceExhausted:
+            return 429;
+        case Code::kUnavailable:
+        case Code::kDeadlineExceeded:
+        case Code::kCancelled:
+        case Code::kNotFound:
+            return 503;
+        default:
+            return 500;
+    }
+}
+
+}  // namespace server_parts
+// The server's files name these parts unqualified (this header is theirs alone).
+using namespace server_parts;  // NOLINT(build/namespaces)
+
+struct OpenAiServer::Impl {
+    std::shared_ptr<engine::Engine> engine;
+    ServerConfig config;
+    std::string model_name;
+    int64_t created = UnixSeconds();
+    std::unique_ptr<http::Server> http;
+    // The same, for handlers: they may run before Start has stored `http`.
+    std::atomic<http::Server*> http_ready{nullptr};
+    std::atomic<bool> stopping{false};
+    std::mutex stop_mu;
+    std::condition_variable stop_cv;
+    bool stopped = false;
+    Metrics metrics;
+
+    // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
+    std::shared_ptr<router::Router> remote_prefill = std::make_shared<router::Router>();
+    std::unique_ptr<http::Client> client;  // for the prefill workers
+
+    std::vector<http::Route> Routes();
+    // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body
+    // names it ("request_id") and the X-Request-Id header carries it.
+    http::Reply Error(int status, const BadRequest& e, const std::string& request_id = "");
+    void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
+    // Submits a parsed request and streams or returns its answer; the engine request id.
+    // `retry`, if given, sees an error that ends the request before anything was sent to the
+    // client and may take the request over (true: nothing is answered here).
+    // `base` is the request's id without its "cmpl-" prefix ("": the X-Request-Id it came with,
+    // or a random one).
+    std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                         std::function<bool(const Status&)> retry = nullptr, std::string base = "");
+    // Sends the prompt to the prefill worker `ticket` routed it to, to prefill and push here,
+    // then dispatches locally under `base` (the request's id). A first attempt whose prefill
+    // worker turns out unreachable (it restarted: the agent it had is gone) asks it again where
+    // its agent is and tries once more. The ticket ends with the prefill worker's answer.
+    void DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                     std::shared_ptr<router::Ticket> ticket, std::string base, int attempt = 0);
+    // Who is asking: kRouterRequester for a holder of the router token, else the client's
+    // address. An error reply if the request must be refused (a wrong token, or a token where
+    // one is required).
+    std::optional<http::Reply> Authenticate(const http::Request& req, bool internal,
+                                            std::string* requester);
+    void SendToRemotePrefill(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                             std::shared_ptr<router::Ticket> ticket, const std::string& base,
+                             int attempt, const router::AgentInfo& agent);
+    void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);
+    std::string RenderMetrics();
+};
+
+}  // namespace ferry::serve

@@ -1,0 +1,69 @@
+// The worker's /metrics: the engine's counters, the connector's, the HTTP layer's and the
+// latencies clients saw.
+#include "serve/openai_server_parts.h"
+
+namespace ferry::serve {
+
+std::string OpenAiServer::Impl::RenderMetrics() {
+    engine::EngineStats s = engine->Stats();
+    PrometheusWriter w;
+    auto gauge = [&](const char* name, const char* help, double v) { w.Gauge(name, help, v); };
+    auto counter = [&](const char* name, const char* help, double v) { w.Counter(name, help, v); };
+    gauge("ferry_num_requests_running", "Requests in the running batch.", s.running);
+    gauge("ferry_num_requests_waiting", "Requests waiting to be scheduled.", s.waiting);
+    gauge("ferry_kv_blocks_total", "KV cache blocks.", s.kv_blocks_total);
+    gauge("ferry_kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used);
+    gauge("ferry_kv_blocks_free", "KV cache blocks free (cached or empty).",
+          s.kv_blocks_total - s.kv_blocks_used);
+    gauge("ferry_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.",
+          s.kv_blocks_total ? double(s.kv_blocks_used) / s.kv_blocks_total : 0.0);
+    counter("ferry_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+            double(s.prefix_query_tokens));
+    counter("ferry_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+            double(s.prefix_hit_tokens));
+    gauge("ferry_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens) since start.",
+          s.prefix_query_tokens ? double(s.prefix_hit_tokens) / s.prefix_query_tokens : 0.0);
+    counter("ferry_prompt_tokens_total", "Prompt tokens computed (prefix hits excluded).",
+            double(s.prompt_tokens));
+    counter("ferry_generation_tokens_total", "Tokens generated.", double(s.generation_tokens));
+    counter("ferry_num_preemptions_total", "Sequences preempted (recomputed later).",
+            double(s.preemptions));
+    counter("ferry_engine_steps_total", "Engine steps run.", double(s.steps));
+    gauge("ferry_kv_requests_parked", "Requests waiting for a decoder's block ids (push).",
+          s.kv_parked);
+    gauge("ferry_kv_requests_loading", "Requests holding blocks while their KV arrives.",
+          s.kv_loading);
+    gauge("ferry_kv_requests_held", "Finished requests whose blocks a remote worker still uses.",
+          s.kv_held);
+    counter("ferry_kv_external_tokens_total", "Prompt tokens whose KV came from another worker.",
+            double(s.kv_external_tokens));
+    counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
+            double(s.kv_load_failures));
+    if (config.extra_metrics) w.Append(config.extra_metrics());
+    if (http::Server* server = http_ready.load()) {
+        http::ServerStats hs = server->Stats();
+        gauge("ferry_http_connections_open", "Open HTTP connections.", double(hs.connections_open));
+        counter("ferry_http_requests_total", "HTTP requests read.", double(hs.requests));
+        counter("ferry_http_timed_out_total",
+                "Connections closed for not sending a whole request in time.",
+                double(hs.timed_out));
+    }
+    std::lock_guard lock(metrics.mu);
+    int64_t now_s =
+        std::chrono::duration_cast<std::chrono::seconds>(Clock::now().time_since_epoch()).count();
+    gauge("ferry_generation_tokens_per_second", "Tokens generated per second over the last 10 s.",
+          metrics.TokensPerSecond(now_s));
+    w.Family("ferry_request_success_total", "counter", "Finished requests by finish reason.");
+    for (const char* r : {"stop", "length", "abort", "error"}) {
+        w.Sample("ferry_request_success_total", {{"finished_reason", r}},
+                 double(metrics.finished[r]));
+    }
+    counter("ferry_request_bad_total", "Requests refused with HTTP 400.",
+            double(metrics.bad_requests));
+    metrics.ttft.Render("ferry_time_to_first_token_seconds", "Time to first token.", &w);
+    metrics.itl.Render("ferry_inter_token_latency_seconds", "Time between output tokens.", &w);
+    metrics.e2e.Render("ferry_e2e_request_latency_seconds", "Request latency, end to end.", &w);
+    return w.Take();
+}
+
+}  // namespace ferry::serve
