@@ -98,6 +98,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
             embedded = std::move(s).value();
             fmt::print("ferry proxy: discovery store at {}\n", embedded->url());
         }
+        // The workers' records (where each one's agent is) come from the same store.
+        pc.store_url = embedded ? embedded->url() : store;
+        pc.store_secret = secret;
         auto proxy = serve::Proxy::Start(std::move(pc));
         if (!proxy.ok()) return fail(proxy.status());
         fmt::print("ferry proxy: {} prefill, {} decode workers, {} protocol\n", prefill.size(),

@@ -95,7 +95,7 @@ std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_pt
                                             Role role, size_t worker,
                                             const std::string& router_token,
                                             std::function<void(Result<AgentInfo>)> done) {
-    if (std::optional<AgentInfo> known = router->Agent(role, worker)) {
+    if (std::optional<AgentInfo> known = router->KnownAgent(role, worker)) {
         done(std::move(*known));
         return nullptr;
     }

@@ -42,8 +42,9 @@ nlohmann::json PushDecodeParams(const std::string& transfer_id, const AgentInfo&
 // A worker's GET /v1/kv/agent answer; Unavailable naming the worker when it has no agent.
 Result<AgentInfo> ParseAgentInfo(int status, const std::string& body, const http::Endpoint& worker);
 
-// Where `worker`'s transfer agent is: from the router when known, else asked of the worker (GET
-// /v1/kv/agent, with the router token when there is one) and remembered. `done` runs once, on
+// Where `worker`'s transfer agent is: from the router when known (or its discovery store has the
+// worker's record), else asked of the worker (GET /v1/kv/agent, with the router token when there
+// is one) and remembered. `done` runs once, on
 // this thread when the agent is known, else on an I/O thread of `client`. The call, if one was
 // made (cancel it to stop waiting; `done` then gets Cancelled).
 std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_ptr<Router> router,

@@ -95,6 +95,7 @@ struct Ticket::State {
     std::vector<WorkerState> workers[2];
     std::vector<Clock::time_point> last_failure[2];
     std::vector<uint64_t> abandoned[2], client_gone[2], cancelled[2];
+    uint64_t agents_from_store = 0, agents_from_worker = 0;
 
     static int Index(Role role) { return role == Role::kPrefill ? 0 : 1; }
 
@@ -244,6 +245,32 @@ std::optional<AgentInfo> Router::Agent(Role role, size_t worker) const {
     return ws[worker].agent;
 }
 
+std::optional<AgentInfo> Router::KnownAgent(Role role, size_t worker) {
+    http::Endpoint ep;
+    {
+        std::lock_guard lock(state_->mu);
+        const auto& ws = state_->workers[Ticket::State::Index(role)];
+        if (worker >= ws.size()) return std::nullopt;
+        if (ws[worker].agent) return ws[worker].agent;
+        if (!state_->config.agent_directory) return std::nullopt;
+        ep = ws[worker].endpoint;
+    }
+    std::optional<AgentInfo> a = state_->config.agent_directory(ep);
+    if (!a) return std::nullopt;
+    std::lock_guard lock(state_->mu);
+    ++state_->agents_from_store;
+    state_->workers[Ticket::State::Index(role)][worker].agent = *a;
+    return a;
+}
+
+void Router::LearnedFromWorker(Role role, size_t worker, AgentInfo agent) {
+    {
+        std::lock_guard lock(state_->mu);
+        ++state_->agents_from_worker;
+    }
+    SetAgent(role, worker, std::move(agent));
+}
+
 void Router::SetAgent(Role role, size_t worker, AgentInfo agent) {
     std::lock_guard lock(state_->mu);
     auto& ws = state_->workers[Ticket::State::Index(role)];
@@ -304,6 +331,12 @@ std::string Router::RenderMetrics() const {
                      double(n));
         }
     });
+    w.Family("ferry_router_agent_lookups_total", "counter",
+             "Prefill workers' agents learned, from the discovery store or asked of the worker.");
+    w.Sample("ferry_router_agent_lookups_total", {{"source", "store"}},
+             double(state_->agents_from_store));
+    w.Sample("ferry_router_agent_lookups_total", {{"source", "worker"}},
+             double(state_->agents_from_worker));
     return w.Take();
 }
 

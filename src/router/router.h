@@ -91,7 +91,10 @@ Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name);
 
 struct RouterConfig {
     std::unique_ptr<RoutingPolicy> policy;  // null: round robin
-    int unhealthy_after = 3;                // consecutive worker failures
+    // Where a worker's agent is, from the discovery store (WorkerDirectory), before asking the
+    // worker (GET /v1/kv/agent). Must not block. Null: ask the worker.
+    std::function<std::optional<AgentInfo>(const http::Endpoint& worker)> agent_directory{};
+    int unhealthy_after = 3;  // consecutive worker failures
     std::chrono::milliseconds probe_after{5000};
 };
 
@@ -144,11 +147,15 @@ class Router {
 
     // The worker's agent, once known; Forget after the worker may have restarted.
     std::optional<AgentInfo> Agent(Role role, size_t worker) const;
+    // Agent, else the directory's (remembered then). Counted by source in the metrics.
+    std::optional<AgentInfo> KnownAgent(Role role, size_t worker);
+    // An agent learned from the worker itself (SetAgent, counted as such).
+    void LearnedFromWorker(Role role, size_t worker, AgentInfo agent);
     void SetAgent(Role role, size_t worker, AgentInfo agent);
     void ForgetAgent(Role role, size_t worker);
 
     // Prometheus text: per worker, requests in flight, prompt tokens in flight, health, and
-    // requests by outcome (ferry_router_*, labelled role and worker).
+    // requests by outcome (ferry_router_*, labelled role and worker); agent lookups by source.
     std::string RenderMetrics() const;
 
   private:

@@ -1,5 +1,5 @@
-// The router library alone: its binary links ferry_router (http, core) and GoogleTest, nothing
-// else, so the router is proven to need no model, KV or engine.
+// The router library alone: its binary links ferry_router (http, core, discovery) and GoogleTest,
+// nothing else, so the router is proven to need no model, KV or engine.
 #include "router/router.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +11,8 @@
 #include <set>
 #include <thread>
 
+#include "discovery/worker_directory.h"
+#include "ferry/discovery.h"
 #include "router/driver.h"
 #include "router/protocol.h"
 
@@ -250,12 +252,13 @@ struct FakeWorker {
 
 struct DriverHarness {
     FakeWorker prefill{"prefill"}, decode{"decode"};
-    std::shared_ptr<Router> router = std::make_shared<Router>();
+    std::shared_ptr<Router> router;
     std::unique_ptr<http::Client> client = http::Client::Create(1);
     std::shared_ptr<Driver> driver;
     std::unique_ptr<http::Server> front;
 
-    explicit DriverHarness(Protocol protocol) {
+    explicit DriverHarness(Protocol protocol, RouterConfig rc = {})
+        : router(std::make_shared<Router>(std::move(rc))) {
         router->AddWorker(Role::kPrefill, prefill.ep());
         router->AddWorker(Role::kDecode, decode.ep());
         driver = Driver::Create({protocol, std::chrono::seconds(10), "tok"}, router, client.get());
@@ -384,6 +387,69 @@ TEST(RouterDriver, AFailingDecoderCountsAgainstItAndNotThePrefillWorker) {
     got = h.Post({{"prompt", "hi"}, {"kv_transfer_params", {{"do_remote_prefill", true}}}});
     ASSERT_TRUE(got.ok());
     EXPECT_EQ(got->status, 400);
+}
+
+TEST(RouterDriver, AnAgentInTheDirectoryIsUsedWithoutAskingTheWorker) {
+    std::atomic<int> asked{0};
+    RouterConfig rc;
+    rc.agent_directory = [&asked](const http::Endpoint&) -> std::optional<AgentInfo> {
+        ++asked;
+        return AgentInfo{"p-store", "127.0.0.8", 7200, 1};
+    };
+    DriverHarness h(Protocol::kPush, std::move(rc));
+    for (int i = 0; i < 2; ++i) {
+        Result<http::ClientReply> got = h.Post({{"prompt", "hello"}});
+        ASSERT_TRUE(got.ok());
+        EXPECT_EQ(got->status, 200);
+    }
+    for (const http::Request& r : h.prefill.Got()) {
+        EXPECT_NE(r.method, "GET") << "the worker was asked where its agent is";
+    }
+    ASSERT_EQ(h.decode.Got().size(), 2u);
+    Json db = Json::parse(h.decode.Got()[0].body);
+    EXPECT_EQ(db["kv_transfer_params"]["remote_engine_id"], "p-store");
+    EXPECT_EQ(db["kv_transfer_params"]["remote_port"], 7200);
+    EXPECT_EQ(asked.load(), 1) << "remembered once found";
+    const std::string m = h.router->RenderMetrics();
+    EXPECT_NE(m.find("ferry_router_agent_lookups_total{source=\"store\"} 1"), std::string::npos)
+        << m;
+    EXPECT_NE(m.find("ferry_router_agent_lookups_total{source=\"worker\"} 0"), std::string::npos)
+        << m;
+}
+
+TEST(WorkerDirectory, FollowsTheWorkersRecordsInTheStoreAndIgnoresBadOnes) {
+    auto store = std::move(StoreServer::Start({})).value();
+    WorkerRecord rec{"127.0.0.1:9001", "prefill", "tiny", 2, "p0", "127.0.0.1", 7301};
+    auto back = DecodeWorkerRecord(EncodeWorkerRecord(rec));
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(back->engine_id, "p0");
+    EXPECT_EQ(back->tp_size, 2);
+    auto bad = DecodeWorkerRecord(R"({"url":"x","role":"prefill"})");
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("'model'"), std::string::npos) << bad.status().ToString();
+
+    auto dir = std::move(WorkerDirectory::Start(store->url(), {})).value();
+    auto reg =
+        std::move(WorkerRegistration::Start(store->url(), {}, rec, std::chrono::milliseconds(3000)))
+            .value();
+    auto raw = std::move(MetadataStore::Open(store->url())).value();
+    // A record whose key names another worker, and one that is not a record: both ignored.
+    ASSERT_TRUE(raw->Put("ferry/workers/127.0.0.1:9002", EncodeWorkerRecord(rec)).ok());
+    ASSERT_TRUE(raw->Put("ferry/workers/127.0.0.1:9003", "{").ok());
+    auto until = [](auto pred) {
+        auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!pred() && std::chrono::steady_clock::now() < end) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        return pred();
+    };
+    EXPECT_TRUE(until([&] { return dir->Find("127.0.0.1:9001").has_value(); }));
+    EXPECT_EQ(dir->Find("127.0.0.1:9001")->agent_port, 7301);
+    EXPECT_FALSE(dir->Find("127.0.0.1:9002"));
+    EXPECT_FALSE(dir->Find("127.0.0.1:9003"));
+    // A clean stop removes the record; the directory follows.
+    reg->Stop();
+    EXPECT_TRUE(until([&] { return !dir->Find("127.0.0.1:9001").has_value(); }));
 }
 
 }  // namespace

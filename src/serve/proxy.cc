@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/prometheus.h"
+#include "discovery/worker_directory.h"
 #include "router/driver.h"
 
 namespace ferry::serve {
@@ -20,6 +21,7 @@ std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_hand
 
 struct Proxy::Impl {
     ProxyConfig cfg;
+    std::shared_ptr<WorkerDirectory> directory;  // null without a store
     std::shared_ptr<router::Router> router;
     std::unique_ptr<http::Client> client;
     std::shared_ptr<router::Driver> driver;
@@ -109,6 +111,19 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     impl->cfg = std::move(config);
     router::RouterConfig rc;
     rc.policy = std::move(impl->cfg.policy);
+    if (!impl->cfg.store_url.empty()) {
+        StoreOptions so;
+        so.secret = impl->cfg.store_secret;
+        FERRY_ASSIGN_OR_RETURN(std::unique_ptr<WorkerDirectory> d,
+                               WorkerDirectory::Start(impl->cfg.store_url, so));
+        impl->directory = std::move(d);
+        rc.agent_directory =
+            [d = impl->directory](const http::Endpoint& ep) -> std::optional<router::AgentInfo> {
+            std::optional<WorkerRecord> r = d->Find(fmt::format("{}:{}", ep.host, ep.port));
+            if (!r || r->engine_id.empty() || r->agent_port <= 0) return std::nullopt;
+            return router::AgentInfo{r->engine_id, r->agent_host, r->agent_port, r->tp_size};
+        };
+    }
     impl->router = std::make_shared<router::Router>(std::move(rc));
     for (const http::Endpoint& ep : impl->cfg.prefill) {
         impl->router->AddWorker(router::Role::kPrefill, ep);

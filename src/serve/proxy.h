@@ -34,6 +34,10 @@ struct ProxyConfig {
     // call ("Authorization: Bearer ..."); workers with a secret honour kv_transfer_params only
     // with it. "" = none.
     std::string router_token;
+    // The discovery store the workers register in ("" = none): a prefill worker's agent is
+    // found in its record there (ferry/workers/HOST:PORT) before the proxy asks the worker.
+    std::string store_url;
+    std::string store_secret;
 };
 
 class Proxy {

@@ -3,6 +3,8 @@
 #include <fmt/core.h>
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include "core/crypto.h"
 
 namespace ferry::serve {
@@ -79,6 +81,24 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         auto server = OpenAiServer::Start(w->engine_, c.server);
         if (!server.ok()) return server.status();
         w->server_ = std::move(server).value();
+        if (w->agent_ && !c.agent.store.empty()) {
+            WorkerRecord r;
+            r.url = fmt::format("{}:{}", c.server.host, w->server_->port());
+            r.role = WorkerRoleName(c.role);
+            r.model = w->server_->model_name();
+            r.tp_size = c.model->tp();
+            r.engine_id = w->agent_->name();
+            const std::string a = w->agent_->ListenAddress();
+            const size_t colon = a.rfind(':');
+            r.agent_host = a.substr(0, colon);
+            r.agent_port = std::atoi(a.c_str() + colon + 1);
+            StoreOptions so;
+            so.secret = c.agent.secret;
+            auto reg =
+                WorkerRegistration::Start(c.agent.store, so, std::move(r), c.registration_ttl);
+            if (!reg.ok()) return reg.status().WithContext("worker record in the store");
+            w->registration_ = std::move(reg).value();
+        }
     }
     return w;
 }
@@ -86,11 +106,13 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
 int Worker::port() const { return server_ ? server_->port() : 0; }
 
 void Worker::Stop() {
+    if (registration_) registration_->Stop();  // routers stop sending here first
     if (server_) server_->Stop();
 }
 
 Worker::~Worker() {
     Stop();
+    registration_.reset();
     server_.reset();
     engine_.reset();  // the engine unbinds the connector before the agent goes
     connector_.reset();

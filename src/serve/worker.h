@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "discovery/worker_directory.h"
 #include "engine/engine.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
@@ -46,9 +47,14 @@ struct WorkerConfig {
     // parse_kv_params. Decode-first prefill workers (server.remote_prefill) need role decode.
     ServerConfig server;
     bool serve_http = true;  // false: no server (tests that drive the engine directly)
+    // With a store (agent.store) and a server: how long the worker's record there outlives it.
+    std::chrono::milliseconds registration_ttl{10000};
 };
 
-// Owns the parts; stops them in the safe order (server, engine, connector, agent).
+// Owns the parts; stops them in the safe order (its store record, server, engine, connector,
+// agent). A disaggregated worker with a store and a server puts its record there
+// (discovery/worker_directory.h: HTTP address, role, model, TP size, agent), so that a router
+// finds its agent without asking it.
 class Worker {
   public:
     // InvalidArgument for a config that cannot work (no model, remote prefill workers on a role
@@ -78,6 +84,7 @@ class Worker {
     std::shared_ptr<kv::KvConnector> connector_;
     std::shared_ptr<engine::Engine> engine_;
     std::unique_ptr<OpenAiServer> server_;
+    std::unique_ptr<WorkerRegistration> registration_;  // its record in the store
 };
 
 }  // namespace ferry::serve

@@ -19,6 +19,7 @@
 #include <random>
 #include <thread>
 
+#include "ferry/discovery.h"
 #include "http/http.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
@@ -414,6 +415,43 @@ TEST_F(PdProcess, OneRequestIdThroughTheProxyAndBothWorkers) {
         Json::parse(second->body)["kv_transfer_params"]["remote_request_id"].get<std::string>();
     EXPECT_EQ(again.rfind("cmpl-trace-hold-", 0), 0u) << again;
     EXPECT_EQ(again.size(), std::string("cmpl-trace-hold-").size() + 8) << again;
+}
+
+// With a discovery store, a worker puts its record (HTTP address, role, agent) there and the proxy
+// finds a prefill worker's agent in it: push then never asks the worker (GET /v1/kv/agent), and
+// the answers are still the colocated ones.
+TEST_F(PdProcess, APushProxyFindsThePrefillWorkersAgentInTheStore) {
+    auto store = testing::ValueOrDie(StoreServer::Start({}), "store");
+    const std::string url = store->url();
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1, {"--store", url}));
+    auto decode = StartOrDie(WorkerArgs("decode", "shm", 1, {"--store", url}));
+    ASSERT_TRUE(prefill && decode);
+    const std::string p = fmt::format("127.0.0.1:{}", prefill->port());
+    auto rec = testing::ValueOrDie(MetadataStore::Open(url), "open")->Get("ferry/workers/" + p);
+    ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+    EXPECT_NE(rec->value.find("\"role\":\"prefill\""), std::string::npos) << rec->value;
+    auto proxy = StartOrDie({"proxy", "--prefill", p, "--decode",
+                             fmt::format("127.0.0.1:{}", decode->port()), "--port", "0", "--store",
+                             url, "--kv-transfer", "push"});
+    ASSERT_TRUE(proxy);
+    const std::vector<Answer>& want = Reference(1);
+    const auto prompts = Prompts();
+    std::vector<Json> bodies;
+    for (size_t i = 0; i < 4; ++i) bodies.push_back(CompletionBody(prompts[i], 6, false));
+    auto got = SendAll(proxy->port(), bodies);
+    for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].status, 200) << got[i].body;
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    }
+    EXPECT_EQ(proxy->Metric("ferry_router_agent_lookups_total{source=\"store\"}"), 1);
+    EXPECT_EQ(proxy->Metric("ferry_router_agent_lookups_total{source=\"worker\"}"), 0);
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    // A worker that stops (SIGTERM) takes its record with it, before its lease would lapse.
+    prefill->Signal(SIGTERM);
+    auto reader = testing::ValueOrDie(MetadataStore::Open(url), "open");
+    EXPECT_TRUE(testing::WaitUntil(
+        [&] { return reader->Get("ferry/workers/" + p).status().code() == Code::kNotFound; },
+        std::chrono::seconds(5)));
 }
 
 // The logs of one request are joined across processes by one grep of its id: the proxy's, the

@@ -1,0 +1,178 @@
+#include "discovery/worker_directory.h"
+
+#include <fmt/core.h>
+
+#include "core/json_fields.h"
+#include "core/log.h"
+
+namespace ferry {
+
+namespace {
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+std::string EncodeWorkerRecord(const WorkerRecord& r) {
+    return Json{{"url", r.url},
+                {"role", r.role},
+                {"model", r.model},
+                {"tp_size", r.tp_size},
+                {"engine_id", r.engine_id},
+                {"agent_host", r.agent_host},
+                {"agent_port", r.agent_port}}
+        .dump();
+}
+
+Result<WorkerRecord> DecodeWorkerRecord(std::string_view json) {
+    Json j = Json::parse(json.begin(), json.end(), nullptr, false);
+    if (!j.is_object()) return InvalidArgumentError("a worker record must be a JSON object");
+    JsonFields f(j);
+    WorkerRecord r;
+    FERRY_ASSIGN_OR_RETURN(r.url, f.String("url", 300));
+    FERRY_ASSIGN_OR_RETURN(r.role, f.String("role", 32));
+    FERRY_ASSIGN_OR_RETURN(r.model, f.String("model", 1024));
+    FERRY_ASSIGN_OR_RETURN(int64_t tp, f.Int("tp_size", 1, 1024));
+    r.tp_size = static_cast<int>(tp);
+    FERRY_ASSIGN_OR_RETURN(r.engine_id, f.String("engine_id", 128));
+    FERRY_ASSIGN_OR_RETURN(r.agent_host, f.String("agent_host", 256));
+    FERRY_ASSIGN_OR_RETURN(int64_t port, f.Int("agent_port", 0, 65535));
+    r.agent_port = static_cast<int>(port);
+    return r;
+}
+
+Result<std::unique_ptr<WorkerRegistration>> WorkerRegistration::Start(
+    std::string store_url, StoreOptions options, WorkerRecord record,
+    std::chrono::milliseconds ttl) {
+    std::unique_ptr<WorkerRegistration> w(new WorkerRegistration());
+    FERRY_ASSIGN_OR_RETURN(w->store_, MetadataStore::Open(store_url, options));
+    w->record_ = std::move(record);
+    w->ttl_ = ttl;
+    FERRY_ASSIGN_OR_RETURN(w->lease_, w->store_->GrantLease(ttl));
+    FERRY_RETURN_IF_ERROR(w->store_->Put(std::string(kWorkerPrefix) + w->record_.url,
+                                         EncodeWorkerRecord(w->record_), w->lease_));
+    w->thread_ = std::thread([p = w.get()] { p->Loop(); });
+    return w;
+}
+
+void WorkerRegistration::Loop() {
+    const std::string key = std::string(kWorkerPrefix) + record_.url;
+    std::unique_lock lock(mu_);
+    while (!cv_.wait_for(lock, ttl_ / 3, [&] { return stop_; })) {
+        lock.unlock();
+        Status s = store_->KeepAlive(lease_);
+        if (!s.ok()) {
+            // The store lost the lease (a restart, a long pause): register again.
+            auto lease = store_->GrantLease(ttl_);
+            s = lease.ok() ? store_->Put(key, EncodeWorkerRecord(record_), *lease) : lease.status();
+            if (lease.ok()) lease_ = *lease;
+            if (!s.ok()) {
+                FERRY_LOG(kWarn, "worker {}: discovery store: {} (retrying)", record_.url,
+                          s.ToString());
+            }
+        }
+        lock.lock();
+    }
+}
+
+void WorkerRegistration::Stop() {
+    {
+        std::lock_guard lock(mu_);
+        if (stop_) return;
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    if (store_ && lease_) (void)store_->RevokeLease(lease_);  // the entry goes with it
+}
+
+WorkerRegistration::~WorkerRegistration() { Stop(); }
+
+Result<std::unique_ptr<WorkerDirectory>> WorkerDirectory::Start(std::string store_url,
+                                                                StoreOptions options) {
+    std::unique_ptr<WorkerDirectory> d(new WorkerDirectory());
+    FERRY_ASSIGN_OR_RETURN(d->store_, MetadataStore::Open(store_url, options));
+    d->thread_ = std::thread([p = d.get()] { p->Loop(); });
+    return d;
+}
+
+void WorkerDirectory::Loop() {
+    uint64_t after = 0;
+    bool listed = false;
+    const auto poll = std::chrono::milliseconds(1000);
+    auto apply = [&](const std::string& key, const std::string* value) {
+        const std::string url = key.substr(kWorkerPrefix.size());
+        std::lock_guard lock(mu_);
+        if (!value) {
+            records_.erase(url);
+            return;
+        }
+        Result<WorkerRecord> r = DecodeWorkerRecord(*value);
+        if (!r.ok() || r->url != url) {
+            FERRY_LOG(kWarn, "discovery: worker record '{}' ignored: {}", url.substr(0, 200),
+                      r.ok() ? std::string("its url is another worker's") : r.status().ToString());
+            records_.erase(url);
+            return;
+        }
+        records_[url] = std::move(*r);
+    };
+    for (;;) {
+        {
+            std::lock_guard lock(mu_);
+            if (stop_) return;
+        }
+        if (!listed) {
+            uint64_t rev = 0;
+            auto entries = store_->List(kWorkerPrefix, &rev);
+            if (!entries.ok()) {
+                std::unique_lock lock(mu_);
+                cv_.wait_for(lock, poll, [&] { return stop_; });
+                continue;
+            }
+            {
+                std::lock_guard lock(mu_);
+                records_.clear();
+            }
+            for (const StoreEntry& e : *entries) apply(e.key, &e.value);
+            after = rev;
+            listed = true;
+            continue;
+        }
+        Result<WatchResult> w = store_->Watch(kWorkerPrefix, after, poll);
+        if (!w.ok()) {
+            std::unique_lock lock(mu_);
+            cv_.wait_for(lock, poll, [&] { return stop_; });
+            continue;
+        }
+        if (w->compacted || w->revision < after) {
+            listed = false;
+            continue;
+        }
+        for (const StoreEvent& e : w->events) {
+            apply(e.key, e.type == StoreEvent::Type::kPut ? &e.value : nullptr);
+        }
+        after = std::max(after, w->revision);
+    }
+}
+
+std::optional<WorkerRecord> WorkerDirectory::Find(const std::string& url) const {
+    std::lock_guard lock(mu_);
+    auto it = records_.find(url);
+    if (it == records_.end()) return std::nullopt;
+    return it->second;
+}
+
+size_t WorkerDirectory::size() const {
+    std::lock_guard lock(mu_);
+    return records_.size();
+}
+
+WorkerDirectory::~WorkerDirectory() {
+    {
+        std::lock_guard lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();  // a Watch in flight returns within `poll`
+}
+
+}  // namespace ferry
