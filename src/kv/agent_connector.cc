@@ -65,8 +65,8 @@ void AgentKvConnector::Impl::PumpLoop() {
         const auto now = SteadyClock::now();
         PumpLoads(now);
         PumpPeers(now);
-        PumpPushes(now);
-        PumpHolds(now);
+        push->Pump(now);
+        pull->Pump(now);
         // Sleep until a transfer finishes or there is new work (Waker); the timers above
         // (deadlines, leases, liveness probes) are coarse: a tick of 20 ms serves them.
         lock.unlock();
@@ -88,6 +88,8 @@ Result<std::shared_ptr<AgentKvConnector>> AgentKvConnector::Create(std::shared_p
         return InvalidArgumentError("kv connector: the model fingerprint and kv heads are needed");
     }
     auto impl = std::make_unique<Impl>();
+    impl->pull = MakePullProtocol(*impl);
+    impl->push = MakePushProtocol(*impl);
     impl->agent = std::move(agent);
     impl->cfg = std::move(config);
     impl->stats.transfer_seconds_buckets.assign(std::size(kTransferSecondsBuckets) + 1, 0);
@@ -206,18 +208,21 @@ Result<std::shared_ptr<ConnectorParams>> AgentKvConnector::ParseParams(
     return std::shared_ptr<ConnectorParams>(std::move(p));
 }
 
+bool AgentKvConnector::ReadyToSchedule(const ConnectorRequest& r) {
+    Impl& m = *impl_;
+    const KvTransferParams& p = AsKvTransferParams(r.params);
+    if (!p.do_remote_decode) return true;
+    std::lock_guard lock(m.mu);
+    if (!m.bound) return true;
+    return m.ProtocolOf(p.mode).ReadyToSchedule(r, p);
+}
+
 int AgentKvConnector::ExternalTokens(const ConnectorRequest& r, int num_computed) {
     const KvTransferParams& p = AsKvTransferParams(r.params);
     if (!p.do_remote_prefill) return 0;
-    const int len = static_cast<int>(r.prompt.size());
-    if (p.mode == KvTransferMode::kPush) return len - num_computed;
-    // pull: what the held blocks cover; without the first token the last prompt token is
-    // computed here, for its logits.
-    Impl& m = *impl_;
-    const int bt = m.layouts.empty() ? 1 : m.bt();
-    int covered = std::min<int>(len, static_cast<int>(p.remote_block_ids.size()) * bt);
-    if (!p.first_token || covered < len) covered = std::min(covered, len - 1);
-    return std::max(0, covered - num_computed);
+    // No lock: it reads only the layouts, fixed between Bind and Unbind.
+    return impl_->ProtocolOf(p.mode).ExternalTokens(p, static_cast<int>(r.prompt.size()),
+                                                    num_computed);
 }
 
 void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const BlockId> blocks,
@@ -266,9 +271,7 @@ FinishAction AgentKvConnector::RequestFinished(const ConnectorRequest& r,
     if (!p.do_remote_decode) return a;
     std::lock_guard lock(m.mu);
     if (!m.bound) return a;
-    if (p.mode == KvTransferMode::kPush) return m.FinishPush(r, ok, first);
-    if (!ok || !first) return a;
-    return m.HoldForReader(r, blocks, *first);
+    return m.ProtocolOf(p.mode).Finished(r, blocks, ok, first);
 }
 
 void AgentKvConnector::Abort(const std::string& id) {

@@ -96,11 +96,7 @@ void AgentKvConnector::Impl::ProceedLoad(const std::string& id) {
     Load& ld = it->second;
     Peer& p = peers[ld.peer];
     ld.started = SteadyClock::now();
-    if (ld.params.mode == KvTransferMode::kPush) {
-        ProceedPush(id, ld);
-    } else {
-        ProceedPull(id, ld, p);
-    }
+    ProtocolOf(ld.params.mode).Proceed(id, ld, p);
 }
 
 // Reads done or failed, deadlines passed; loads that are complete.

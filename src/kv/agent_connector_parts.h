@@ -186,6 +186,8 @@ inline std::string DtypeName(const KvCacheSpec& s) { return std::string(KvDtypeN
 // The connector's files name these parts unqualified (this header is theirs alone).
 using namespace connector_parts;  // NOLINT(build/namespaces)
 
+class TransferProtocol;
+
 struct AgentKvConnector::Impl : LayerHook {
     std::shared_ptr<Agent> agent;
     AgentConnectorConfig cfg;
@@ -223,6 +225,12 @@ struct AgentKvConnector::Impl : LayerHook {
     std::vector<std::vector<Posted>> step_posted;                     // [rank]
     std::vector<std::pair<std::string, int>> step_advance;
 
+    // The two protocols (pull, push), each behind TransferProtocol.
+    std::unique_ptr<TransferProtocol> pull, push;
+    TransferProtocol& ProtocolOf(KvTransferMode mode) {
+        return mode == KvTransferMode::kPush ? *push : *pull;
+    }
+
     std::thread notify_thread, pump_thread;
     std::vector<std::thread> connect_threads;
 
@@ -250,6 +258,7 @@ struct AgentKvConnector::Impl : LayerHook {
     void PumpPeers(SteadyClock::time_point now);
     void PumpPushes(SteadyClock::time_point now);
     void PumpHolds(SteadyClock::time_point now);
+    bool PushReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p);
     // RequestFinished of each protocol's sending side.
     FinishAction FinishPush(const ConnectorRequest& r, bool ok, const FirstToken* first);
     FinishAction HoldForReader(const ConnectorRequest& r, std::span<const BlockId> blocks,
@@ -368,5 +377,28 @@ struct AgentKvConnector::Impl : LayerHook {
 
     void CountPosted(size_t descriptors);
 };
+
+// One protocol's part of the connector, on both sides (pull: agent_connector_pull.cc, push:
+// agent_connector_push.cc). The facade calls the one a request's params name, with Impl::mu held;
+// what both share (peers, the load's life cycle, messages, threads) stays in Impl.
+class TransferProtocol {
+  public:
+    virtual ~TransferProtocol() = default;
+    // Sending side: whether the request may run now (push: once the decoder's blocks are known;
+    // false parks it until a kReady or kFailed event).
+    virtual bool ReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p) = 0;
+    // Sending side: the request ended with `blocks` holding its KV; what becomes of them.
+    virtual FinishAction Finished(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                                  bool ok, const FirstToken* first) = 0;
+    // Receiving side: how many prompt tokens after `num_computed` arrive from the peer.
+    virtual int ExternalTokens(const KvTransferParams& p, int prompt_len,
+                               int num_computed) const = 0;
+    // Receiving side: the peer is ready; start moving.
+    virtual void Proceed(const std::string& id, Load& ld, Peer& p) = 0;
+    // This protocol's timers and transfers, once per pump pass.
+    virtual void Pump(SteadyClock::time_point now) = 0;
+};
+std::unique_ptr<TransferProtocol> MakePullProtocol(AgentKvConnector::Impl& m);
+std::unique_ptr<TransferProtocol> MakePushProtocol(AgentKvConnector::Impl& m);
 
 }  // namespace ferry::kv

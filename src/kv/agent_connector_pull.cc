@@ -223,4 +223,37 @@ FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
     return a;
 }
 
+namespace {
+
+class PullProtocol final : public TransferProtocol {
+  public:
+    explicit PullProtocol(AgentKvConnector::Impl& m) : m_(m) {}
+    // The prefill side runs at once: it holds the blocks when the request ends.
+    bool ReadyToSchedule(const ConnectorRequest&, const KvTransferParams&) override { return true; }
+    FinishAction Finished(const ConnectorRequest& r, std::span<const BlockId> blocks, bool ok,
+                          const FirstToken* first) override {
+        if (!ok || !first) return {};
+        return m_.HoldForReader(r, blocks, *first);
+    }
+    // What the held blocks cover; without the first token the last prompt token is computed
+    // here, for its logits.
+    int ExternalTokens(const KvTransferParams& p, int prompt_len, int num_computed) const override {
+        const int bt = m_.layouts.empty() ? 1 : m_.bt();
+        int covered = std::min<int>(prompt_len, static_cast<int>(p.remote_block_ids.size()) * bt);
+        if (!p.first_token || covered < prompt_len) covered = std::min(covered, prompt_len - 1);
+        return std::max(0, covered - num_computed);
+    }
+    void Proceed(const std::string& id, Load& ld, Peer& p) override { m_.ProceedPull(id, ld, p); }
+    void Pump(SteadyClock::time_point now) override { m_.PumpHolds(now); }
+
+  private:
+    AgentKvConnector::Impl& m_;
+};
+
+}  // namespace
+
+std::unique_ptr<TransferProtocol> MakePullProtocol(AgentKvConnector::Impl& m) {
+    return std::make_unique<PullProtocol>(m);
+}
+
 }  // namespace ferry::kv

@@ -158,12 +158,11 @@ void AgentKvConnector::Impl::OnLayerStored(int rank, int layer) {
     }
 }
 
-bool AgentKvConnector::ReadyToSchedule(const ConnectorRequest& r) {
-    Impl& m = *impl_;
-    const KvTransferParams& p = AsKvTransferParams(r.params);
-    if (!p.do_remote_decode || p.mode != KvTransferMode::kPush) return true;
-    std::lock_guard lock(m.mu);
-    if (!m.bound) return true;
+// push, prefill side: a request runs once the decoder's blocks are known (its target may have
+// come first); until then it is parked.
+bool AgentKvConnector::Impl::PushReadyToSchedule(const ConnectorRequest& r,
+                                                 const KvTransferParams& p) {
+    Impl& m = *this;
     auto it = m.pushes.find(r.id);
     if (it != m.pushes.end()) return it->second.state != Push::State::kBootstrapping;
     Push& ps = m.pushes[r.id];
@@ -387,6 +386,35 @@ FinishAction AgentKvConnector::Impl::FinishPush(const ConnectorRequest& r, bool 
     a.hold_blocks = true;
     waker->Kick();
     return a;
+}
+
+namespace {
+
+class PushProtocol final : public TransferProtocol {
+  public:
+    explicit PushProtocol(AgentKvConnector::Impl& m) : m_(m) {}
+    bool ReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p) override {
+        return m_.PushReadyToSchedule(r, p);
+    }
+    FinishAction Finished(const ConnectorRequest& r, std::span<const BlockId>, bool ok,
+                          const FirstToken* first) override {
+        return m_.FinishPush(r, ok, first);
+    }
+    // Every prompt token not already here is written by the prefill worker.
+    int ExternalTokens(const KvTransferParams&, int prompt_len, int num_computed) const override {
+        return prompt_len - num_computed;
+    }
+    void Proceed(const std::string& id, Load& ld, Peer&) override { m_.ProceedPush(id, ld); }
+    void Pump(SteadyClock::time_point now) override { m_.PumpPushes(now); }
+
+  private:
+    AgentKvConnector::Impl& m_;
+};
+
+}  // namespace
+
+std::unique_ptr<TransferProtocol> MakePushProtocol(AgentKvConnector::Impl& m) {
+    return std::make_unique<PushProtocol>(m);
 }
 
 }  // namespace ferry::kv

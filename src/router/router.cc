@@ -150,12 +150,14 @@ Ticket& Ticket::operator=(Ticket&& o) noexcept {
     if (this != &o) {
         End(Outcome::kAbandoned);
         state_ = std::move(o.state_);
+        ended_.store(o.ended_.load());
         role_ = o.role_;
         worker_ = o.worker_;
         tokens_ = o.tokens_;
         request_id_ = std::move(o.request_id_);
         endpoint_ = std::move(o.endpoint_);
         o.state_.reset();
+        o.ended_.store(true);
     }
     return *this;
 }
@@ -163,9 +165,8 @@ Ticket& Ticket::operator=(Ticket&& o) noexcept {
 Ticket::~Ticket() { End(Outcome::kAbandoned); }
 
 void Ticket::End(Outcome outcome) {
-    std::shared_ptr<State> s = std::move(state_);
-    state_.reset();
-    if (s) s->End(role_, worker_, tokens_, request_id_, outcome);
+    if (!state_ || ended_.exchange(true)) return;
+    state_->End(role_, worker_, tokens_, request_id_, outcome);
 }
 
 Router::Router(RouterConfig config) : state_(std::make_shared<Ticket::State>()) {

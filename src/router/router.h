@@ -10,6 +10,7 @@
 // This library links core, http and discovery only: no model, no KV, no engine.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -101,6 +102,8 @@ struct RouterConfig {
 class Router;
 
 // One routed request on one worker. Move-only; ends once (End, or its destructor as kAbandoned).
+// End may be called from several threads at once (the first one counts); moving is not
+// thread-safe.
 class Ticket {
   public:
     Ticket() = default;
@@ -110,7 +113,7 @@ class Ticket {
     Ticket& operator=(const Ticket&) = delete;
     ~Ticket();
 
-    bool valid() const { return state_ != nullptr; }
+    bool valid() const { return state_ != nullptr && !ended_.load(); }
     Role role() const { return role_; }
     size_t worker() const { return worker_; }
     const http::Endpoint& endpoint() const { return endpoint_; }
@@ -120,6 +123,7 @@ class Ticket {
     friend class Router;
     struct State;
     std::shared_ptr<State> state_;
+    std::atomic<bool> ended_{false};
     Role role_ = Role::kPrefill;
     size_t worker_ = 0;
     size_t tokens_ = 0;
