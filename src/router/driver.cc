@@ -350,8 +350,11 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
               ProtocolName(config_.protocol));
     ++in_flight_;
     auto self = shared_from_this();
-    ex->OnClose([self, f] {
-        if (!f->Claim()) return;
+    // Weak: the flow holds the exchange, so a strong reference here would keep both alive after
+    // the request ends (the calls in flight hold the flow while it runs).
+    ex->OnClose([self, weak = std::weak_ptr<Flow>(f)] {
+        std::shared_ptr<Flow> f = weak.lock();
+        if (!f || !f->Claim()) return;
         ++self->client_gone_;
         f->End(&Flow::prefill, Outcome::kClientGone);
         f->End(&Flow::decode, Outcome::kClientGone);
