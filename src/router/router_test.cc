@@ -338,6 +338,12 @@ TEST(RouterDriver, PushAsksTheAgentOnceAndSendsBothWorkersOneTransferId) {
         ASSERT_TRUE(got.ok());
         EXPECT_EQ(got->status, 200);
     }
+    // The client's answer is the decoder's; the prefill call of the same request may still be
+    // on its way: wait for it (bounded).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (h.prefill.Got().size() < 3 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+    }
     std::vector<http::Request> p = h.prefill.Got(), d = h.decode.Got();
     ASSERT_EQ(p.size(), 3u) << "one GET /v1/kv/agent, then two prefill requests";
     EXPECT_EQ(p[0].method, "GET");
