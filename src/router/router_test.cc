@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -222,6 +223,8 @@ struct FakeWorker {
     std::vector<http::Request> got;
     int status = 200;
     Json answer = Json::object();
+    // Runs before each answer, outside the lock (a push decoder waits for its prefill here).
+    std::function<void(const http::Request&)> before_answer;
     std::unique_ptr<http::Server> server;
 
     explicit FakeWorker(std::string name) {
@@ -237,6 +240,7 @@ struct FakeWorker {
                 s = status;
                 a = answer;
             }
+            if (before_answer) before_answer(ex->request());
             ex->Reply({s, "application/json", a.dump(), {}});
         };
         std::vector<http::Route> routes = {{"POST", "/v1/completions", handler, 0},
@@ -302,6 +306,22 @@ struct DriverHarness {
 
 const std::string* Header(const http::Request& r, const char* name) { return r.Find(name); }
 
+// A push decoder answers only once its KV came, i.e. after the prefill worker got the request of
+// the same transfer id (else the proxy, done, would cancel a prefill call not yet sent).
+void DecoderWaitsForItsPrefill(DriverHarness& h) {
+    h.decode.before_answer = [&h](const http::Request& r) {
+        const Json xid = Json::parse(r.body)["kv_transfer_params"]["transfer_id"];
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (std::chrono::steady_clock::now() < deadline) {
+            for (const http::Request& p : h.prefill.Got()) {
+                if (p.method != "POST") continue;
+                if (Json::parse(p.body)["kv_transfer_params"]["transfer_id"] == xid) return;
+            }
+            std::this_thread::yield();
+        }
+    };
+}
+
 TEST(RouterDriver, PullSendsThePrefillWorkersParamsToTheDecoderUnderOneRequestId) {
     DriverHarness h(Protocol::kPull);
     h.prefill.answer = {{"kv_transfer_params", {{"remote_engine_id", "p0"}, {"nonce", "n"}}}};
@@ -332,17 +352,12 @@ TEST(RouterDriver, PullSendsThePrefillWorkersParamsToTheDecoderUnderOneRequestId
 
 TEST(RouterDriver, PushAsksTheAgentOnceAndSendsBothWorkersOneTransferId) {
     DriverHarness h(Protocol::kPush);
+    DecoderWaitsForItsPrefill(h);
     h.prefill.answer = {{"engine_id", "p0"}, {"host", "127.0.0.9"}, {"port", 7100}};
     for (int i = 0; i < 2; ++i) {
         Result<http::ClientReply> got = h.Post({{"prompt", "hello"}});
         ASSERT_TRUE(got.ok());
         EXPECT_EQ(got->status, 200);
-    }
-    // The client's answer is the decoder's; the prefill call of the same request may still be
-    // on its way: wait for it (bounded).
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (h.prefill.Got().size() < 3 && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::yield();
     }
     std::vector<http::Request> p = h.prefill.Got(), d = h.decode.Got();
     ASSERT_EQ(p.size(), 3u) << "one GET /v1/kv/agent, then two prefill requests";
@@ -403,6 +418,7 @@ TEST(RouterDriver, AnAgentInTheDirectoryIsUsedWithoutAskingTheWorker) {
         return AgentInfo{"p-store", "127.0.0.8", 7200, 1};
     };
     DriverHarness h(Protocol::kPush, std::move(rc));
+    DecoderWaitsForItsPrefill(h);
     for (int i = 0; i < 2; ++i) {
         Result<http::ClientReply> got = h.Post({{"prompt", "hello"}});
         ASSERT_TRUE(got.ok());
