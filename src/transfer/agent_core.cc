@@ -291,7 +291,7 @@ AgentMetadata AgentCore::SelfMetadata() const {
     for (const std::string& b : enabled_) {
         md.endpoints.push_back(EndpointInfo{b, endpoints_.at(b)});
     }
-    for (const RegionInfo& r : regions_.List()) {
+    for (const RegionInfo& r : regions_.List(&md.revision)) {
         md.regions.push_back(RemoteRegion{r.id, r.length, r.key, r.kind});
     }
     std::sort(md.regions.begin(), md.regions.end(),

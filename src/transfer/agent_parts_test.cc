@@ -116,6 +116,20 @@ TEST(PeerTable, SameEpochRefreshesANewEpochReplaces) {
     EXPECT_EQ(t.Find("decode-0"), first);
     EXPECT_EQ(first->backend, "tcp");
     EXPECT_EQ(first->md.regions[0].id, 2u);
+    // A copy of an older revision (a store event that arrives after the side channel's answer)
+    // does not take back what a newer one added; an equal or newer one is taken.
+    AgentMetadata newer = Md("decode-0", 5, 3);
+    newer.revision = 4;
+    t.Upsert(newer, "tcp", &replaced);
+    AgentMetadata stale = Md("decode-0", 5, 1);
+    stale.revision = 2;
+    t.Upsert(stale, "tcp", &replaced);
+    EXPECT_EQ(replaced, nullptr);
+    EXPECT_EQ(first->md.regions[0].id, 3u);
+    EXPECT_EQ(first->md.revision, 4u);
+    newer.regions[0].id = 2;
+    t.Upsert(newer, "tcp", &replaced);
+    EXPECT_EQ(first->md.regions[0].id, 2u);
     // A restarted process: a new entry, the old one handed back to be closed.
     t.Upsert(Md("decode-0", 9, 1), "shm", &replaced);
     EXPECT_EQ(replaced, first);

@@ -64,7 +64,11 @@ std::string EncodeMetadata(const AgentMetadata& md) {
         w.U64(r.key);
         w.U8(static_cast<uint8_t>(r.kind));
     }
-    w.U32(0);  // no extensions yet
+    ByteWriter rev;
+    rev.U64(md.revision);
+    w.U32(1);
+    w.U16(kMetadataExtRevision);
+    w.Str(rev.Take());
     return w.Take();
 }
 
@@ -126,9 +130,14 @@ Result<AgentMetadata> DecodeMetadata(std::string_view blob) {
     }
     for (uint32_t i = 0; i < n; ++i) {
         uint16_t tag = 0;
-        std::string ignored;
-        if (!r.U16(&tag) || !r.Str(&ignored, wire::kMaxMetadataLen)) {
+        std::string bytes;
+        if (!r.U16(&tag) || !r.Str(&bytes, wire::kMaxMetadataLen)) {
             return r.error();
+        }
+        if (tag == kMetadataExtRevision) {
+            ByteReader ext(bytes, "metadata revision");
+            if (!ext.U64(&md.revision)) return ext.error();
+            FERRY_RETURN_IF_ERROR(ext.Finish());
         }
     }
     FERRY_RETURN_IF_ERROR(r.Finish());

@@ -30,6 +30,10 @@ struct AgentMetadata {
     std::string host_id;
     std::vector<EndpointInfo> endpoints;
     std::vector<RemoteRegion> regions;
+    // Grows each time the agent registers or deregisters a region (within one epoch): a copy
+    // that arrives late (a store event a moment behind the side channel) is told apart from a
+    // newer one by it. 0 from a writer that does not send it.
+    uint64_t revision = 0;
 
     const EndpointInfo* FindEndpoint(std::string_view backend) const;
     const RemoteRegion* FindRegion(RegionId id) const;
@@ -39,6 +43,8 @@ inline constexpr uint32_t kMetadataMagic = 0x444d5246;  // "FRMD"
 inline constexpr uint16_t kMetadataVersion = 1;
 inline constexpr uint32_t kMaxRegionsInMetadata = 1u << 20;
 inline constexpr uint32_t kMaxEndpointAddressLen = 16384;
+// Extension tags (the blob's optional trailer; readers skip the ones they do not know).
+inline constexpr uint16_t kMetadataExtRevision = 1;  // u64: AgentMetadata::revision
 
 std::string EncodeMetadata(const AgentMetadata& md);
 // InvalidArgument naming the problem for anything malformed, truncated or out of bounds.

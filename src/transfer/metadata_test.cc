@@ -29,6 +29,47 @@ TEST(Metadata, RoundTrips) {
     EXPECT_EQ(d->FindEndpoint("ucx"), nullptr);
     ASSERT_NE(d->FindRegion(7), nullptr);
     EXPECT_EQ(d->FindRegion(7)->length, 1u << 30);
+    EXPECT_EQ(d->revision, 0u);
+    AgentMetadata md = Sample();
+    md.revision = 41;
+    auto r = DecodeMetadata(EncodeMetadata(md));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->revision, 41u);
+}
+
+// The revision travels as extension 1: a blob without it (an older writer) reads as revision
+// 0, an unknown extension is skipped, a revision of the wrong size is refused by name.
+TEST(Metadata, TheRevisionIsAnExtensionOthersSkip) {
+    AgentMetadata md = Sample();
+    md.revision = 7;
+    const std::string blob = EncodeMetadata(md);
+    // The trailer: u32 count 1, u16 tag 1, u32 length 8, u64 revision.
+    const size_t trailer = 4 + 2 + 4 + 8;
+    ASSERT_GT(blob.size(), trailer);
+    const std::string body = blob.substr(0, blob.size() - trailer);
+    auto none = DecodeMetadata(body + std::string("\0\0\0\0", 4));
+    ASSERT_TRUE(none.ok()) << none.status().ToString();
+    EXPECT_EQ(none->revision, 0u);
+    EXPECT_EQ(none->regions.size(), 2u);
+    std::string unknown = body + std::string(
+                                     "\1\0\0\0"
+                                     "\x09\0"
+                                     "\3\0\0\0"
+                                     "abc",
+                                     13);
+    auto skipped = DecodeMetadata(unknown);
+    ASSERT_TRUE(skipped.ok()) << skipped.status().ToString();
+    EXPECT_EQ(skipped->revision, 0u);
+    std::string short_rev = body + std::string(
+                                       "\1\0\0\0"
+                                       "\1\0"
+                                       "\4\0\0\0"
+                                       "abcd",
+                                       14);
+    auto bad = DecodeMetadata(short_rev);
+    EXPECT_THAT(bad, StatusIs(Code::kInvalidArgument));
+    EXPECT_NE(bad.status().message().find("revision"), std::string::npos)
+        << bad.status().ToString();
 }
 
 TEST(Metadata, EveryTruncationIsRejected) {

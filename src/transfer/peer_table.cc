@@ -36,7 +36,9 @@ void PeerTable::Upsert(AgentMetadata md, std::string backend, std::shared_ptr<Pe
     if (it != peers_.end()) {
         std::lock_guard<std::mutex> plock(it->second->mu);
         if (it->second->md.epoch == md.epoch) {
-            it->second->md = std::move(md);  // refreshed regions, same process
+            // Refreshed regions of the same process, unless this copy is older than the one
+            // held (a store event can arrive after the side channel's answer).
+            if (md.revision >= it->second->md.revision) it->second->md = std::move(md);
             return;
         }
         *replaced = it->second;

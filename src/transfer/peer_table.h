@@ -52,7 +52,8 @@ class PeerTable {
   public:
     std::shared_ptr<Peer> Find(std::string_view name) const;
     // Adds or refreshes the peer `md` describes. The same epoch refreshes its metadata (the
-    // backend stays); a new epoch replaces the old process's entry, which is returned in
+    // backend stays) unless `md` is of an older revision than the one held; a new epoch replaces
+    // the old process's entry, which is returned in
     // `*replaced` for the caller to close.
     void Upsert(AgentMetadata md, std::string backend, std::shared_ptr<Peer>* replaced);
     // The removed peer, or null if unknown.

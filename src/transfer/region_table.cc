@@ -89,6 +89,7 @@ RegionInfo RegionTable::Add(std::shared_ptr<RegionEntry> e) {
     e->id = next_id_++;
     RegionInfo info = e->Info();
     regions_.emplace(e->id, std::move(e));
+    ++revision_;
     return info;
 }
 
@@ -240,6 +241,7 @@ Status RegionTable::Deregister(RegionId id, std::chrono::milliseconds grace,
         }
         e = std::move(it->second);
         regions_.erase(it);
+        ++revision_;
     }
     e->revoked.store(true);
     std::unique_lock<std::mutex> lock(e->pin_mu);
@@ -296,8 +298,9 @@ std::shared_ptr<RegionEntry> RegionTable::Find(RegionId id) const {
     return it == regions_.end() ? nullptr : it->second;
 }
 
-std::vector<RegionInfo> RegionTable::List() const {
+std::vector<RegionInfo> RegionTable::List(uint64_t* revision) const {
     std::lock_guard<std::mutex> lock(mu_);
+    if (revision != nullptr) *revision = revision_;
     std::vector<RegionInfo> out;
     out.reserve(regions_.size());
     for (const auto& [id, e] : regions_) {

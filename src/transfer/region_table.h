@@ -95,7 +95,9 @@ class RegionTable {
     Result<RegionPin> PinLocal(RegionId id);
 
     std::shared_ptr<RegionEntry> Find(RegionId id) const;
-    std::vector<RegionInfo> List() const;
+    // Every region; `revision` (if given) gets the table's revision, which grows with each
+    // registration and deregistration, read under the same lock as the list.
+    std::vector<RegionInfo> List(uint64_t* revision = nullptr) const;
     size_t size() const;
 
   private:
@@ -105,6 +107,7 @@ class RegionTable {
     mutable std::mutex mu_;
     std::unordered_map<RegionId, std::shared_ptr<RegionEntry>> regions_;
     RegionId next_id_ = 1;
+    uint64_t revision_ = 0;
 };
 
 // Touches every page of [p, p+len) so that later transfers do not pay first-touch faults.
