@@ -224,13 +224,13 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
     f->Add(client_->Call(ToWorker(ep, f->path, body, f->request_id), std::move(cb)));
 }
 
-void Driver::Pull(const std::shared_ptr<Flow>& f) {
-    Json pb = PrefillBody(f->body);
-    pb["kv_transfer_params"] = PullPrefillParams();
+void Driver::Prefill(const std::shared_ptr<Flow>& f, const Json& body,
+                     std::function<void(http::ClientReply)> on_ok) {
     const http::Endpoint ep = f->prefill_ep;
     auto self = shared_from_this();
     f->Add(client_->CallWhole(
-        ToWorker(ep, f->path, pb, f->request_id), [self, f, ep](Result<http::ClientReply> r) {
+        ToWorker(ep, f->path, body, f->request_id),
+        [self, f, ep, on_ok = std::move(on_ok)](Result<http::ClientReply> r) {
             if (!r.ok()) {
                 if (r.status().code() == Code::kCancelled) return;
                 f->End(&Flow::prefill, Outcome::kWorkerFailed);
@@ -239,27 +239,35 @@ void Driver::Pull(const std::shared_ptr<Flow>& f) {
                                               r.status().message()));
             }
             f->End(&Flow::prefill, OutcomeOfStatus(r->status));
-            if (r->status != 200) {
-                if (!f->Claim()) return;
-                f->CancelAll();
-                self->Finish(f, false);
-                return f->ex->Reply({r->status,
-                                     "application/json",
-                                     std::move(r->body),
-                                     {{"X-Request-Id", f->request_id}}});
-            }
-            Json answer = Json::parse(r->body, nullptr, false);
-            Json decode = f->body;
-            if (answer.is_object() && answer.contains("kv_transfer_params") &&
-                answer["kv_transfer_params"].is_object() && !answer["kv_transfer_params"].empty()) {
-                decode["kv_transfer_params"] = answer["kv_transfer_params"];
-            }
-            {
-                std::lock_guard lock(f->mu);
-                if (f->cancelled) return;
-            }
-            self->Decode(f, std::move(decode));
+            if (r->status == 200) return on_ok(std::move(*r));
+            // push: the decode worker would wait for KV that never comes: stop it too.
+            if (!f->Claim()) return;
+            f->CancelAll();
+            self->Finish(f, false);
+            f->ex->Reply({r->status,
+                          "application/json",
+                          std::move(r->body),
+                          {{"X-Request-Id", f->request_id}}});
         }));
+}
+
+void Driver::Pull(const std::shared_ptr<Flow>& f) {
+    Json pb = PrefillBody(f->body);
+    pb["kv_transfer_params"] = PullPrefillParams();
+    auto self = shared_from_this();
+    Prefill(f, pb, [self, f](http::ClientReply r) {
+        Json answer = Json::parse(r.body, nullptr, false);
+        Json decode = f->body;
+        if (answer.is_object() && answer.contains("kv_transfer_params") &&
+            answer["kv_transfer_params"].is_object() && !answer["kv_transfer_params"].empty()) {
+            decode["kv_transfer_params"] = answer["kv_transfer_params"];
+        }
+        {
+            std::lock_guard lock(f->mu);
+            if (f->cancelled) return;
+        }
+        self->Decode(f, std::move(decode));
+    });
 }
 
 void Driver::Push(const std::shared_ptr<Flow>& f) {
@@ -278,30 +286,9 @@ void Driver::Push(const std::shared_ptr<Flow>& f) {
         Json db = f->body;
         db["kv_transfer_params"] = PushDecodeParams(xid, *agent);
         // Both at once: the decode worker allocates and names its blocks while the prefill
-        // worker waits for them.
+        // worker waits for them. The decode worker's answer is the client's.
         self->Decode(f, std::move(db));
-        const http::Endpoint ep = f->prefill_ep;
-        f->Add(self->client_->CallWhole(
-            self->ToWorker(ep, f->path, pb, f->request_id),
-            [self, f, ep](Result<http::ClientReply> r) {
-                if (!r.ok()) {
-                    if (r.status().code() == Code::kCancelled) return;
-                    f->End(&Flow::prefill, Outcome::kWorkerFailed);
-                    return self->Fail(f, r.status().code() == Code::kDeadlineExceeded ? 504 : 502,
-                                      fmt::format("prefill worker {}:{}: {}", ep.host, ep.port,
-                                                  r.status().message()));
-                }
-                f->End(&Flow::prefill, OutcomeOfStatus(r->status));
-                if (r->status == 200) return;
-                // The decode worker would wait for KV that never comes: stop it.
-                if (!f->Claim()) return;
-                f->CancelAll();
-                self->Finish(f, false);
-                f->ex->Reply({r->status,
-                              "application/json",
-                              std::move(r->body),
-                              {{"X-Request-Id", f->request_id}}});
-            }));
+        self->Prefill(f, pb, [](http::ClientReply) {});
     };
     f->Add(FindAgent(*client_, router_, Role::kPrefill, f->prefill_worker, config_.router_token,
                      std::move(got_agent)));

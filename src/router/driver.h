@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -63,6 +64,11 @@ class Driver : public std::enable_shared_from_this<Driver> {
     void Finish(const std::shared_ptr<Flow>& f, bool ok);
     void Fail(const std::shared_ptr<Flow>& f, int status, const std::string& message);
     void Decode(const std::shared_ptr<Flow>& f, nlohmann::json body);
+    // Sends `body` to the prefill worker. A transport failure fails the request (502, 504 on a
+    // deadline) and an answer other than 200 is relayed to the client as it came; `on_ok` gets
+    // a 200 answer.
+    void Prefill(const std::shared_ptr<Flow>& f, const nlohmann::json& body,
+                 std::function<void(http::ClientReply)> on_ok);
     void Pull(const std::shared_ptr<Flow>& f);
     void Push(const std::shared_ptr<Flow>& f);
 
