@@ -49,6 +49,13 @@ class JsonFields {
         }
     }
 
+    // A JSON integer as int64_t; one beyond its range (only an unsigned one can be) becomes
+    // INT64_MAX, so a range check that follows refuses it instead of seeing it wrap.
+    static int64_t ClampedInt(const Json& v) {
+        return v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX
+                                                                                 : v.get<int64_t>();
+    }
+
     std::string Name(std::string_view key) const {
         return path_.empty() ? std::string(key) : fmt::format("{}.{}", path_, key);
     }

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_depth.h"
+#include "core/json_fields.h"
 
 namespace ferry::kv {
 
@@ -14,21 +15,6 @@ namespace {
 using Json = nlohmann::json;
 
 constexpr char kParam[] = "kv_transfer_params";
-
-std::string TypeName(const Json& v) {
-    if (v.is_null()) return "null";
-    if (v.is_boolean()) return "a boolean";
-    if (v.is_number()) return "a number";
-    if (v.is_string()) return "a string";
-    if (v.is_array()) return "an array";
-    return "an object";
-}
-
-// A JSON integer as int64_t; one beyond its range (only unsigned ones can be) becomes INT64_MAX.
-int64_t ClampedInt(const Json& v) {
-    return v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX
-                                                                             : v.get<int64_t>();
-}
 
 }  // namespace
 
@@ -60,8 +46,9 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view
     }
     const Json v = Json::parse(json.begin(), json.end(), nullptr, false);
     if (v.is_discarded() || !v.is_object()) {
-        return InvalidArgumentError(fmt::format("'{}' must be an object, not {}", kParam,
-                                                v.is_discarded() ? "valid JSON" : TypeName(v)));
+        return InvalidArgumentError(
+            fmt::format("'{}' must be an object, not {}", kParam,
+                        v.is_discarded() ? "valid JSON" : JsonFields::KindOf(v)));
     }
     auto p = std::make_shared<KvTransferParams>();
     Status error;
@@ -90,10 +77,11 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view
     };
     auto integer = [&](const char* key, int* dst, int64_t lo, int64_t hi) {
         if (const Json* x = get(key)) {
-            if (!x->is_number_integer() || ClampedInt(*x) < lo || ClampedInt(*x) > hi) {
+            if (!x->is_number_integer() || JsonFields::ClampedInt(*x) < lo ||
+                JsonFields::ClampedInt(*x) > hi) {
                 return bad(key, "an integer in range");
             }
-            *dst = static_cast<int>(ClampedInt(*x));
+            *dst = static_cast<int>(JsonFields::ClampedInt(*x));
         }
     };
     boolean("do_remote_decode", &p->do_remote_decode);
@@ -121,11 +109,12 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view
             bad("remote_block_ids", "an array");
         } else {
             for (const Json& id : *b) {
-                if (!id.is_number_integer() || ClampedInt(id) < 0 || ClampedInt(id) > INT32_MAX) {
+                if (!id.is_number_integer() || JsonFields::ClampedInt(id) < 0 ||
+                    JsonFields::ClampedInt(id) > INT32_MAX) {
                     bad("remote_block_ids", "an array of block ids");
                     break;
                 }
-                p->remote_block_ids.push_back(static_cast<BlockId>(ClampedInt(id)));
+                p->remote_block_ids.push_back(static_cast<BlockId>(JsonFields::ClampedInt(id)));
             }
         }
     }
@@ -142,11 +131,11 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view
         FirstToken ft;
         auto tok = t->is_object() ? t->find("token") : Json::const_iterator();
         if (!t->is_object() || tok == t->end() || !tok->is_number_integer() ||
-            ClampedInt(*tok) < 0 || ClampedInt(*tok) > INT32_MAX || !t->contains("logprob") ||
-            !(*t)["logprob"].is_number()) {
+            JsonFields::ClampedInt(*tok) < 0 || JsonFields::ClampedInt(*tok) > INT32_MAX ||
+            !t->contains("logprob") || !(*t)["logprob"].is_number()) {
             bad("ferry_first_token", "an object with an integer token and a logprob");
         } else {
-            ft.token = static_cast<int32_t>(ClampedInt(*tok));
+            ft.token = static_cast<int32_t>(JsonFields::ClampedInt(*tok));
             ft.logprob = (*t)["logprob"].get<float>();
             if (t->contains("top")) {
                 const Json& top = (*t)["top"];
@@ -155,12 +144,12 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view
                 } else {
                     for (const Json& e : top) {
                         if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
-                            !e[1].is_number() || ClampedInt(e[0]) < 0 ||
-                            ClampedInt(e[0]) > INT32_MAX) {
+                            !e[1].is_number() || JsonFields::ClampedInt(e[0]) < 0 ||
+                            JsonFields::ClampedInt(e[0]) > INT32_MAX) {
                             bad("ferry_first_token", "valid (top: [[token, logprob], ...])");
                             break;
                         }
-                        ft.top.emplace_back(static_cast<int32_t>(ClampedInt(e[0])),
+                        ft.top.emplace_back(static_cast<int32_t>(JsonFields::ClampedInt(e[0])),
                                             e[1].get<float>());
                     }
                 }

@@ -7,30 +7,17 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "core/json_fields.h"
+
 namespace ferry::serve {
 
 namespace {
 
 using Json = nlohmann::json;
 
-std::string TypeName(const Json& v) {
-    if (v.is_null()) return "null";
-    if (v.is_boolean()) return "a boolean";
-    if (v.is_number()) return "a number";
-    if (v.is_string()) return "a string";
-    if (v.is_array()) return "an array";
-    return "an object";
-}
-
-// A JSON integer as int64_t; one beyond its range (only unsigned ones can be) becomes INT64_MAX.
-int64_t ClampedInt(const Json& v) {
-    return v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX
-                                                                             : v.get<int64_t>();
-}
-
 // A JSON integer that is a token id of `tk`, or nothing.
 std::optional<int32_t> TokenId(const Json& v, const model::Tokenizer& tk) {
-    const int64_t id = ClampedInt(v);
+    const int64_t id = JsonFields::ClampedInt(v);
     if (id < 0 || id >= tk.vocab_size()) return std::nullopt;
     return static_cast<int32_t>(id);
 }
@@ -50,7 +37,8 @@ class Fields {
         if (!Has(key)) return;
         const Json& v = body_[key];
         if (!v.is_number())
-            return Fail(fmt::format("'{}' must be a number, not {}", key, TypeName(v)), key);
+            return Fail(fmt::format("'{}' must be a number, not {}", key, JsonFields::KindOf(v)),
+                        key);
         double d = v.get<double>();
         if (!(d >= lo && d <= hi)) {
             return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, d, lo, hi),
@@ -62,9 +50,10 @@ class Fields {
         if (!Has(key)) return;
         const Json& v = body_[key];
         if (!v.is_number_integer()) {
-            return Fail(fmt::format("'{}' must be an integer, not {}", key, TypeName(v)), key);
+            return Fail(fmt::format("'{}' must be an integer, not {}", key, JsonFields::KindOf(v)),
+                        key);
         }
-        const int64_t i = ClampedInt(v);
+        const int64_t i = JsonFields::ClampedInt(v);
         if (i < lo || i > hi) {
             return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, i, lo, hi),
                         key);
@@ -75,14 +64,16 @@ class Fields {
         if (!Has(key)) return;
         const Json& v = body_[key];
         if (!v.is_boolean())
-            return Fail(fmt::format("'{}' must be a boolean, not {}", key, TypeName(v)), key);
+            return Fail(fmt::format("'{}' must be a boolean, not {}", key, JsonFields::KindOf(v)),
+                        key);
         *out = v.get<bool>();
     }
     void String(const char* key, std::string* out) {
         if (!Has(key)) return;
         const Json& v = body_[key];
         if (!v.is_string())
-            return Fail(fmt::format("'{}' must be a string, not {}", key, TypeName(v)), key);
+            return Fail(fmt::format("'{}' must be a string, not {}", key, JsonFields::KindOf(v)),
+                        key);
         *out = v.get<std::string>();
     }
 
@@ -317,7 +308,8 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer
         !body["kv_transfer_params"].is_null()) {
         const Json& kv = body["kv_transfer_params"];
         if (!kv.is_object()) {
-            fields.Fail(fmt::format("'kv_transfer_params' must be an object, not {}", TypeName(kv)),
+            fields.Fail(fmt::format("'kv_transfer_params' must be an object, not {}",
+                                    JsonFields::KindOf(kv)),
                         "kv_transfer_params");
         } else {
             out->kv_transfer_json = kv.dump();
@@ -368,7 +360,8 @@ bool ParseTokenizeRequest(std::string_view text, const model::Tokenizer& tk,
         if (!f.Has("prompt")) {
             f.Fail("'prompt' (a string) or 'messages' is required", "prompt");
         } else if (!body["prompt"].is_string()) {
-            f.Fail(fmt::format("'prompt' must be a string, not {}", TypeName(body["prompt"])),
+            f.Fail(fmt::format("'prompt' must be a string, not {}",
+                               JsonFields::KindOf(body["prompt"])),
                    "prompt");
         } else {
             out->tokens = tk.Encode(body["prompt"].get<std::string>(), add_special && tk.add_bos());
