@@ -474,5 +474,55 @@ TEST(WorkerDirectory, FollowsTheWorkersRecordsInTheStoreAndIgnoresBadOnes) {
     EXPECT_TRUE(until([&] { return !dir->Find("127.0.0.1:9001").has_value(); }));
 }
 
+// With a deployment secret the store takes signed writes only: a client without the secret (or
+// with another) can neither file a worker record nor replace a worker's, and a router's directory
+// (which reads with the secret) sees only the deployment's own records.
+TEST(WorkerDirectory, OnlyTheDeploymentFilesWorkerRecordsInASecretStore) {
+    StoreServerConfig sc;
+    sc.secret = "deployment-secret";
+    auto store = std::move(StoreServer::Start(sc)).value();
+    StoreOptions signed_opts;
+    signed_opts.secret = sc.secret;
+    WorkerRecord rec{"127.0.0.1:9101", "prefill", "tiny", 1, "p0", "127.0.0.1", 7401};
+    auto dir = std::move(WorkerDirectory::Start(store->url(), signed_opts)).value();
+    auto reg = std::move(WorkerRegistration::Start(store->url(), signed_opts, rec,
+                                                   std::chrono::milliseconds(3000)))
+                   .value();
+
+    // An attacker's record pointing the router at an agent of its own: refused as it is filed.
+    WorkerRecord evil = rec;
+    evil.agent_host = "10.9.9.9";
+    evil.engine_id = "attacker";
+    auto unsigned_reg =
+        WorkerRegistration::Start(store->url(), {}, evil, std::chrono::milliseconds(3000));
+    ASSERT_FALSE(unsigned_reg.ok());
+    EXPECT_EQ(unsigned_reg.status().code(), Code::kPermissionDenied)
+        << unsigned_reg.status().ToString();
+    StoreOptions wrong;
+    wrong.secret = "guessed";
+    auto guessed = std::move(MetadataStore::Open(store->url(), wrong)).value();
+    EXPECT_EQ(guessed->Put("ferry/workers/127.0.0.1:9101", EncodeWorkerRecord(evil)).code(),
+              Code::kPermissionDenied);
+    EXPECT_EQ(guessed->Put("ferry/workers/127.0.0.1:9102", EncodeWorkerRecord(evil)).code(),
+              Code::kPermissionDenied);
+    auto raw = std::move(MetadataStore::Open(store->url())).value();
+    EXPECT_EQ(raw->Put("ferry/workers/127.0.0.1:9103", EncodeWorkerRecord(evil)).code(),
+              Code::kPermissionDenied);
+    auto until = [](auto pred) {
+        auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!pred() && std::chrono::steady_clock::now() < end) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        return pred();
+    };
+    ASSERT_TRUE(until([&] { return dir->Find("127.0.0.1:9101").has_value(); }));
+    EXPECT_EQ(dir->Find("127.0.0.1:9101")->engine_id, "p0");
+    EXPECT_EQ(dir->Find("127.0.0.1:9101")->agent_host, "127.0.0.1");
+    EXPECT_FALSE(dir->Find("127.0.0.1:9102"));
+    EXPECT_FALSE(dir->Find("127.0.0.1:9103"));
+    EXPECT_EQ(dir->size(), 1u);
+    EXPECT_GE(store->Stats().unauthorized, 2u);
+}
+
 }  // namespace
 }  // namespace ferry::router
