@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
         pull.remote_request_id = "cmpl-r1";
         pull.hold_nonce = nonce;
         pull.first_token = first;
-        Put(root + "/kv_messages", "params-pull", std::string(1, 0) + pull.ToJson());
+        Put(root + "/kv_messages", "params-pull", std::string(1, 0) + pull.ToJson().dump());
         Put(root + "/kv_messages", "params-push",
             std::string(1, 0) +
                 R"({"do_remote_decode":true,"transfer_mode":"push","transfer_id":"x1"})");

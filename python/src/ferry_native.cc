@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/host_port.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
 
@@ -96,22 +97,13 @@ class PyAgent {
         AgentConfig c;
         c.name = std::move(name);
         c.backends = std::move(backends);
-        auto colon = listen.rfind(':');
-        if (colon == std::string::npos) {
-            throw py::value_error("listen must be 'host:port' (port 0: any free port), not '" +
-                                  listen + "'");
+        auto hp = ParseHostPort(listen, 0);
+        if (!hp.ok()) {
+            throw py::value_error("listen must be 'host:port' (port 0: any free port): " +
+                                  hp.status().message());
         }
-        c.listen_host = listen.substr(0, colon);
-        int port = 0;
-        try {
-            port = std::stoi(listen.substr(colon + 1));
-        } catch (...) {
-            port = -1;
-        }
-        if (port < 0 || port > 65535) {
-            throw py::value_error("listen: '" + listen.substr(colon + 1) + "' is not a port");
-        }
-        c.listen_port = static_cast<uint16_t>(port);
+        c.listen_host = hp->host;
+        c.listen_port = hp->port;
         if (secret) c.secret = *secret;
         if (store) c.store = *store;
         c.default_timeout = Millis(timeout, 30);

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "core/host_port.h"
 #include "core/utf8.h"
 #include "discovery/http_json.h"
 #include "http/http.h"
@@ -56,17 +57,15 @@ Result<Url> ParseBaseUrl(const std::string& s) {
             fmt::format("--base-url '{}': give the server root; the path goes in --endpoint", s));
     }
     Url u;
-    size_t colon = rest.rfind(':');
-    u.host = rest.substr(0, colon);
-    if (colon != std::string::npos) {
-        char* end = nullptr;
-        long port = std::strtol(rest.c_str() + colon + 1, &end, 10);
-        if (*end != '\0' || port <= 0 || port > 65535) {
-            return InvalidArgumentError(fmt::format("--base-url '{}': bad port", s));
-        }
-        u.port = static_cast<int>(port);
+    if (rest.empty()) return InvalidArgumentError(fmt::format("--base-url '{}': no host", s));
+    if (rest.find(':') == std::string::npos) {
+        u.host = rest;  // port 80
+        return u;
     }
-    if (u.host.empty()) return InvalidArgumentError(fmt::format("--base-url '{}': no host", s));
+    auto hp = ParseHostPort(rest);
+    if (!hp.ok()) return InvalidArgumentError(fmt::format("--base-url: {}", hp.status().message()));
+    u.host = std::move(hp->host);
+    u.port = hp->port;
     return u;
 }
 

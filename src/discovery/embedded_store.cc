@@ -9,7 +9,9 @@
 #include <thread>
 
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "core/json_depth.h"
+#include "core/json_fields.h"
 #include "core/log.h"
 #include "discovery/http_json.h"
 #include "discovery/stores.h"
@@ -44,38 +46,30 @@ std::string Dump(const Json& body) {
     return body.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
-// Field accessors that say which field is wrong.
+// Field accessors that say which field is wrong (JsonFields' words), as an HTTP error.
 std::string StringField(const Json& body, const char* name, size_t max, bool required = true) {
-    if (!body.contains(name)) {
-        if (!required) return {};
-        throw HttpError{400, std::string("missing field '") + name + "'"};
+    JsonFields f(body);
+    if (!required && !f.Has(name)) return {};
+    Result<std::string> v = f.String(name, SIZE_MAX);
+    if (!v.ok()) throw HttpError{400, v.status().message()};
+    if (v->size() > max) {
+        throw HttpError{413, f.Bad(name, fmt::format("is longer than {} bytes", max)).message()};
     }
-    if (!body[name].is_string()) {
-        throw HttpError{400, std::string("field '") + name + "' must be a string"};
-    }
-    std::string v = body[name].get<std::string>();
-    if (v.size() > max) {
-        throw HttpError{413, std::string("field '") + name + "' is longer than " +
-                                 std::to_string(max) + " bytes"};
-    }
-    return v;
+    return std::move(v).value();
 }
 
 int64_t IntField(const Json& body, const char* name, bool required = true) {
-    if (!body.contains(name)) {
-        if (!required) return 0;
-        throw HttpError{400, std::string("missing field '") + name + "'"};
-    }
-    if (!body[name].is_number_integer()) {
-        throw HttpError{400, std::string("field '") + name + "' must be an integer"};
-    }
-    return body[name].get<int64_t>();
+    JsonFields f(body);
+    if (!required && !f.Has(name)) return 0;
+    Result<int64_t> v = f.Int(name, INT64_MIN, INT64_MAX);
+    if (!v.ok()) throw HttpError{400, v.status().message()};
+    return *v;
 }
 
 std::string KeyField(const Json& body, const char* name = "key", bool allow_empty = false) {
     std::string k = StringField(body, name, kMaxKeyBytes);
     if (k.empty() && !allow_empty) {
-        throw HttpError{400, std::string("field '") + name + "' must not be empty"};
+        throw HttpError{400, JsonFields(body).Bad(name, "must not be empty").message()};
     }
     return k;
 }
@@ -216,10 +210,7 @@ class StoreServer::Impl {
     }
 
     // The client a watch counts against: the address without the port.
-    static std::string ClientOf(const std::string& remote) {
-        size_t colon = remote.rfind(':');
-        return colon == std::string::npos ? remote : remote.substr(0, colon);
-    }
+    static std::string ClientOf(const std::string& remote) { return HostOf(remote); }
 
     // Before the body is read: a store with a secret reads bodies only of requests that carry
     // a well-formed, fresh Authorization (the MAC itself covers the body, checked after).

@@ -200,33 +200,7 @@ Status PrecheckRequest(std::string_view header, std::chrono::milliseconds skew) 
     return CheckAuthorization({}, header, {}, {}, {}, skew, /*check_mac=*/false).status();
 }
 
-Result<Endpoint> ParseHostPort(std::string_view s) {
-    Endpoint ep;
-    std::string_view port;
-    if (!s.empty() && s.front() == '[') {
-        size_t close = s.find(']');
-        if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') {
-            return InvalidArgumentError("'" + std::string(s) + "': expected [ipv6]:port");
-        }
-        ep.host = std::string(s.substr(1, close - 1));
-        port = s.substr(close + 2);
-    } else {
-        size_t colon = s.rfind(':');
-        if (colon == std::string_view::npos || colon == 0) {
-            return InvalidArgumentError("'" + std::string(s) + "': expected host:port");
-        }
-        ep.host = std::string(s.substr(0, colon));
-        port = s.substr(colon + 1);
-    }
-    unsigned v = 0;
-    if (port.empty() || port.size() > 5 ||
-        !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
-        (v = static_cast<unsigned>(std::stoul(std::string(port)))) == 0 || v > 65535) {
-        return InvalidArgumentError("'" + std::string(s) + "': port must be 1..65535");
-    }
-    ep.port = static_cast<uint16_t>(v);
-    return ep;
-}
+Result<Endpoint> ParseHostPort(std::string_view s) { return ::ferry::ParseHostPort(s, 1); }
 
 Result<HttpReply> PostJson(const Endpoint& ep, const std::string& path, const Json& body,
                            const std::string& secret, std::chrono::milliseconds timeout,

@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/host_port.h"
 #include "ferry/status.h"
 
 namespace ferry::discovery {
@@ -32,11 +33,8 @@ Result<std::string> VerifyRequest(std::string_view secret, std::string_view head
 // timestamp): for refusing a request before reading its body.
 Status PrecheckRequest(std::string_view header, std::chrono::milliseconds skew);
 
-struct Endpoint {
-    std::string host;
-    uint16_t port = 0;
-};
-// "host:port" (IPv4, a name, or [IPv6]).
+using Endpoint = ::ferry::HostPort;
+// "host:port" (IPv4, a name, or [IPv6]), port 1..65535.
 Result<Endpoint> ParseHostPort(std::string_view s);
 
 struct HttpReply {

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/host_port.h"
 #include "http/http.h"
 
 namespace ferry::http {
@@ -236,30 +237,9 @@ Result<ClientReply> Fetch(const ClientRequest& request) {
 
 namespace {
 
-// "host:port" (IPv6 hosts in brackets) with a port of min_port..65535.
-Result<Endpoint> ParseHostPort(std::string_view text, std::string_view s, int min_port) {
-    size_t colon = s.rfind(':');
-    if (colon == std::string_view::npos || colon == 0 || colon + 1 == s.size()) {
-        return InvalidArgumentError(fmt::format("'{}' is not host:port", text));
-    }
-    Endpoint ep;
-    ep.host = std::string(s.substr(0, colon));
-    if (ep.host.size() > 2 && ep.host.front() == '[' && ep.host.back() == ']') {
-        ep.host = ep.host.substr(1, ep.host.size() - 2);
-    }
-    int port = 0;
-    for (char c : s.substr(colon + 1)) {
-        if (c < '0' || c > '9' || port > 65535) {
-            return InvalidArgumentError(fmt::format("'{}': the port is not a number", text));
-        }
-        port = port * 10 + (c - '0');
-    }
-    if (port < min_port || port > 65535) {
-        return InvalidArgumentError(
-            fmt::format("'{}': port {} is not {}..65535", text, port, min_port));
-    }
-    ep.port = port;
-    return ep;
+Result<Endpoint> ToEndpoint(Result<HostPort> hp) {
+    if (!hp.ok()) return hp.status();
+    return Endpoint{std::move(hp->host), hp->port};
 }
 
 }  // namespace
@@ -267,11 +247,14 @@ Result<Endpoint> ParseHostPort(std::string_view text, std::string_view s, int mi
 Result<Endpoint> ParseEndpoint(std::string_view url) {
     std::string_view s = url;
     if (s.substr(0, 7) == "http://") s.remove_prefix(7);
-    return ParseHostPort(url, s.substr(0, s.find('/')), 1);
+    const std::string_view authority = s.substr(0, s.find('/'));
+    auto hp = ParseHostPort(authority, 1);
+    if (!hp.ok()) return InvalidArgumentError(fmt::format("'{}': {}", url, hp.status().message()));
+    return ToEndpoint(std::move(hp));
 }
 
 Result<Endpoint> ParseListenAddress(std::string_view address) {
-    return ParseHostPort(address, address, 0);
+    return ToEndpoint(ParseHostPort(address, 0));
 }
 
 }  // namespace ferry::http

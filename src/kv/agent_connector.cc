@@ -202,9 +202,9 @@ void AgentKvConnector::Unbind() {
 }
 
 Result<std::shared_ptr<ConnectorParams>> AgentKvConnector::ParseParams(
-    std::string_view json) const {
+    const nlohmann::json& params) const {
     FERRY_ASSIGN_OR_RETURN(std::shared_ptr<KvTransferParams> p,
-                           ParseKvTransferParams(json, impl_->cfg.default_mode));
+                           ParseKvTransferParams(params, impl_->cfg.default_mode));
     return std::shared_ptr<ConnectorParams>(std::move(p));
 }
 

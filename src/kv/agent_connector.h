@@ -120,7 +120,8 @@ class AgentKvConnector final : public KvConnector {
 
     Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) override;
     // kv::ParseKvTransferParams with the configured default mode.
-    Result<std::shared_ptr<ConnectorParams>> ParseParams(std::string_view json) const override;
+    Result<std::shared_ptr<ConnectorParams>> ParseParams(
+        const nlohmann::json& params) const override;
     void Unbind() override;
     Status Admit(const ConnectorRequest& r) override;
     void Retire(const std::string& id) override;

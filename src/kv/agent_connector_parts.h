@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "core/log.h"
 #include "kv/agent_connector.h"
 #include "kv/kv_layout.h"

@@ -208,10 +208,9 @@ FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
     out->do_remote_prefill = true;
     out->do_remote_decode = false;
     out->remote_engine_id = agent->name();
-    std::string addr = agent->ListenAddress();
-    size_t colon = addr.rfind(':');
-    out->remote_host = addr.substr(0, colon);
-    out->remote_port = std::atoi(addr.c_str() + colon + 1);
+    HostPort addr = ParseHostPort(agent->ListenAddress(), 0).value();
+    out->remote_host = std::move(addr.host);
+    out->remote_port = addr.port;
     out->remote_block_ids.assign(blocks.begin(), blocks.begin() + nblocks);
     out->remote_request_id = r.id;
     out->tp_size = tp;

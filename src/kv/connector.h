@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -54,7 +55,7 @@ class ConnectorParams {
     // The prompt's KV comes from another worker.
     virtual bool loads_kv() const = 0;
     // The params of a response, as a JSON object (a router copies them to the next worker).
-    virtual std::string ToJson() const = 0;
+    virtual nlohmann::json ToJson() const = 0;
 
     // Who sent them (set by the server once it authenticated the sender, never read from the
     // request): kRouterRequester for a sender that proved the deployment secret, else the
@@ -124,10 +125,12 @@ class KvConnector {
     virtual Status Bind(std::span<KvCache* const> caches, std::function<void()> wake) = 0;
     virtual void Unbind() = 0;
 
-    // A request's kv_transfer_params (the text of a JSON object) as this connector's params.
+    // A request's kv_transfer_params (the JSON value the request held, parsed once by the
+    // server; as vLLM hands a connector its dict) as this connector's params.
     // InvalidArgument naming the field ("'kv_transfer_params.remote_port' must be ..."); null
     // without an error when they ask nothing of a connector. Any thread.
-    virtual Result<std::shared_ptr<ConnectorParams>> ParseParams(std::string_view json) const = 0;
+    virtual Result<std::shared_ptr<ConnectorParams>> ParseParams(
+        const nlohmann::json& params) const = 0;
 
     // --- admission (any thread) ---
     // Whether a request with params may be queued at all: per-client and per-peer caps on

@@ -20,10 +20,10 @@ KvConnectorKind BuiltIn() {
     k.description =
         "the transfer engine's: pull (vLLM's NixlConnector protocol) and push (layer-wise) over "
         "shm, tcp or ucx";
-    k.parse = [](std::string_view json,
+    k.parse = [](const nlohmann::json& params,
                  const AgentConnectorConfig& config) -> Result<std::shared_ptr<ConnectorParams>> {
         FERRY_ASSIGN_OR_RETURN(std::shared_ptr<KvTransferParams> p,
-                               ParseKvTransferParams(json, config.default_mode));
+                               ParseKvTransferParams(params, config.default_mode));
         return std::shared_ptr<ConnectorParams>(std::move(p));
     };
     k.create = [](const KvConnectorContext& c) -> Result<std::shared_ptr<KvConnector>> {

@@ -29,7 +29,7 @@ struct KvConnectorKind {
     std::string description;  // one line, for --help
     // Parses kv_transfer_params as this kind does, with no connector at hand (a worker without
     // one still names a malformed field before it refuses the params). As KvConnector::ParseParams.
-    std::function<Result<std::shared_ptr<ConnectorParams>>(std::string_view json,
+    std::function<Result<std::shared_ptr<ConnectorParams>>(const nlohmann::json& params,
                                                            const AgentConnectorConfig& config)>
         parse;
     std::function<Result<std::shared_ptr<KvConnector>>(const KvConnectorContext& context)> create;

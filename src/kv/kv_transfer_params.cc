@@ -18,7 +18,7 @@ constexpr char kParam[] = "kv_transfer_params";
 
 }  // namespace
 
-std::string KvTransferParams::ToJson() const {
+nlohmann::json KvTransferParams::ToJson() const {
     Json j = {{"do_remote_decode", do_remote_decode},
               {"do_remote_prefill", do_remote_prefill},
               {"remote_engine_id", remote_engine_id},
@@ -36,19 +36,26 @@ std::string KvTransferParams::ToJson() const {
         j["ferry_first_token"] = {
             {"token", first_token->token}, {"logprob", first_token->logprob}, {"top", top}};
     }
-    return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+    return j;
 }
 
-Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view json,
-                                                                KvTransferMode default_mode) {
+Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParamsText(std::string_view json,
+                                                                    KvTransferMode default_mode) {
     if (!JsonDepthWithin(json, 8)) {
         return InvalidArgumentError(fmt::format("'{}' nests too deep", kParam));
     }
     const Json v = Json::parse(json.begin(), json.end(), nullptr, false);
-    if (v.is_discarded() || !v.is_object()) {
+    if (v.is_discarded()) {
+        return InvalidArgumentError(fmt::format("'{}' must be an object, not valid JSON", kParam));
+    }
+    return ParseKvTransferParams(v, default_mode);
+}
+
+Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(const Json& v,
+                                                                KvTransferMode default_mode) {
+    if (!v.is_object()) {
         return InvalidArgumentError(
-            fmt::format("'{}' must be an object, not {}", kParam,
-                        v.is_discarded() ? "valid JSON" : JsonFields::KindOf(v)));
+            fmt::format("'{}' must be an object, not {}", kParam, JsonFields::KindOf(v)));
     }
     auto p = std::make_shared<KvTransferParams>();
     Status error;

@@ -41,15 +41,19 @@ struct KvTransferParams final : ConnectorParams {
     bool prefill_only() const override { return do_remote_decode; }
     bool loads_kv() const override { return do_remote_prefill; }
     // vLLM's fields (null-free), "transfer_mode", and ferry's where set.
-    std::string ToJson() const override;
+    nlohmann::json ToJson() const override;
 };
 
-// Parses kv_transfer_params (the text of a JSON object; null fields count as absent, as vLLM's
-// proxies send them). `default_mode` applies when "transfer_mode" is absent. InvalidArgument
-// naming the field ("'kv_transfer_params.remote_port' must be an integer in range"); null when
-// neither do_remote_decode nor do_remote_prefill is set.
-Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(std::string_view json,
+// Parses kv_transfer_params (a JSON object; null fields count as absent, as vLLM's proxies send
+// them). `default_mode` applies when "transfer_mode" is absent. InvalidArgument naming the field
+// ("'kv_transfer_params.remote_port' must be an integer in range"); null when neither
+// do_remote_decode nor do_remote_prefill is set.
+Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(const nlohmann::json& params,
                                                                 KvTransferMode default_mode);
+// The same from text (a peer's message, a fuzzer's input): nesting past 8 levels and text that
+// is not JSON are refused by name first.
+Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParamsText(std::string_view json,
+                                                                    KvTransferMode default_mode);
 
 // The built-in connector's params behind the seam's type (the connector gets only what its
 // ParseParams made, or what a test built as KvTransferParams).

@@ -16,7 +16,15 @@ using Json = nlohmann::json;
 
 Result<std::shared_ptr<KvTransferParams>> Parse(const Json& j,
                                                 KvTransferMode mode = KvTransferMode::kPull) {
-    return ParseKvTransferParams(j.dump(), mode);
+    // The server hands the connector the parsed object; a peer's message or a fuzzer gives
+    // text: both read the same.
+    auto parsed = ParseKvTransferParams(j, mode);
+    auto text = ParseKvTransferParamsText(j.dump(), mode);
+    EXPECT_EQ(parsed.status().ToString(), text.status().ToString());
+    if (parsed.ok() && text.ok() && *parsed && *text) {
+        EXPECT_EQ((*parsed)->ToJson(), (*text)->ToJson());
+    }
+    return parsed;
 }
 
 TEST(KvTransferParams, WhatAPrefillWorkerAnswersParsesBackToTheSame) {
@@ -88,10 +96,10 @@ TEST(KvTransferParams, EveryBadFieldIsNamed) {
         EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
         EXPECT_THAT(r.status().message(), HasSubstr(want)) << j.dump();
     }
-    EXPECT_FALSE(ParseKvTransferParams("{not json", KvTransferMode::kPull).ok());
-    EXPECT_FALSE(
-        ParseKvTransferParams(std::string(100, '[') + std::string(100, ']'), KvTransferMode::kPull)
-            .ok());
+    EXPECT_FALSE(ParseKvTransferParamsText("{not json", KvTransferMode::kPull).ok());
+    EXPECT_FALSE(ParseKvTransferParamsText(std::string(100, '[') + std::string(100, ']'),
+                                           KvTransferMode::kPull)
+                     .ok());
 }
 
 TEST(KvConnectorRegistry, TheBuiltInKindIsFoundAndAnUnknownOneNamesTheKnown) {
@@ -99,7 +107,7 @@ TEST(KvConnectorRegistry, TheBuiltInKindIsFoundAndAnUnknownOneNamesTheKnown) {
     ASSERT_TRUE(k.ok());
     AgentConnectorConfig cc;
     cc.default_mode = KvTransferMode::kPush;
-    auto p = k->parse(R"({"do_remote_decode":true})", cc);
+    auto p = k->parse(Json::parse(R"({"do_remote_decode":true})"), cc);
     ASSERT_TRUE(p.ok() && *p);
     EXPECT_EQ(AsKvTransferParams(**p).mode, KvTransferMode::kPush);
     auto missing = FindKvConnector("LMCacheConnector");
@@ -112,7 +120,7 @@ TEST(KvConnectorRegistry, AKindIsAddedOnceWithEverythingItNeeds) {
     KvConnectorKind k;
     k.name = "unit-test-kind";
     EXPECT_EQ(RegisterKvConnector(k).code(), Code::kInvalidArgument);
-    k.parse = [](std::string_view,
+    k.parse = [](const Json&,
                  const AgentConnectorConfig&) -> Result<std::shared_ptr<ConnectorParams>> {
         return InvalidArgumentError("unit-test-kind parsed it");
     };

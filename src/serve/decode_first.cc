@@ -31,7 +31,7 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
     // This worker's own params for the local request, in the connector's format (the router's
     // push decode params: written once), parsed as any request's are.
     Result<std::shared_ptr<kv::ConnectorParams>> kvp =
-        config.parse_kv_params ? config.parse_kv_params(router::PushDecodeParams(xid, agent).dump())
+        config.parse_kv_params ? config.parse_kv_params(router::PushDecodeParams(xid, agent))
                                : Result<std::shared_ptr<kv::ConnectorParams>>(
                                      FailedPreconditionError("this worker has no KV connector"));
     if (!kvp.ok() || !*kvp) {

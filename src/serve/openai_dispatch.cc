@@ -167,7 +167,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                         {"choices", Json::array({choice})},
                         {"usage", usage_json(all)}};
             if (o.kv_transfer) {
-                out["kv_transfer_params"] = Json::parse(o.kv_transfer->ToJson());
+                out["kv_transfer_params"] = o.kv_transfer->ToJson();
             }
             return ex->Reply({200, "application/json", Dump(out), {{"X-Request-Id", base}}});
         }

@@ -312,7 +312,7 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer
                                     JsonFields::KindOf(kv)),
                         "kv_transfer_params");
         } else {
-            out->kv_transfer_json = kv.dump();
+            out->kv_transfer_params = kv;
         }
     }
     if (!fields.ok()) {

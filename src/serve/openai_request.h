@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,10 +32,10 @@ struct ParsedRequest {
     bool want_logprobs = false;  // completions: logprobs >= 0; chat: logprobs true
     // vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:<id>".
     bool tokens_as_ids = false;
-    // "kv_transfer_params": the text of the object as the request gave it ("" when absent or
-    // null). The worker's KV connector parses it (its own format); the server keeps the result
-    // in kv_transfer.
-    std::string kv_transfer_json;
+    // "kv_transfer_params": the object as the request gave it (null when absent or null). The
+    // worker's KV connector reads it (its own format); the server keeps the result in
+    // kv_transfer.
+    nlohmann::json kv_transfer_params;
     std::shared_ptr<kv::ConnectorParams> kv_transfer;
 };
 

@@ -1,5 +1,6 @@
 #include "serve/openai_server.h"
 
+#include "core/host_port.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
@@ -111,8 +112,7 @@ std::optional<http::Reply> OpenAiServer::Impl::Authenticate(const http::Request&
                                "worker with --secret-file)",
                                "", "admin_route_disabled"});
         }
-        size_t colon = req.remote.rfind(':');
-        *requester = colon == std::string::npos ? req.remote : req.remote.substr(0, colon);
+        *requester = HostOf(req.remote);
         return std::nullopt;
     }
     constexpr std::string_view kBearer = "Bearer ";
@@ -141,7 +141,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400, bad, x && ValidRequestId(*x) ? *x : ""));
     }
-    if (!pr.kv_transfer_json.empty()) {
+    if (!pr.kv_transfer_params.is_null()) {
         // The connector's own format: a malformed field is named before anything else.
         const std::string* x = ex->request().Find("X-Request-Id");
         const std::string rid = x && ValidRequestId(*x) ? *x : "";
@@ -153,7 +153,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
                                    rid));
         }
         Result<std::shared_ptr<kv::ConnectorParams>> kv =
-            config.parse_kv_params(pr.kv_transfer_json);
+            config.parse_kv_params(pr.kv_transfer_params);
         if (!kv.ok()) {
             return ex->Reply(Error(400, {kv.status().message(), "kv_transfer_params", ""}, rid));
         }

@@ -37,7 +37,8 @@ struct ServerConfig {
     // connector defines them (KvConnector::ParseParams; a colocated worker checks them the
     // default connector's way, then refuses them for want of a connector). Null: the params are
     // refused.
-    std::function<Result<std::shared_ptr<kv::ConnectorParams>>(std::string_view)> parse_kv_params;
+    std::function<Result<std::shared_ptr<kv::ConnectorParams>>(const nlohmann::json&)>
+        parse_kv_params;
     // GET /v1/kv/agent: where this worker's transfer agent is (JSON: engine_id, host, port,
     // tp_size), for a proxy that drives push; absent without a connector.
     std::function<std::string()> kv_agent_info;

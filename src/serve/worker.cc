@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 
 #include "core/crypto.h"
+#include "core/host_port.h"
 
 namespace ferry::serve {
 
@@ -40,9 +42,8 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     c.connector.default_mode = c.kv_mode;
     if (c.role == WorkerRole::kColocated) {
         // No connector: malformed params are named the default kind's way, then refused.
-        c.server.parse_kv_params = [parse = kind.parse, cc = c.connector](std::string_view json) {
-            return parse(json, cc);
-        };
+        c.server.parse_kv_params = [parse = kind.parse, cc = c.connector](
+                                       const nlohmann::json& params) { return parse(params, cc); };
     } else {
         if (c.agent.name.empty()) {
             c.agent.name = fmt::format("ferry-{}-{}", WorkerRoleName(c.role), getpid());
@@ -62,15 +63,14 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         w->connector_ = *conn;
         c.engine.connector = w->connector_;
         c.engine.allocator = kv::AgentKvAllocator(w->agent_);
-        c.server.parse_kv_params = [conn = w->connector_](std::string_view json) {
-            return conn->ParseParams(json);
+        c.server.parse_kv_params = [conn = w->connector_](const nlohmann::json& params) {
+            return conn->ParseParams(params);
         };
         c.server.kv_agent_info = [agent = w->agent_, tp = c.model->tp()] {
-            const std::string a = agent->ListenAddress();
-            const size_t colon = a.rfind(':');
-            return fmt::format(
-                "{{\"engine_id\":\"{}\",\"host\":\"{}\",\"port\":{},\"tp_size\":{}}}",
-                agent->name(), a.substr(0, colon), a.substr(colon + 1), tp);
+            const HostPort a = ParseHostPort(agent->ListenAddress(), 0).value();
+            return nlohmann::json{
+                {"engine_id", agent->name()}, {"host", a.host}, {"port", a.port}, {"tp_size", tp}}
+                .dump();
         };
         c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
     }
@@ -88,10 +88,9 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             r.model = w->server_->model_name();
             r.tp_size = c.model->tp();
             r.engine_id = w->agent_->name();
-            const std::string a = w->agent_->ListenAddress();
-            const size_t colon = a.rfind(':');
-            r.agent_host = a.substr(0, colon);
-            r.agent_port = std::atoi(a.c_str() + colon + 1);
+            const HostPort a = ParseHostPort(w->agent_->ListenAddress(), 0).value();
+            r.agent_host = a.host;
+            r.agent_port = a.port;
             StoreOptions so;
             so.secret = c.agent.secret;
             auto reg =

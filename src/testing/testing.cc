@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/host_port.h"
 #include "transfer/backend.h"
 #include "transfer/metadata.h"
 
@@ -285,6 +286,17 @@ Blackhole::Blackhole(const std::string& backend) {
 Blackhole::~Blackhole() {
     stop_.store(true);
     thread_.join();
+}
+
+uint16_t PortAfter(std::string_view line, std::string_view marker) {
+    const size_t at = line.find(marker);
+    if (at == std::string_view::npos) return 0;
+    std::string_view a = line.substr(at + marker.size());
+    a = a.substr(0, a.find_first_of(" \r\n"));
+    if (a.substr(0, 7) == "http://") a.remove_prefix(7);
+    a = a.substr(0, a.find('/'));
+    auto hp = ParseHostPort(a, 1);
+    return hp.ok() ? hp->port : 0;
 }
 
 }  // namespace ferry::testing

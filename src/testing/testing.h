@@ -153,6 +153,10 @@ bool SendAll(int fd, std::string_view bytes);
 // True if the peer closes `fd` within `timeout` (what it sends first is read and dropped;
 // *got, if given, receives it).
 bool ClosedWithin(int fd, std::chrono::milliseconds timeout, std::string* got = nullptr);
+// The port of the address that follows `marker` in `line` (a process's readiness line such as
+// "ferry serve: listening on http://127.0.0.1:8000"): "host:port" or "http://host:port[/...]",
+// up to the next space. 0 when there is none.
+uint16_t PortAfter(std::string_view line, std::string_view marker = "");
 // Resident memory of process `pid` (VmRSS), in bytes; 0 if unknown.
 size_t RssBytes(int pid);
 // Threads of process `pid` (/proc/PID/status), -1 if unknown.

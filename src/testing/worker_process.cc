@@ -9,6 +9,7 @@
 
 #include "core/crypto.h"
 #include "http/http.h"
+#include "testing/testing.h"
 
 namespace ferry::testing {
 
@@ -79,7 +80,7 @@ Status ServerProcess::Launch(std::chrono::milliseconds timeout) {
         }
         size_t at = rest.find("listening on http://");
         if (at != std::string::npos) {
-            port_ = std::stoi(rest.substr(rest.rfind(':') + 1));
+            port_ = PortAfter(rest, "listening on ");
             break;
         }
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(

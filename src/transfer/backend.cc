@@ -7,6 +7,7 @@
 #include <fstream>
 #include <tuple>
 
+#include "core/host_port.h"
 #include "transfer/transfer_op.h"
 
 namespace ferry {
@@ -101,24 +102,9 @@ std::string LocalHostId() {
 }
 
 Status SplitHostPort(std::string_view address, std::string* host, uint16_t* port) {
-    size_t colon = address.rfind(':');
-    if (colon == std::string_view::npos || colon == 0 || colon + 1 == address.size()) {
-        return InvalidArgumentError("address '" + std::string(address) +
-                                    "' is not of the form host:port");
-    }
-    std::string_view h = address.substr(0, colon);
-    if (h.size() >= 2 && h.front() == '[' && h.back() == ']') {
-        h = h.substr(1, h.size() - 2);
-    }
-    std::string_view p = address.substr(colon + 1);
-    unsigned value = 0;
-    auto [ptr, ec] = std::from_chars(p.data(), p.data() + p.size(), value);
-    if (ec != std::errc() || ptr != p.data() + p.size() || value > 65535) {
-        return InvalidArgumentError("address '" + std::string(address) + "': bad port '" +
-                                    std::string(p) + "'");
-    }
-    *host = std::string(h);
-    *port = static_cast<uint16_t>(value);
+    FERRY_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address, 0));
+    *host = std::move(hp.host);
+    *port = hp.port;
     return Status::Ok();
 }
 

@@ -10,8 +10,10 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/host_port.h"
 #include "engine/engine.h"
 #include "kv/agent_connector.h"
 #include "serve/worker.h"
@@ -96,14 +98,8 @@ struct Worker {
     std::shared_ptr<kv::AgentKvConnector> conn;
     std::shared_ptr<Engine> engine;
 
-    std::string host() const {
-        std::string a = agent->ListenAddress();
-        return a.substr(0, a.rfind(':'));
-    }
-    int port() const {
-        std::string a = agent->ListenAddress();
-        return std::stoi(a.substr(a.rfind(':') + 1));
-    }
+    std::string host() const { return ParseHostPort(agent->ListenAddress()).value().host; }
+    int port() const { return ParseHostPort(agent->ListenAddress()).value().port; }
 };
 
 // A worker named "prefill-..." has the prefill role, any other the decode role.
@@ -628,7 +624,7 @@ TEST_F(Disagg, AConnectorKindRegisteredByNameIsTheOneAWorkerRuns) {
     EXPECT_EQ(created.load(), before + 1);
     ASSERT_NE(std::dynamic_pointer_cast<kv::AgentKvConnector>(w->connector()), nullptr);
     // Its params are the connector's to parse.
-    auto p = w->connector()->ParseParams(R"({"do_remote_decode":true})");
+    auto p = w->connector()->ParseParams(nlohmann::json::parse(R"({"do_remote_decode":true})"));
     ASSERT_TRUE(p.ok() && *p) << p.status().ToString();
     EXPECT_TRUE((*p)->prefill_only());
     // An unknown kind stops the worker before anything starts.

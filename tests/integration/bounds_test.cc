@@ -31,6 +31,7 @@ namespace {
 using ::ferry::testing::ChildProcess;
 using ::ferry::testing::ClosedWithin;
 using ::ferry::testing::DialLoopback;
+using ::ferry::testing::PortAfter;
 using ::ferry::testing::RssBytes;
 using ::ferry::testing::SendAll;
 using ::ferry::testing::ValueOrDie;
@@ -70,7 +71,7 @@ class AgentBounds : public ::testing::Test {
         peer_ = ValueOrDie(ChildProcess::Start(argv, "READY ", &line, seconds(60)), "peer");
         std::istringstream in(line);
         in >> address_ >> region_;
-        port_ = static_cast<uint16_t>(std::stoi(address_.substr(address_.rfind(':') + 1)));
+        port_ = PortAfter(address_);
     }
 
     std::string HelloFrame(const std::string& name) {
@@ -216,7 +217,7 @@ TEST(StoreBounds, IdleConnectionsAndWatchesStarveNeitherLeasesNorPuts) {
             "ferry discovery: store at ", &line),
         "store");
     std::string url = line.substr(0, line.find(' '));
-    uint16_t port = static_cast<uint16_t>(std::stoi(url.substr(url.rfind(':') + 1)));
+    uint16_t port = PortAfter(url);
     const size_t base = RssBytes(store.pid());
     // 1 000 idle connections: with a pool of 32 threads, 100 made an agent lose its lease.
     std::vector<ScopedFd> idle;

@@ -44,7 +44,7 @@ class ServeTest : public ::testing::Test {
             "ferry serve: listening on ", &line, std::chrono::seconds(30));
         ASSERT_TRUE(child.ok()) << child.status().ToString();
         server_ = new testing::ChildProcess(std::move(child).value());
-        port_ = std::stoi(line.substr(line.rfind(':') + 1));
+        port_ = testing::PortAfter(line);
         // Ready when /health answers (llama.cpp's server tests do the same).
         auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
         while (std::chrono::steady_clock::now() < deadline) {
@@ -586,7 +586,7 @@ TEST_P(RealVocabServe, ServesAndRoundTripsText) {
         "ferry serve: listening on ", &line, std::chrono::seconds(60));
     std::remove(model.c_str());
     ASSERT_TRUE(child.ok()) << child.status().ToString();
-    const int port = std::stoi(line.substr(line.rfind(':') + 1));
+    const int port = testing::PortAfter(line);
     httplib::Client c("127.0.0.1", port);
     c.set_read_timeout(60, 0);
 

@@ -37,6 +37,7 @@
 #include "ferry/agent.h"
 #include "ferry/discovery.h"
 #include "testing/process.h"
+#include "testing/testing.h"
 
 namespace {
 
@@ -96,8 +97,7 @@ int RunAgent(int index, int agents, const std::string& store, uint64_t seed,
     auto region = (*agent)->AllocateRegion(kSlice * agents);  // slice i: written by agent i
     auto scratch = (*agent)->AllocateRegion(2 * kSlice);      // [out | back]
     if (!region.ok() || !scratch.ok()) return 1;
-    const uint16_t store_port =
-        static_cast<uint16_t>(std::stoi(store.substr(store.rfind(':') + 1)));
+    const uint16_t store_port = ferry::testing::PortAfter(store);
     const std::map<int, std::string> fds_at_start = OpenFds(store_port);
     const int fds_before = static_cast<int>(fds_at_start.size());
     fmt::print("READY {}\n", fds_before);
