@@ -1,11 +1,7 @@
 #include "bench_serve_cmd.h"
 
-#include <fcntl.h>
 #include <fmt/core.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -22,6 +18,7 @@
 #include "bench/plot.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
+#include "core/child_process.h"
 #include "core/crypto.h"
 #include "http/http.h"
 #include "model/model.h"
@@ -82,8 +79,8 @@ bench::GoodputLimits ParseGoodput(const std::vector<std::string>& items) {
     return g;
 }
 
-// A `ferry serve` child: stopped with SIGTERM (SIGKILL after 5 s) when this object goes, and
-// killed by the kernel if this process dies first.
+// A `ferry serve` or `ferry proxy` child: stopped with SIGTERM (SIGKILL after 5 s) when this
+// object goes, and by the kernel if this process dies first.
 class ServerProcess {
   public:
     static pid_t live_pid;  // for the SIGINT handler
@@ -91,64 +88,42 @@ class ServerProcess {
     ~ServerProcess() { Stop(); }
 
     bool Start(const std::vector<std::string>& args, std::string* url, std::string* error) {
-        int out[2];
-        if (pipe2(out, O_CLOEXEC) != 0) return false;
-        pid_ = fork();
-        if (pid_ == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            dup2(out[1], 1);
-            std::vector<char*> argv;
-            for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-            argv.push_back(nullptr);
-            execv(argv[0], argv.data());
-            _exit(127);
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        std::string line;
+        ChildOptions options;
+        options.die_with_parent = true;
+        auto child = ChildProcess::Start(args, "", &line, std::chrono::seconds(60), options);
+        if (!child.ok()) {
+            *error = args[1] + " did not start: " + child.status().ToString();
+            return false;
         }
-        close(out[1]);
-        live_pid = pid_;
-        std::string buf;
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-        while (std::chrono::steady_clock::now() < deadline) {
-            pollfd p{out[0], POLLIN, 0};
-            if (poll(&p, 1, 200) <= 0) continue;
-            char tmp[512];
-            ssize_t n = read(out[0], tmp, sizeof(tmp));
-            if (n <= 0) break;
-            buf.append(tmp, static_cast<size_t>(n));
-            size_t at = buf.find("listening on ");
-            if (at != std::string::npos && buf.find('\n', at) != std::string::npos) {
-                *url = buf.substr(at + 13, buf.find('\n', at) - at - 13);
-                fd_ = out[0];
+        child_ = std::move(child).value();
+        live_pid = child_.pid();
+        for (;;) {
+            const size_t at = line.find("listening on ");
+            if (at != std::string::npos) {
+                *url = line.substr(at + 13);
                 return true;
             }
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                deadline - std::chrono::steady_clock::now());
+            auto next = child_.ReadLine("", std::max(left, std::chrono::milliseconds(1)));
+            if (!next.ok()) {
+                *error = args[1] + " did not start: " + next.status().ToString();
+                Stop();
+                return false;
+            }
+            line = std::move(next).value();
         }
-        close(out[0]);
-        *error = "ferry serve did not start: " + buf;
-        return false;
     }
 
     void Stop() {
-        if (pid_ <= 0) return;
-        kill(pid_, SIGTERM);
-        for (int i = 0; i < 50; ++i) {
-            if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
-                pid_ = -1;
-                break;
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        }
-        if (pid_ > 0) {
-            kill(pid_, SIGKILL);
-            waitpid(pid_, nullptr, 0);
-        }
-        pid_ = -1;
+        child_.Terminate(std::chrono::seconds(5));
         live_pid = -1;
-        if (fd_ >= 0) close(fd_);
-        fd_ = -1;
     }
 
   private:
-    pid_t pid_ = -1;
-    int fd_ = -1;
+    ChildProcess child_;
 };
 pid_t ServerProcess::live_pid = -1;
 

@@ -8,11 +8,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,14 +26,13 @@
 #include <thread>
 #include <tuple>
 
+#include "core/child_process.h"
 #include "core/fd.h"
 #include "core/log.h"
 #include "ferry/agent.h"
 #include "transfer/backend.h"
 #include "transfer/backends/file/file_engine.h"
 #include "transfer/region_table.h"
-
-extern char** environ;
 
 namespace ferry::bench {
 
@@ -222,34 +219,10 @@ class RawSink {
 
 // --- child process ----------------------------------------------------------------------------
 
-struct Child {
-    pid_t pid = -1;
-    ScopedFd stdin_w;
-    FILE* out = nullptr;
-    ~Child() {
-        stdin_w.Reset();  // the target exits when its stdin closes
-        if (pid > 0) {
-            int status = 0;
-            for (int i = 0; i < 50; ++i) {
-                if (waitpid(pid, &status, WNOHANG) == pid) {
-                    pid = -1;
-                    break;
-                }
-                usleep(20000);
-            }
-            if (pid > 0) {
-                kill(pid, SIGKILL);
-                waitpid(pid, &status, 0);
-            }
-        }
-        if (out) fclose(out);
-    }
-};
-
-bool SpawnTarget(const TransferBenchOptions& o, const std::string& backend, Child* child,
+bool SpawnTarget(const TransferBenchOptions& o, const std::string& backend, ChildProcess* child,
                  std::string* agent_address, std::string* raw_address) {
-    std::vector<std::string> args = {"ferry",     "bench", "transfer", "--role", "target",
-                                     "--backend", backend, "--listen", o.listen};
+    std::vector<std::string> args = {"/proc/self/exe", "bench", "transfer", "--role", "target",
+                                     "--backend",      backend, "--listen", o.listen};
     std::string blocks, batches;
     for (uint64_t b : o.block_sizes) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
     for (uint64_t b : o.batches) batches += (batches.empty() ? "" : ",") + std::to_string(b);
@@ -259,35 +232,16 @@ bool SpawnTarget(const TransferBenchOptions& o, const std::string& backend, Chil
         args.insert(args.end(), {"--io-threads", std::to_string(o.io_threads)});
     }
     if (!o.secret.empty()) args.insert(args.end(), {"--secret", o.secret});
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int in[2], out[2];
-    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) return false;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    int rc = posix_spawn(&child->pid, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    child->stdin_w.Reset(in[1]);
-    child->out = fdopen(out[0], "r");
-    if (rc != 0) {
-        child->pid = -1;
-        return false;
-    }
-    char line[1024];
-    while (fgets(line, sizeof(line), child->out) != nullptr) {
-        char agent[512], raw[512];
-        if (sscanf(line, "FERRY-BENCH-TARGET agent=%511s raw=%511s", agent, raw) == 2) {
-            *agent_address = agent;
-            *raw_address = raw;
-            return true;
-        }
-    }
-    return false;
+    // The target exits when its stdin closes (the ChildProcess going).
+    std::string line;
+    auto c = ChildProcess::Start(args, "FERRY-BENCH-TARGET ", &line, std::chrono::seconds(60));
+    if (!c.ok()) return false;
+    *child = std::move(c).value();
+    char agent[512], raw[512];
+    if (sscanf(line.c_str(), "agent=%511s raw=%511s", agent, raw) != 2) return false;
+    *agent_address = agent;
+    *raw_address = raw;
+    return true;
 }
 
 AgentConfig BenchConfig(const std::string& name, const std::string& backend,
@@ -738,7 +692,7 @@ int RunInitiator(const TransferBenchOptions& o) {
             rc |= RunFileBench(o);
             continue;
         }
-        Child child;
+        ChildProcess child;
         std::string agent_addr = o.peer, raw_addr;
         RegionId remote = 1;  // the target's only region
         if (o.role == "both") {
