@@ -1,27 +1,21 @@
 #include "bench/serve_bench.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
 #include <fmt/core.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/epoll.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-#include <unordered_set>
 
 #include "core/host_port.h"
 #include "core/utf8.h"
@@ -278,25 +272,18 @@ Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
 
 namespace {
 
-// One streamed request on its own connection, driven by the event loop.
+// One streamed request. Its callbacks run on the HTTP client's I/O thread; each piece of the
+// body is timed as it arrives, before it is split into server-sent events.
 struct Conn {
-    enum class State { kConnecting, kSending, kHeaders, kBody, kDone };
-    int fd = -1;
     size_t index = 0;
-    State state = State::kConnecting;
-    std::string out;
-    size_t sent = 0;
-    std::string in;  // raw bytes not yet parsed
+    std::shared_ptr<http::ClientCall> call;
     int status = 0;
-    bool chunked = false;
-    long content_length = -1;
-    long chunk_left = -1;  // chunked: bytes left in the current chunk; -1: reading a size line
-    std::string body;      // dechunked body not yet split into events
+    std::string body;  // not yet split into events (an error answer: all of it)
     std::string error_body;
     Clock::time_point sent_at;
     Clock::time_point last_chunk;
-    Clock::time_point deadline;
     bool first = true;
+    bool done = false;
     int content_chunks = 0;
     int usage_prompt = -1, usage_completion = -1;
 };
@@ -311,11 +298,10 @@ class StreamingRun {
 
   private:
     std::string RequestBody(const BenchPrompt& p, size_t i) const;
-    Status Start(size_t i);
-    void OnReadable(Conn* c);
-    void OnWritable(Conn* c);
-    void ParseEvents(Conn* c);
-    void Finish(Conn* c, const std::string& error);
+    void Start(size_t i);
+    // Under mu_, on the I/O thread.
+    void ParseEvents(Conn* c, Clock::time_point now);
+    void Finish(Conn* c, const Status& st);
     void Progress(bool final);
 
     const ServeBenchOptions& o_;
@@ -323,17 +309,15 @@ class StreamingRun {
     std::string model_;
     std::vector<BenchPrompt> prompts_;
     std::vector<RequestRecord> records_;
-    sockaddr_storage addr_{};
-    socklen_t addr_len_ = 0;
-    int epoll_ = -1;
+    std::unique_ptr<http::Client> client_;
+    std::vector<std::unique_ptr<Conn>> conns_;
     Clock::time_point t0_;
+    std::mutex mu_;
+    std::condition_variable cv_;  // a request finished
     int active_ = 0;
     int done_ = 0;
     Clock::time_point last_progress_;
     int last_decile_ = -1;
-    std::unordered_set<Conn*> live_;
-    std::vector<std::unique_ptr<Conn>> dead_;
-    Clock::time_point last_deadline_scan_;
 };
 
 std::string StreamingRun::RequestBody(const BenchPrompt& p, size_t i) const {
@@ -367,49 +351,56 @@ std::string StreamingRun::RequestBody(const BenchPrompt& p, size_t i) const {
     return Dump(body);
 }
 
-Status StreamingRun::Start(size_t i) {
-    auto c = std::make_unique<Conn>();
+void StreamingRun::Start(size_t i) {
+    auto owned = std::make_unique<Conn>();
+    Conn* c = owned.get();
     c->index = i;
-    std::string body = RequestBody(prompts_[i], i);
-    c->out = fmt::format(
-        "POST {} HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/json\r\nAccept: "
-        "text/event-stream\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{}",
-        o_.endpoint, url_.host, url_.port, body.size(), body);
-    c->fd = socket(addr_.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (c->fd < 0) return UnavailableError(fmt::format("socket: {}", std::strerror(errno)));
-    int one = 1;
-    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    c->sent_at = Clock::now();
-    c->deadline = c->sent_at + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(o_.request_timeout));
-    records_[i].start = std::chrono::duration<double>(c->sent_at - t0_).count();
-    records_[i].prompt_tokens = prompts_[i].prompt_len;
-    int rc = connect(c->fd, reinterpret_cast<sockaddr*>(&addr_), addr_len_);
-    if (rc != 0 && errno != EINPROGRESS) {
-        std::string err =
-            fmt::format("connect {}:{}: {}", url_.host, url_.port, std::strerror(errno));
-        close(c->fd);
-        records_[i].error = err;
-        ++done_;
-        return Status::Ok();
+    http::ClientRequest req;
+    req.host = url_.host;
+    req.port = url_.port;
+    req.target = o_.endpoint;
+    req.body = RequestBody(prompts_[i], i);
+    req.headers.push_back({"Accept", "text/event-stream"});
+    req.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::duration<double>(o_.request_timeout));
+    http::ClientCallbacks cb;
+    cb.on_head = [this, c](const http::ClientHead& h) {
+        std::lock_guard lock(mu_);
+        c->status = h.status;
+    };
+    cb.on_data = [this, c](std::string_view d) {
+        const Clock::time_point now = Clock::now();
+        std::lock_guard lock(mu_);
+        c->body.append(d);
+        if (c->status == 200) ParseEvents(c, now);
+    };
+    cb.on_done = [this, c](const Status& st) {
+        std::lock_guard lock(mu_);
+        Finish(c, st);
+    };
+    {
+        std::lock_guard lock(mu_);
+        c->sent_at = Clock::now();
+        records_[i].start = std::chrono::duration<double>(c->sent_at - t0_).count();
+        records_[i].prompt_tokens = prompts_[i].prompt_len;
+        ++active_;
+        conns_.push_back(std::move(owned));
     }
-    epoll_event ev{};
-    ev.events = EPOLLOUT | EPOLLIN | EPOLLRDHUP;
-    Conn* raw = c.release();
-    live_.insert(raw);
-    ev.data.ptr = raw;
-    epoll_ctl(epoll_, EPOLL_CTL_ADD, raw->fd, &ev);
-    ++active_;
-    return Status::Ok();
+    auto call = client_->Call(std::move(req), std::move(cb));
+    std::lock_guard lock(mu_);
+    c->call = std::move(call);
 }
 
-void StreamingRun::Finish(Conn* c, const std::string& error) {
-    if (c->state == Conn::State::kDone) return;
-    c->state = Conn::State::kDone;
+void StreamingRun::Finish(Conn* c, const Status& st) {
+    if (c->done) return;
+    c->done = true;
     RequestRecord& r = records_[c->index];
     Clock::time_point now = Clock::now();
     r.latency = std::chrono::duration<double>(now - c->sent_at).count();
-    if (error.empty() && c->status == 200) {
+    if (st.ok() && c->status == 200) {
+        ParseEvents(c, now);  // an answer that ended without a blank line
+    }
+    if (st.ok() && c->status == 200 && c->error_body.empty()) {
         // A complete stream. One whose tokens carried no text at all (control tokens, bytes of
         // an unfinished character) still succeeded; its first token counts as arriving at the
         // end.
@@ -419,51 +410,37 @@ void StreamingRun::Finish(Conn* c, const std::string& error) {
         if (c->content_chunks == 0) r.ttft = r.latency;
     } else {
         r.success = false;
-        r.error = !error.empty() ? error : fmt::format("HTTP {}", c->status);
+        if (st.code() == Code::kDeadlineExceeded) {
+            r.error = fmt::format("no complete answer within {:g} s (--request-timeout)",
+                                  o_.request_timeout);
+        } else if (!st.ok()) {
+            r.error = st.message();
+        } else if (c->status != 200) {
+            Json j = Json::parse(c->body, nullptr, false);
+            std::string msg = c->body;
+            if (j.is_object() && j.contains("error") && j["error"].is_object() &&
+                j["error"].contains("message")) {
+                msg = Dump(j["error"]["message"]);
+            }
+            r.error = fmt::format("HTTP {}: {}", c->status, msg);
+        } else {
+            r.error = c->error_body;  // an error event in the stream
+        }
     }
-    epoll_ctl(epoll_, EPOLL_CTL_DEL, c->fd, nullptr);
-    close(c->fd);
-    live_.erase(c);
+    c->body.clear();
     --active_;
     ++done_;
-    dead_.emplace_back(c);  // freed after the current batch of events
+    cv_.notify_all();
 }
 
-void StreamingRun::OnWritable(Conn* c) {
-    if (c->state == Conn::State::kConnecting) {
-        int err = 0;
-        socklen_t len = sizeof(err);
-        getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err != 0) {
-            return Finish(
-                c, fmt::format("connect {}:{}: {}", url_.host, url_.port, std::strerror(err)));
-        }
-        c->state = Conn::State::kSending;
-    }
-    if (c->state != Conn::State::kSending) return;
-    while (c->sent < c->out.size()) {
-        ssize_t n = send(c->fd, c->out.data() + c->sent, c->out.size() - c->sent, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EAGAIN) return;
-            return Finish(c, fmt::format("send: {}", std::strerror(errno)));
-        }
-        c->sent += static_cast<size_t>(n);
-    }
-    c->state = Conn::State::kHeaders;
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.ptr = c;
-    epoll_ctl(epoll_, EPOLL_CTL_MOD, c->fd, &ev);
-}
-
-void StreamingRun::ParseEvents(Conn* c) {
+void StreamingRun::ParseEvents(Conn* c, Clock::time_point now) {
     RequestRecord& r = records_[c->index];
     size_t pos;
     while ((pos = c->body.find("\n\n")) != std::string::npos) {
         std::string event = c->body.substr(0, pos);
         c->body.erase(0, pos + 2);
         if (event.compare(0, 5, "data:") != 0) continue;  // comments, other fields
-        std::string data = event.substr(event[5] == ' ' ? 6 : 5);
+        std::string data = event.substr(event.size() > 5 && event[5] == ' ' ? 6 : 5);
         if (data == "[DONE]") continue;
         Json j = Json::parse(data, nullptr, false);
         if (!j.is_object()) continue;
@@ -491,7 +468,6 @@ void StreamingRun::ParseEvents(Conn* c) {
             text = ch["delta"]["content"].get<std::string>();
         }
         if (text.empty()) continue;
-        Clock::time_point now = Clock::now();
         if (c->first) {
             r.ttft = std::chrono::duration<double>(now - c->sent_at).count();
             c->first = false;
@@ -501,98 +477,6 @@ void StreamingRun::ParseEvents(Conn* c) {
         r.chunk_times.push_back(std::chrono::duration<double>(now - t0_).count());
         c->last_chunk = now;
         ++c->content_chunks;
-    }
-}
-
-void StreamingRun::OnReadable(Conn* c) {
-    char buf[65536];
-    for (;;) {
-        ssize_t n = recv(c->fd, buf, sizeof(buf), 0);
-        if (n < 0) {
-            if (errno == EAGAIN) break;
-            return Finish(c, fmt::format("recv: {}", std::strerror(errno)));
-        }
-        if (n == 0) {  // the server closed: the end of a Connection: close response
-            if (c->state == Conn::State::kBody && !c->chunked && c->content_length < 0) {
-                c->body += c->in;
-                c->in.clear();
-                ParseEvents(c);
-            }
-            if (c->status != 200 && c->status != 0) {
-                return Finish(c, fmt::format("HTTP {}: {}", c->status,
-                                             c->error_body.empty() ? c->body : c->error_body));
-            }
-            if (c->status == 0) {
-                return Finish(c, "the server closed the connection without an answer");
-            }
-            if (c->chunked ||
-                (c->content_length >= 0 && static_cast<long>(c->body.size()) < c->content_length)) {
-                return Finish(c, "the server closed the connection in the middle of the answer");
-            }
-            return Finish(c, c->error_body);
-        }
-        c->in.append(buf, static_cast<size_t>(n));
-        if (c->state == Conn::State::kConnecting || c->state == Conn::State::kSending) continue;
-        if (c->state == Conn::State::kHeaders) {
-            size_t end = c->in.find("\r\n\r\n");
-            if (end == std::string::npos) {
-                if (c->in.size() > 65536) return Finish(c, "response headers over 64 KiB");
-                continue;
-            }
-            std::string head = c->in.substr(0, end);
-            c->in.erase(0, end + 4);
-            if (head.compare(0, 5, "HTTP/") != 0 || head.size() < 12) {
-                return Finish(c, "not an HTTP response");
-            }
-            c->status = std::atoi(head.c_str() + 9);
-            std::string lower = head;
-            std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-            c->chunked = lower.find("transfer-encoding: chunked") != std::string::npos;
-            size_t cl = lower.find("content-length:");
-            if (cl != std::string::npos) c->content_length = std::atol(lower.c_str() + cl + 15);
-            c->state = Conn::State::kBody;
-        }
-        // Body bytes: dechunk into c->body.
-        if (c->chunked) {
-            for (;;) {
-                if (c->chunk_left < 0) {
-                    size_t eol = c->in.find("\r\n");
-                    if (eol == std::string::npos) break;
-                    c->chunk_left = std::strtol(c->in.c_str(), nullptr, 16);
-                    c->in.erase(0, eol + 2);
-                    if (c->chunk_left == 0) {
-                        ParseEvents(c);
-                        if (c->status != 200) {
-                            return Finish(c, fmt::format("HTTP {}: {}", c->status, c->body));
-                        }
-                        return Finish(c, c->error_body);
-                    }
-                }
-                if (c->in.size() < static_cast<size_t>(c->chunk_left) + 2) break;
-                c->body.append(c->in, 0, static_cast<size_t>(c->chunk_left));
-                c->in.erase(0, static_cast<size_t>(c->chunk_left) + 2);
-                c->chunk_left = -1;
-            }
-        } else {
-            c->body += c->in;
-            c->in.clear();
-        }
-        if (c->status == 200) {
-            ParseEvents(c);
-        } else if (c->content_length >= 0 &&
-                   static_cast<long>(c->body.size()) >= c->content_length) {
-            Json j = Json::parse(c->body, nullptr, false);
-            std::string msg = c->body;
-            if (j.is_object() && j.contains("error") && j["error"].is_object() &&
-                j["error"].contains("message")) {
-                msg = Dump(j["error"]["message"]);
-            }
-            return Finish(c, fmt::format("HTTP {}: {}", c->status, msg));
-        }
-        if (c->status == 200 && c->content_length >= 0 &&
-            static_cast<long>(c->body.size()) >= c->content_length) {
-            return Finish(c, c->error_body);
-        }
     }
 }
 
@@ -618,66 +502,50 @@ void StreamingRun::Progress(bool final) {
 }
 
 Result<std::vector<RequestRecord>> StreamingRun::Run(double* duration) {
-    addrinfo hints{}, *res = nullptr;
-    hints.ai_socktype = SOCK_STREAM;
-    int gai = getaddrinfo(url_.host.c_str(), std::to_string(url_.port).c_str(), &hints, &res);
-    if (gai != 0 || !res) {
-        return UnavailableError(fmt::format("resolve {}: {}", url_.host, gai_strerror(gai)));
-    }
-    std::memcpy(&addr_, res->ai_addr, res->ai_addrlen);
-    addr_len_ = res->ai_addrlen;
-    freeaddrinfo(res);
     // A thousand streams need a thousand descriptors.
     rlimit lim{};
     if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
         lim.rlim_cur = lim.rlim_max;
         setrlimit(RLIMIT_NOFILE, &lim);
     }
-    epoll_ = epoll_create1(EPOLL_CLOEXEC);
-    if (epoll_ < 0) return InternalError("epoll_create1 failed");
+    client_ = http::Client::Create(1);
     const size_t n = prompts_.size();
     records_.assign(n, RequestRecord{});
+    conns_.reserve(n);
     std::vector<double> arrivals =
         ArrivalTimes(static_cast<int>(n), o_.request_rate, o_.burstiness, o_.seed);
     t0_ = Clock::now();
     size_t next = 0;
-    std::vector<epoll_event> events(256);
-    while (done_ < static_cast<int>(n)) {
-        double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
-        while (next < n && arrivals[next] <= elapsed &&
-               (o_.max_concurrency <= 0 || active_ < o_.max_concurrency)) {
-            FERRY_RETURN_IF_ERROR(Start(next++));
+    for (;;) {
+        {
+            std::unique_lock lock(mu_);
+            if (done_ >= static_cast<int>(n)) break;
         }
-        int timeout_ms = 100;
+        const double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
+        for (;;) {
+            {
+                std::lock_guard lock(mu_);
+                if (next >= n || arrivals[next] > elapsed ||
+                    (o_.max_concurrency > 0 && active_ >= o_.max_concurrency)) {
+                    break;
+                }
+            }
+            Start(next++);
+        }
+        std::unique_lock lock(mu_);
+        auto wait = std::chrono::milliseconds(100);
         if (next < n && (o_.max_concurrency <= 0 || active_ < o_.max_concurrency)) {
-            timeout_ms = std::clamp(static_cast<int>((arrivals[next] - elapsed) * 1000), 0, 100);
+            wait = std::chrono::milliseconds(
+                std::clamp(static_cast<int>((arrivals[next] - elapsed) * 1000), 0, 100));
         }
-        int k = epoll_wait(epoll_, events.data(), static_cast<int>(events.size()), timeout_ms);
-        for (int e = 0; e < k; ++e) {
-            auto* c = static_cast<Conn*>(events[e].data.ptr);
-            if (events[e].events & EPOLLOUT) OnWritable(c);
-            if (c->state == Conn::State::kDone) continue;
-            if (events[e].events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) OnReadable(c);
-        }
-        dead_.clear();
+        const int done_before = done_;
+        cv_.wait_for(lock, wait, [&] { return done_ != done_before; });
         Progress(false);
-        Clock::time_point now = Clock::now();
-        if (now - last_deadline_scan_ > std::chrono::milliseconds(100)) {
-            last_deadline_scan_ = now;
-            std::vector<Conn*> late;
-            for (Conn* c : live_) {
-                if (now > c->deadline) late.push_back(c);
-            }
-            for (Conn* c : late) {
-                Finish(c, fmt::format("no complete answer within {:g} s (--request-timeout)",
-                                      o_.request_timeout));
-            }
-        }
     }
-    dead_.clear();
+    client_.reset();  // every call has ended; its threads go
     *duration = std::chrono::duration<double>(Clock::now() - t0_).count();
+    std::lock_guard lock(mu_);
     Progress(true);
-    close(epoll_);
     return std::move(records_);
 }
 
