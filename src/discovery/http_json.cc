@@ -1,18 +1,10 @@
 #include "discovery/http_json.h"
 
-#include <netdb.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <charconv>
-#include <cstring>
 #include <thread>
 
 #include "core/crypto.h"
-#include "core/fd.h"
 #include "http/http.h"
 
 namespace ferry::discovery {
@@ -259,99 +251,19 @@ Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std:
                          std::chrono::milliseconds read_timeout,
                          const std::function<bool(std::string_view)>& on_data,
                          const std::string& authorization) {
-    const std::string where = ep.host + ":" + std::to_string(ep.port) + path;
-    addrinfo hints{};
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    if (getaddrinfo(ep.host.c_str(), std::to_string(ep.port).c_str(), &hints, &res) != 0 || !res) {
-        return UnavailableError(where + ": cannot resolve " + ep.host);
-    }
-    ScopedFd fd(socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    int rc = fd.valid() ? connect(fd.get(), res->ai_addr, res->ai_addrlen) : -1;
-    freeaddrinfo(res);
-    if (rc != 0 && errno != EINPROGRESS) {
-        return UnavailableError(where + ": connect: " + std::strerror(errno));
-    }
-    auto wait = [&](short events, std::chrono::milliseconds t) {
-        pollfd p{fd.get(), events, 0};
-        int n = poll(&p, 1, static_cast<int>(t.count()));
-        return n > 0 ? p.revents : 0;
-    };
-    if (rc != 0) {
-        if (!(wait(POLLOUT, connect_timeout) & POLLOUT)) {
-            return UnavailableError(where + ": connect timed out");
-        }
-        int err = 0;
-        socklen_t len = sizeof(err);
-        getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err != 0) return UnavailableError(where + ": connect: " + std::strerror(err));
-    }
-    std::string req =
-        "POST " + path + " HTTP/1.0\r\nHost: " + ep.host +
-        "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-        "\r\n" + (authorization.empty() ? "" : "Authorization: " + authorization + "\r\n") +
-        "\r\n" + body;
-    for (size_t sent = 0; sent < req.size();) {
-        ssize_t n = send(fd.get(), req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
-        if (n > 0) {
-            sent += static_cast<size_t>(n);
-        } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-            if (!(wait(POLLOUT, read_timeout) & POLLOUT)) {
-                return UnavailableError(where + ": send timed out");
-            }
-        } else {
-            return UnavailableError(where + ": send: " + std::strerror(errno));
-        }
-    }
+    http::ClientRequest req;
+    req.method = "POST";
+    req.host = ep.host;
+    req.port = ep.port;
+    req.target = path;
+    req.body = body;
+    if (!authorization.empty()) req.headers.push_back({"Authorization", authorization});
+    FERRY_ASSIGN_OR_RETURN(
+        http::ClientReply r,
+        http::FetchStreaming(req, connect_timeout + read_timeout, read_timeout, on_data));
     RawReply reply;
-    std::string head;
-    bool have_head = false;
-    char buf[16384];
-    for (;;) {
-        short ev = wait(POLLIN, read_timeout);
-        if (!(ev & (POLLIN | POLLHUP | POLLERR))) {
-            if (have_head) return reply;  // silence after the headers: the poll's end
-            return UnavailableError(where + ": no answer within " +
-                                    std::to_string(read_timeout.count()) + " ms");
-        }
-        ssize_t n = recv(fd.get(), buf, sizeof(buf), 0);
-        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-        if (n < 0) return UnavailableError(where + ": recv: " + std::strerror(errno));
-        if (n == 0) break;
-        std::string_view data(buf, static_cast<size_t>(n));
-        if (!have_head) {
-            head.append(data);
-            if (head.size() > (64u << 10)) return UnavailableError(where + ": oversized headers");
-            size_t end = head.find("\r\n\r\n");
-            if (end == std::string::npos) continue;
-            have_head = true;
-            // "HTTP/1.x NNN reason"
-            if (head.size() < 12 || head.compare(0, 5, "HTTP/") != 0) {
-                return UnavailableError(where + ": not an HTTP reply");
-            }
-            size_t sp = head.find(' ');
-            reply.status = std::atoi(head.c_str() + sp + 1);
-            std::string rest = head.substr(end + 4);
-            head.clear();
-            data = {};
-            if (!rest.empty()) {
-                if (on_data) {
-                    if (!on_data(rest)) return reply;
-                } else {
-                    reply.body.append(rest);
-                }
-            }
-            continue;
-        }
-        if (on_data) {
-            if (!on_data(data)) return reply;
-        } else {
-            reply.body.append(data);
-            if (reply.body.size() > (64u << 20))
-                return UnavailableError(where + ": oversized reply");
-        }
-    }
-    if (!have_head) return UnavailableError(where + ": connection closed before a reply");
+    reply.status = r.status;
+    reply.body = std::move(r.body);
     return reply;
 }
 

@@ -4,6 +4,8 @@
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <condition_variable>
+#include <deque>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -233,6 +235,90 @@ Result<ClientReply> Fetch(const ClientRequest& request) {
     return DeadlineExceededError(fmt::format("http {}:{}{}: no answer within {} ms", request.host,
                                              request.port, request.target,
                                              request.timeout.count()));
+}
+
+Result<ClientReply> FetchStreaming(const ClientRequest& request,
+                                   std::chrono::milliseconds head_timeout,
+                                   std::chrono::milliseconds idle,
+                                   const std::function<bool(std::string_view)>& on_data) {
+    static Client* shared = Client::Create(1).release();
+    struct State {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool head = false;
+        bool done = false;
+        Status status;
+        ClientReply reply;
+        std::deque<std::string> pieces;
+    };
+    auto st = std::make_shared<State>();
+    ClientRequest req = request;
+    req.timeout = std::chrono::milliseconds(0);  // bounded here instead
+    ClientCallbacks cb;
+    cb.on_head = [st](const ClientHead& h) {
+        std::lock_guard lock(st->mu);
+        st->head = true;
+        st->reply.status = h.status;
+        st->reply.headers = h.headers;
+        st->cv.notify_all();
+    };
+    cb.on_data = [st](std::string_view d) {
+        std::lock_guard lock(st->mu);
+        st->pieces.emplace_back(d);
+        st->cv.notify_all();
+    };
+    cb.on_done = [st](const Status& s) {
+        std::lock_guard lock(st->mu);
+        st->done = true;
+        st->status = s;
+        st->cv.notify_all();
+    };
+    auto call = shared->Call(std::move(req), std::move(cb));
+    const std::string where = fmt::format("{}:{}{}", request.host, request.port, request.target);
+    std::unique_lock lock(st->mu);
+    if (!st->cv.wait_for(lock, head_timeout, [&] { return st->head || st->done; })) {
+        lock.unlock();
+        call->Cancel();
+        return UnavailableError(
+            fmt::format("{}: no answer within {} ms", where, head_timeout.count()));
+    }
+    for (;;) {
+        while (!st->pieces.empty()) {
+            std::string piece = std::move(st->pieces.front());
+            st->pieces.pop_front();
+            if (!on_data) {
+                st->reply.body += piece;
+                if (st->reply.body.size() > (64u << 20)) {
+                    lock.unlock();
+                    call->Cancel();
+                    return UnavailableError(where + ": oversized reply");
+                }
+                continue;
+            }
+            lock.unlock();
+            const bool more = on_data(piece);
+            lock.lock();
+            if (!more) {
+                ClientReply r = std::move(st->reply);
+                lock.unlock();
+                call->Cancel();
+                return r;
+            }
+        }
+        if (st->done) {
+            if (!st->status.ok() && !st->head) {
+                return UnavailableError(fmt::format("{}: {}", where, st->status.message()));
+            }
+            // A stream cut after the head ends like a closed one: the caller has what came.
+            return std::move(st->reply);
+        }
+        if (!st->cv.wait_for(lock, idle, [&] { return !st->pieces.empty() || st->done; })) {
+            ClientReply r = std::move(st->reply);  // silence: the long poll's end
+            lock.unlock();
+            call->Cancel();
+            return r;
+        }
+    }
 }
 
 namespace {

@@ -212,6 +212,15 @@ struct ClientReply {
     std::string body;
 };
 Result<ClientReply> Fetch(const ClientRequest& request);
+// A blocking call whose body goes to `on_data` on the caller's thread as it arrives (the
+// reply's body stays empty then; without on_data it collects up to 64 MiB). `on_data` returning
+// false ends the call early with what came. The head must come within `head_timeout`
+// (Unavailable otherwise); after it, `idle` bounds the silence between pieces, and hitting it
+// ends the call normally (a long poll with no news). request.timeout is not used.
+Result<ClientReply> FetchStreaming(const ClientRequest& request,
+                                   std::chrono::milliseconds head_timeout,
+                                   std::chrono::milliseconds idle,
+                                   const std::function<bool(std::string_view)>& on_data);
 
 // "host:port" or "http://host:port[/...]" -> host and port.
 struct Endpoint {

@@ -195,6 +195,47 @@ TEST_F(HttpTest, AStreamArrivesPieceByPiece) {
     EXPECT_GE(pieces.size(), 3u);
 }
 
+// The blocking streaming call (the etcd watch's): pieces on the caller's thread, an early stop,
+// and no head at all as an error. (Its long-poll end on silence runs in the etcd store
+// conformance tests.)
+TEST_F(HttpTest, FetchStreamingHandsOverPiecesAndStopsEarly) {
+    StartServer();
+    std::string all;
+    auto r = FetchStreaming(Get(server_->port(), "/stream"), std::chrono::seconds(5),
+                            std::chrono::seconds(5), [&](std::string_view d) {
+                                all += d;
+                                return true;
+                            });
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(all, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
+    EXPECT_TRUE(r->body.empty());
+    // Without on_data the body is collected.
+    auto whole = FetchStreaming(Get(server_->port(), "/stream"), std::chrono::seconds(5),
+                                std::chrono::seconds(5), nullptr);
+    ASSERT_TRUE(whole.ok());
+    EXPECT_EQ(whole->body, all);
+    // Stopping after the first piece returns at once.
+    int pieces = 0;
+    auto stopped = FetchStreaming(Get(server_->port(), "/stream"), std::chrono::seconds(5),
+                                  std::chrono::seconds(5), [&](std::string_view) {
+                                      ++pieces;
+                                      return false;
+                                  });
+    ASSERT_TRUE(stopped.ok());
+    EXPECT_EQ(pieces, 1);
+    // A head that never comes: Unavailable, naming the wait.
+    auto none = FetchStreaming(Get(server_->port(), "/hang"), std::chrono::milliseconds(200),
+                               std::chrono::seconds(5), nullptr);
+    EXPECT_THAT(none, StatusIs(Code::kUnavailable));
+    EXPECT_NE(none.status().message().find("no answer within 200 ms"), std::string::npos)
+        << none.status().ToString();
+    // Nothing listening: Unavailable too.
+    auto gone =
+        FetchStreaming(Get(1, "/x"), std::chrono::seconds(5), std::chrono::seconds(5), nullptr);
+    EXPECT_THAT(gone, StatusIs(Code::kUnavailable));
+}
+
 TEST_F(HttpTest, AClientThatLeavesMidRequestIsNoticedAtOnce) {
     StartServer();
     {
