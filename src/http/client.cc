@@ -323,10 +323,7 @@ Result<ClientReply> FetchStreaming(const ClientRequest& request,
 
 namespace {
 
-Result<Endpoint> ToEndpoint(Result<HostPort> hp) {
-    if (!hp.ok()) return hp.status();
-    return Endpoint{std::move(hp->host), hp->port};
-}
+Result<Endpoint> ToEndpoint(Result<HostPort> hp) { return hp; }
 
 }  // namespace
 

@@ -25,6 +25,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/host_port.h"
 #include "ferry/status.h"
 
 namespace ferry::http {
@@ -222,11 +223,8 @@ Result<ClientReply> FetchStreaming(const ClientRequest& request,
                                    std::chrono::milliseconds idle,
                                    const std::function<bool(std::string_view)>& on_data);
 
-// "host:port" or "http://host:port[/...]" -> host and port.
-struct Endpoint {
-    std::string host;
-    int port = 0;
-};
+// "host:port" or "http://host:port[/...]" -> host and port (core/host_port.h's type and parser).
+using Endpoint = ::ferry::HostPort;
 Result<Endpoint> ParseEndpoint(std::string_view url);
 // "host:port" to listen on: port 0..65535 (0: any free port). InvalidArgument naming the text.
 Result<Endpoint> ParseListenAddress(std::string_view address);

@@ -22,7 +22,7 @@ namespace {
 
 using Json = nlohmann::json;
 
-http::Endpoint Ep(int port) { return {"127.0.0.1", port}; }
+http::Endpoint Ep(int port) { return {"127.0.0.1", static_cast<uint16_t>(port)}; }
 
 TEST(Router, RoundRobinTakesEachRolesWorkersInTurn) {
     Router r;
