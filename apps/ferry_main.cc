@@ -111,6 +111,11 @@ int main(int argc, char** argv) {
                          "file backend: the file to read and write (default: "
                          "ferry-bench-file.bin here; created and filled)");
     std::string file_size = "1GiB";
+    std::string working_set;
+    transfer->add_option("--working-set", working_set,
+                         "bytes the transfers walk through, batch after batch, on both sides and "
+                         "in the memcpy reference (default: one batch, the same bytes each time; "
+                         "above the last-level cache: from memory, as a KV load reads)");
     transfer->add_option("--file-size", file_size, "file backend: size of the file (default 1GiB)");
     transfer->add_flag("--direct", o.direct,
                        "file backend: O_DIRECT for ferry and the reference (default: buffered, "
@@ -159,6 +164,11 @@ int main(int argc, char** argv) {
         std::vector<uint64_t> fs = ParseSizeList("--file-size", file_size);
         if (fs.size() != 1) throw CLI::ValidationError("--file-size", "one size");
         o.file_size = fs[0];
+        if (!working_set.empty()) {
+            std::vector<uint64_t> ws = ParseSizeList("--working-set", working_set);
+            if (ws.size() != 1) throw CLI::ValidationError("--working-set", "one size");
+            o.working_set = ws[0];
+        }
         std::vector<uint64_t> b = ParseSizeList("--batch", batches);
         o.batches = b;
         if (o.role == "initiator" && o.peer.empty()) {

@@ -43,7 +43,12 @@ using Seconds = std::chrono::duration<double>;
 uint64_t RegionBytes(const TransferBenchOptions& o) {
     uint64_t max_block = *std::max_element(o.block_sizes.begin(), o.block_sizes.end());
     uint64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
-    return max_block * max_batch;
+    return std::max(max_block * max_batch, o.working_set);
+}
+
+// How many batches of `bytes` the working set holds (batch n uses slot n % slots).
+uint64_t Slots(const TransferBenchOptions& o, uint64_t bytes) {
+    return std::max<uint64_t>(1, o.working_set / std::max<uint64_t>(1, bytes));
 }
 
 double Percentile(std::vector<double> v, double p) {
@@ -66,8 +71,9 @@ double Median(std::vector<double> v) {
 // memcpy between two pre-faulted buffers, the same bytes per iteration as one batch.
 // The buffers are fresh pre-populated mappings, like agent regions: heap memory reused after an
 // earlier free copies 2-3x slower here, which would make every later row's reference unfair.
-double MemcpyReferenceGbps(uint64_t block, uint64_t batch, double duration) {
+double MemcpyReferenceGbps(uint64_t block, uint64_t batch, double duration, uint64_t slots) {
     uint64_t bytes = block * batch;
+    const uint64_t span = bytes * slots;
     struct Buffer {
         explicit Buffer(size_t n) : size(n) {
             void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE,
@@ -80,16 +86,18 @@ double MemcpyReferenceGbps(uint64_t block, uint64_t batch, double duration) {
         uint8_t* data;
         size_t size;
     };
-    Buffer src(bytes), dst(bytes);
+    Buffer src(span), dst(span);
     if (src.data == nullptr || dst.data == nullptr) return 0;
-    std::memset(src.data, 1, bytes);
-    std::memset(dst.data, 0, bytes);
+    std::memset(src.data, 1, span);
+    std::memset(dst.data, 0, span);
     uint64_t moved = 0;
+    uint64_t n = 0;
     auto t0 = std::chrono::steady_clock::now();
     auto end = t0 + Seconds(duration);
     do {
+        const uint64_t base = (n++ % slots) * bytes;
         for (uint64_t i = 0; i < batch; ++i) {
-            std::memcpy(dst.data + i * block, src.data + i * block, block);
+            std::memcpy(dst.data + base + i * block, src.data + base + i * block, block);
         }
         moved += bytes;
     } while (std::chrono::steady_clock::now() < end);
@@ -232,6 +240,9 @@ bool SpawnTarget(const TransferBenchOptions& o, const std::string& backend, Chil
         args.insert(args.end(), {"--io-threads", std::to_string(o.io_threads)});
     }
     if (!o.secret.empty()) args.insert(args.end(), {"--secret", o.secret});
+    if (o.working_set > 0) {
+        args.insert(args.end(), {"--working-set", std::to_string(o.working_set)});
+    }
     // The target exits when its stdin closes (the ChildProcess going).
     std::string line;
     auto c = ChildProcess::Start(args, "FERRY-BENCH-TARGET ", &line, std::chrono::seconds(60));
@@ -325,12 +336,17 @@ Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remot
     row.batch = batch;
     row.inflight = std::max(1, o.inflight);
     std::vector<Descriptor> ldesc, rdesc;
-    for (uint64_t i = 0; i < batch; ++i) {
-        ldesc.push_back({local, i * block, block});
-        rdesc.push_back({remote, i * block, block});
-    }
+    const uint64_t slots = Slots(o, block * batch);
+    uint64_t posted = 0;
     bool read = op == "read";
     auto post = [&]() {
+        const uint64_t base = (posted++ % slots) * block * batch;
+        ldesc.clear();
+        rdesc.clear();
+        for (uint64_t i = 0; i < batch; ++i) {
+            ldesc.push_back({local, base + i * block, block});
+            rdesc.push_back({remote, base + i * block, block});
+        }
         return read ? agent.PostRead(ldesc, peer, rdesc) : agent.PostWrite(ldesc, peer, rdesc);
     };
     uint64_t batches_done = 0;
@@ -373,7 +389,9 @@ Row RunRow(Agent& agent, const std::string& peer, RegionId local, RegionId remot
 // The reference for a network row, measured right after a round of it.
 double NetworkReferenceGbps(const std::string& backend, const std::string& raw_addr, uint64_t block,
                             uint64_t batch, const TransferBenchOptions& o) {
-    if (backend == "shm") return MemcpyReferenceGbps(block, batch, o.duration / 2);
+    if (backend == "shm") {
+        return MemcpyReferenceGbps(block, batch, o.duration / 2, Slots(o, block * batch));
+    }
     if (backend == "ucx") {
         return UcxPerftestReferenceGbps(block, o.duration / 2, !o.ucx_reference_no_eh);
     }

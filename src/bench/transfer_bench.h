@@ -38,6 +38,10 @@ struct TransferBenchOptions {
     std::string file_io = "io_uring";  // AgentConfig.file_io
     unsigned queue_depth = 64;         // AgentConfig.file_queue_depth
     int repeat = 3;                    // alternating ferry / reference rounds per row
+    // Memory the transfers of a row walk through, batch after batch, on both sides (0: one
+    // batch, the same bytes every time). Larger than the last-level cache, each batch and each
+    // reference copy moves bytes from memory rather than from the cache, as a KV load does.
+    uint64_t working_set = 0;
 };
 
 // Returns a process exit code.
