@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,6 +62,37 @@ class JsonFields {
     }
 
     bool Has(std::string_view key) const { return j_->is_object() && j_->contains(key); }
+
+    // Optional fields, as OpenAI clients and vLLM's proxies send them: absent and null are both
+    // "not given" (nullopt); a value of the wrong type or out of range is an error in this
+    // class's words. A reader whose clients already match other words (an OpenAI request's,
+    // kv_transfer_params') reads through these and words a failure its own way.
+    const Json* Given(std::string_view key) const {
+        if (!j_->is_object()) return nullptr;
+        auto it = j_->find(key);
+        return it == j_->end() || it->is_null() ? nullptr : &*it;
+    }
+    Result<std::optional<std::string>> OptString(std::string_view key,
+                                                 size_t max_len = 4096) const {
+        if (!Given(key)) return std::optional<std::string>();
+        FERRY_ASSIGN_OR_RETURN(std::string v, String(key, max_len));
+        return std::optional<std::string>(std::move(v));
+    }
+    Result<std::optional<int64_t>> OptInt(std::string_view key, int64_t lo, int64_t hi) const {
+        if (!Given(key)) return std::optional<int64_t>();
+        FERRY_ASSIGN_OR_RETURN(int64_t v, Int(key, lo, hi));
+        return std::optional<int64_t>(v);
+    }
+    Result<std::optional<bool>> OptBool(std::string_view key) const {
+        if (!Given(key)) return std::optional<bool>();
+        FERRY_ASSIGN_OR_RETURN(bool v, Bool(key));
+        return std::optional<bool>(v);
+    }
+    Result<std::optional<double>> OptNumber(std::string_view key) const {
+        if (!Given(key)) return std::optional<double>();
+        FERRY_ASSIGN_OR_RETURN(double v, Number(key));
+        return std::optional<double>(v);
+    }
 
     Result<std::string> String(std::string_view key, size_t max_len = 4096) const {
         FERRY_ASSIGN_OR_RETURN(const Json* v, Get(key, Json::value_t::string, "a string"));

@@ -59,37 +59,28 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(const Json& v,
     }
     auto p = std::make_shared<KvTransferParams>();
     Status error;
+    // Typed reads through JsonFields; the errors keep the wording clients already match.
+    const JsonFields f(v, kParam);
     auto bad = [&](const char* key, const char* want) {
         if (error.ok()) {
             error = InvalidArgumentError(fmt::format("'{}.{}' must be {}", kParam, key, want));
         }
     };
-    auto get = [&](const char* key) -> const Json* {
-        auto it = v.find(key);
-        return it == v.end() || it->is_null() ? nullptr : &*it;
-    };
+    auto get = [&](const char* key) { return f.Given(key); };
     auto boolean = [&](const char* key, bool* dst) {
-        if (const Json* x = get(key)) {
-            if (!x->is_boolean()) return bad(key, "a boolean");
-            *dst = x->get<bool>();
-        }
+        auto x = f.OptBool(key);
+        if (!x.ok()) return bad(key, "a boolean");
+        if (*x) *dst = **x;
     };
     auto string = [&](const char* key, std::string* dst) {
-        if (const Json* x = get(key)) {
-            if (!x->is_string() || x->get_ref<const std::string&>().size() > 1024) {
-                return bad(key, "a string of at most 1024 bytes");
-            }
-            *dst = x->get<std::string>();
-        }
+        auto x = f.OptString(key, 1024);
+        if (!x.ok()) return bad(key, "a string of at most 1024 bytes");
+        if (*x) *dst = std::move(**x);
     };
     auto integer = [&](const char* key, int* dst, int64_t lo, int64_t hi) {
-        if (const Json* x = get(key)) {
-            if (!x->is_number_integer() || JsonFields::ClampedInt(*x) < lo ||
-                JsonFields::ClampedInt(*x) > hi) {
-                return bad(key, "an integer in range");
-            }
-            *dst = static_cast<int>(JsonFields::ClampedInt(*x));
-        }
+        auto x = f.OptInt(key, lo, hi);
+        if (!x.ok()) return bad(key, "an integer in range");
+        if (*x) *dst = static_cast<int>(**x);
     };
     boolean("do_remote_decode", &p->do_remote_decode);
     boolean("do_remote_prefill", &p->do_remote_prefill);
@@ -111,18 +102,12 @@ Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(const Json& v,
             bad("transfer_mode", "\"pull\" or \"push\"");
         }
     }
-    if (const Json* b = get("remote_block_ids")) {
-        if (!b->is_array() || b->size() > (1u << 24)) {
-            bad("remote_block_ids", "an array");
+    if (get("remote_block_ids")) {
+        auto ids = f.IntArray<BlockId>("remote_block_ids", 0, INT32_MAX, 1u << 24);
+        if (ids.ok()) {
+            p->remote_block_ids = std::move(*ids);
         } else {
-            for (const Json& id : *b) {
-                if (!id.is_number_integer() || JsonFields::ClampedInt(id) < 0 ||
-                    JsonFields::ClampedInt(id) > INT32_MAX) {
-                    bad("remote_block_ids", "an array of block ids");
-                    break;
-                }
-                p->remote_block_ids.push_back(static_cast<BlockId>(JsonFields::ClampedInt(id)));
-            }
+            bad("remote_block_ids", "an array of block ids");
         }
     }
     if (const Json* n = get("ferry_hold_nonce")) {

@@ -23,23 +23,24 @@ std::optional<int32_t> TokenId(const Json& v, const model::Tokenizer& tk) {
 }
 
 // Reads optional typed fields, remembering the first error.
+// The request's fields, read through JsonFields (absent and null: not given); a failure is
+// worded as OpenAI clients see it ("'max_tokens' must be an integer, not a string") and names
+// its param.
 class Fields {
   public:
-    explicit Fields(const Json& body) : body_(body) {}
+    explicit Fields(const Json& body) : body_(body), f_(body) {}
     bool ok() const { return !error_.has_value(); }
     const BadRequest& error() const { return *error_; }
     void Fail(std::string message, std::string param, std::string code = "") {
         if (!error_) error_ = BadRequest{std::move(message), std::move(param), std::move(code)};
     }
-    bool Has(const char* key) const { return body_.contains(key) && !body_[key].is_null(); }
+    bool Has(const char* key) const { return f_.Given(key) != nullptr; }
 
     void Number(const char* key, double* out, double lo, double hi) {
-        if (!Has(key)) return;
-        const Json& v = body_[key];
-        if (!v.is_number())
-            return Fail(fmt::format("'{}' must be a number, not {}", key, JsonFields::KindOf(v)),
-                        key);
-        double d = v.get<double>();
+        auto v = f_.OptNumber(key);
+        if (!v.ok()) return WrongType(key, "a number");
+        if (!*v) return;
+        const double d = **v;
         if (!(d >= lo && d <= hi)) {
             return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, d, lo, hi),
                         key);
@@ -47,13 +48,18 @@ class Fields {
         *out = d;
     }
     void Int(const char* key, int64_t* out, int64_t lo, int64_t hi) {
-        if (!Has(key)) return;
-        const Json& v = body_[key];
-        if (!v.is_number_integer()) {
-            return Fail(fmt::format("'{}' must be an integer, not {}", key, JsonFields::KindOf(v)),
-                        key);
+        auto v = f_.OptInt(key, INT64_MIN, INT64_MAX);
+        if (!v.ok()) {
+            // An integer beyond int64 is out of range, not of the wrong type.
+            if (body_[key].is_number_unsigned()) {
+                return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key,
+                                        body_[key].get<uint64_t>(), lo, hi),
+                            key);
+            }
+            return WrongType(key, "an integer");
         }
-        const int64_t i = JsonFields::ClampedInt(v);
+        if (!*v) return;
+        const int64_t i = **v;
         if (i < lo || i > hi) {
             return Fail(fmt::format("'{}' is {}; it must be between {} and {}", key, i, lo, hi),
                         key);
@@ -61,24 +67,24 @@ class Fields {
         *out = i;
     }
     void Bool(const char* key, bool* out) {
-        if (!Has(key)) return;
-        const Json& v = body_[key];
-        if (!v.is_boolean())
-            return Fail(fmt::format("'{}' must be a boolean, not {}", key, JsonFields::KindOf(v)),
-                        key);
-        *out = v.get<bool>();
+        auto v = f_.OptBool(key);
+        if (!v.ok()) return WrongType(key, "a boolean");
+        if (*v) *out = **v;
     }
     void String(const char* key, std::string* out) {
-        if (!Has(key)) return;
-        const Json& v = body_[key];
-        if (!v.is_string())
-            return Fail(fmt::format("'{}' must be a string, not {}", key, JsonFields::KindOf(v)),
-                        key);
-        *out = v.get<std::string>();
+        auto v = f_.OptString(key, SIZE_MAX);
+        if (!v.ok()) return WrongType(key, "a string");
+        if (*v) *out = std::move(**v);
     }
 
   private:
+    void WrongType(const char* key, const char* want) {
+        Fail(fmt::format("'{}' must be {}, not {}", key, want, JsonFields::KindOf(body_[key])),
+             key);
+    }
+
     const Json& body_;
+    const JsonFields f_;
     std::optional<BadRequest> error_;
 };
 
