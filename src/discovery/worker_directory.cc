@@ -92,6 +92,12 @@ Result<std::unique_ptr<WorkerDirectory>> WorkerDirectory::Start(std::string stor
     std::unique_ptr<WorkerDirectory> d(new WorkerDirectory());
     FERRY_ASSIGN_OR_RETURN(d->store_, MetadataStore::Open(store_url, options));
     d->thread_ = std::thread([p = d.get()] { p->Loop(); });
+    // What the store holds now is there when Start returns (a router started after its workers
+    // finds them at once); a store that does not answer delays it by its timeout at most.
+    {
+        std::unique_lock lock(d->mu_);
+        d->cv_.wait_for(lock, options.timeout, [&] { return d->listed_; });
+    }
     return d;
 }
 
@@ -135,6 +141,11 @@ void WorkerDirectory::Loop() {
             for (const StoreEntry& e : *entries) apply(e.key, &e.value);
             after = rev;
             listed = true;
+            {
+                std::lock_guard lock(mu_);
+                listed_ = true;
+            }
+            cv_.notify_all();
             continue;
         }
         Result<WatchResult> w = store_->Watch(kWorkerPrefix, after, poll);

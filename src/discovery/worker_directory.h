@@ -64,6 +64,8 @@ class WorkerRegistration {
 // Lookups never block on the store.
 class WorkerDirectory {
   public:
+    // Returns once the store's records are in (or after options.timeout if it does not answer;
+    // they come in later then).
     static Result<std::unique_ptr<WorkerDirectory>> Start(std::string store_url,
                                                           StoreOptions options);
     ~WorkerDirectory();
@@ -78,6 +80,7 @@ class WorkerDirectory {
     mutable std::mutex mu_;
     std::condition_variable cv_;
     std::map<std::string, WorkerRecord> records_;
+    bool listed_ = false;  // the first listing is in records_
     bool stop_ = false;
     std::thread thread_;
 };

@@ -341,4 +341,13 @@ std::string Router::RenderMetrics() const {
     return w.Take();
 }
 
+std::function<std::optional<AgentInfo>(const http::Endpoint&)> AgentsFromDirectory(
+    std::shared_ptr<const WorkerDirectory> directory) {
+    return [d = std::move(directory)](const http::Endpoint& ep) -> std::optional<AgentInfo> {
+        std::optional<WorkerRecord> r = d->Find(FormatHostPort(ep.host, ep.port));
+        if (!r || r->engine_id.empty() || r->agent_port <= 0) return std::nullopt;
+        return AgentInfo{r->engine_id, r->agent_host, r->agent_port, r->tp_size};
+    };
+}
+
 }  // namespace ferry::router

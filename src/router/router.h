@@ -22,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "discovery/worker_directory.h"
 #include "ferry/status.h"
 #include "http/http.h"
 
@@ -98,6 +99,11 @@ struct RouterConfig {
     int unhealthy_after = 3;  // consecutive worker failures
     std::chrono::milliseconds probe_after{5000};
 };
+
+// An agent_directory over the workers' records in the store (the record of the worker at that
+// address, if it names an agent). The directory is kept alive by the function.
+std::function<std::optional<AgentInfo>(const http::Endpoint&)> AgentsFromDirectory(
+    std::shared_ptr<const WorkerDirectory> directory);
 
 class Router;
 

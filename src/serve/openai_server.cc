@@ -208,6 +208,9 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     hc.error_reply = [p](int status, const std::string& message) {
         return p->Error(status, {message, "", ""});
     };
+    router::RouterConfig rc;
+    rc.agent_directory = config.remote_prefill_agents;
+    impl->remote_prefill = std::make_shared<router::Router>(std::move(rc));
     for (const http::Endpoint& ep : config.remote_prefill) {
         impl->remote_prefill->AddWorker(router::Role::kPrefill, ep);
     }

@@ -14,12 +14,14 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "engine/engine.h"
 #include "ferry/status.h"
 #include "http/http.h"
+#include "router/router.h"
 
 namespace ferry::serve {
 
@@ -48,6 +50,9 @@ struct ServerConfig {
     // POST /add_remote_prefill_eps {"endpoints": ["HOST:PORT", ...]}.
     std::vector<http::Endpoint> remote_prefill;
     int remote_prefill_min_tokens = 0;
+    // Decode-first: where a prefill worker's agent is, from the workers' records in the store
+    // (router::AgentsFromDirectory), before asking the worker; null: ask it.
+    std::function<std::optional<router::AgentInfo>(const http::Endpoint&)> remote_prefill_agents;
     // Appended to /metrics (e.g. the KV connector's families).
     std::function<std::string()> extra_metrics;
     // The deployment's router token (core/crypto.h RouterToken of its secret; "" = none). With

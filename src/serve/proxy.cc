@@ -117,12 +117,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
         FERRY_ASSIGN_OR_RETURN(std::unique_ptr<WorkerDirectory> d,
                                WorkerDirectory::Start(impl->cfg.store_url, so));
         impl->directory = std::move(d);
-        rc.agent_directory =
-            [d = impl->directory](const http::Endpoint& ep) -> std::optional<router::AgentInfo> {
-            std::optional<WorkerRecord> r = d->Find(fmt::format("{}:{}", ep.host, ep.port));
-            if (!r || r->engine_id.empty() || r->agent_port <= 0) return std::nullopt;
-            return router::AgentInfo{r->engine_id, r->agent_host, r->agent_port, r->tp_size};
-        };
+        rc.agent_directory = router::AgentsFromDirectory(impl->directory);
     }
     impl->router = std::make_shared<router::Router>(std::move(rc));
     for (const http::Endpoint& ep : impl->cfg.prefill) {

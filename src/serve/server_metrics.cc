@@ -40,6 +40,10 @@ std::string OpenAiServer::Impl::RenderMetrics() {
     counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
             double(s.kv_load_failures));
     if (config.extra_metrics) w.Append(config.extra_metrics());
+    // Decode-first: the prefill workers this decoder routes to, as a proxy reports them.
+    if (!remote_prefill->Workers(router::Role::kPrefill).empty()) {
+        w.Append(remote_prefill->RenderMetrics());
+    }
     if (http::Server* server = http_ready.load()) {
         http::ServerStats hs = server->Stats();
         gauge("ferry_http_connections_open", "Open HTTP connections.", double(hs.connections_open));

@@ -73,6 +73,15 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
                 .dump();
         };
         c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
+        if (c.role == WorkerRole::kDecode && by_store) {
+            // Decode-first finds its prefill workers' agents in their store records.
+            StoreOptions so;
+            so.secret = c.agent.secret;
+            auto dir = WorkerDirectory::Start(c.agent.store, so);
+            if (!dir.ok()) return dir.status().WithContext("worker records in the store");
+            w->directory_ = std::move(dir).value();
+            c.server.remote_prefill_agents = router::AgentsFromDirectory(w->directory_);
+        }
     }
     auto engine = engine::Engine::Create(c.model, c.engine);
     if (!engine.ok()) return engine.status();
@@ -83,7 +92,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         w->server_ = std::move(server).value();
         if (w->agent_ && !c.agent.store.empty()) {
             WorkerRecord r;
-            r.url = fmt::format("{}:{}", c.server.host, w->server_->port());
+            r.url = FormatHostPort(c.server.host, w->server_->port());
             r.role = WorkerRoleName(c.role);
             r.model = w->server_->model_name();
             r.tp_size = c.model->tp();

@@ -85,6 +85,8 @@ class Worker {
     std::shared_ptr<engine::Engine> engine_;
     std::unique_ptr<OpenAiServer> server_;
     std::unique_ptr<WorkerRegistration> registration_;  // its record in the store
+    // decode with a store: the workers' records, where decode-first finds prefill agents
+    std::shared_ptr<WorkerDirectory> directory_;
 };
 
 }  // namespace ferry::serve

@@ -158,7 +158,9 @@ void AgentCore::TrackOp(const std::shared_ptr<TransferOp>& op) {
 // --- Discovery --------------------------------------------------------------------------------
 
 void AgentCore::MarkMetadataChanged() {
-    if (registrar_) registrar_->MarkChanged();
+    // At once: a peer without a side channel (shm only) knows this agent's regions only from
+    // the store entry, so it must be current before the region is used.
+    if (registrar_) registrar_->PublishNow();
 }
 
 void AgentCore::OnPeerEntry(const std::string& name, const StoreEvent& e) {
@@ -193,8 +195,8 @@ Result<std::string> AgentCore::ConnectByName(std::string_view name) {
         }
         return e.status().WithContext("ConnectByName " + std::string(name));
     }
-    // The entry says where the agent listens; its side channel says what it holds right now
-    // (the entry follows region changes, but a moment behind).
+    // The entry says where the agent listens and what it holds (put again before a region
+    // registration returns); its side channel, where it has one, answers for itself.
     Result<AgentMetadata> md = DecodeMetadata(e->value);
     if (!md.ok()) {
         return md.status().WithContext("ConnectByName " + std::string(name) + ": store entry");

@@ -26,12 +26,15 @@ Status Registrar::Register() {
         FERRY_ASSIGN_OR_RETURN(store_, MetadataStore::Open(config_.store, options));
     }
     FERRY_ASSIGN_OR_RETURN(LeaseId lease, store_->GrantLease(config_.store_ttl));
-    Status s = store_->Put(AgentKey(config_.name), callbacks_.metadata(), lease);
-    if (!s.ok()) {
-        (void)store_->RevokeLease(lease);
-        return s;
+    {
+        std::lock_guard<std::mutex> put(put_mu_);
+        Status s = store_->Put(AgentKey(config_.name), callbacks_.metadata(), lease);
+        if (!s.ok()) {
+            (void)store_->RevokeLease(lease);
+            return s;
+        }
+        lease_ = lease;
     }
-    lease_ = lease;
     FERRY_LOG(kInfo, "agent {} registered at {} (lease {}, ttl {} ms)", config_.name, config_.store,
               lease, config_.store_ttl.count());
     return Status::Ok();
@@ -43,6 +46,18 @@ void Registrar::MarkChanged() {
     cv_.notify_all();
 }
 
+void Registrar::PublishNow() {
+    {
+        std::lock_guard<std::mutex> put(put_mu_);
+        const LeaseId lease = lease_.load();
+        if (store_ && lease != 0 &&
+            store_->Put(AgentKey(config_.name), callbacks_.metadata(), lease).ok()) {
+            return;
+        }
+    }
+    MarkChanged();
+}
+
 void Registrar::Stop() {
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -51,6 +66,7 @@ void Registrar::Stop() {
         cv_.notify_all();
     }
     if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> put(put_mu_);
     if (store_ && lease_ != 0) {
         // Clean shutdown: leave at once instead of at the end of the lease.
         Status s = store_->Delete(AgentKey(config_.name));
@@ -81,9 +97,12 @@ void Registrar::Loop() {
         if (lease_ == 0) {
             s = Register();  // the store lost us (or never had us since it came back)
         } else if (changed) {
-            s = store_->Put(AgentKey(config_.name), callbacks_.metadata(), lease_);
+            {
+                std::lock_guard<std::mutex> put(put_mu_);
+                s = store_->Put(AgentKey(config_.name), callbacks_.metadata(), lease_);
+            }
             if (s.code() == Code::kNotFound) {
-                lease_ = 0;  // lease gone: register afresh
+                lease_ = 0;  // lease gone: register afresh (Register takes put_mu_)
                 s = Register();
             }
         }

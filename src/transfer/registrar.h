@@ -4,6 +4,7 @@
 // a second process under the same name is logged); every other agent's change goes to `on_peer`.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -30,6 +31,10 @@ class Registrar {
     Status Start();
     // The metadata changed (regions): put it again soon. Any thread.
     void MarkChanged();
+    // The metadata changed: put it now, on the caller's thread, so that a peer that looks this
+    // agent up once this returns finds what it holds (a peer without a side channel has only the
+    // store entry). If the put fails, the thread retries (MarkChanged). Any thread.
+    void PublishNow();
     // Stops the thread and removes the entry (a clean leave, not a lapsed lease).
     void Stop();
     // Null before Start succeeded.
@@ -44,7 +49,8 @@ class Registrar {
     const uint64_t epoch_;
     const Callbacks callbacks_;
     std::unique_ptr<MetadataStore> store_;
-    LeaseId lease_ = 0;  // the thread's (and Start's, before it runs)
+    std::atomic<LeaseId> lease_{0};  // written by Register and Stop
+    std::mutex put_mu_;              // orders the puts of this agent's entry
     std::thread thread_;
     std::mutex mu_;
     std::condition_variable cv_;

@@ -454,6 +454,37 @@ TEST_F(PdProcess, APushProxyFindsThePrefillWorkersAgentInTheStore) {
         std::chrono::seconds(5)));
 }
 
+// Decode-first with a store: the decode worker finds its prefill worker's agent in the worker's
+// store record (it never asks the worker), and the answers equal colocated ones.
+TEST_F(PdProcess, DecodeFirstFindsThePrefillWorkersAgentInTheStore) {
+    auto store = testing::ValueOrDie(StoreServer::Start({}), "store");
+    const std::string url = store->url();
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1, {"--store", url}));
+    ASSERT_TRUE(prefill);
+    const std::string p = fmt::format("127.0.0.1:{}", prefill->port());
+    // A worker files its record as it starts; the decode worker's directory lists the store
+    // before it serves.
+    auto reader = testing::ValueOrDie(MetadataStore::Open(url), "open");
+    ASSERT_TRUE(reader->Get("ferry/workers/" + p).ok());
+    auto decode = StartOrDie(
+        WorkerArgs("decode", "shm", 1,
+                   {"--store", url, "--remote-prefill", p, "--remote-prefill-min-tokens", "1"}));
+    ASSERT_TRUE(decode);
+    const std::vector<Answer>& want = Reference(1);
+    const auto prompts = Prompts();
+    std::vector<Json> bodies;
+    for (size_t i = 0; i < 4; ++i) bodies.push_back(CompletionBody(prompts[i], 6, false));
+    auto got = SendAll(decode->port(), bodies);
+    for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].status, 200) << got[i].body;
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    }
+    EXPECT_EQ(decode->Metric("ferry_router_agent_lookups_total{source=\"store\"}"), 1);
+    EXPECT_EQ(decode->Metric("ferry_router_agent_lookups_total{source=\"worker\"}"), 0);
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);  // every prompt went remote
+    EXPECT_GT(decode->Metric("ferry_kv_external_tokens_total"), 0);
+}
+
 // The logs of one request are joined across processes by one grep of its id: the proxy's, the
 // prefill worker's and the decode worker's (FERRY_LOG_LEVEL=info), for pull and push; and an
 // error answer names the request too (body and X-Request-Id).

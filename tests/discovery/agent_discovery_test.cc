@@ -13,6 +13,7 @@
 #include "ferry/discovery.h"
 #include "testing/process.h"
 #include "testing/testing.h"
+#include "transfer/metadata.h"
 
 namespace ferry {
 namespace {
@@ -142,6 +143,23 @@ TEST_P(AgentDiscovery, ConnectByNameThenTransferAndLeaveOnShutdown) {
     EXPECT_EQ(ValueOrDie(store_->Get(AgentKey(Name("b")))).value, b->Metadata());
     b.reset();  // clean shutdown: the entry goes at once, not at the end of the lease
     EXPECT_THAT(store_->Get(AgentKey(Name("b"))), StatusIs(Code::kNotFound));
+}
+
+// An agent reachable only through the store (shm: no side channel) is known to its peers by its
+// store entry alone: a region is in that entry as soon as registering it returns, and one
+// deregistered is gone from it as soon as that returns.
+TEST_P(AgentDiscovery, TheStoreEntryHoldsARegionOnceRegisteringItReturns) {
+    auto a = MakeAgent(Name("regions"));
+    for (int i = 0; i < 3; ++i) {
+        RegionInfo r = ValueOrDie(a->AllocateRegion(4096));
+        auto md = DecodeMetadata(ValueOrDie(store_->Get(AgentKey(Name("regions")))).value);
+        ASSERT_TRUE(md.ok()) << md.status().ToString();
+        EXPECT_NE(md->FindRegion(r.id), nullptr) << "region " << r.id;
+        FERRY_ASSERT_OK(a->Deregister(r.id));
+        md = DecodeMetadata(ValueOrDie(store_->Get(AgentKey(Name("regions")))).value);
+        ASSERT_TRUE(md.ok());
+        EXPECT_EQ(md->FindRegion(r.id), nullptr) << "region " << r.id;
+    }
 }
 
 TEST_P(AgentDiscovery, ASigkilledAgentIsGoneWithinItsTtlPlusOneSecond) {
