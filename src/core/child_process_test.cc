@@ -1,0 +1,62 @@
+#include "core/child_process.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "testing/testing.h"
+
+namespace ferry {
+namespace {
+
+// Both ways of starting a child (posix_spawn, and fork+exec with the parent-death signal that
+// `ferry demo` asks for): the readiness line, later lines, stdin, stderr to a file, and an end
+// with grace.
+TEST(ChildProcess, BothLaunchersGiveLinesTakeStdinAndEnd) {
+    for (bool die_with_parent : {false, true}) {
+        SCOPED_TRACE(die_with_parent ? "fork+exec" : "posix_spawn");
+        const std::string err = ::testing::TempDir() + "child-process-stderr-" +
+                                std::to_string(getpid()) + (die_with_parent ? "-f" : "-s");
+        ChildOptions o;
+        o.stderr_path = err;
+        o.die_with_parent = die_with_parent;
+        std::string rest;
+        auto c =
+            ChildProcess::Start({"/bin/sh", "-c",
+                                 "echo noise; echo ready 42; echo oops >&2; read x; echo got $x; "
+                                 "sleep 30"},
+                                "ready ", &rest, std::chrono::seconds(10), o);
+        ASSERT_TRUE(c.ok()) << c.status().ToString();
+        EXPECT_EQ(rest, "42");
+        FERRY_ASSERT_OK(c->WriteLine("hello"));
+        auto line = c->ReadLine("got ", std::chrono::seconds(10));
+        ASSERT_TRUE(line.ok()) << line.status().ToString();
+        EXPECT_EQ(*line, "got hello");
+        const pid_t pid = c->pid();
+        c->Terminate(std::chrono::seconds(5));  // sh dies of SIGTERM
+        EXPECT_EQ(c->pid(), -1);
+        EXPECT_NE(kill(pid, 0), 0);  // reaped: gone
+        std::ifstream in(err);
+        std::stringstream s;
+        s << in.rdbuf();
+        EXPECT_EQ(s.str(), "oops\n");
+        std::remove(err.c_str());
+    }
+}
+
+TEST(ChildProcess, AChildThatExitsOrIsSilentIsAnError) {
+    std::string rest;
+    auto gone = ChildProcess::Start({"/bin/sh", "-c", "exit 3"}, "ready", &rest);
+    EXPECT_EQ(gone.status().code(), Code::kUnavailable) << gone.status().ToString();
+    auto silent = ChildProcess::Start({"/bin/sh", "-c", "sleep 30"}, "ready", &rest,
+                                      std::chrono::milliseconds(200));
+    EXPECT_EQ(silent.status().code(), Code::kDeadlineExceeded) << silent.status().ToString();
+    auto none = ChildProcess::Start({}, "ready", &rest);
+    EXPECT_EQ(none.status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ferry
