@@ -204,12 +204,7 @@ Result<HttpReply> PostJson(const Endpoint& ep, const std::string& path, const Js
     for (;;) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
-        http::ClientRequest req;
-        req.method = "POST";
-        req.host = ep.host;
-        req.port = ep.port;
-        req.target = path;
-        req.body = text;
+        http::ClientRequest req = http::PostRequest(ep, path, text);
         if (!secret.empty()) {
             req.headers.push_back({"Authorization", SignRequest(secret, "POST", path, text)});
         }
@@ -251,12 +246,7 @@ Result<RawReply> RawPost(const Endpoint& ep, const std::string& path, const std:
                          std::chrono::milliseconds read_timeout,
                          const std::function<bool(std::string_view)>& on_data,
                          const std::string& authorization) {
-    http::ClientRequest req;
-    req.method = "POST";
-    req.host = ep.host;
-    req.port = ep.port;
-    req.target = path;
-    req.body = body;
+    http::ClientRequest req = http::PostRequest(ep, path, body);
     if (!authorization.empty()) req.headers.push_back({"Authorization", authorization});
     FERRY_ASSIGN_OR_RETURN(
         http::ClientReply r,

@@ -218,6 +218,16 @@ ClientRequest GetRequest(std::string host, int port, std::string target,
     return r;
 }
 
+ClientRequest PostRequest(const HostPort& ep, std::string target, std::string body) {
+    ClientRequest r;
+    r.method = "POST";
+    r.host = ep.host;
+    r.port = ep.port;
+    r.target = std::move(target);
+    r.body = std::move(body);
+    return r;
+}
+
 Result<ClientReply> Fetch(const ClientRequest& request) {
     // One client for every blocking call of the process (tools and tests).
     static Client* shared = Client::Create(1).release();

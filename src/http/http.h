@@ -162,6 +162,8 @@ struct ClientRequest {
 // A GET of `target` at host:port, `timeout` for the whole exchange.
 ClientRequest GetRequest(std::string host, int port, std::string target,
                          std::chrono::milliseconds timeout);
+// A POST of `body` (application/json) to `target` at `ep`; no timeout set.
+ClientRequest PostRequest(const HostPort& ep, std::string target, std::string body);
 
 struct ClientHead {
     int status = 0;

@@ -172,8 +172,8 @@ struct OpenAiServer::Impl {
     Metrics metrics;
 
     // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
-    std::shared_ptr<router::Router> remote_prefill = std::make_shared<router::Router>();
-    std::unique_ptr<http::Client> client;  // for the prefill workers
+    std::shared_ptr<router::Router> remote_prefill;  // made in Start, with the agent lookup
+    std::unique_ptr<http::Client> client;            // for the prefill workers
 
     std::vector<http::Route> Routes();
     // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body
