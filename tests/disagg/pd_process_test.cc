@@ -479,7 +479,9 @@ TEST_F(PdProcess, DecodeFirstFindsThePrefillWorkersAgentInTheStore) {
         ASSERT_EQ(got[i].status, 200) << got[i].body;
         EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
     }
-    EXPECT_EQ(decode->Metric("ferry_router_agent_lookups_total{source=\"store\"}"), 1);
+    // Requests sent at once may each look the agent up before one caches it: at least one store
+    // lookup, never one asking the worker.
+    EXPECT_GE(decode->Metric("ferry_router_agent_lookups_total{source=\"store\"}"), 1);
     EXPECT_EQ(decode->Metric("ferry_router_agent_lookups_total{source=\"worker\"}"), 0);
     EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);  // every prompt went remote
     EXPECT_GT(decode->Metric("ferry_kv_external_tokens_total"), 0);
