@@ -238,6 +238,20 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ->add_option("--remote-prefill-min-tokens", sc.remote_prefill_min_tokens,
                      "decode-first: shorter prompts are prefilled here")
         ->check(CLI::Range(0, 1 << 24));
+    static int64_t drain_timeout_ms = 30000, store_ttl_ms = 10000;
+    serve
+        ->add_option("--store-ttl-ms", store_ttl_ms,
+                     "with --store: the lease of this worker's record there, which routers "
+                     "follow; a worker that dies unannounced drops out within it")
+        ->check(CLI::Range(int64_t{300}, int64_t{3600000}))
+        ->capture_default_str();
+    serve
+        ->add_option("--drain-timeout-ms", drain_timeout_ms,
+                     "on SIGTERM: leave the store, answer /health with 503 and finish what is "
+                     "in flight for at most this long before stopping (0: stop at once; SIGINT "
+                     "or a second signal always stops at once)")
+        ->check(CLI::Range(int64_t{0}, int64_t{86400000}))
+        ->capture_default_str();
     serve->callback([rc] {
         sc.request_deadline = std::chrono::milliseconds(request_deadline_ms);
         // SIGINT/SIGTERM are taken by sigwait below, in every thread started from here.
@@ -303,6 +317,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         }
         wc.engine = ec;
         wc.server = sc;
+        wc.registration_ttl = std::chrono::milliseconds(store_ttl_ms);
         auto started = serve::Worker::Start(std::move(wc));
         if (!started.ok()) return fail(started.status());
         std::unique_ptr<serve::Worker> worker = std::move(started).value();
@@ -324,7 +339,28 @@ void AddServeCommand(CLI::App& app, int* rc) {
         std::fflush(stdout);
         int sig = 0;
         sigwait(&signals, &sig);
-        fmt::print("ferry serve: signal {}, stopping\n", sig);
+        if (sig == SIGTERM && drain_timeout_ms > 0) {
+            fmt::print("ferry serve: SIGTERM, draining ({} in flight, at most {} ms)\n",
+                       worker->InFlight(), drain_timeout_ms);
+            std::fflush(stdout);
+            bool again = false;
+            auto interrupted = [&] {
+                const timespec none{0, 0};
+                again = again || sigtimedwait(&signals, nullptr, &none) > 0;
+                return again;
+            };
+            serve::Worker::DrainResult d =
+                worker->Drain(std::chrono::milliseconds(drain_timeout_ms),
+                              std::chrono::milliseconds(500), interrupted);
+            fmt::print("ferry serve: {} after {} ms{}, stopping\n",
+                       d.drained ? "drained"
+                       : again   ? "a second signal"
+                                 : "drain timed out",
+                       d.took.count(),
+                       d.drained ? "" : fmt::format(" with {} requests in flight", d.in_flight));
+        } else {
+            fmt::print("ferry serve: signal {}, stopping\n", sig);
+        }
         worker.reset();  // server, engine (it unbinds the connector), connector, agent
     });
 }

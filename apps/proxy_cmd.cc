@@ -21,15 +21,18 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         "protocol; push: layer-wise), and the discovery store the workers' agents register in");
     static std::vector<std::string> prefill, decode;
     static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0",
-                       policy = "round-robin";
+                       policy = "round-robin", prefill_policy, decode_policy, model;
+    static int64_t load_poll_ms = 250;
     static int port = 8000;
     static bool no_store = false;
     static std::string secret_file;
     static int64_t timeout_ms = 600000;
-    px->add_option("--prefill", prefill, "prefill workers' OpenAI servers (HOST:PORT or URL)")
-        ->required();
-    px->add_option("--decode", decode, "decode workers' OpenAI servers (HOST:PORT or URL)")
-        ->required();
+    px->add_option("--prefill", prefill,
+                   "prefill workers' OpenAI servers (HOST:PORT or URL), beside those registered "
+                   "in the store");
+    px->add_option("--decode", decode,
+                   "decode workers' OpenAI servers (HOST:PORT or URL), beside those registered "
+                   "in the store");
     px->add_option("--host", host, "address to listen on")->capture_default_str();
     px->add_option("--port", port, "port (0: any free port, printed)")
         ->check(CLI::Range(0, 65535))
@@ -37,10 +40,24 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     px->add_option("--kv-transfer", mode, "pull or push")
         ->check(CLI::IsMember({"pull", "push"}))
         ->capture_default_str();
+    const std::vector<std::string> policies = {"round-robin", "least-loaded", "power-of-two"};
     px->add_option("--policy", policy,
-                   "how a worker of each kind is picked: round-robin (healthy workers in turn) or "
-                   "least-loaded (fewest requests, then prompt tokens, in flight)")
-        ->check(CLI::IsMember({"round-robin", "least-loaded"}))
+                   "how a worker of each kind is picked: round-robin (in turn), least-loaded "
+                   "(lowest load: max(requests in flight, the worker's reported waiting + "
+                   "running), then prompt tokens in flight, then KV usage) or power-of-two (the "
+                   "less loaded of two at random); docs/routing.md")
+        ->check(CLI::IsMember(policies))
+        ->capture_default_str();
+    px->add_option("--prefill-policy", prefill_policy, "prefill workers' policy (default --policy)")
+        ->check(CLI::IsMember(policies));
+    px->add_option("--decode-policy", decode_policy, "decode workers' policy (default --policy)")
+        ->check(CLI::IsMember(policies));
+    px->add_option("--model", model,
+                   "the model the workers serve: workers registered with another are ignored "
+                   "(default: that of the first one registered)");
+    px->add_option("--load-poll-ms", load_poll_ms,
+                   "how often each worker's /metrics is read for its load")
+        ->check(CLI::Range(int64_t{10}, int64_t{60000}))
         ->capture_default_str();
     px->add_option("--store", store,
                    "a discovery store the workers use instead of the embedded one");
@@ -70,9 +87,14 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.port = port;
         pc.protocol = mode == "push" ? router::Protocol::kPush : router::Protocol::kPull;
         pc.worker_timeout = std::chrono::milliseconds(timeout_ms);
-        auto picked = router::MakePolicy(policy);
+        auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy);
         if (!picked.ok()) return fail(picked.status());
         pc.policy = std::move(picked).value();
+        auto picked_decode = router::MakePolicy(decode_policy.empty() ? policy : decode_policy);
+        if (!picked_decode.ok()) return fail(picked_decode.status());
+        pc.decode_policy = std::move(picked_decode).value();
+        pc.model = model;
+        pc.load_poll = std::chrono::milliseconds(load_poll_ms);
         for (const auto& [list, dst] : {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}}) {
             for (const std::string& u : *list) {
                 auto ep = http::ParseEndpoint(u);
@@ -103,8 +125,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.store_secret = secret;
         auto proxy = serve::Proxy::Start(std::move(pc));
         if (!proxy.ok()) return fail(proxy.status());
-        fmt::print("ferry proxy: {} prefill, {} decode workers, {} protocol\n", prefill.size(),
-                   decode.size(), mode);
+        fmt::print("ferry proxy: {} prefill, {} decode workers given{}, {} protocol\n",
+                   prefill.size(), decode.size(),
+                   embedded || !store.empty() ? " (and those registered in the store)" : "", mode);
         fmt::print("ferry proxy: listening on http://{}:{}\n", host, (*proxy)->port());
         std::fflush(stdout);
         int sig = 0;

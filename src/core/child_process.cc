@@ -80,14 +80,18 @@ bool ChildProcess::Stop(std::chrono::milliseconds timeout) const {
     return false;
 }
 
-bool ChildProcess::Reaped(std::chrono::milliseconds wait) {
+bool ChildProcess::Reaped(std::chrono::milliseconds wait) { return WaitExit(wait).has_value(); }
+
+std::optional<int> ChildProcess::WaitExit(std::chrono::milliseconds wait) {
+    if (pid_ <= 0) return std::nullopt;
     const auto end = std::chrono::steady_clock::now() + wait;
     for (;;) {
-        if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        int status = 0;
+        if (waitpid(pid_, &status, WNOHANG) == pid_) {
             pid_ = -1;
-            return true;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         }
-        if (std::chrono::steady_clock::now() >= end) return false;
+        if (std::chrono::steady_clock::now() >= end) return std::nullopt;
         usleep(25000);
     }
 }

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,9 @@ class ChildProcess {
     void Kill();
     // SIGTERM (a clean shutdown), SIGKILL if it has not exited after `grace`; reaps.
     void Terminate(std::chrono::milliseconds grace);
+    // Waits up to `wait` for the child to exit by itself and reaps it: its exit code (128 + the
+    // signal's number if a signal ended it); nullopt while it runs (or if it was reaped before).
+    std::optional<int> WaitExit(std::chrono::milliseconds wait);
     // Closes the child's stdin (asks it to finish).
     void CloseStdin();
     // Writes one line to the child's stdin.

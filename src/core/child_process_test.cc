@@ -51,11 +51,27 @@ TEST(ChildProcess, AChildThatExitsOrIsSilentIsAnError) {
     std::string rest;
     auto gone = ChildProcess::Start({"/bin/sh", "-c", "exit 3"}, "ready", &rest);
     EXPECT_EQ(gone.status().code(), Code::kUnavailable) << gone.status().ToString();
-    auto silent = ChildProcess::Start({"/bin/sh", "-c", "sleep 30"}, "ready", &rest,
+    auto silent = ChildProcess::Start({"/bin/sh", "-c", "exec sleep 30"}, "ready", &rest,
                                       std::chrono::milliseconds(200));
     EXPECT_EQ(silent.status().code(), Code::kDeadlineExceeded) << silent.status().ToString();
     auto none = ChildProcess::Start({}, "ready", &rest);
     EXPECT_EQ(none.status().code(), Code::kInvalidArgument);
+}
+
+TEST(ChildProcess, WaitExitGivesTheExitCodeOrTheSignal) {
+    std::string rest;
+    auto three =
+        ChildProcess::Start({"/bin/sh", "-c", "echo ready; read x; exit 3"}, "ready", &rest);
+    ASSERT_TRUE(three.ok()) << three.status().ToString();
+    EXPECT_EQ(three->WaitExit(std::chrono::milliseconds(50)), std::nullopt) << "still running";
+    three->CloseStdin();
+    EXPECT_EQ(three->WaitExit(std::chrono::seconds(10)), std::optional<int>(3));
+    EXPECT_EQ(three->WaitExit(std::chrono::milliseconds(0)), std::nullopt) << "reaped once";
+    auto killed =
+        ChildProcess::Start({"/bin/sh", "-c", "echo ready; exec sleep 30"}, "ready", &rest);
+    ASSERT_TRUE(killed.ok());
+    killed->Signal(SIGTERM);
+    EXPECT_EQ(killed->WaitExit(std::chrono::seconds(10)), std::optional<int>(128 + SIGTERM));
 }
 
 }  // namespace

@@ -108,6 +108,8 @@ void WorkerDirectory::Loop() {
     auto apply = [&](const std::string& key, const std::string* value) {
         const std::string url = key.substr(kWorkerPrefix.size());
         std::lock_guard lock(mu_);
+        ++changes_;
+        cv_.notify_all();
         if (!value) {
             records_.erase(url);
             return;
@@ -137,6 +139,7 @@ void WorkerDirectory::Loop() {
             {
                 std::lock_guard lock(mu_);
                 records_.clear();
+                ++changes_;
             }
             for (const StoreEntry& e : *entries) apply(e.key, &e.value);
             after = rev;
@@ -170,6 +173,20 @@ std::optional<WorkerRecord> WorkerDirectory::Find(const std::string& url) const 
     auto it = records_.find(url);
     if (it == records_.end()) return std::nullopt;
     return it->second;
+}
+
+std::vector<WorkerRecord> WorkerDirectory::List() const {
+    std::lock_guard lock(mu_);
+    std::vector<WorkerRecord> out;
+    out.reserve(records_.size());
+    for (const auto& [url, r] : records_) out.push_back(r);
+    return out;
+}
+
+uint64_t WorkerDirectory::WaitForChange(uint64_t seen, std::chrono::milliseconds timeout) const {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, timeout, [&] { return changes_ != seen || stop_; });
+    return changes_;
 }
 
 size_t WorkerDirectory::size() const {

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "ferry/discovery.h"
 #include "ferry/status.h"
@@ -71,15 +72,20 @@ class WorkerDirectory {
     ~WorkerDirectory();
     // The record of the worker at `url` ("host:port"), if the store has one.
     std::optional<WorkerRecord> Find(const std::string& url) const;
+    std::vector<WorkerRecord> List() const;
     size_t size() const;
+    // Counts changes to the records (a put, a delete, a fresh listing). Returns the count once it
+    // differs from `seen`, or after `timeout` (unchanged then).
+    uint64_t WaitForChange(uint64_t seen, std::chrono::milliseconds timeout) const;
 
   private:
     WorkerDirectory() = default;
     void Loop();
     std::unique_ptr<MetadataStore> store_;
     mutable std::mutex mu_;
-    std::condition_variable cv_;
+    mutable std::condition_variable cv_;
     std::map<std::string, WorkerRecord> records_;
+    uint64_t changes_ = 0;
     bool listed_ = false;  // the first listing is in records_
     bool stop_ = false;
     std::thread thread_;

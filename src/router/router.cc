@@ -2,8 +2,10 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <random>
 
 #include "core/prometheus.h"
 
@@ -33,19 +35,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Least-loaded's order: Load(), then prompt tokens in flight, then reported KV usage.
+bool LessLoaded(const WorkerState& a, const WorkerState& b) {
+    if (a.Load() != b.Load()) return a.Load() < b.Load();
+    if (a.in_flight_tokens != b.in_flight_tokens) return a.in_flight_tokens < b.in_flight_tokens;
+    double ka = a.reported ? a.reported->kv_usage : 0, kb = b.reported ? b.reported->kv_usage : 0;
+    return ka < kb;
+}
+
 class RoundRobin : public RoutingPolicy {
   public:
     const char* name() const override { return "round-robin"; }
-    size_t Pick(Role role, const RouteRequest&, std::span<const WorkerState> w) override {
+    size_t Pick(Role role, const RouteRequest&, std::span<const WorkerState>,
+                std::span<const size_t> c) override {
         size_t& next = next_[role == Role::kPrefill ? 0 : 1];
-        for (size_t i = 0; i < w.size(); ++i) {
-            size_t k = (next + i) % w.size();
-            if (w[k].healthy) {
-                next = k + 1;
-                return k;
-            }
-        }
-        return next++ % w.size();
+        return c[next++ % c.size()];
     }
 
   private:
@@ -55,21 +59,15 @@ class RoundRobin : public RoutingPolicy {
 class LeastLoaded : public RoutingPolicy {
   public:
     const char* name() const override { return "least-loaded"; }
-    size_t Pick(Role role, const RouteRequest&, std::span<const WorkerState> w) override {
+    size_t Pick(Role role, const RouteRequest&, std::span<const WorkerState> w,
+                std::span<const size_t> c) override {
         size_t& next = next_[role == Role::kPrefill ? 0 : 1];
-        bool any_healthy = false;
-        for (const WorkerState& s : w) any_healthy = any_healthy || s.healthy;
-        size_t best = w.size();
-        for (size_t i = 0; i < w.size(); ++i) {
-            size_t k = (next + i) % w.size();  // ties go round in turn
-            if (any_healthy && !w[k].healthy) continue;
-            if (best == w.size() || w[k].in_flight < w[best].in_flight ||
-                (w[k].in_flight == w[best].in_flight &&
-                 w[k].in_flight_tokens < w[best].in_flight_tokens)) {
-                best = k;
-            }
+        size_t best = c[next % c.size()];  // ties go round in turn
+        for (size_t i = 1; i < c.size(); ++i) {
+            size_t k = c[(next + i) % c.size()];
+            if (LessLoaded(w[k], w[best])) best = k;
         }
-        next = best + 1;
+        ++next;
         return best;
     }
 
@@ -77,35 +75,87 @@ class LeastLoaded : public RoutingPolicy {
     size_t next_[2] = {0, 0};
 };
 
+class PowerOfTwo : public RoutingPolicy {
+  public:
+    explicit PowerOfTwo(uint64_t seed) : rng_(seed ? seed : std::random_device{}()) {}
+    const char* name() const override { return "power-of-two"; }
+    size_t Pick(Role, const RouteRequest&, std::span<const WorkerState> w,
+                std::span<const size_t> c) override {
+        if (c.size() == 1) return c[0];
+        size_t a = std::uniform_int_distribution<size_t>(0, c.size() - 1)(rng_);
+        size_t b = std::uniform_int_distribution<size_t>(0, c.size() - 2)(rng_);
+        if (b >= a) ++b;  // two distinct candidates
+        return LessLoaded(w[c[b]], w[c[a]]) ? c[b] : c[a];
+    }
+
+  private:
+    std::mt19937_64 rng_;
+};
+
 }  // namespace
+
+double WorkerState::Load() const {
+    double own = double(in_flight);
+    return reported ? std::max(own, reported->waiting + reported->running) : own;
+}
 
 std::unique_ptr<RoutingPolicy> MakeRoundRobin() { return std::make_unique<RoundRobin>(); }
 std::unique_ptr<RoutingPolicy> MakeLeastLoaded() { return std::make_unique<LeastLoaded>(); }
+std::unique_ptr<RoutingPolicy> MakePowerOfTwo(uint64_t seed) {
+    return std::make_unique<PowerOfTwo>(seed);
+}
+
+const char* PolicyNames() { return "round-robin, least-loaded, power-of-two"; }
 
 Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name) {
     if (name == "round-robin") return MakeRoundRobin();
     if (name == "least-loaded") return MakeLeastLoaded();
+    if (name == "power-of-two") return MakePowerOfTwo();
     return InvalidArgumentError(
-        fmt::format("routing policy '{}' is not one of round-robin, least-loaded", name));
+        fmt::format("routing policy '{}' is not one of {}", name, PolicyNames()));
 }
 
 struct Ticket::State {
     mutable std::mutex mu;
     RouterConfig config;
     std::vector<WorkerState> workers[2];
-    std::vector<Clock::time_point> last_failure[2];
+    std::vector<Clock::time_point> last_failure[2], reported_at[2];
     std::vector<uint64_t> abandoned[2], client_gone[2], cancelled[2];
     uint64_t agents_from_store = 0, agents_from_worker = 0;
 
     static int Index(Role role) { return role == Role::kPrefill ? 0 : 1; }
+    RoutingPolicy& Policy(int r) {
+        return r == 1 && config.decode_policy ? *config.decode_policy : *config.policy;
+    }
 
-    // Health as of now (a worker past its probe time gets one more try).
+    // Health as of now (a worker past its probe time gets one more try); stale reports dropped.
     void RefreshHealth(int r, Clock::time_point now) {
         for (size_t i = 0; i < workers[r].size(); ++i) {
             WorkerState& w = workers[r][i];
             w.healthy = w.consecutive_failures < config.unhealthy_after ||
                         now - last_failure[r][i] >= config.probe_after;
+            if (w.reported && now - reported_at[r][i] > config.report_ttl) w.reported.reset();
         }
+    }
+
+    // The workers a policy may pick from (RoutingPolicy::Pick); empty without members.
+    std::vector<size_t> Candidates(int r) const {
+        std::vector<size_t> c;
+        const auto& ws = workers[r];
+        for (size_t i = 0; i < ws.size(); ++i) {
+            if (ws[i].Routable()) c.push_back(i);
+        }
+        if (c.empty()) {
+            for (size_t i = 0; i < ws.size(); ++i) {
+                if (ws[i].member && ws[i].answering) c.push_back(i);
+            }
+        }
+        if (c.empty()) {
+            for (size_t i = 0; i < ws.size(); ++i) {
+                if (ws[i].member) c.push_back(i);
+            }
+        }
+        return c;
     }
 
     void End(Role role, size_t worker, size_t tokens, const std::string& request_id,
@@ -140,7 +190,7 @@ struct Ticket::State {
                 break;
         }
         RefreshHealth(r, Clock::now());
-        config.policy->OnEnd(role, worker, RouteRequest{request_id, tokens}, outcome);
+        Policy(r).OnEnd(role, worker, RouteRequest{request_id, tokens}, outcome);
     }
 };
 
@@ -176,26 +226,60 @@ Router::Router(RouterConfig config) : state_(std::make_shared<Ticket::State>()) 
 
 Router::~Router() = default;
 
-size_t Router::AddWorker(Role role, http::Endpoint endpoint) {
+size_t Router::AddWorker(Role role, http::Endpoint endpoint, bool answering) {
     std::lock_guard lock(state_->mu);
     const int r = Ticket::State::Index(role);
     auto& ws = state_->workers[r];
     for (size_t i = 0; i < ws.size(); ++i) {
-        if (ws[i].endpoint.host == endpoint.host && ws[i].endpoint.port == endpoint.port) return i;
+        WorkerState& w = ws[i];
+        if (w.endpoint.host != endpoint.host || w.endpoint.port != endpoint.port) continue;
+        if (!w.member) {  // back (perhaps restarted): nothing it said before counts
+            w.member = true;
+            w.answering = answering;
+            w.consecutive_failures = 0;
+            w.unanswered = 0;
+            w.healthy = true;
+            w.agent.reset();
+            w.reported.reset();
+        }
+        return i;
     }
     WorkerState w;
     w.endpoint = std::move(endpoint);
+    w.answering = answering;
     ws.push_back(std::move(w));
     state_->last_failure[r].push_back(Clock::time_point{});
+    state_->reported_at[r].push_back(Clock::time_point{});
     state_->abandoned[r].push_back(0);
     state_->client_gone[r].push_back(0);
     state_->cancelled[r].push_back(0);
     return ws.size() - 1;
 }
 
+bool Router::RemoveWorker(Role role, const http::Endpoint& endpoint) {
+    std::lock_guard lock(state_->mu);
+    for (WorkerState& w : state_->workers[Ticket::State::Index(role)]) {
+        if (!w.member || w.endpoint.host != endpoint.host || w.endpoint.port != endpoint.port) {
+            continue;
+        }
+        w.member = false;
+        w.agent.reset();
+        w.reported.reset();
+        return true;
+    }
+    return false;
+}
+
 size_t Router::size(Role role) const {
     std::lock_guard lock(state_->mu);
     return state_->workers[Ticket::State::Index(role)].size();
+}
+
+size_t Router::members(Role role) const {
+    std::lock_guard lock(state_->mu);
+    const auto& ws = state_->workers[Ticket::State::Index(role)];
+    return size_t(
+        std::count_if(ws.begin(), ws.end(), [](const WorkerState& w) { return w.member; }));
 }
 
 std::vector<WorkerState> Router::Workers(Role role) const {
@@ -205,21 +289,44 @@ std::vector<WorkerState> Router::Workers(Role role) const {
     return state_->workers[r];
 }
 
-const char* Router::policy_name() const { return state_->config.policy->name(); }
+const char* Router::policy_name(Role role) const {
+    return state_->Policy(Ticket::State::Index(role)).name();
+}
+
+void Router::ReportAnswered(Role role, size_t worker, std::optional<ReportedLoad> load) {
+    std::lock_guard lock(state_->mu);
+    const int r = Ticket::State::Index(role);
+    auto& ws = state_->workers[r];
+    if (worker >= ws.size() || !ws[worker].member) return;
+    ws[worker].answering = true;
+    ws[worker].unanswered = 0;
+    ws[worker].reported = load;
+    state_->reported_at[r][worker] = Clock::now();
+}
+
+void Router::ReportUnanswered(Role role, size_t worker) {
+    std::lock_guard lock(state_->mu);
+    auto& ws = state_->workers[Ticket::State::Index(role)];
+    if (worker >= ws.size() || !ws[worker].member) return;
+    WorkerState& w = ws[worker];
+    w.reported.reset();
+    if (++w.unanswered >= 3) w.answering = false;
+}
 
 Result<Ticket> Router::Route(Role role, const RouteRequest& request) {
     std::lock_guard lock(state_->mu);
     const int r = Ticket::State::Index(role);
     auto& ws = state_->workers[r];
-    if (ws.empty()) {
+    state_->RefreshHealth(r, Clock::now());
+    const std::vector<size_t> candidates = state_->Candidates(r);
+    if (candidates.empty()) {
         return UnavailableError(fmt::format("router: no {} worker", RoleName(role)));
     }
-    state_->RefreshHealth(r, Clock::now());
-    size_t k = state_->config.policy->Pick(role, request, ws);
-    if (k >= ws.size()) {
-        return InternalError(fmt::format("router: policy {} picked {} {} of {}",
-                                         state_->config.policy->name(), RoleName(role), k,
-                                         ws.size()));
+    RoutingPolicy& policy = state_->Policy(r);
+    size_t k = policy.Pick(role, request, ws, candidates);
+    if (std::find(candidates.begin(), candidates.end(), k) == candidates.end()) {
+        return InternalError(fmt::format("router: policy {} picked {} {}, not a candidate",
+                                         policy.name(), RoleName(role), k));
     }
     WorkerState& w = ws[k];
     ++w.in_flight;
@@ -312,6 +419,23 @@ std::string Router::RenderMetrics() const {
     family("ferry_router_worker_healthy", "gauge",
            "1 unless the worker failed its last requests in a row.",
            [](const WorkerState& ws) { return ws.healthy ? 1 : 0; });
+    family("ferry_router_worker_member", "gauge",
+           "1 while the worker is in the deployment (flags or the store); 0 once it left.",
+           [](const WorkerState& ws) { return ws.member ? 1 : 0; });
+    family("ferry_router_worker_answering", "gauge", "1 while the worker's /metrics answers.",
+           [](const WorkerState& ws) { return ws.answering ? 1 : 0; });
+    family("ferry_router_worker_reported_waiting", "gauge",
+           "Requests waiting, as the worker last reported (vllm:num_requests_waiting).",
+           [](const WorkerState& ws) { return ws.reported ? ws.reported->waiting : 0.0; });
+    family("ferry_router_worker_reported_running", "gauge",
+           "Requests running, as the worker last reported (vllm:num_requests_running).",
+           [](const WorkerState& ws) { return ws.reported ? ws.reported->running : 0.0; });
+    family("ferry_router_worker_reported_kv_usage", "gauge",
+           "KV cache usage 0..1, as the worker last reported (vllm:kv_cache_usage_perc).",
+           [](const WorkerState& ws) { return ws.reported ? ws.reported->kv_usage : 0.0; });
+    family("ferry_router_worker_load", "gauge",
+           "The load policies compare: max(requests in flight, reported waiting + running).",
+           [](const WorkerState& ws) { return ws.Load(); });
     w.Family("ferry_router_worker_requests_total", "counter",
              "Requests routed to the worker, by how they ended.");
     each([&](int r, size_t i) {

@@ -48,9 +48,23 @@ enum class Outcome {
 };
 const char* OutcomeName(Outcome outcome);
 
+// What a worker last said of its own load: vLLM's gauges on its /metrics
+// (vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc), summed over
+// their label sets (the KV usage: the highest).
+struct ReportedLoad {
+    double waiting = 0, running = 0;
+    double kv_usage = 0;  // 0..1
+};
+
 // What the router knows of one worker.
 struct WorkerState {
     http::Endpoint endpoint;
+    // In the deployment (from flags, or registered in the store). A worker that left keeps its
+    // slot (and index) so that its tickets in flight end on it, but gets no new request.
+    bool member = true;
+    // Its /metrics answered lately. A worker found in the store is not routed to before it
+    // answers once; one that stops answering (3 polls in a row) is avoided like an unhealthy one.
+    bool answering = true;
     size_t in_flight = 0;           // requests routed to it whose tickets have not ended
     uint64_t in_flight_tokens = 0;  // their prompt tokens, where the router knew them
     uint64_t routed = 0;
@@ -60,6 +74,17 @@ struct WorkerState {
     // the last one (then one request may try it) or a request succeeds.
     bool healthy = true;
     std::optional<AgentInfo> agent;  // where its KV agent is, once known
+    // Its last report, while fresh (RouterConfig::report_ttl); none for a worker not polled.
+    std::optional<ReportedLoad> reported;
+    int unanswered = 0;  // polls in a row its /metrics did not answer
+
+    // The load policies compare: the router's own count of requests in flight, reconciled with
+    // the worker's report. The router's count is current but sees only what this router sent;
+    // the report sees every request (other routers, direct clients) but is up to a poll old.
+    // The larger of the two never undercounts either: max(in_flight, waiting + running).
+    double Load() const;
+    // Eligible for a new request when any is: a member, healthy and answering.
+    bool Routable() const { return member && healthy && answering; }
 };
 
 // A request as the policy sees it.
@@ -74,30 +99,39 @@ class RoutingPolicy {
   public:
     virtual ~RoutingPolicy() = default;
     virtual const char* name() const = 0;
-    // An index into `workers` (never empty). Healthy workers should be preferred; when none is,
-    // any may be picked.
+    // One of `candidates` (indices into `workers`; never empty): the routable workers, or when
+    // none is, the members that answer, or else every member. The router refuses any other pick.
     virtual size_t Pick(Role role, const RouteRequest& request,
-                        std::span<const WorkerState> workers) = 0;
+                        std::span<const WorkerState> workers,
+                        std::span<const size_t> candidates) = 0;
     // How a request this policy routed ended (after the state is updated).
     virtual void OnEnd(Role /*role*/, size_t /*worker*/, const RouteRequest& /*request*/,
                        Outcome /*outcome*/) {}
 };
 
-// Healthy workers in turn (all in turn when none is healthy).
+// The candidates in turn.
 std::unique_ptr<RoutingPolicy> MakeRoundRobin();
-// The healthy worker with the fewest requests in flight, then the fewest prompt tokens in
-// flight, then the first in turn.
+// The candidate with the lowest Load(), then the fewest prompt tokens in flight, then the lowest
+// reported KV usage, then the next in turn.
 std::unique_ptr<RoutingPolicy> MakeLeastLoaded();
-// "round-robin" or "least-loaded"; InvalidArgument naming the choices otherwise.
+// Two candidates drawn at random, the less loaded of them (compared as least-loaded does): near
+// least-loaded's balance without every router herding onto the same worker.
+std::unique_ptr<RoutingPolicy> MakePowerOfTwo(uint64_t seed = 0);  // 0: a random seed
+// The policies' names, for flags and errors: "round-robin, least-loaded, power-of-two".
+const char* PolicyNames();
+// One of PolicyNames(); InvalidArgument naming the choices otherwise.
 Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name);
 
 struct RouterConfig {
-    std::unique_ptr<RoutingPolicy> policy;  // null: round robin
+    std::unique_ptr<RoutingPolicy> policy;  // prefill workers' (null: round robin)
     // Where a worker's agent is, from the discovery store (WorkerDirectory), before asking the
     // worker (GET /v1/kv/agent). Must not block. Null: ask the worker.
     std::function<std::optional<AgentInfo>(const http::Endpoint& worker)> agent_directory{};
     int unhealthy_after = 3;  // consecutive worker failures
     std::chrono::milliseconds probe_after{5000};
+    std::unique_ptr<RoutingPolicy> decode_policy{};  // decode workers' (null: the same as policy)
+    // A worker's report older than this is dropped (its load is the router's count alone).
+    std::chrono::milliseconds report_ttl{3000};
 };
 
 // An agent_directory over the workers' records in the store (the record of the worker at that
@@ -145,11 +179,23 @@ class Router {
     Router(const Router&) = delete;
     Router& operator=(const Router&) = delete;
 
-    // Adds a worker (a known endpoint is not added twice); its index.
-    size_t AddWorker(Role role, http::Endpoint endpoint);
+    // Adds a worker (a known endpoint is not added twice); its index, which stays its own. A
+    // worker that had left comes back with its health, agent and report forgotten (it may have
+    // restarted). `answering` false: not routed to before its first report (ReportAnswered).
+    size_t AddWorker(Role role, http::Endpoint endpoint, bool answering = true);
+    // The worker leaves: no new request goes to it; its tickets in flight end as usual. False if
+    // no member of that role is at that endpoint.
+    bool RemoveWorker(Role role, const http::Endpoint& endpoint);
+    // Slots, members or not (indices are stable); `members` how many are members.
     size_t size(Role role) const;
+    size_t members(Role role) const;
     std::vector<WorkerState> Workers(Role role) const;
-    const char* policy_name() const;
+    const char* policy_name(Role role = Role::kPrefill) const;
+
+    // What polling a worker's /metrics found: it answered, with its load if it reports one.
+    void ReportAnswered(Role role, size_t worker, std::optional<ReportedLoad> load);
+    // Its /metrics did not answer (after 3 in a row it is no longer `answering`).
+    void ReportUnanswered(Role role, size_t worker);
 
     // Picks a worker for `request` and counts the request on it until the ticket ends.
     // Unavailable if there is no worker of that role.
@@ -164,8 +210,9 @@ class Router {
     void SetAgent(Role role, size_t worker, AgentInfo agent);
     void ForgetAgent(Role role, size_t worker);
 
-    // Prometheus text: per worker, requests in flight, prompt tokens in flight, health, and
-    // requests by outcome (ferry_router_*, labelled role and worker); agent lookups by source.
+    // Prometheus text: per worker, requests in flight, prompt tokens in flight, health,
+    // membership, its reported and reconciled load, and requests by outcome (ferry_router_*,
+    // labelled role and worker); agent lookups by source.
     std::string RenderMetrics() const;
 
   private:

@@ -2,11 +2,13 @@
 // nothing else, so the router is proven to need no model, KV or engine.
 #include "router/router.h"
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -15,6 +17,7 @@
 #include "discovery/worker_directory.h"
 #include "ferry/discovery.h"
 #include "router/driver.h"
+#include "router/membership.h"
 #include "router/protocol.h"
 
 namespace ferry::router {
@@ -160,8 +163,145 @@ TEST(Router, NoWorkerAndUnknownPoliciesAreErrorsThatSaySo) {
     auto p = MakePolicy("random");
     ASSERT_FALSE(p.ok());
     EXPECT_EQ(p.status().code(), Code::kInvalidArgument);
-    EXPECT_NE(p.status().message().find("round-robin, least-loaded"), std::string::npos);
+    EXPECT_NE(p.status().message().find("round-robin, least-loaded, power-of-two"),
+              std::string::npos);
     EXPECT_STREQ((*MakePolicy("least-loaded"))->name(), "least-loaded");
+    EXPECT_STREQ((*MakePolicy("power-of-two"))->name(), "power-of-two");
+}
+
+// A worker that leaves gets no new request while its requests in flight end on it as usual; back,
+// it is a fresh worker (nothing of its health, agent or report kept). With every member gone the
+// router says so instead of routing to a worker that left.
+TEST(Router, AWorkerThatLeftGetsNothingNewAndComesBackFresh) {
+    Router r({.policy = nullptr, .unhealthy_after = 1, .probe_after = std::chrono::hours(1)});
+    r.AddWorker(Role::kDecode, Ep(2000));
+    r.AddWorker(Role::kDecode, Ep(2001));
+    r.SetAgent(Role::kDecode, 0, {"d0", "127.0.0.1", 7000, 1});
+    r.Route(Role::kDecode, {"x", 0})->End(Outcome::kWorkerFailed);  // worker 0 unhealthy
+    Result<Ticket> held = r.Route(Role::kDecode, {"held", 10});
+    ASSERT_EQ(held->worker(), 1u);
+    EXPECT_TRUE(r.RemoveWorker(Role::kDecode, Ep(2001)));
+    EXPECT_FALSE(r.RemoveWorker(Role::kDecode, Ep(2001))) << "not a member any more";
+    EXPECT_EQ(r.members(Role::kDecode), 1u);
+    EXPECT_EQ(r.size(Role::kDecode), 2u) << "its slot stays while its ticket lives";
+    for (int i = 0; i < 4; ++i) {
+        Result<Ticket> t = r.Route(Role::kDecode, {"x", 0});
+        EXPECT_EQ(t->worker(), 0u) << "the unhealthy member, not the one that left";
+        t->End(Outcome::kRefused);
+    }
+    held->End(Outcome::kSucceeded);
+    EXPECT_EQ(r.Workers(Role::kDecode)[1].in_flight, 0u);
+    EXPECT_EQ(r.Workers(Role::kDecode)[1].succeeded, 1u);
+    r.RemoveWorker(Role::kDecode, Ep(2000));
+    Result<Ticket> none = r.Route(Role::kDecode, {"x", 0});
+    ASSERT_FALSE(none.ok());
+    EXPECT_EQ(none.status().code(), Code::kUnavailable);
+    EXPECT_EQ(r.AddWorker(Role::kDecode, Ep(2000)), 0u) << "back in its old slot";
+    WorkerState back = r.Workers(Role::kDecode)[0];
+    EXPECT_TRUE(back.member);
+    EXPECT_TRUE(back.healthy);
+    EXPECT_EQ(back.consecutive_failures, 0);
+    EXPECT_FALSE(back.agent) << "a restarted worker's agent is read again";
+    // Added as not answering (as from the store): not routed to while another answers.
+    r.AddWorker(Role::kDecode, Ep(2001), /*answering=*/false);
+    for (int i = 0; i < 3; ++i) {
+        Result<Ticket> t = r.Route(Role::kDecode, {"x", 0});
+        EXPECT_EQ(t->worker(), 0u);
+        t->End(Outcome::kSucceeded);
+    }
+    r.ReportAnswered(Role::kDecode, 1, std::nullopt);
+    std::set<size_t> seen;
+    for (int i = 0; i < 4; ++i) seen.insert(r.Route(Role::kDecode, {"x", 0})->worker());
+    EXPECT_EQ(seen, (std::set<size_t>{0, 1})) << "answering, it takes requests";
+    // Three unanswered polls in a row and it is avoided again.
+    for (int i = 0; i < 3; ++i) r.ReportUnanswered(Role::kDecode, 1);
+    EXPECT_FALSE(r.Workers(Role::kDecode)[1].answering);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(r.Route(Role::kDecode, {"x", 0})->worker(), 0u);
+}
+
+// The load a policy compares reconciles the router's own count with what the worker reports:
+// requests sent by another router (or straight to the worker) count, and a report that went
+// stale stops counting.
+TEST(Router, LeastLoadedWeighsWhatWorkersReportBesideItsOwnCount) {
+    RouterConfig rc;
+    rc.policy = MakeLeastLoaded();
+    rc.report_ttl = std::chrono::milliseconds(300);
+    Router r(std::move(rc));
+    for (int i = 0; i < 3; ++i) r.AddWorker(Role::kPrefill, Ep(1000 + i));
+    // Worker 0 is busy with another router's requests; worker 1 reports a fuller KV cache.
+    r.ReportAnswered(Role::kPrefill, 0, ReportedLoad{3, 2, 0.5});
+    r.ReportAnswered(Role::kPrefill, 1, ReportedLoad{0, 0, 0.9});
+    r.ReportAnswered(Role::kPrefill, 2, ReportedLoad{0, 0, 0.1});
+    EXPECT_EQ(r.Workers(Role::kPrefill)[0].Load(), 5.0);
+    std::vector<Ticket> t;
+    t.push_back(std::move(*r.Route(Role::kPrefill, {"a", 0})));
+    EXPECT_EQ(t.back().worker(), 2u) << "the lower KV usage breaks the tie";
+    t.push_back(std::move(*r.Route(Role::kPrefill, {"b", 0})));
+    EXPECT_EQ(t.back().worker(), 1u);
+    // Both now hold one of ours; a report of 1 running there is the same request, not another.
+    r.ReportAnswered(Role::kPrefill, 1, ReportedLoad{0, 1, 0.9});
+    EXPECT_EQ(r.Workers(Role::kPrefill)[1].Load(), 1.0);
+    for (int i = 0; i < 4; ++i) {
+        t.push_back(std::move(*r.Route(Role::kPrefill, {"c", 0})));
+        EXPECT_NE(t.back().worker(), 0u) << "worker 0's own report keeps it last";
+    }
+    // Its report goes stale (no poll answered since): its load is the router's count alone (0).
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    EXPECT_FALSE(r.Workers(Role::kPrefill)[0].reported);
+    EXPECT_EQ(r.Route(Role::kPrefill, {"d", 0})->worker(), 0u);
+    const std::string m = r.RenderMetrics();
+    EXPECT_NE(m.find("ferry_router_worker_load{role=\"prefill\",worker=\"127.0.0.1:1001\"} 3"),
+              std::string::npos)
+        << m;
+}
+
+// Power of two: always the less loaded of the two it draws, so the most loaded worker never gets a
+// request while two others are less loaded, and every other worker gets some.
+TEST(Router, PowerOfTwoNeverPicksTheMostLoadedOfItsTwo) {
+    RouterConfig rc;
+    rc.policy = MakePowerOfTwo(42);
+    Router r(std::move(rc));
+    for (int i = 0; i < 4; ++i) r.AddWorker(Role::kDecode, Ep(2000 + i));
+    r.ReportAnswered(Role::kDecode, 3, ReportedLoad{50, 8, 1.0});
+    std::map<size_t, int> count;
+    std::vector<Ticket> held;
+    for (int i = 0; i < 60; ++i) {
+        held.push_back(std::move(*r.Route(Role::kDecode, {"x", 1})));
+        ++count[held.back().worker()];
+    }
+    EXPECT_EQ(count[3], 0) << "58 reported requests: never the less loaded of two";
+    for (size_t w = 0; w < 3; ++w) {
+        EXPECT_GE(count[w], 10) << "worker " << w;
+        EXPECT_LE(count[w], 30) << "worker " << w;
+    }
+}
+
+TEST(RouterMembership, ParsesVllmsLoadGaugesAndRefusesWhatIsNotANumber) {
+    const char* text =
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        "vllm:num_requests_running{engine=\"0\",model_name=\"m}\"} 3.0\n"
+        "vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2\n"
+        "vllm:num_requests_running_created 1.7e9\n"
+        "vllm:num_requests_waiting{engine=\"0\"} 4 1700000000000\n"
+        "vllm:kv_cache_usage_perc{engine=\"0\"} 0.25\n"
+        "vllm:kv_cache_usage_perc{engine=\"1\"} 0.75\n"
+        "vllm:gpu_cache_usage_perc 0.99\n"
+        "ferry_num_requests_running 100\n";
+    Result<ReportedLoad> l = ParseWorkerLoad(text);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    EXPECT_EQ(l->running, 5.0) << "summed over engines; a label value with '}' is no end";
+    EXPECT_EQ(l->waiting, 4.0) << "a timestamp after the value is not the value";
+    EXPECT_EQ(l->kv_usage, 0.75) << "the fullest engine's";
+    EXPECT_EQ(ParseWorkerLoad("ferry_num_requests_running 1\n").status().code(), Code::kNotFound);
+    for (const char* bad : {"vllm:num_requests_running NaN\n", "vllm:num_requests_running -1\n",
+                            "vllm:num_requests_waiting{a=\"b\" 1\n",
+                            "vllm:num_requests_waiting 1x\n", "vllm:kv_cache_usage_perc \n"}) {
+        Result<ReportedLoad> b = ParseWorkerLoad(bad);
+        ASSERT_FALSE(b.ok()) << bad;
+        EXPECT_EQ(b.status().code(), Code::kInvalidArgument) << bad;
+        EXPECT_NE(b.status().message().find("vllm:"), std::string::npos) << b.status().ToString();
+    }
 }
 
 TEST(RouterProtocol, BodiesAndParamsAreVllmsAndFerrysFields) {
@@ -522,6 +662,108 @@ TEST(WorkerDirectory, OnlyTheDeploymentFilesWorkerRecordsInASecretStore) {
     EXPECT_FALSE(dir->Find("127.0.0.1:9103"));
     EXPECT_EQ(dir->size(), 1u);
     EXPECT_GE(store->Stats().unauthorized, 2u);
+}
+
+// A worker serving /metrics with vLLM's load gauges (as ferry workers and vLLM's do).
+struct MetricsWorker {
+    std::mutex mu;
+    double running = 0, waiting = 0;
+    std::atomic<int> polled{0};
+    std::unique_ptr<http::Server> server;
+    MetricsWorker() {
+        http::ServerConfig c;
+        c.name = "metrics";
+        c.io_threads = 1;
+        std::vector<http::Route> routes = {
+            {"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
+                 ++polled;
+                 std::lock_guard lock(mu);
+                 ex->Reply({200,
+                            "text/plain",
+                            fmt::format("vllm:num_requests_running{{model_name=\"tiny\"}} {}\n"
+                                        "vllm:num_requests_waiting{{model_name=\"tiny\"}} {}\n"
+                                        "vllm:kv_cache_usage_perc{{model_name=\"tiny\"}} 0.5\n",
+                                        running, waiting),
+                            {}});
+             }}};
+        server = std::move(http::Server::Start(c, routes)).value();
+    }
+    std::string url() const { return fmt::format("127.0.0.1:{}", server->port()); }
+};
+
+bool Until(const std::function<bool()>& pred,
+           std::chrono::seconds limit = std::chrono::seconds(10)) {
+    auto end = std::chrono::steady_clock::now() + limit;
+    while (!pred() && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return pred();
+}
+
+// The router's workers follow the store: a registered worker joins and takes requests once its
+// /metrics answered, with its load as reported; one whose record goes leaves; records of another
+// model or role, or naming no address, are counted and ignored; a worker given as a flag stays.
+TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
+    auto store = std::move(StoreServer::Start({})).value();
+    MetricsWorker p0, d0, d1, static_d;
+    d0.running = 2;
+    d0.waiting = 1;
+    auto dir = std::shared_ptr<WorkerDirectory>(
+        std::move(WorkerDirectory::Start(store->url(), {})).value());
+    auto router = std::make_shared<Router>(RouterConfig{.policy = MakeLeastLoaded()});
+    router->AddWorker(Role::kDecode, Ep(static_d.server->port()));
+    const auto ttl = std::chrono::milliseconds(3000);
+    auto reg = [&](const WorkerRecord& r) {
+        return std::move(WorkerRegistration::Start(store->url(), {}, r, ttl)).value();
+    };
+    auto rp0 = reg({p0.url(), "prefill", "tiny", 1, "p0", "127.0.0.1", 7301});
+    auto rd0 = reg({d0.url(), "decode", "tiny", 1, "d0", "127.0.0.1", 7302});
+    auto other_model = reg({"127.0.0.1:9", "decode", "llama", 1, "x", "127.0.0.1", 7303});
+    auto other_role = reg({"127.0.0.1:10", "encode", "tiny", 1, "", "", 0});
+    auto no_address = reg({"nowhere", "prefill", "tiny", 1, "", "", 0});
+    auto m = Membership::Start(
+        {.directory = dir, .model = "tiny", .poll = std::chrono::milliseconds(50)}, router);
+    ASSERT_TRUE(Until([&] { return router->members(Role::kDecode) == 2; }));
+    EXPECT_EQ(router->members(Role::kPrefill), 1u);
+    ASSERT_TRUE(Until([&] {
+        auto ws = router->Workers(Role::kDecode);
+        return ws.size() == 2 && ws[1].reported && ws[1].reported->running == 2;
+    }));
+    EXPECT_EQ(router->Workers(Role::kDecode)[1].Load(), 3.0) << "waiting + running as reported";
+    EXPECT_EQ(router->Agent(Role::kPrefill, 0)->engine_id, "p0") << "its agent from its record";
+    MembershipStats st = m->Stats();
+    EXPECT_EQ(st.joined, 2u);
+    EXPECT_EQ(st.records_ignored["model"], 1u);
+    EXPECT_EQ(st.records_ignored["role"], 1u);
+    EXPECT_EQ(st.records_ignored["address"], 1u);
+    // A new worker takes requests within moments of registering (a store event, then one poll).
+    auto start = std::chrono::steady_clock::now();
+    auto rd1 = reg({d1.url(), "decode", "tiny", 1, "d1", "127.0.0.1", 7304});
+    ASSERT_TRUE(Until([&] {
+        auto ws = router->Workers(Role::kDecode);
+        return ws.size() == 3 && ws[2].member && ws[2].answering;
+    }));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+    // Least loaded: the static worker (0) and the new one (0) before d0 (3).
+    std::set<size_t> got;
+    for (int i = 0; i < 2; ++i) got.insert(router->Route(Role::kDecode, {"x", 0})->worker());
+    EXPECT_EQ(got, (std::set<size_t>{0, 2}));
+    // Its record goes (a drain, a clean stop, or its lease lapsing): it leaves; the static stays.
+    rd1->Stop();
+    ASSERT_TRUE(Until([&] { return !router->Workers(Role::kDecode)[2].member; }));
+    EXPECT_TRUE(router->Workers(Role::kDecode)[0].member);
+    EXPECT_EQ(m->Stats().left, 1u);
+    // Back under the same address with a new agent (a restart): a member again, the new agent.
+    auto rd1b = reg({d1.url(), "decode", "tiny", 1, "d1-restarted", "127.0.0.1", 7305});
+    ASSERT_TRUE(Until([&] {
+        auto a = router->Agent(Role::kDecode, 2);
+        return router->Workers(Role::kDecode)[2].member && a && a->engine_id == "d1-restarted";
+    }));
+    const std::string text = m->RenderMetrics();
+    EXPECT_NE(text.find("ferry_router_membership_records_ignored_total{reason=\"model\"} 1"),
+              std::string::npos)
+        << text;
+    m->Stop();
 }
 
 }  // namespace

@@ -29,9 +29,13 @@ http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e,
 
 std::vector<http::Route> OpenAiServer::Impl::Routes() {
     std::vector<http::Route> r;
-    r.push_back({"GET", "/health", [](std::shared_ptr<http::Exchange> ex) {
-                     ex->Reply({200, "application/json", "{\"status\":\"ok\"}", {}});
-                 }});
+    r.push_back(
+        {"GET", "/health", [this](std::shared_ptr<http::Exchange> ex) {
+             if (draining.load()) {
+                 return ex->Reply({503, "application/json", "{\"status\":\"draining\"}", {}});
+             }
+             ex->Reply({200, "application/json", "{\"status\":\"ok\"}", {}});
+         }});
     r.push_back({"GET", "/v1/models", [this](std::shared_ptr<http::Exchange> ex) {
                      Json m = {{"id", model_name},   {"object", "model"},
                                {"created", created}, {"owned_by", "ferry"},
@@ -234,6 +238,8 @@ void OpenAiServer::Stop() {
     impl_->stopped = true;
     impl_->stop_cv.notify_all();
 }
+
+void OpenAiServer::SetDraining() { impl_->draining = true; }
 
 void OpenAiServer::Wait() {
     std::unique_lock lock(impl_->stop_mu);

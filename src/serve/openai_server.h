@@ -79,6 +79,9 @@ class OpenAiServer {
     void Stop();
     // Blocks until Stop() is called from another thread (or a signal handler's thread).
     void Wait();
+    // From now on GET /health answers 503 {"status": "draining"} (load balancers and routers
+    // stop sending); requests that still come are served as before.
+    void SetDraining();
 
   private:
     struct Impl;

@@ -166,6 +166,7 @@ struct OpenAiServer::Impl {
     // The same, for handlers: they may run before Start has stored `http`.
     std::atomic<http::Server*> http_ready{nullptr};
     std::atomic<bool> stopping{false};
+    std::atomic<bool> draining{false};
     std::mutex stop_mu;
     std::condition_variable stop_cv;
     bool stopped = false;

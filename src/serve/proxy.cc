@@ -4,10 +4,12 @@
 
 #include <atomic>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "core/prometheus.h"
 #include "discovery/worker_directory.h"
 #include "router/driver.h"
+#include "router/membership.h"
 
 namespace ferry::serve {
 
@@ -23,9 +25,9 @@ struct Proxy::Impl {
     ProxyConfig cfg;
     std::shared_ptr<WorkerDirectory> directory;  // null without a store
     std::shared_ptr<router::Router> router;
+    std::unique_ptr<router::Membership> membership;
     std::unique_ptr<http::Client> client;
     std::shared_ptr<router::Driver> driver;
-    http::Endpoint first_decoder;
     std::unique_ptr<http::Server> server;
     std::atomic<http::Server*> server_ready{nullptr};  // for handlers that run before Start ends
 
@@ -42,6 +44,7 @@ struct Proxy::Impl {
                   double(s.client_gone));
         w.Gauge("ferry_proxy_requests_in_flight", "Requests being relayed.", double(s.in_flight));
         w.Append(router->RenderMetrics());
+        w.Append(membership->RenderMetrics());
         http::Server* srv = server_ready.load();
         http::ServerStats hs = srv ? srv->Stats() : http::ServerStats{};
         w.Gauge("ferry_http_connections_open", "Open HTTP connections.",
@@ -58,18 +61,20 @@ struct Proxy::Impl {
                  cfg.max_body_bytes});
         }
         r.push_back({"GET", "/health", [this](std::shared_ptr<http::Exchange> ex) {
-                         ex->Reply({200,
-                                    "application/json",
-                                    Dump({{"status", "ok"},
-                                          {"prefill_instances", cfg.prefill.size()},
-                                          {"decode_instances", cfg.decode.size()},
-                                          {"policy", router->policy_name()}}),
-                                    {}});
+                         ex->Reply(
+                             {200,
+                              "application/json",
+                              Dump({{"status", "ok"},
+                                    {"prefill_instances", router->members(router::Role::kPrefill)},
+                                    {"decode_instances", router->members(router::Role::kDecode)},
+                                    {"policy", router->policy_name(router::Role::kPrefill)},
+                                    {"decode_policy", router->policy_name(router::Role::kDecode)}}),
+                              {}});
                      }});
         r.push_back({"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
                          ex->Reply({200, "text/plain; version=0.0.4", Metrics(), {}});
                      }});
-        // What any worker answers alike (the first decode worker does): the models it serves,
+        // What any worker answers alike (a decode worker does): the models it serves,
         // and vLLM's /tokenize and /detokenize (every worker has the same tokenizer).
         r.push_back({"GET", "/v1/models", [this](std::shared_ptr<http::Exchange> ex) {
                          ToFirstDecoder(ex, "GET", "/v1/models");
@@ -84,12 +89,25 @@ struct Proxy::Impl {
         return r;
     }
 
+    // The first decode worker that is a member and answers (else the first member).
+    std::optional<http::Endpoint> ADecoder() const {
+        std::optional<http::Endpoint> any;
+        for (const router::WorkerState& w : router->Workers(router::Role::kDecode)) {
+            if (!w.member) continue;
+            if (w.answering) return w.endpoint;
+            if (!any) any = w.endpoint;
+        }
+        return any;
+    }
+
     void ToFirstDecoder(const std::shared_ptr<http::Exchange>& ex, const char* method,
                         const char* target) {
+        std::optional<http::Endpoint> decoder = ADecoder();
+        if (!decoder) return ex->Reply(router::ErrorReply(503, "router: no decode worker"));
         http::ClientRequest req;
         req.method = method;
-        req.host = first_decoder.host;
-        req.port = first_decoder.port;
+        req.host = decoder->host;
+        req.port = decoder->port;
         req.target = target;
         req.body = ex->request().body;
         req.timeout = std::chrono::seconds(10);
@@ -104,13 +122,15 @@ struct Proxy::Impl {
 Proxy::Proxy(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
-    if (config.prefill.empty() || config.decode.empty()) {
-        return InvalidArgumentError("proxy: at least one --prefill and one --decode worker");
+    if ((config.prefill.empty() || config.decode.empty()) && config.store_url.empty()) {
+        return InvalidArgumentError(
+            "proxy: at least one --prefill and one --decode worker, or a store they register in");
     }
     auto impl = std::make_shared<Impl>();
     impl->cfg = std::move(config);
     router::RouterConfig rc;
     rc.policy = std::move(impl->cfg.policy);
+    rc.decode_policy = std::move(impl->cfg.decode_policy);
     if (!impl->cfg.store_url.empty()) {
         StoreOptions so;
         so.secret = impl->cfg.store_secret;
@@ -126,7 +146,11 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     for (const http::Endpoint& ep : impl->cfg.decode) {
         impl->router->AddWorker(router::Role::kDecode, ep);
     }
-    impl->first_decoder = impl->cfg.decode.front();
+    router::MembershipConfig mc;
+    mc.directory = impl->directory;
+    mc.model = impl->cfg.model;
+    mc.poll = impl->cfg.load_poll;
+    impl->membership = router::Membership::Start(std::move(mc), impl->router);
     impl->client = http::Client::Create(std::max(1, impl->cfg.io_threads / 2));
     router::DriverConfig dc;
     dc.protocol = impl->cfg.protocol;
@@ -154,6 +178,7 @@ int Proxy::port() const { return impl_->server->port(); }
 
 void Proxy::Stop() {
     if (impl_->server) impl_->server->Stop();
+    if (impl_->membership) impl_->membership->Stop();
     impl_->client.reset();
 }
 

@@ -21,7 +21,9 @@ namespace ferry::serve {
 struct ProxyConfig {
     std::string host = "127.0.0.1";
     int port = 8000;
-    std::vector<http::Endpoint> prefill;  // their OpenAI servers
+    // Workers given as flags (their OpenAI servers); with a store, also those registered there
+    // (router/membership.h), so that a proxy with a store needs none.
+    std::vector<http::Endpoint> prefill;
     std::vector<http::Endpoint> decode;
     router::Protocol protocol = router::Protocol::kPull;
     // A worker call not answered by then fails the request (504).
@@ -29,7 +31,12 @@ struct ProxyConfig {
     int io_threads = 0;
     size_t max_body_bytes = 16u << 20;
     std::chrono::milliseconds request_deadline{10000};
-    std::unique_ptr<router::RoutingPolicy> policy;  // null: round robin
+    std::unique_ptr<router::RoutingPolicy> policy;         // prefill's; null: round robin
+    std::unique_ptr<router::RoutingPolicy> decode_policy;  // null: the same as policy
+    // The model the workers serve: store records of another are ignored ("": the first found).
+    std::string model;
+    // How often each worker's /metrics is read for its load (router/membership.h).
+    std::chrono::milliseconds load_poll{250};
     // The deployment's router token (RouterToken of its secret): sent to the workers on every
     // call ("Authorization: Bearer ..."); workers with a secret honour kv_transfer_params only
     // with it. "" = none.
@@ -42,7 +49,8 @@ struct ProxyConfig {
 
 class Proxy {
   public:
-    // InvalidArgument without workers of each kind; Unavailable if the port cannot be bound.
+    // InvalidArgument without workers of each kind and without a store; Unavailable if the port
+    // cannot be bound. With a store and no worker yet, requests get 503 until one registers.
     static Result<std::unique_ptr<Proxy>> Start(ProxyConfig config);
     ~Proxy();
     int port() const;

@@ -39,6 +39,28 @@ std::string OpenAiServer::Impl::RenderMetrics() {
             double(s.kv_external_tokens));
     counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
             double(s.kv_load_failures));
+    // The same figures under the names routers scrape from vLLM workers (llm-d's scorers, vLLM's
+    // router, Dynamo; labelled as vLLM's V1 engine labels them), so that they route over ferry
+    // workers unchanged; ferry's router reads them too (router/membership.h).
+    {
+        const PrometheusWriter::Labels labels = {{"model_name", model_name}, {"engine", "0"}};
+        auto vllm = [&](const char* name, const char* type, const char* help, double v) {
+            w.Family(name, type, help);
+            w.Sample(name, labels, v);
+        };
+        vllm("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+             s.running);
+        vllm("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+             s.waiting);
+        vllm("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             s.kv_blocks_total ? double(s.kv_blocks_used) / s.kv_blocks_total : 0.0);
+        vllm("vllm:prefix_cache_queries_total", "counter",
+             "Prefix cache queries, in terms of number of queried tokens.",
+             double(s.prefix_query_tokens));
+        vllm("vllm:prefix_cache_hits_total", "counter",
+             "Prefix cache hits, in terms of number of cached tokens.",
+             double(s.prefix_hit_tokens));
+    }
     if (config.extra_metrics) w.Append(config.extra_metrics());
     // Decode-first: the prefill workers this decoder routes to, as a proxy reports them.
     if (!remote_prefill->Workers(router::Role::kPrefill).empty()) {

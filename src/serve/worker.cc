@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/crypto.h"
 #include "core/host_port.h"
@@ -112,6 +113,35 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
 }
 
 int Worker::port() const { return server_ ? server_->port() : 0; }
+
+size_t Worker::InFlight() const {
+    engine::EngineStats s = engine_->Stats();
+    return size_t(s.running + s.waiting + s.kv_parked + s.kv_loading + s.kv_held);
+}
+
+Worker::DrainResult Worker::Drain(std::chrono::milliseconds timeout,
+                                  std::chrono::milliseconds quiet,
+                                  const std::function<bool()>& interrupted) {
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now(), deadline = start + timeout;
+    if (registration_) registration_->Stop();  // the record goes: routers stop sending here
+    if (server_) server_->SetDraining();
+    DrainResult r;
+    Clock::time_point idle_since = start;
+    for (;;) {
+        const Clock::time_point now = Clock::now();
+        r.in_flight = InFlight();
+        if (r.in_flight != 0) idle_since = now;
+        if (r.in_flight == 0 && now - idle_since >= quiet) {
+            r.drained = true;
+            break;
+        }
+        if (now >= deadline || (interrupted && interrupted())) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    r.took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    return r;
+}
 
 void Worker::Stop() {
     if (registration_) registration_->Stop();  // routers stop sending here first

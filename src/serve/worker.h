@@ -9,6 +9,8 @@
 // (An encode role, an encoder-cache connector beside the KV one, comes with the EPD issue.)
 #pragma once
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -76,6 +78,23 @@ class Worker {
     int port() const;  // the server's; 0 without one
     // Stops serving (open streams end), then aborts what is in flight. Idempotent.
     void Stop();
+
+    // A graceful stop's first half (SIGTERM): the worker leaves the store (routers stop sending
+    // here within a store event), answers /health with 503, and serves what is in flight and
+    // what still arrives. Returns once nothing has been in flight for `quiet` (a router that
+    // picked this worker just before its record went has sent by then), after `timeout`, or
+    // when `interrupted` says so (a second signal); true if it drained. Stop() follows.
+    struct DrainResult {
+        bool drained = false;
+        size_t in_flight = 0;  // left when it returned
+        std::chrono::milliseconds took{0};
+    };
+    DrainResult Drain(std::chrono::milliseconds timeout,
+                      std::chrono::milliseconds quiet = std::chrono::milliseconds(500),
+                      const std::function<bool()>& interrupted = {});
+    // Requests the engine holds in any state: waiting, running, parked or loading KV, or
+    // finished with blocks a remote worker still reads (a prefill worker's held KV).
+    size_t InFlight() const;
 
   private:
     Worker() = default;

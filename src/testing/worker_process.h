@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,12 @@ class ServerProcess {
     void Kill() { child_.Kill(); }
     bool Stop() const { return child_.Stop(); }  // SIGSTOP, all threads stopped
     void Signal(int sig) const { child_.Signal(sig); }
+    // Its exit code once it exited by itself within `wait` (core/child_process.h).
+    std::optional<int> WaitExit(std::chrono::milliseconds wait) { return child_.WaitExit(wait); }
+    // The next line it prints that starts with `prefix` (after the listening line).
+    Result<std::string> ReadLine(const std::string& prefix, std::chrono::milliseconds timeout) {
+        return child_.ReadLine(prefix, timeout);
+    }
     // Starts it again with the same arguments, on the same HTTP port.
     Status Restart();
 

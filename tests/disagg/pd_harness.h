@@ -1,0 +1,213 @@
+// What the multi-process P/D tests share: a tiny model file, the colocated reference answers,
+// request bodies whose answers carry token ids, and a client that sends many at once.
+#pragma once
+
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "http/http.h"
+#include "testing/testing.h"
+#include "testing/tiny_model.h"
+#include "testing/worker_process.h"
+
+namespace ferry::pd_test {
+
+using Json = nlohmann::json;
+using testing::ServerProcess;
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int kPrompts = 24;  // sanitizer builds run every step several times slower
+constexpr int kMaxPromptLen = 600;
+#else
+constexpr int kPrompts = 100;
+constexpr int kMaxPromptLen = 2000;
+#endif
+
+inline std::vector<int32_t> RandomPrompt(int n, uint32_t seed) {
+    std::mt19937 g(seed);
+    std::vector<int32_t> p(n);
+    for (auto& t : p) t = static_cast<int32_t>(g() % 256);
+    return p;
+}
+
+// Lengths 1..kMaxPromptLen: the edges of blocks and a spread between.
+inline std::vector<std::vector<int32_t>> Prompts() {
+    std::vector<std::vector<int32_t>> out;
+    std::mt19937 g(7);
+    for (int i = 0; i < kPrompts; ++i) {
+        int n = i < 6 ? std::vector<int>{1, 15, 16, 17, 31, kMaxPromptLen}[i]
+                      : 1 + static_cast<int>(g() % kMaxPromptLen);
+        out.push_back(RandomPrompt(n, 100 + i));
+    }
+    return out;
+}
+
+struct Answer {
+    int status = 0;
+    std::vector<int32_t> tokens;
+    std::string body;
+    Status error;
+};
+
+inline Json CompletionBody(const std::vector<int32_t>& prompt, int max_tokens, bool stream,
+                           std::optional<uint64_t> seed = std::nullopt) {
+    Json b = {{"prompt", prompt}, {"max_tokens", max_tokens},
+              {"temperature", 0}, {"ignore_eos", true},
+              {"logprobs", 0},    {"return_tokens_as_token_ids", true},
+              {"stream", stream}};
+    if (seed) {
+        b["temperature"] = 0.8;
+        b["seed"] = *seed;
+    }
+    return b;
+}
+
+// The token ids of a completion answer, whole or streamed.
+inline std::vector<int32_t> TokensOf(const std::string& body, bool stream) {
+    std::vector<int32_t> out;
+    auto take = [&](const Json& choice) {
+        if (!choice.contains("logprobs") || !choice["logprobs"].is_object()) return;
+        for (const Json& t : choice["logprobs"]["tokens"]) {
+            std::string s = t.get<std::string>();
+            out.push_back(std::stoi(s.substr(s.find(':') + 1)));
+        }
+    };
+    if (!stream) {
+        Json j = Json::parse(body, nullptr, false);
+        if (j.is_object() && j.contains("choices")) take(j["choices"][0]);
+        return out;
+    }
+    size_t pos = 0;
+    while ((pos = body.find("data: ", pos)) != std::string::npos) {
+        size_t end = body.find("\n\n", pos);
+        std::string ev = body.substr(pos + 6, end - pos - 6);
+        pos = end;
+        if (ev == "[DONE]") break;
+        Json j = Json::parse(ev, nullptr, false);
+        if (j.is_object() && j.contains("choices") && !j["choices"].empty()) take(j["choices"][0]);
+    }
+    return out;
+}
+
+inline http::ClientRequest Post(int port, const Json& body,
+                                const std::string& path = "/v1/completions") {
+    http::ClientRequest r;
+    r.port = port;
+    r.target = path;
+    r.body = body.dump();
+    r.timeout = std::chrono::seconds(120);
+    return r;
+}
+
+// Sends every body at once (at most `parallel` in flight) and collects the answers.
+inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int parallel = 16) {
+    auto client = http::Client::Create(2);
+    std::vector<Answer> out(bodies.size());
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t next = 0, done = 0;
+    int inflight = 0;
+    std::function<void()> launch = [&] {
+        // mu held
+        while (inflight < parallel && next < bodies.size()) {
+            size_t i = next++;
+            ++inflight;
+            auto status = std::make_shared<int>(0);
+            auto body = std::make_shared<std::string>();
+            http::ClientCallbacks cb;
+            cb.on_head = [status](const http::ClientHead& h) { *status = h.status; };
+            cb.on_data = [body](std::string_view d) { body->append(d); };
+            const bool stream = bodies[i]["stream"].get<bool>();
+            cb.on_done = [&, i, status, body, stream](const Status& st) {
+                std::lock_guard lock(mu);
+                out[i].status = *status;
+                out[i].body = *body;
+                out[i].error = st;
+                out[i].tokens = TokensOf(*body, stream);
+                --inflight;
+                ++done;
+                launch();
+                cv.notify_all();
+            };
+            client->Call(Post(port, bodies[i]), std::move(cb));
+        }
+    };
+    std::unique_lock lock(mu);
+    launch();
+    cv.wait_for(lock, std::chrono::seconds(600), [&] { return done == bodies.size(); });
+    lock.unlock();
+    client.reset();  // its threads are joined before what the callbacks touch goes
+    return out;
+}
+
+inline std::unique_ptr<ServerProcess> StartOrDie(std::vector<std::string> args,
+                                                 std::string log_path = "") {
+    auto p = ServerProcess::Start(FERRY_BIN, std::move(args), std::chrono::seconds(60),
+                                  std::move(log_path));
+    if (!p.ok()) {
+        ADD_FAILURE() << p.status().ToString();
+        return nullptr;
+    }
+    return std::move(p).value();
+}
+
+class PdProcess : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        // UCX's shared-memory transports refuse peer error handling: tcp (docs/transfer-engine).
+        setenv("UCX_TLS", "tcp", 1);
+        model_ = new testing::TinyModelFile("pd-process-test", testing::TinyModelSpec(4096), 21);
+    }
+    static void TearDownTestSuite() {
+        delete model_;
+        model_ = nullptr;
+    }
+    static std::vector<std::string> WorkerArgs(const std::string& role, const std::string& backend,
+                                               int tp, std::vector<std::string> extra = {}) {
+        std::vector<std::string> a = {"serve",
+                                      "--model",
+                                      model_->path(),
+                                      "--port",
+                                      "0",
+                                      "--block-size",
+                                      "16",
+                                      "--num-kv-blocks",
+                                      "6000",
+                                      "--tp",
+                                      std::to_string(tp),
+                                      "--max-model-len",
+                                      "4096",
+                                      "--role",
+                                      role};
+        if (role != "colocated") {
+            a.insert(a.end(), {"--kv-backend", backend});
+        }
+        a.insert(a.end(), extra.begin(), extra.end());
+        return a;
+    }
+    // The colocated answers of Prompts() (computed once per TP and sampling).
+    static const std::vector<Answer>& Reference(int tp) {
+        static std::map<int, std::vector<Answer>> cache;
+        auto it = cache.find(tp);
+        if (it != cache.end()) return it->second;
+        auto colocated = StartOrDie(WorkerArgs("colocated", "", tp));
+        std::vector<Json> bodies;
+        for (const auto& p : Prompts()) bodies.push_back(CompletionBody(p, 6, false));
+        return cache[tp] = SendAll(colocated->port(), bodies);
+    }
+    inline static testing::TinyModelFile* model_ = nullptr;
+};
+
+}  // namespace ferry::pd_test
