@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 #include <signal.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -143,6 +144,29 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ->check(CLI::Range(0, 1 << 20));
     serve->add_flag("--no-chunked-prefill", no_chunked, "prefill each prompt in one step");
     serve->add_flag("--no-prefix-caching", no_prefix, "disable automatic prefix caching");
+    static std::string hash_seed =
+        std::getenv("PYTHONHASHSEED") ? std::getenv("PYTHONHASHSEED") : "0";
+    serve
+        ->add_option("--prefix-hash-seed", hash_seed,
+                     "the seed of the prefix cache's block hashes, vLLM's sha256_cbor form "
+                     "(default $PYTHONHASHSEED, as vLLM, else 0): routers and vLLM-compatible "
+                     "KV-aware routers recompute them with it")
+        ->capture_default_str();
+    static std::string kv_events_endpoint, kv_events_replay, kv_events_topic,
+        kv_events_layout = "vllm";
+    serve->add_option("--kv-events-endpoint", kv_events_endpoint,
+                      "publish KV events (blocks stored, removed, all cleared) in vLLM's wire "
+                      "format on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (bound; an address "
+                      "without '*' is connected to); off by default");
+    serve->add_option("--kv-events-replay-endpoint", kv_events_replay,
+                      "ZeroMQ ROUTER endpoint that replays missed batches, e.g. tcp://*:5558");
+    serve->add_option("--kv-events-topic", kv_events_topic, "the events' topic frame (vLLM: \"\")");
+    serve
+        ->add_option("--kv-events-layout", kv_events_layout,
+                     "vllm (vLLM's current structs, 32-byte hashes) or legacy (array_like structs "
+                     "and 64-bit integer hashes, as vLLM's example subscriber decodes)")
+        ->check(CLI::IsMember({"vllm", "legacy"}))
+        ->capture_default_str();
     serve->add_option("--max-model-len", ec.max_model_len, "context limit (0: the model's)")
         ->check(CLI::Range(0, 1 << 24));
     serve
@@ -274,6 +298,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
         ec.chunked_prefill = !no_chunked;
         ec.prefix_caching = !no_prefix;
+        ec.prefix_hash_seed = hash_seed;
         serve::WorkerConfig wc;
         wc.role = *serve::ParseWorkerRole(role);
         wc.kv_connector = kv_connector;
@@ -318,6 +343,14 @@ void AddServeCommand(CLI::App& app, int* rc) {
         wc.engine = ec;
         wc.server = sc;
         wc.registration_ttl = std::chrono::milliseconds(store_ttl_ms);
+        wc.kv_events.endpoint = kv_events_endpoint;
+        wc.kv_events.replay_endpoint = kv_events_replay;
+        wc.kv_events.topic = kv_events_topic;
+        wc.kv_events.layout = *serve::ParseKvEventsLayout(kv_events_layout);
+        if (kv_events_endpoint.empty() && !kv_events_replay.empty()) {
+            return fail(
+                InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint"));
+        }
         auto started = serve::Worker::Start(std::move(wc));
         if (!started.ok()) return fail(started.status());
         std::unique_ptr<serve::Worker> worker = std::move(started).value();
@@ -334,6 +367,10 @@ void AddServeCommand(CLI::App& app, int* rc) {
         if (agent) {
             fmt::print("ferry serve: role {}, kv agent {} at {}\n", role, agent->name(),
                        agent->ListenAddress());
+        }
+        if (serve::KvEventPublisher* ev = worker->kv_events()) {
+            fmt::print("ferry serve: kv events at {}{}\n", ev->endpoint(),
+                       ev->replay_endpoint().empty() ? "" : ", replay at " + ev->replay_endpoint());
         }
         fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, server->port());
         std::fflush(stdout);

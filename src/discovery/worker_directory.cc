@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include "core/block_hash.h"
 #include "core/json_fields.h"
 #include "core/log.h"
 
@@ -13,14 +14,22 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 std::string EncodeWorkerRecord(const WorkerRecord& r) {
-    return Json{{"url", r.url},
-                {"role", r.role},
-                {"model", r.model},
-                {"tp_size", r.tp_size},
-                {"engine_id", r.engine_id},
-                {"agent_host", r.agent_host},
-                {"agent_port", r.agent_port}}
-        .dump();
+    Json j{{"url", r.url},
+           {"role", r.role},
+           {"model", r.model},
+           {"tp_size", r.tp_size},
+           {"engine_id", r.engine_id},
+           {"agent_host", r.agent_host},
+           {"agent_port", r.agent_port}};
+    if (r.block_size > 0) {
+        j["block_hash"] = {{"version", kBlockHashSpecVersion},
+                           {"algorithm", kBlockHashAlgorithm},
+                           {"seed", r.hash_seed},
+                           {"block_size", r.block_size},
+                           {"extra_keys", "none"}};
+    }
+    if (!r.kv_events.empty()) j["kv_events"] = r.kv_events;
+    return j.dump();
 }
 
 Result<WorkerRecord> DecodeWorkerRecord(std::string_view json) {
@@ -37,6 +46,23 @@ Result<WorkerRecord> DecodeWorkerRecord(std::string_view json) {
     FERRY_ASSIGN_OR_RETURN(r.agent_host, f.String("agent_host", 256));
     FERRY_ASSIGN_OR_RETURN(int64_t port, f.Int("agent_port", 0, 65535));
     r.agent_port = static_cast<int>(port);
+    if (j.contains("block_hash")) {
+        const Json& bh = j["block_hash"];
+        if (!bh.is_object()) return InvalidArgumentError("'block_hash' must be an object");
+        JsonFields b(bh);
+        FERRY_ASSIGN_OR_RETURN(int64_t version, b.Int("version", 1, 1000));
+        FERRY_ASSIGN_OR_RETURN(std::string algorithm, b.String("algorithm", 64));
+        if (version != kBlockHashSpecVersion || algorithm != kBlockHashAlgorithm) {
+            return InvalidArgumentError(fmt::format(
+                "'block_hash' is version {} of '{}'; this router knows version {} of '{}'", version,
+                algorithm.substr(0, 64), kBlockHashSpecVersion, kBlockHashAlgorithm));
+        }
+        FERRY_ASSIGN_OR_RETURN(r.hash_seed, b.String("seed", 256));
+        FERRY_ASSIGN_OR_RETURN(int64_t bs, b.Int("block_size", 1, 1 << 16));
+        r.block_size = static_cast<int>(bs);
+    }
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> events, f.OptString("kv_events", 300));
+    if (events) r.kv_events = *events;
     return r;
 }
 

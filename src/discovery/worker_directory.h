@@ -30,6 +30,13 @@ struct WorkerRecord {
     // Its transfer agent (empty engine_id: none).
     std::string engine_id, agent_host;
     int agent_port = 0;
+    // Its prefix cache's block hashes, so that a router recomputes them (core/block_hash.h):
+    // "block_hash": {"version", "algorithm", "seed", "block_size", "extra_keys"}; absent in
+    // records of older workers (block_size 0).
+    int block_size = 0;
+    std::string hash_seed{};
+    // Where its KV events are published (serve/kv_events.h); "" = not published.
+    std::string kv_events{};
 };
 
 std::string EncodeWorkerRecord(const WorkerRecord& r);

@@ -67,7 +67,7 @@ struct Engine::Sequence {
     int prompt_len = 0;
     int num_computed = 0;  // tokens whose KV is in the cache
     std::vector<kv::BlockId> blocks;
-    std::vector<uint64_t> hashes;  // of the leading full blocks recorded in the prefix cache
+    std::vector<BlockHash> hashes;  // of the leading full blocks recorded in the prefix cache
     int cached_tokens = 0;
     int num_output = 0;
     model::Sampler sampler;
@@ -133,7 +133,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Model> mod
         e->cache_ptrs_.push_back(cache.get());
         e->caches_.push_back(std::move(cache));
     }
-    e->pool_ = std::make_unique<kv::KvBlockPool>(c.num_blocks, c.block_tokens, c.prefix_caching);
+    e->pool_ = std::make_unique<kv::KvBlockPool>(c.num_blocks, c.block_tokens, c.prefix_caching,
+                                                 RootBlockHash(c.prefix_hash_seed));
+    e->pool_->set_record_events(static_cast<bool>(c.on_kv_events));
     e->counters_.kv_blocks_total = c.num_blocks;
     if (c.connector) {
         Engine* p = e.get();
@@ -377,7 +379,7 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
         }
         // Start from the longest cached prefix; at least the last token is computed, to have
         // its logits. Waiting sequences hold no blocks: on failure the prefix goes back.
-        std::vector<uint64_t> hashes;
+        std::vector<BlockHash> hashes;
         s->blocks =
             pool_->AcquireCachedPrefix(std::span(s->tokens).first(len - 1), SIZE_MAX, &hashes);
         s->hashes = std::move(hashes);
@@ -432,6 +434,10 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
 
 bool Engine::Step() {
     bool more = StepBatch();
+    if (config_.on_kv_events) {
+        std::vector<kv::KvCacheEvent> events = pool_->TakeEvents();
+        if (!events.empty()) config_.on_kv_events(std::move(events));
+    }
     PublishStats();
     DeliverFinals();
     return more;
@@ -516,9 +522,9 @@ void Engine::CommitFullBlocks(Sequence* s) {
     const int bt = config_.block_tokens;
     while (static_cast<int>(s->hashes.size() + 1) * bt <= s->num_computed) {
         size_t b = s->hashes.size();
-        uint64_t parent = b == 0 ? 0 : s->hashes.back();
+        const BlockHash parent = b == 0 ? pool_->root() : s->hashes.back();
         auto toks = std::span(s->tokens).subspan(b * bt, bt);
-        uint64_t h = kv::HashBlock(parent, toks);
+        const BlockHash h = HashBlockTokens(parent, toks);
         pool_->Cache(s->blocks[b], h, parent, toks);
         s->hashes.push_back(h);
     }

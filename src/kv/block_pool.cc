@@ -7,26 +7,11 @@
 
 namespace ferry::kv {
 
-namespace {
-
-uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-}  // namespace
-
-uint64_t HashBlock(uint64_t parent, std::span<const int32_t> tokens) {
-    uint64_t h = Mix(parent ^ 0x66657272796b7621ull);
-    for (int32_t t : tokens) h = Mix(h ^ static_cast<uint32_t>(t));
-    h = Mix(h ^ tokens.size());
-    return h == 0 ? 1 : h;  // 0 means "no parent"
-}
-
-KvBlockPool::KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching)
-    : block_tokens_(block_tokens), prefix_caching_(prefix_caching), blocks_(num_blocks) {
+KvBlockPool::KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching, BlockHash root)
+    : block_tokens_(block_tokens),
+      prefix_caching_(prefix_caching),
+      root_(root),
+      blocks_(num_blocks) {
     for (BlockId b = 0; b < num_blocks; ++b) {
         blocks_[b].free_it = free_.insert(free_.end(), b);
         blocks_[b].in_free = true;
@@ -35,15 +20,15 @@ KvBlockPool::KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching)
 
 std::vector<BlockId> KvBlockPool::AcquireCachedPrefix(std::span<const int32_t> tokens,
                                                       size_t max_blocks,
-                                                      std::vector<uint64_t>* hashes) {
+                                                      std::vector<BlockHash>* hashes) {
     std::vector<BlockId> out;
     hashes->clear();
     if (!prefix_caching_) return out;
-    uint64_t parent = 0;
+    BlockHash parent = root_;
     size_t full = std::min(tokens.size() / block_tokens_, max_blocks);
     for (size_t i = 0; i < full; ++i) {
         auto chunk = tokens.subspan(i * block_tokens_, block_tokens_);
-        uint64_t h = HashBlock(parent, chunk);
+        const BlockHash h = HashBlockTokens(parent, chunk);
         auto it = by_hash_.find(h);
         if (it == by_hash_.end()) break;
         Block& b = blocks_[it->second];
@@ -94,7 +79,7 @@ void KvBlockPool::Free(std::span<const BlockId> blocks) {
     }
 }
 
-void KvBlockPool::Cache(BlockId block, uint64_t hash, uint64_t parent,
+void KvBlockPool::Cache(BlockId block, const BlockHash& hash, const BlockHash& parent,
                         std::span<const int32_t> tokens) {
     if (!prefix_caching_) return;
     Block& b = blocks_[block];
@@ -104,6 +89,19 @@ void KvBlockPool::Cache(BlockId block, uint64_t hash, uint64_t parent,
     b.parent = parent;
     b.tokens.assign(tokens.begin(), tokens.end());
     by_hash_[hash] = block;
+    if (!record_events_) return;
+    if (!events_.empty() && events_.back().kind == KvCacheEvent::Kind::kStored &&
+        events_.back().hashes.back() == parent) {
+        events_.back().hashes.push_back(hash);  // the next block of the same chain
+        events_.back().tokens.insert(events_.back().tokens.end(), tokens.begin(), tokens.end());
+        return;
+    }
+    KvCacheEvent e;
+    e.kind = KvCacheEvent::Kind::kStored;
+    e.hashes.push_back(hash);
+    if (parent != root_) e.parent = parent;
+    e.tokens.assign(tokens.begin(), tokens.end());
+    events_.push_back(std::move(e));
 }
 
 void KvBlockPool::Uncache(BlockId b) {
@@ -111,12 +109,27 @@ void KvBlockPool::Uncache(BlockId b) {
     by_hash_.erase(blk.hash);
     blk.cached = false;
     blk.tokens.clear();
+    if (!record_events_) return;
+    if (events_.empty() || events_.back().kind != KvCacheEvent::Kind::kRemoved) {
+        events_.push_back({KvCacheEvent::Kind::kRemoved, {}, std::nullopt, {}});
+    }
+    events_.back().hashes.push_back(blk.hash);
 }
 
 void KvBlockPool::ResetCache() {
+    const bool record = record_events_;
+    record_events_ = false;  // one AllBlocksCleared, not a removal per block
     for (BlockId b = 0; b < num_blocks(); ++b) {
         if (blocks_[b].cached) Uncache(b);
     }
+    record_events_ = record;
+    if (record_events_) events_.push_back({KvCacheEvent::Kind::kAllCleared, {}, std::nullopt, {}});
+}
+
+std::vector<KvCacheEvent> KvBlockPool::TakeEvents() {
+    std::vector<KvCacheEvent> out;
+    out.swap(events_);
+    return out;
 }
 
 }  // namespace ferry::kv

@@ -1,5 +1,6 @@
 // The block pool of a paged KV cache, with automatic prefix caching (vLLM's design): a full block
-// is identified by a hash chained over the token ids of every block up to it; a finished
+// is identified by a hash chained over the token ids of every block up to it (vLLM's reproducible
+// sha256_cbor form from a seed's root, core/block_hash.h, so a router recomputes it); a finished
 // sequence's blocks go back to the free list still holding their contents and stay findable by
 // hash until they are reused (least recently freed first). A hit also compares the token ids and
 // the parent hash, so a hash collision can never hand out the wrong KV.
@@ -9,22 +10,33 @@
 
 #include <cstdint>
 #include <list>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
+#include "core/block_hash.h"
 #include "ferry/status.h"
 
 namespace ferry::kv {
 
 using BlockId = int32_t;
 
-// Hash of a full block of `tokens` following a block with hash `parent` (0 for the first block).
-uint64_t HashBlock(uint64_t parent, std::span<const int32_t> tokens);
+// What changed in the prefix cache (vLLM's KV events: BlockStored, BlockRemoved,
+// AllBlocksCleared), in order.
+struct KvCacheEvent {
+    enum class Kind { kStored, kRemoved, kAllCleared };
+    Kind kind = Kind::kStored;
+    std::vector<BlockHash> hashes;    // stored or removed, in chain order for stored
+    std::optional<BlockHash> parent;  // stored: the first block's parent; none for a prompt's first
+    std::vector<int32_t> tokens;      // stored: every block's tokens, in order
+};
 
 class KvBlockPool {
   public:
-    KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching);
+    KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching,
+                BlockHash root = RootBlockHash("0"));
+    const BlockHash& root() const { return root_; }
 
     int num_blocks() const { return static_cast<int>(blocks_.size()); }
     int block_tokens() const { return block_tokens_; }
@@ -38,7 +50,7 @@ class KvBlockPool {
     // `tokens`, at most `max_blocks` of them; returns them in order and fills `hashes` with their
     // hashes.
     std::vector<BlockId> AcquireCachedPrefix(std::span<const int32_t> tokens, size_t max_blocks,
-                                             std::vector<uint64_t>* hashes);
+                                             std::vector<BlockHash>* hashes);
     // `n` fresh blocks (each with one reference), evicting cached ones as needed;
     // ResourceExhausted (and nothing taken) if fewer than `n` are free.
     Result<std::vector<BlockId>> Allocate(int n);
@@ -46,10 +58,17 @@ class KvBlockPool {
     // tail is evicted before its head.
     void Free(std::span<const BlockId> blocks);
     // Records that `block` now holds the full block `tokens` whose chained hash is `hash`
-    // (parent hash `parent`). If another block already holds that content, nothing changes.
-    void Cache(BlockId block, uint64_t hash, uint64_t parent, std::span<const int32_t> tokens);
+    // (parent hash `parent`: the root for a prompt's first block). If another block already
+    // holds that content, nothing changes.
+    void Cache(BlockId block, const BlockHash& hash, const BlockHash& parent,
+               std::span<const int32_t> tokens);
     // Forgets every cached block (contents can no longer be trusted, e.g. after a failed load).
     void ResetCache();
+
+    // Events: off until asked for. Consecutive stores of one chain merge into one event, as
+    // consecutive removals do.
+    void set_record_events(bool on) { record_events_ = on; }
+    std::vector<KvCacheEvent> TakeEvents();
 
     int refcount(BlockId b) const { return blocks_[b].refs; }
 
@@ -57,8 +76,8 @@ class KvBlockPool {
     struct Block {
         int refs = 0;
         bool cached = false;
-        uint64_t hash = 0;
-        uint64_t parent = 0;
+        BlockHash hash{};
+        BlockHash parent{};
         std::vector<int32_t> tokens;
         std::list<BlockId>::iterator free_it;
         bool in_free = false;
@@ -67,9 +86,12 @@ class KvBlockPool {
 
     int block_tokens_;
     bool prefix_caching_;
+    BlockHash root_;
     std::vector<Block> blocks_;
     std::list<BlockId> free_;  // front = next to reuse
-    std::unordered_map<uint64_t, BlockId> by_hash_;
+    std::unordered_map<BlockHash, BlockId, BlockHashKey> by_hash_;
+    bool record_events_ = false;
+    std::vector<KvCacheEvent> events_;
 };
 
 }  // namespace ferry::kv

@@ -19,11 +19,11 @@ std::vector<int32_t> Tokens(int n, int salt) {
 // Caches the full blocks of `tokens` held in `blocks`.
 void CacheAll(KvBlockPool* pool, const std::vector<BlockId>& blocks,
               const std::vector<int32_t>& tokens) {
-    uint64_t parent = 0;
+    BlockHash parent = pool->root();
     const int bt = pool->block_tokens();
     for (size_t b = 0; (b + 1) * bt <= tokens.size(); ++b) {
         auto chunk = std::span(tokens).subspan(b * bt, bt);
-        uint64_t h = HashBlock(parent, chunk);
+        const BlockHash h = HashBlockTokens(parent, chunk);
         pool->Cache(blocks[b], h, parent, chunk);
         parent = h;
     }
@@ -48,7 +48,7 @@ TEST(KvBlockPool, FindsTheLongestCachedPrefixAndSharesIt) {
     CacheAll(&pool, a, t);
     pool.Free(a);
     EXPECT_EQ(pool.num_cached(), 3);
-    std::vector<uint64_t> hashes;
+    std::vector<BlockHash> hashes;
     auto other = t;
     other[9] = 999;  // differs inside the third block
     auto hit = pool.AcquireCachedPrefix(other, SIZE_MAX, &hashes);
@@ -73,7 +73,7 @@ TEST(KvBlockPool, EvictsLeastRecentlyFreedTailsFirst) {
     pool.Free(b);
     auto fresh = *pool.Allocate(1);  // evicts a's tail
     EXPECT_EQ(fresh[0], a[2]);
-    std::vector<uint64_t> hashes;
+    std::vector<BlockHash> hashes;
     EXPECT_EQ(pool.AcquireCachedPrefix(t1, SIZE_MAX, &hashes).size(), 2u);
     EXPECT_EQ(pool.AcquireCachedPrefix(t2, SIZE_MAX, &hashes).size(), 3u);
 }
@@ -82,12 +82,50 @@ TEST(KvBlockPool, AHashCollisionIsNotAHit) {
     KvBlockPool pool(4, 2, true);
     auto t = Tokens(2, 1);
     auto a = *pool.Allocate(1);
-    uint64_t h = HashBlock(0, t);
+    const BlockHash h = HashBlockTokens(pool.root(), t);
     std::vector<int32_t> liar = {5, 6};
-    pool.Cache(a[0], h, 0, liar);  // recorded under t's hash with other tokens
+    pool.Cache(a[0], h, pool.root(), liar);  // recorded under t's hash with other tokens
     pool.Free(a);
-    std::vector<uint64_t> hashes;
+    std::vector<BlockHash> hashes;
     EXPECT_TRUE(pool.AcquireCachedPrefix(t, SIZE_MAX, &hashes).empty());
+}
+
+// Its hashes are the reproducible ones (core/block_hash.h) from the pool's seed, and what changes
+// in the cache comes out as vLLM's events: one BlockStored per chain (the first block's parent
+// none), one BlockRemoved per run of evictions, AllBlocksCleared on a reset.
+TEST(KvBlockPool, HashesAreTheSeedsChainAndChangesAreEvents) {
+    KvBlockPool pool(6, 2, true, RootBlockHash("7"));
+    pool.set_record_events(true);
+    auto t = Tokens(6, 1);
+    auto a = *pool.Allocate(3);
+    CacheAll(&pool, a, t);
+    std::vector<KvCacheEvent> ev = pool.TakeEvents();
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kStored);
+    EXPECT_EQ(ev[0].hashes, HashFullBlocks(RootBlockHash("7"), t, 2));
+    EXPECT_FALSE(ev[0].parent) << "a prompt's first block has no parent (vLLM: None)";
+    EXPECT_EQ(ev[0].tokens, t);
+    // A later block of the same chain, stored on its own: its parent is named.
+    auto longer = Tokens(8, 1);
+    auto b = *pool.Allocate(1);
+    pool.Cache(b[0], HashBlockTokens(ev[0].hashes.back(), std::span(longer).subspan(6, 2)),
+               ev[0].hashes.back(), std::span(longer).subspan(6, 2));
+    ev = pool.TakeEvents();
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_EQ(ev[0].parent, std::optional<BlockHash>(HashFullBlocks(pool.root(), t, 2).back()));
+    EXPECT_EQ(ev[0].hashes, std::vector<BlockHash>{HashFullBlocks(pool.root(), longer, 2)[3]});
+    pool.Free(a);
+    pool.Free(b);
+    auto fresh = *pool.Allocate(6);  // evicts every cached block
+    ev = pool.TakeEvents();
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kRemoved);
+    EXPECT_EQ(ev[0].hashes.size(), 4u);
+    pool.ResetCache();
+    ev = pool.TakeEvents();
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kAllCleared);
+    EXPECT_TRUE(pool.TakeEvents().empty());
 }
 
 TEST(KvBlockPool, DisabledPrefixCachingNeverHits) {
@@ -96,7 +134,7 @@ TEST(KvBlockPool, DisabledPrefixCachingNeverHits) {
     auto a = *pool.Allocate(2);
     CacheAll(&pool, a, t);
     pool.Free(a);
-    std::vector<uint64_t> hashes;
+    std::vector<BlockHash> hashes;
     EXPECT_TRUE(pool.AcquireCachedPrefix(t, SIZE_MAX, &hashes).empty());
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/crypto.h"
 #include "core/host_port.h"
+#include "core/prometheus.h"
 
 namespace ferry::serve {
 
@@ -84,6 +85,31 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             c.server.remote_prefill_agents = router::AgentsFromDirectory(w->directory_);
         }
     }
+    if (!c.kv_events.endpoint.empty()) {
+        c.kv_events.block_size = c.engine.block_tokens;
+        auto pub = KvEventPublisher::Start(c.kv_events);
+        if (!pub.ok()) return pub.status();
+        w->kv_events_ = std::move(pub).value();
+        c.engine.on_kv_events = [pub = w->kv_events_](std::vector<kv::KvCacheEvent> events) {
+            pub->Publish(std::move(events));
+        };
+        auto extra = std::move(c.server.extra_metrics);
+        c.server.extra_metrics = [extra, pub = w->kv_events_] {
+            const KvEventsStats st = pub->Stats();
+            PrometheusWriter m;
+            m.Counter("ferry_kv_events_batches_total", "KV event batches published.",
+                      double(st.batches));
+            m.Counter("ferry_kv_events_total", "KV events published.", double(st.events));
+            m.Counter("ferry_kv_events_dropped_total",
+                      "KV event batches dropped for a full queue (a gap subscribers see).",
+                      double(st.dropped));
+            m.Counter("ferry_kv_events_replays_total", "Replay requests answered.",
+                      double(st.replays));
+            std::string out = m.Take();
+            if (extra) out += extra();
+            return out;
+        };
+    }
     auto engine = engine::Engine::Create(c.model, c.engine);
     if (!engine.ok()) return engine.status();
     w->engine_ = std::shared_ptr<engine::Engine>(std::move(engine).value());
@@ -101,6 +127,9 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             const HostPort a = ParseHostPort(w->agent_->ListenAddress(), 0).value();
             r.agent_host = a.host;
             r.agent_port = a.port;
+            r.block_size = c.engine.block_tokens;
+            r.hash_seed = c.engine.prefix_hash_seed;
+            if (w->kv_events_) r.kv_events = w->kv_events_->endpoint();
             StoreOptions so;
             so.secret = c.agent.secret;
             auto reg =

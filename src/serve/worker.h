@@ -22,6 +22,7 @@
 #include "kv/agent_connector.h"
 #include "kv/connector_registry.h"
 #include "model/model.h"
+#include "serve/kv_events.h"
 #include "serve/openai_server.h"
 
 namespace ferry::serve {
@@ -49,6 +50,9 @@ struct WorkerConfig {
     // parse_kv_params. Decode-first prefill workers (server.remote_prefill) need role decode.
     ServerConfig server;
     bool serve_http = true;  // false: no server (tests that drive the engine directly)
+    // KV events in vLLM's wire format (serve/kv_events.h); an empty endpoint: none. Its block
+    // size is the engine's.
+    KvEventsConfig kv_events;
     // With a store (agent.store) and a server: how long the worker's record there outlives it.
     std::chrono::milliseconds registration_ttl{10000};
 };
@@ -75,6 +79,8 @@ class Worker {
     const std::shared_ptr<kv::KvConnector>& connector() const { return connector_; }
     // Null without serve_http.
     OpenAiServer* server() { return server_.get(); }
+    // Null without kv_events.endpoint.
+    KvEventPublisher* kv_events() { return kv_events_.get(); }
     int port() const;  // the server's; 0 without one
     // Stops serving (open streams end), then aborts what is in flight. Idempotent.
     void Stop();
@@ -101,6 +107,7 @@ class Worker {
     WorkerRole role_ = WorkerRole::kColocated;
     std::shared_ptr<Agent> agent_;
     std::shared_ptr<kv::KvConnector> connector_;
+    std::shared_ptr<KvEventPublisher> kv_events_;  // outlives the engine that publishes to it
     std::shared_ptr<engine::Engine> engine_;
     std::unique_ptr<OpenAiServer> server_;
     std::unique_ptr<WorkerRegistration> registration_;  // its record in the store

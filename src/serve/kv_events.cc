@@ -1,0 +1,361 @@
+#include "serve/kv_events.h"
+
+#include <fmt/core.h>
+#include <zmq.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "core/log.h"
+
+namespace ferry::serve {
+
+namespace {
+
+// msgpack, as msgspec writes it: the shortest form of each integer, str/bin/array/map headers
+// by length, float64 for a float.
+class Msgpack {
+  public:
+    void Nil() { out_.push_back(char(0xc0)); }
+    void Uint(uint64_t v) {
+        if (v < 128) {
+            out_.push_back(char(v));
+        } else if (v <= 0xff) {
+            out_.push_back(char(0xcc));
+            Be(v, 1);
+        } else if (v <= 0xffff) {
+            out_.push_back(char(0xcd));
+            Be(v, 2);
+        } else if (v <= 0xffffffffull) {
+            out_.push_back(char(0xce));
+            Be(v, 4);
+        } else {
+            out_.push_back(char(0xcf));
+            Be(v, 8);
+        }
+    }
+    void Int(int64_t v) {
+        if (v >= 0) return Uint(uint64_t(v));
+        if (v >= -32) {
+            out_.push_back(char(int8_t(v)));
+        } else if (v >= INT8_MIN) {
+            out_.push_back(char(0xd0));
+            Be(uint64_t(v), 1);
+        } else if (v >= INT16_MIN) {
+            out_.push_back(char(0xd1));
+            Be(uint64_t(v), 2);
+        } else if (v >= INT32_MIN) {
+            out_.push_back(char(0xd2));
+            Be(uint64_t(v), 4);
+        } else {
+            out_.push_back(char(0xd3));
+            Be(uint64_t(v), 8);
+        }
+    }
+    void Float(double v) {
+        out_.push_back(char(0xcb));
+        uint64_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        Be(bits, 8);
+    }
+    void Str(std::string_view s) {
+        if (s.size() < 32) {
+            out_.push_back(char(0xa0 | s.size()));
+        } else if (s.size() <= 0xff) {
+            out_.push_back(char(0xd9));
+            Be(s.size(), 1);
+        } else if (s.size() <= 0xffff) {
+            out_.push_back(char(0xda));
+            Be(s.size(), 2);
+        } else {
+            out_.push_back(char(0xdb));
+            Be(s.size(), 4);
+        }
+        out_.append(s);
+    }
+    void Bin(const uint8_t* p, size_t n) {
+        if (n <= 0xff) {
+            out_.push_back(char(0xc4));
+            Be(n, 1);
+        } else if (n <= 0xffff) {
+            out_.push_back(char(0xc5));
+            Be(n, 2);
+        } else {
+            out_.push_back(char(0xc6));
+            Be(n, 4);
+        }
+        out_.append(reinterpret_cast<const char*>(p), n);
+    }
+    void Array(size_t n) { Header(n, 0x90, 0xdc, 0xdd); }
+    void Map(size_t n) { Header(n, 0x80, 0xde, 0xdf); }
+    std::string Take() { return std::move(out_); }
+
+  private:
+    void Header(size_t n, uint8_t fix, uint8_t b16, uint8_t b32) {
+        if (n < 16) {
+            out_.push_back(char(fix | n));
+        } else if (n <= 0xffff) {
+            out_.push_back(char(b16));
+            Be(n, 2);
+        } else {
+            out_.push_back(char(b32));
+            Be(n, 4);
+        }
+    }
+    void Be(uint64_t v, int bytes) {
+        for (int i = bytes - 1; i >= 0; --i) out_.push_back(char((v >> (8 * i)) & 0xff));
+    }
+    std::string out_;
+};
+
+void Hash(Msgpack& m, const BlockHash& h, KvEventsLayout layout) {
+    if (layout == KvEventsLayout::kLegacy) {
+        m.Uint(BlockHashToInt(h));
+    } else {
+        m.Bin(h.data(), h.size());
+    }
+}
+
+void Hashes(Msgpack& m, const std::vector<BlockHash>& hs, KvEventsLayout layout) {
+    m.Array(hs.size());
+    for (const BlockHash& h : hs) Hash(m, h, layout);
+}
+
+void Event(Msgpack& m, const kv::KvCacheEvent& e, KvEventsLayout layout, int block_size) {
+    using Kind = kv::KvCacheEvent::Kind;
+    const bool legacy = layout == KvEventsLayout::kLegacy;
+    auto key = [&](const char* k) {
+        if (!legacy) m.Str(k);
+    };
+    switch (e.kind) {
+        case Kind::kStored:
+            legacy ? m.Array(7) : m.Map(9);
+            key("type");
+            m.Str("BlockStored");
+            key("block_hashes");
+            Hashes(m, e.hashes, layout);
+            key("parent_block_hash");
+            e.parent ? Hash(m, *e.parent, layout) : m.Nil();
+            key("token_ids");
+            m.Array(e.tokens.size());
+            for (int32_t t : e.tokens) m.Int(t);
+            key("block_size");
+            m.Int(block_size);
+            key("lora_id");
+            m.Nil();
+            key("medium");
+            m.Str("GPU");
+            if (!legacy) {
+                m.Str("lora_name");
+                m.Nil();
+                m.Str("group_idx");
+                m.Uint(0);
+            }
+            break;
+        case Kind::kRemoved:
+            legacy ? m.Array(3) : m.Map(4);
+            key("type");
+            m.Str("BlockRemoved");
+            key("block_hashes");
+            Hashes(m, e.hashes, layout);
+            key("medium");
+            m.Str("GPU");
+            if (!legacy) {
+                m.Str("group_idx");
+                m.Uint(0);
+            }
+            break;
+        case Kind::kAllCleared:
+            legacy ? m.Array(1) : m.Map(1);
+            key("type");
+            m.Str("AllBlocksCleared");
+            break;
+    }
+}
+
+std::string SeqBytes(int64_t seq) {
+    std::string s(8, '\0');
+    for (int i = 0; i < 8; ++i) s[7 - i] = char((uint64_t(seq) >> (8 * i)) & 0xff);
+    return s;
+}
+
+bool Send(void* socket, const std::string& frame, bool more) {
+    return zmq_send(socket, frame.data(), frame.size(), more ? ZMQ_SNDMORE : 0) >= 0;
+}
+
+std::string LastEndpoint(void* socket) {
+    char buf[256];
+    size_t n = sizeof buf;
+    if (zmq_getsockopt(socket, ZMQ_LAST_ENDPOINT, buf, &n) != 0 || n == 0) return "";
+    return std::string(buf, strnlen(buf, n));
+}
+
+}  // namespace
+
+Result<KvEventsLayout> ParseKvEventsLayout(std::string_view name) {
+    if (name == "vllm") return KvEventsLayout::kVllm;
+    if (name == "legacy") return KvEventsLayout::kLegacy;
+    return InvalidArgumentError(
+        fmt::format("kv events layout '{}' is not one of vllm, legacy", name));
+}
+
+std::string EncodeKvEventBatch(double ts, std::span<const kv::KvCacheEvent> events,
+                               KvEventsLayout layout, int block_size) {
+    Msgpack m;
+    const bool legacy = layout == KvEventsLayout::kLegacy;
+    if (legacy) {
+        m.Array(2);
+    } else {
+        m.Map(3);
+        m.Str("ts");
+    }
+    m.Float(ts);
+    if (!legacy) m.Str("events");
+    m.Array(events.size());
+    for (const kv::KvCacheEvent& e : events) Event(m, e, layout, block_size);
+    if (!legacy) {
+        m.Str("data_parallel_rank");
+        m.Uint(0);
+    }
+    return m.Take();
+}
+
+Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig config) {
+    std::unique_ptr<KvEventPublisher> p(new KvEventPublisher());
+    p->config_ = std::move(config);
+    const KvEventsConfig& c = p->config_;
+    p->ctx_ = zmq_ctx_new();
+    if (!p->ctx_) return InternalError("kv events: zmq_ctx_new failed");
+    p->pub_ = zmq_socket(p->ctx_, ZMQ_PUB);
+    int hwm = 100000, linger = 0;
+    zmq_setsockopt(p->pub_, ZMQ_SNDHWM, &hwm, sizeof hwm);
+    zmq_setsockopt(p->pub_, ZMQ_LINGER, &linger, sizeof linger);
+    // vLLM's convention: bind a wildcard or local transport, connect to anything else.
+    const std::string& ep = c.endpoint;
+    const bool bind = ep.find('*') != std::string::npos || ep.find("::") != std::string::npos ||
+                      ep.rfind("ipc://", 0) == 0 || ep.rfind("inproc://", 0) == 0;
+    if ((bind ? zmq_bind(p->pub_, ep.c_str()) : zmq_connect(p->pub_, ep.c_str())) != 0) {
+        return InvalidArgumentError(
+            fmt::format("--kv-events-endpoint '{}': {}", ep, zmq_strerror(zmq_errno())));
+    }
+    p->bound_endpoint_ = bind ? LastEndpoint(p->pub_) : ep;
+    if (!c.replay_endpoint.empty()) {
+        p->replay_ = zmq_socket(p->ctx_, ZMQ_ROUTER);
+        zmq_setsockopt(p->replay_, ZMQ_LINGER, &linger, sizeof linger);
+        if (zmq_bind(p->replay_, c.replay_endpoint.c_str()) != 0) {
+            return InvalidArgumentError(fmt::format("--kv-events-replay-endpoint '{}': {}",
+                                                    c.replay_endpoint, zmq_strerror(zmq_errno())));
+        }
+        p->bound_replay_ = LastEndpoint(p->replay_);
+    }
+    p->thread_ = std::thread([raw = p.get()] { raw->Loop(); });
+    return p;
+}
+
+KvEventPublisher::~KvEventPublisher() {
+    {
+        std::lock_guard lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    if (pub_) zmq_close(pub_);
+    if (replay_) zmq_close(replay_);
+    if (ctx_) zmq_ctx_term(ctx_);
+}
+
+void KvEventPublisher::Publish(std::vector<kv::KvCacheEvent> events) {
+    if (events.empty()) return;
+    const double ts =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    {
+        std::lock_guard lock(mu_);
+        if (queue_.size() >= config_.max_queue) {
+            ++stats_.dropped;  // a subscriber sees the gap in the sequence numbers
+            return;
+        }
+        queue_.emplace_back(ts, std::move(events));
+    }
+    cv_.notify_one();
+}
+
+KvEventsStats KvEventPublisher::Stats() const {
+    std::lock_guard lock(mu_);
+    return stats_;
+}
+
+void KvEventPublisher::Loop() {
+    for (;;) {
+        if (replay_) {
+            zmq_pollitem_t item{replay_, 0, ZMQ_POLLIN, 0};
+            while (zmq_poll(&item, 1, 0) > 0 && (item.revents & ZMQ_POLLIN)) ServeReplay();
+        }
+        std::pair<double, std::vector<kv::KvCacheEvent>> batch;
+        {
+            std::unique_lock lock(mu_);
+            // With a replay socket, look at it every 10 ms; a batch wakes this at once.
+            cv_.wait_for(lock, std::chrono::milliseconds(replay_ ? 10 : 200),
+                         [&] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) {
+                if (stop_) return;
+                continue;
+            }
+            batch = std::move(queue_.front());
+            queue_.pop_front();
+        }
+        std::string payload =
+            EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
+        const uint64_t seq = next_seq_++;
+        const bool sent = Send(pub_, config_.topic, true) &&
+                          Send(pub_, SeqBytes(int64_t(seq)), true) && Send(pub_, payload, false);
+        if (!sent)
+            FERRY_LOG(kWarn, "kv events: batch {} not sent: {}", seq, zmq_strerror(zmq_errno()));
+        buffer_.emplace_back(seq, std::move(payload));
+        while (buffer_.size() > config_.buffer_batches) buffer_.pop_front();
+        std::lock_guard lock(mu_);
+        ++stats_.batches;
+        stats_.events += batch.second.size();
+    }
+}
+
+void KvEventPublisher::ServeReplay() {
+    // A REQ client's request: identity, empty delimiter, 8-byte start sequence.
+    std::vector<std::string> frames;
+    for (;;) {
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        if (zmq_msg_recv(&msg, replay_, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&msg);
+            return;
+        }
+        frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+        const bool more = zmq_msg_more(&msg);
+        zmq_msg_close(&msg);
+        if (!more || frames.size() > 8) break;
+    }
+    if (frames.size() != 3 || !frames[1].empty() || frames[2].size() != 8) {
+        FERRY_LOG(kWarn,
+                  "kv events: replay request of {} frames ignored (want identity, empty, "
+                  "an 8-byte sequence number)",
+                  frames.size());
+        if (frames.size() >= 2 && frames[1].empty()) {
+            // Still answer a REQ client (it waits for a reply): the end marker alone.
+            Send(replay_, frames[0], true) && Send(replay_, "", true) &&
+                Send(replay_, SeqBytes(-1), true) && Send(replay_, "", false);
+        }
+        return;
+    }
+    uint64_t start = 0;
+    for (unsigned char c : frames[2]) start = (start << 8) | c;
+    for (const auto& [seq, payload] : buffer_) {
+        if (seq < start) continue;
+        Send(replay_, frames[0], true) && Send(replay_, "", true) &&
+            Send(replay_, SeqBytes(int64_t(seq)), true) && Send(replay_, payload, false);
+    }
+    Send(replay_, frames[0], true) && Send(replay_, "", true) &&
+        Send(replay_, SeqBytes(-1), true) && Send(replay_, "", false);
+    std::lock_guard lock(mu_);
+    ++stats_.replays;
+}
+
+}  // namespace ferry::serve
