@@ -23,6 +23,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0",
                        policy = "round-robin", prefill_policy, decode_policy, model;
     static int64_t load_poll_ms = 250;
+    static router::CacheAwareWeights weights;
     static int port = 8000;
     static bool no_store = false;
     static std::string secret_file;
@@ -40,18 +41,32 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     px->add_option("--kv-transfer", mode, "pull or push")
         ->check(CLI::IsMember({"pull", "push"}))
         ->capture_default_str();
-    const std::vector<std::string> policies = {"round-robin", "least-loaded", "power-of-two"};
+    const std::vector<std::string> policies = {"round-robin", "least-loaded", "power-of-two",
+                                               "cache-aware"};
     px->add_option("--policy", policy,
                    "how a worker of each kind is picked: round-robin (in turn), least-loaded "
                    "(lowest load: max(requests in flight, the worker's reported waiting + "
-                   "running), then prompt tokens in flight, then KV usage) or power-of-two (the "
-                   "less loaded of two at random); docs/routing.md")
+                   "running), then prompt tokens in flight, then KV usage), power-of-two (the "
+                   "less loaded of two at random) or cache-aware (the prompt's blocks a worker "
+                   "holds, from its KV events, against its load); docs/routing.md")
         ->check(CLI::IsMember(policies))
         ->capture_default_str();
     px->add_option("--prefill-policy", prefill_policy, "prefill workers' policy (default --policy)")
         ->check(CLI::IsMember(policies));
     px->add_option("--decode-policy", decode_policy, "decode workers' policy (default --policy)")
         ->check(CLI::IsMember(policies));
+    px->add_option("--cache-prefix-weight", weights.prefix,
+                   "cache-aware: weight of the prompt's fraction a worker holds")
+        ->check(CLI::Range(0.0, 1000.0))
+        ->capture_default_str();
+    px->add_option("--cache-queue-weight", weights.queue,
+                   "cache-aware: weight of a worker's load relative to the busiest candidate's")
+        ->check(CLI::Range(0.0, 1000.0))
+        ->capture_default_str();
+    px->add_option("--cache-kv-weight", weights.kv,
+                   "cache-aware: weight of a worker's reported KV cache usage")
+        ->check(CLI::Range(0.0, 1000.0))
+        ->capture_default_str();
     px->add_option("--model", model,
                    "the model the workers serve: workers registered with another are ignored "
                    "(default: that of the first one registered)");
@@ -87,10 +102,11 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.port = port;
         pc.protocol = mode == "push" ? router::Protocol::kPush : router::Protocol::kPull;
         pc.worker_timeout = std::chrono::milliseconds(timeout_ms);
-        auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy);
+        auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy, weights);
         if (!picked.ok()) return fail(picked.status());
         pc.policy = std::move(picked).value();
-        auto picked_decode = router::MakePolicy(decode_policy.empty() ? policy : decode_policy);
+        auto picked_decode =
+            router::MakePolicy(decode_policy.empty() ? policy : decode_policy, weights);
         if (!picked_decode.ok()) return fail(picked_decode.status());
         pc.decode_policy = std::move(picked_decode).value();
         pc.model = model;

@@ -1,5 +1,6 @@
 // What a router takes from its workers: the text of a worker's /metrics (vLLM's load gauges,
-// router/membership.h) and a worker's record in the discovery store. The first byte picks which.
+// router/membership.h), a worker's record in the discovery store, and a batch of its KV events
+// (msgpack, router/kv_index.h). The first byte picks which.
 // A parsed load must be finite and non-negative with a KV usage in 0..1; a decoded record must
 // have the bounds its decoder promises; neither may crash or read out of bounds.
 #include <cmath>
@@ -8,13 +9,29 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "core/msgpack.h"
 #include "discovery/worker_directory.h"
+#include "router/kv_index.h"
 #include "router/membership.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size == 0) return 0;
     std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
-    if (data[0] % 2 == 0) {
+    if (data[0] % 3 == 2) {
+        size_t unknown = 0;
+        auto events = ferry::router::DecodeKvEventBatch(text, &unknown);
+        if (events.ok()) {
+            for (const auto& e : *events) {
+                if (e.hashes.size() > text.size()) std::abort();  // 32 bytes each, at least
+            }
+        } else if (events.status().message().empty()) {
+            std::abort();
+        }
+        ferry::MsgpackReader r(text);  // any value skips or fails, never overruns
+        while (!r.done() && r.Skip().ok()) {
+        }
+        if (r.position() > text.size()) std::abort();
+    } else if (data[0] % 3 == 0) {
         ferry::Result<ferry::router::ReportedLoad> l = ferry::router::ParseWorkerLoad(text);
         if (l.ok()) {
             for (double v : {l->waiting, l->running, l->kv_usage}) {

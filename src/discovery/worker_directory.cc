@@ -29,6 +29,7 @@ std::string EncodeWorkerRecord(const WorkerRecord& r) {
                            {"extra_keys", "none"}};
     }
     if (!r.kv_events.empty()) j["kv_events"] = r.kv_events;
+    if (!r.kv_events_replay.empty()) j["kv_events_replay"] = r.kv_events_replay;
     return j.dump();
 }
 
@@ -63,6 +64,8 @@ Result<WorkerRecord> DecodeWorkerRecord(std::string_view json) {
     }
     FERRY_ASSIGN_OR_RETURN(std::optional<std::string> events, f.OptString("kv_events", 300));
     if (events) r.kv_events = *events;
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> replay, f.OptString("kv_events_replay", 300));
+    if (replay) r.kv_events_replay = *replay;
     return r;
 }
 

@@ -35,8 +35,8 @@ struct WorkerRecord {
     // records of older workers (block_size 0).
     int block_size = 0;
     std::string hash_seed{};
-    // Where its KV events are published (serve/kv_events.h); "" = not published.
-    std::string kv_events{};
+    // Where its KV events are published and replayed (serve/kv_events.h); "" = not published.
+    std::string kv_events{}, kv_events_replay{};
 };
 
 std::string EncodeWorkerRecord(const WorkerRecord& r);

@@ -313,15 +313,26 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     f->path = path;
     f->stream =
         body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
-    // Token ids given as the prompt are counted; text is not tokenized here.
+    // Token ids given as the prompt are counted and hashed by block (a cache-aware policy scores
+    // them against the workers' caches); text is not tokenized here.
+    std::vector<BlockHash> block_hashes;
     if (body.contains("prompt") && body["prompt"].is_array()) {
         f->prompt_tokens = body["prompt"].size();
+        std::vector<int32_t> tokens;
+        tokens.reserve(f->prompt_tokens);
+        for (const Json& t : body["prompt"]) {
+            if (!t.is_number_integer()) break;
+            const int64_t v = t.get<int64_t>();
+            if (v < 0 || v > INT32_MAX) break;
+            tokens.push_back(int32_t(v));
+        }
+        if (tokens.size() == f->prompt_tokens) block_hashes = router_->PromptBlockHashes(tokens);
     }
     f->body = std::move(body);
     // One id through every worker: the client's X-Request-Id if it gave a valid one, else 128
     // random bits; the workers name their requests "cmpl-" + it.
     f->request_id = RequestIdOr(ex->request().Find("X-Request-Id"));
-    const RouteRequest rr{f->request_id, f->prompt_tokens};
+    const RouteRequest rr{f->request_id, f->prompt_tokens, block_hashes};
     Result<Ticket> p = router_->Route(Role::kPrefill, rr);
     Result<Ticket> d = p.ok() ? router_->Route(Role::kDecode, rr) : Result<Ticket>(p.status());
     if (!p.ok() || !d.ok()) {

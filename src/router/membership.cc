@@ -68,6 +68,19 @@ Result<std::optional<double>> SampleOf(std::string_view line, std::string_view n
 
 }  // namespace
 
+// A worker's events endpoint as a subscriber dials it: a wildcard host (the worker bound
+// tcp://*:P, and its record says 0.0.0.0) becomes the worker's own host.
+std::string DialableEndpoint(const std::string& endpoint, const std::string& worker_host) {
+    const std::string tcp = "tcp://";
+    if (endpoint.rfind(tcp, 0) != 0) return endpoint;
+    Result<HostPort> hp = ParseHostPort(endpoint.substr(tcp.size()));
+    if (!hp.ok()) return endpoint;
+    if (hp->host == "0.0.0.0" || hp->host == "*" || hp->host == "::" || hp->host.empty()) {
+        return tcp + FormatHostPort(worker_host, hp->port);
+    }
+    return endpoint;
+}
+
 Result<ReportedLoad> ParseWorkerLoad(std::string_view text) {
     ReportedLoad load;
     bool requests = false;
@@ -108,6 +121,14 @@ std::unique_ptr<Membership> Membership::Start(MembershipConfig config,
     m->router_ = std::move(router);
     m->model_ = m->config_.model;
     m->client_ = http::Client::Create(1);
+    if (m->config_.kv_index) {
+        std::weak_ptr<Router> weak = m->router_;
+        m->follower_ = KvEventFollower::Start(m->config_.kv_index,
+                                              [weak](const std::string& worker, bool in_sync) {
+                                                  if (auto r = weak.lock())
+                                                      r->SetKvInSync(worker, in_sync);
+                                              });
+    }
     if (m->config_.directory) m->Sync(m->config_.directory->List());
     m->thread_ = std::thread([p = m.get()] { p->Loop(); });
     return m;
@@ -124,6 +145,11 @@ void Membership::Stop() {
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
     client_.reset();  // its callbacks not run by now never run
+    follower_.reset();
+}
+
+KvFollowerStats Membership::KvStats() const {
+    return follower_ ? follower_->Stats() : KvFollowerStats{};
 }
 
 void Membership::Loop() {
@@ -160,6 +186,7 @@ void Membership::Loop() {
 
 void Membership::Sync(const std::vector<WorkerRecord>& records) {
     std::set<std::string> present[2];
+    std::map<std::string, KvEventSource> sources;
     auto ignore = [&](const WorkerRecord& r, const char* reason, const std::string& why) {
         std::lock_guard lock(mu_);
         if (!logged_.insert(r.url + " " + reason).second) return;
@@ -194,6 +221,23 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
         }
         present[r].insert(rec.url);
         const Role role = RoleAt(r);
+        if (rec.block_size > 0 && hash_block_size_ == 0) {
+            hash_seed_ = rec.hash_seed;
+            hash_block_size_ = rec.block_size;
+            router_->SetBlockHashSpec(hash_seed_, hash_block_size_);
+            FERRY_LOG(kInfo,
+                      "router: block hashes sha256_cbor, seed '{}', block size {} (those "
+                      "of {})",
+                      hash_seed_, hash_block_size_, rec.url);
+        }
+        // Only a worker that hashes as the router does gets prefix credit.
+        if (follower_ && !rec.kv_events.empty() && rec.block_size == hash_block_size_ &&
+            rec.hash_seed == hash_seed_) {
+            sources[rec.url] = {DialableEndpoint(rec.kv_events, ep->host),
+                                rec.kv_events_replay.empty()
+                                    ? std::string()
+                                    : DialableEndpoint(rec.kv_events_replay, ep->host)};
+        }
         std::vector<WorkerState> before = router_->Workers(role);
         bool was_member = std::any_of(before.begin(), before.end(), [&](const WorkerState& w) {
             return w.member && w.endpoint.host == ep->host && w.endpoint.port == ep->port;
@@ -220,6 +264,7 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
             }
         }
     }
+    if (follower_) follower_->SetWorkers(std::move(sources));
     for (int r = 0; r < 2; ++r) {
         std::vector<std::string> gone;
         {
@@ -302,6 +347,22 @@ std::string Membership::RenderMetrics() const {
         auto it = s.records_ignored.find(reason);
         w.Sample("ferry_router_membership_records_ignored_total", {{"reason", reason}},
                  double(it == s.records_ignored.end() ? 0 : it->second));
+    }
+    if (follower_) {
+        const KvFollowerStats k = follower_->Stats();
+        w.Counter("ferry_router_kv_event_batches_total", "KV event batches applied.",
+                  double(k.batches));
+        w.Family("ferry_router_kv_event_resyncs_total", "counter",
+                 "Times the router fell out of step with a worker's KV events, by cause.");
+        w.Sample("ferry_router_kv_event_resyncs_total", {{"cause", "gap"}}, double(k.gaps));
+        w.Sample("ferry_router_kv_event_resyncs_total", {{"cause", "restart"}}, double(k.restarts));
+        w.Counter("ferry_router_kv_event_replays_total", "Replays asked of workers.",
+                  double(k.replays));
+        w.Counter("ferry_router_kv_event_cleared_total",
+                  "Workers whose blocks were forgotten for a replay that could not cover a gap.",
+                  double(k.cleared));
+        w.Counter("ferry_router_kv_event_malformed_total",
+                  "KV event messages or batches ignored as malformed.", double(k.malformed));
     }
     return w.Take();
 }

@@ -36,6 +36,7 @@
 #include "discovery/worker_directory.h"
 #include "ferry/status.h"
 #include "http/http.h"
+#include "router/kv_index.h"
 #include "router/router.h"
 
 namespace ferry::router {
@@ -53,6 +54,9 @@ struct MembershipConfig {
     std::string model;
     std::chrono::milliseconds poll{250};
     std::chrono::milliseconds poll_timeout{2000};
+    // Follow the KV events of workers that publish them (their records name where) into this
+    // index, the router's (RouterConfig::kv_index); null: not followed.
+    std::shared_ptr<KvIndex> kv_index{};
 };
 
 struct MembershipStats {
@@ -70,6 +74,8 @@ class Membership {
     ~Membership();
     void Stop();
     MembershipStats Stats() const;
+    // The KV event follower's (zero without one).
+    KvFollowerStats KvStats() const;
     // Prometheus text: ferry_router_membership_* (joins, leaves, polls, records ignored).
     std::string RenderMetrics() const;
     // The model members serve ("" until one is known).
@@ -94,6 +100,9 @@ class Membership {
     std::set<std::string> from_store_[2];
     std::set<std::string> logged_;              // ignored records already logged ("url reason")
     std::set<std::pair<int, size_t>> polling_;  // (role, worker) with a poll in flight
+    std::string hash_seed_;  // the block hash spec adopted (block_size 0: none yet)
+    int hash_block_size_ = 0;
+    std::unique_ptr<KvEventFollower> follower_;
 };
 
 }  // namespace ferry::router

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <random>
 
+#include "core/host_port.h"
 #include "core/prometheus.h"
 
 namespace ferry::router {
@@ -92,6 +93,41 @@ class PowerOfTwo : public RoutingPolicy {
     std::mt19937_64 rng_;
 };
 
+class CacheAware : public RoutingPolicy {
+  public:
+    explicit CacheAware(CacheAwareWeights w) : w_(w) {}
+    const char* name() const override { return "cache-aware"; }
+    size_t Pick(Role role, const RouteRequest& request, std::span<const WorkerState> w,
+                std::span<const size_t> c) override {
+        size_t& next = next_[role == Role::kPrefill ? 0 : 1];
+        double max_load = 0;
+        for (size_t k : c) max_load = std::max(max_load, w[k].Load());
+        const double blocks = double(request.block_hashes.size());
+        auto score = [&](const WorkerState& s) {
+            double prefix = blocks > 0 ? double(s.prefix_blocks) / blocks : 0;
+            double queue = max_load > 0 ? s.Load() / max_load : 0;
+            double kv = s.reported ? s.reported->kv_usage : 0;
+            return w_.prefix * prefix - w_.queue * queue - w_.kv * kv;
+        };
+        size_t best = c[next % c.size()];  // ties go round in turn
+        double best_score = score(w[best]);
+        for (size_t i = 1; i < c.size(); ++i) {
+            size_t k = c[(next + i) % c.size()];
+            double sc = score(w[k]);
+            if (sc > best_score || (sc == best_score && LessLoaded(w[k], w[best]))) {
+                best = k;
+                best_score = sc;
+            }
+        }
+        ++next;
+        return best;
+    }
+
+  private:
+    CacheAwareWeights w_;
+    size_t next_[2] = {0, 0};
+};
+
 }  // namespace
 
 double WorkerState::Load() const {
@@ -105,12 +141,18 @@ std::unique_ptr<RoutingPolicy> MakePowerOfTwo(uint64_t seed) {
     return std::make_unique<PowerOfTwo>(seed);
 }
 
-const char* PolicyNames() { return "round-robin, least-loaded, power-of-two"; }
+std::unique_ptr<RoutingPolicy> MakeCacheAware(CacheAwareWeights weights) {
+    return std::make_unique<CacheAware>(weights);
+}
 
-Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name) {
+const char* PolicyNames() { return "round-robin, least-loaded, power-of-two, cache-aware"; }
+
+Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
+                                                  CacheAwareWeights weights) {
     if (name == "round-robin") return MakeRoundRobin();
     if (name == "least-loaded") return MakeLeastLoaded();
     if (name == "power-of-two") return MakePowerOfTwo();
+    if (name == "cache-aware") return MakeCacheAware(weights);
     return InvalidArgumentError(
         fmt::format("routing policy '{}' is not one of {}", name, PolicyNames()));
 }
@@ -122,6 +164,8 @@ struct Ticket::State {
     std::vector<Clock::time_point> last_failure[2], reported_at[2];
     std::vector<uint64_t> abandoned[2], client_gone[2], cancelled[2];
     uint64_t agents_from_store = 0, agents_from_worker = 0;
+    std::optional<BlockHash> hash_root;
+    int hash_block_size = 0;
 
     static int Index(Role role) { return role == Role::kPrefill ? 0 : 1; }
     RoutingPolicy& Policy(int r) {
@@ -322,6 +366,14 @@ Result<Ticket> Router::Route(Role role, const RouteRequest& request) {
     if (candidates.empty()) {
         return UnavailableError(fmt::format("router: no {} worker", RoleName(role)));
     }
+    for (size_t i : candidates) {
+        WorkerState& c = ws[i];
+        c.prefix_blocks = 0;
+        if (!request.block_hashes.empty() && c.kv_in_sync && state_->config.kv_index) {
+            c.prefix_blocks = state_->config.kv_index->Matched(
+                FormatHostPort(c.endpoint.host, c.endpoint.port), request.block_hashes);
+        }
+    }
     RoutingPolicy& policy = state_->Policy(r);
     size_t k = policy.Pick(role, request, ws, candidates);
     if (std::find(candidates.begin(), candidates.end(), k) == candidates.end()) {
@@ -344,6 +396,33 @@ Result<Ticket> Router::Route(Role role, const RouteRequest& request) {
     t.request_id_ = std::string(request.request_id);
     t.endpoint_ = w.endpoint;
     return t;
+}
+
+void Router::SetKvInSync(const std::string& worker, bool in_sync) {
+    std::lock_guard lock(state_->mu);
+    for (auto& ws : state_->workers) {
+        for (WorkerState& w : ws) {
+            if (FormatHostPort(w.endpoint.host, w.endpoint.port) == worker) w.kv_in_sync = in_sync;
+        }
+    }
+}
+
+void Router::SetBlockHashSpec(const std::string& seed, int block_size) {
+    std::lock_guard lock(state_->mu);
+    state_->hash_root = RootBlockHash(seed);
+    state_->hash_block_size = block_size;
+}
+
+std::vector<BlockHash> Router::PromptBlockHashes(std::span<const int32_t> tokens) const {
+    BlockHash root;
+    int block_size = 0;
+    {
+        std::lock_guard lock(state_->mu);
+        if (!state_->hash_root) return {};
+        root = *state_->hash_root;
+        block_size = state_->hash_block_size;
+    }
+    return HashFullBlocks(root, tokens, block_size);
 }
 
 std::optional<AgentInfo> Router::Agent(Role role, size_t worker) const {
@@ -436,6 +515,16 @@ std::string Router::RenderMetrics() const {
     family("ferry_router_worker_load", "gauge",
            "The load policies compare: max(requests in flight, reported waiting + running).",
            [](const WorkerState& ws) { return ws.Load(); });
+    family("ferry_router_worker_kv_in_sync", "gauge",
+           "1 while the router is in step with the worker's KV events (prefix credit).",
+           [](const WorkerState& ws) { return ws.kv_in_sync ? 1 : 0; });
+    const KvIndex* index = state_->config.kv_index.get();
+    family(
+        "ferry_router_worker_cached_blocks", "gauge",
+        "Blocks the worker's KV events say its prefix cache holds.", [&](const WorkerState& ws) {
+            return index ? double(index->Blocks(FormatHostPort(ws.endpoint.host, ws.endpoint.port)))
+                         : 0.0;
+        });
     w.Family("ferry_router_worker_requests_total", "counter",
              "Requests routed to the worker, by how they ended.");
     each([&](int r, size_t i) {

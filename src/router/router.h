@@ -22,9 +22,11 @@
 #include <string_view>
 #include <vector>
 
+#include "core/block_hash.h"
 #include "discovery/worker_directory.h"
 #include "ferry/status.h"
 #include "http/http.h"
+#include "router/kv_index.h"
 
 namespace ferry::router {
 
@@ -76,6 +78,11 @@ struct WorkerState {
     std::optional<AgentInfo> agent;  // where its KV agent is, once known
     // Its last report, while fresh (RouterConfig::report_ttl); none for a worker not polled.
     std::optional<ReportedLoad> reported;
+    // Its prefix cache, from its KV events (router/kv_index.h): in step with them (only then
+    // does it get prefix credit), and of the request being routed, the leading blocks it holds
+    // (set by Route for the policy).
+    bool kv_in_sync = false;
+    size_t prefix_blocks = 0;
     int unanswered = 0;  // polls in a row its /metrics did not answer
 
     // The load policies compare: the router's own count of requests in flight, reconciled with
@@ -91,6 +98,8 @@ struct WorkerState {
 struct RouteRequest {
     std::string_view request_id;
     size_t prompt_tokens = 0;  // 0: not known (the router does not tokenize)
+    // Its prompt's full blocks' hashes (core/block_hash.h), when its tokens are known.
+    std::span<const BlockHash> block_hashes{};
 };
 
 // Picks a worker of one role for a request. Called with the router's lock held (never
@@ -117,10 +126,23 @@ std::unique_ptr<RoutingPolicy> MakeLeastLoaded();
 // Two candidates drawn at random, the less loaded of them (compared as least-loaded does): near
 // least-loaded's balance without every router herding onto the same worker.
 std::unique_ptr<RoutingPolicy> MakePowerOfTwo(uint64_t seed = 0);  // 0: a random seed
-// The policies' names, for flags and errors: "round-robin, least-loaded, power-of-two".
+// Prefix cache aware: the candidate with the highest
+//   score = prefix * (prompt blocks it holds / prompt blocks)
+//         - queue * (its Load() / the highest Load() among the candidates)
+//         - kv * (its reported KV usage)
+// each term in 0..1 (llm-d's weights by default: prefix 2, queue 1, KV usage 1); ties in turn.
+// A worker out of step with its events scores no prefix; without hashes (a text prompt) this is
+// least-loaded by another name.
+struct CacheAwareWeights {
+    double prefix = 2, queue = 1, kv = 1;
+};
+std::unique_ptr<RoutingPolicy> MakeCacheAware(CacheAwareWeights weights = {});
+// The policies' names, for flags and errors: "round-robin, least-loaded, power-of-two,
+// cache-aware".
 const char* PolicyNames();
 // One of PolicyNames(); InvalidArgument naming the choices otherwise.
-Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name);
+Result<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
+                                                  CacheAwareWeights weights = {});
 
 struct RouterConfig {
     std::unique_ptr<RoutingPolicy> policy;  // prefill workers' (null: round robin)
@@ -132,6 +154,8 @@ struct RouterConfig {
     std::unique_ptr<RoutingPolicy> decode_policy{};  // decode workers' (null: the same as policy)
     // A worker's report older than this is dropped (its load is the router's count alone).
     std::chrono::milliseconds report_ttl{3000};
+    // The workers' prefix caches (router/kv_index.h), by "host:port"; null: no prefix credit.
+    std::shared_ptr<const KvIndex> kv_index{};
 };
 
 // An agent_directory over the workers' records in the store (the record of the worker at that
@@ -196,6 +220,13 @@ class Router {
     void ReportAnswered(Role role, size_t worker, std::optional<ReportedLoad> load);
     // Its /metrics did not answer (after 3 in a row it is no longer `answering`).
     void ReportUnanswered(Role role, size_t worker);
+
+    // Whether the worker at "host:port" (of either role) is in step with its KV events.
+    void SetKvInSync(const std::string& worker, bool in_sync);
+    // How the workers hash their blocks (their records' spec): the prompt hashes Route scores.
+    void SetBlockHashSpec(const std::string& seed, int block_size);
+    // The hashes of a prompt's full blocks under that spec (empty without one).
+    std::vector<BlockHash> PromptBlockHashes(std::span<const int32_t> tokens) const;
 
     // Picks a worker for `request` and counts the request on it until the ticket ends.
     // Unavailable if there is no worker of that role.

@@ -4,6 +4,7 @@
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
+#include <zmq.h>
 
 #include <atomic>
 #include <chrono>
@@ -11,12 +12,15 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <set>
 #include <thread>
 
+#include "core/msgpack.h"
 #include "discovery/worker_directory.h"
 #include "ferry/discovery.h"
 #include "router/driver.h"
+#include "router/kv_index.h"
 #include "router/membership.h"
 #include "router/protocol.h"
 
@@ -764,6 +768,268 @@ TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
               std::string::npos)
         << text;
     m->Stop();
+}
+
+BlockHash H(int i) {
+    BlockHash h{};
+    h[0] = uint8_t(i);
+    h[31] = uint8_t(i >> 8);
+    return h;
+}
+
+// A batch in the "vllm" layout, as a worker writes it (serve/kv_events.h).
+std::string Batch(const std::vector<std::pair<std::string, std::vector<int>>>& events,
+                  bool extra_field = false) {
+    MsgpackWriter m;
+    m.Map(extra_field ? 4 : 3);
+    m.Str("ts");
+    m.Float(1.5);
+    m.Str("events");
+    m.Array(events.size());
+    for (const auto& [type, hashes] : events) {
+        m.Map(type == "AllBlocksCleared" ? 1 : 3);
+        m.Str("type");
+        m.Str(type);
+        if (type == "AllBlocksCleared") continue;
+        m.Str("block_hashes");
+        m.Array(hashes.size());
+        for (int i : hashes) {
+            const BlockHash h = H(i);
+            m.Bin(h.data(), h.size());
+        }
+        m.Str("medium");
+        m.Str("GPU");
+    }
+    m.Str("data_parallel_rank");
+    m.Uint(0);
+    if (extra_field) {
+        m.Str("a_field_from_a_later_vllm");
+        m.Array(1);
+        m.Nil();
+    }
+    return m.Take();
+}
+
+TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
+    size_t unknown = 0;
+    auto ev = DecodeKvEventBatch(Batch({{"BlockStored", {1, 2}},
+                                        {"BlockSomethingNew", {3}},
+                                        {"BlockRemoved", {1}},
+                                        {"AllBlocksCleared", {}}},
+                                       true),
+                                 &unknown);
+    ASSERT_TRUE(ev.ok()) << ev.status().ToString();
+    ASSERT_EQ(ev->size(), 3u);
+    EXPECT_EQ((*ev)[0].kind, KvEvent::Kind::kStored);
+    EXPECT_EQ((*ev)[0].hashes, (std::vector<BlockHash>{H(1), H(2)}));
+    EXPECT_EQ((*ev)[1].kind, KvEvent::Kind::kRemoved);
+    EXPECT_EQ((*ev)[2].kind, KvEvent::Kind::kAllCleared);
+    EXPECT_EQ(unknown, 1u) << "an event type it does not know is skipped, not an error";
+    // The legacy layout, a short hash, a truncated batch, trailing bytes, no events: each an
+    // error that says what.
+    MsgpackWriter legacy;
+    legacy.Array(2);
+    legacy.Float(1.0);
+    legacy.Array(0);
+    MsgpackWriter short_hash;
+    short_hash.Map(1);
+    short_hash.Str("events");
+    short_hash.Array(1);
+    short_hash.Map(2);
+    short_hash.Str("type");
+    short_hash.Str("BlockStored");
+    short_hash.Str("block_hashes");
+    short_hash.Array(1);
+    short_hash.Bin(H(1).data(), 31);
+    const std::string good = Batch({{"BlockStored", {1}}});
+    const std::pair<std::string, std::string> bad[] = {
+        {legacy.Take(), "not a map"},
+        {short_hash.Take(), "31 bytes"},
+        {good.substr(0, good.size() - 3), "msgpack"},
+        {good + "x", "after the batch"},
+        {std::string("\x81\xa2ts\x01", 5), "no 'events'"},
+        {std::string("\xdd\xff\xff\xff\xff", 5), "not a map"},
+        {"", "msgpack"}};
+    for (const auto& [bytes, says] : bad) {
+        auto r = DecodeKvEventBatch(bytes);
+        ASSERT_FALSE(r.ok()) << says;
+        EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+        EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().ToString();
+    }
+}
+
+TEST(RouterKvEvents, TheIndexKnowsEachWorkersBlocksAndForgetsAll) {
+    KvIndex index(/*max_blocks_per_worker=*/8);
+    index.Apply("w0", {{KvEvent::Kind::kStored, {H(1), H(2), H(3)}}});
+    index.Apply("w1", {{KvEvent::Kind::kStored, {H(1)}}});
+    const std::vector<BlockHash> prompt = {H(1), H(2), H(3), H(4)};
+    EXPECT_EQ(index.Matched("w0", prompt), 3u);
+    EXPECT_EQ(index.Matched("w1", prompt), 1u);
+    EXPECT_EQ(index.Matched("nobody", prompt), 0u);
+    index.Apply("w0", {{KvEvent::Kind::kRemoved, {H(2)}}});
+    EXPECT_EQ(index.Matched("w0", prompt), 1u) << "a consecutive prefix only";
+    index.Apply("w0", {{KvEvent::Kind::kAllCleared, {}}});
+    EXPECT_EQ(index.Blocks("w0"), 0u);
+    std::vector<BlockHash> many;
+    for (int i = 0; i < 20; ++i) many.push_back(H(100 + i));
+    index.Apply("liar", {{KvEvent::Kind::kStored, many}});
+    EXPECT_LE(index.Blocks("liar"), 8u) << "bounded per worker";
+    EXPECT_GE(index.overflows(), 1u);
+    index.Clear("w1");
+    EXPECT_EQ(index.Blocks("w1"), 0u);
+}
+
+// Cache-aware: the worker holding the prompt's blocks wins while its load is not much higher;
+// a worker out of step with its events gets no credit; with no hashes it weighs load only.
+TEST(RouterKvEvents, CacheAwareWeighsTheBlocksAWorkerHoldsAgainstItsLoad) {
+    auto index = std::make_shared<KvIndex>();
+    RouterConfig rc;
+    rc.policy = MakeCacheAware();
+    rc.kv_index = index;
+    Router r(std::move(rc));
+    r.AddWorker(Role::kDecode, Ep(2000));
+    r.AddWorker(Role::kDecode, Ep(2001));
+    const std::vector<BlockHash> prompt = {H(1), H(2), H(3), H(4)};
+    index->Apply("127.0.0.1:2001", {{KvEvent::Kind::kStored, prompt}});
+    const RouteRequest rq{"x", 64, prompt};
+    EXPECT_EQ(r.Route(Role::kDecode, rq)->worker(), 0u) << "not in step: no credit, a tie in turn";
+    r.SetKvInSync("127.0.0.1:2001", true);
+    std::vector<Ticket> held;
+    for (int i = 0; i < 3; ++i) {
+        held.push_back(std::move(*r.Route(Role::kDecode, rq)));
+        EXPECT_EQ(held.back().worker(), 1u) << "it holds all 4 blocks: 2 - 1 beats 0 - 0";
+    }
+    EXPECT_EQ(r.Workers(Role::kDecode)[1].prefix_blocks, 4u);
+    // Worker 1 is busy now (3 in flight, worker 0 none) and reports a full cache: the load wins.
+    r.ReportAnswered(Role::kDecode, 1, ReportedLoad{0, 3, 1.0});
+    EXPECT_EQ(r.Route(Role::kDecode, rq)->worker(), 0u);
+    const RouteRequest text{"y", 0};
+    EXPECT_EQ(r.Route(Role::kDecode, text)->worker(), 0u) << "no hashes: the less loaded";
+    // The prompt hashes the router computes are the workers' (core/block_hash.h).
+    EXPECT_TRUE(r.PromptBlockHashes(std::vector<int32_t>(40, 1)).empty()) << "no spec yet";
+    r.SetBlockHashSpec("0", 16);
+    std::vector<int32_t> tokens(40);
+    std::iota(tokens.begin(), tokens.end(), 0);
+    EXPECT_EQ(r.PromptBlockHashes(tokens), HashFullBlocks(RootBlockHash("0"), tokens, 16));
+}
+
+// A publisher speaking the workers' protocol (PUB, and a ROUTER that replays its buffer), so that
+// the follower meets gaps, restarts and lies on purpose.
+struct FakePublisher {
+    void* ctx = zmq_ctx_new();
+    void* pub = zmq_socket(ctx, ZMQ_PUB);
+    void* replay = zmq_socket(ctx, ZMQ_ROUTER);
+    std::string pub_ep, replay_ep;
+    std::vector<std::pair<uint64_t, std::string>> buffer;  // what replay answers with
+    FakePublisher() {
+        int linger = 0;
+        zmq_setsockopt(pub, ZMQ_LINGER, &linger, sizeof linger);
+        zmq_setsockopt(replay, ZMQ_LINGER, &linger, sizeof linger);
+        zmq_bind(pub, "tcp://127.0.0.1:*");
+        zmq_bind(replay, "tcp://127.0.0.1:*");
+        char buf[256];
+        size_t n = sizeof buf;
+        zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, buf, &n);
+        pub_ep = buf;
+        n = sizeof buf;
+        zmq_getsockopt(replay, ZMQ_LAST_ENDPOINT, buf, &n);
+        replay_ep = buf;
+    }
+    ~FakePublisher() {
+        zmq_close(pub);
+        zmq_close(replay);
+        zmq_ctx_term(ctx);
+    }
+    static std::string Seq(int64_t s) {
+        std::string b(8, '\0');
+        for (int i = 0; i < 8; ++i) b[7 - i] = char((uint64_t(s) >> (8 * i)) & 0xff);
+        return b;
+    }
+    void Send(uint64_t seq, const std::string& payload, bool keep = true) {
+        const std::string s = Seq(int64_t(seq));
+        zmq_send(pub, "", 0, ZMQ_SNDMORE);
+        zmq_send(pub, s.data(), 8, ZMQ_SNDMORE);
+        zmq_send(pub, payload.data(), payload.size(), 0);
+        if (keep) buffer.emplace_back(seq, payload);
+    }
+    // Answers the replay requests waiting (for `ms`).
+    void ServeReplays(int ms) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+        while (std::chrono::steady_clock::now() < end) {
+            zmq_pollitem_t item{replay, 0, ZMQ_POLLIN, 0};
+            if (zmq_poll(&item, 1, 10) <= 0) continue;
+            char id[256], empty[8], start[16];
+            int idn = zmq_recv(replay, id, sizeof id, 0);
+            zmq_recv(replay, empty, sizeof empty, 0);
+            zmq_recv(replay, start, sizeof start, 0);
+            uint64_t from = 0;
+            for (int i = 0; i < 8; ++i) from = (from << 8) | uint8_t(start[i]);
+            auto frame = [&](const std::string& seq, const std::string& payload) {
+                zmq_send(replay, id, size_t(idn), ZMQ_SNDMORE);
+                zmq_send(replay, "", 0, ZMQ_SNDMORE);
+                zmq_send(replay, seq.data(), 8, ZMQ_SNDMORE);
+                zmq_send(replay, payload.data(), payload.size(), 0);
+            };
+            for (const auto& [seq, payload] : buffer) {
+                if (seq >= from) frame(Seq(int64_t(seq)), payload);
+            }
+            frame(Seq(-1), "");
+        }
+    }
+};
+
+TEST(RouterKvEvents, TheFollowerReplaysGapsAndForgetsARestartedWorker) {
+    auto index = std::make_shared<KvIndex>();
+    std::mutex mu;
+    std::map<std::string, bool> sync;
+    auto follower = KvEventFollower::Start(
+        index,
+        [&](const std::string& w, bool in_sync) {
+            std::lock_guard lock(mu);
+            sync[w] = in_sync;
+        },
+        std::chrono::milliseconds(3000));
+    FakePublisher pub;
+    // Published before anyone subscribed: found by the first replay.
+    pub.buffer.emplace_back(0, Batch({{"BlockStored", {1, 2}}}));
+    follower->SetWorkers({{"w", {pub.pub_ep, pub.replay_ep}}});
+    pub.ServeReplays(500);
+    auto in_sync = [&] {
+        std::lock_guard lock(mu);
+        return sync["w"];
+    };
+    ASSERT_TRUE(Until([&] { return in_sync() && index->Blocks("w") == 2; }));
+    // Live batches (the subscription needs a moment to join).
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    pub.Send(1, Batch({{"BlockStored", {3}}}));
+    ASSERT_TRUE(Until([&] { return index->Blocks("w") == 3; }));
+    // A gap: batch 2 is lost on the wire (it is in the buffer); 3 arrives: the follower replays 2.
+    zmq_unbind(pub.pub, pub.pub_ep.c_str());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    pub.Send(2, Batch({{"BlockRemoved", {1}}}));  // nobody hears it (kept for replay)
+    zmq_bind(pub.pub, pub.pub_ep.c_str());
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));  // the subscriber reconnects
+    pub.Send(3, Batch({{"BlockStored", {4}}}));
+    pub.ServeReplays(800);
+    ASSERT_TRUE(Until(
+        [&] { return index->Blocks("w") == 3 && index->Matched("w", std::vector{H(2)}) == 1; }));
+    EXPECT_EQ(index->Matched("w", std::vector{H(1)}), 0u) << "the lost removal was replayed";
+    EXPECT_GE(follower->Stats().gaps, 1u);
+    // A restart: the sequence starts again at 0 with an empty cache.
+    pub.buffer.clear();
+    pub.Send(0, Batch({{"BlockStored", {9}}}));
+    pub.ServeReplays(800);
+    ASSERT_TRUE(Until([&] { return index->Blocks("w") == 1; }));
+    EXPECT_EQ(index->Matched("w", std::vector{H(9)}), 1u);
+    EXPECT_EQ(index->Matched("w", std::vector{H(2)}), 0u) << "nothing of before the restart";
+    EXPECT_GE(follower->Stats().restarts, 1u);
+    // A malformed batch is counted and skipped; the worker stays in step.
+    pub.Send(1, "not msgpack");
+    ASSERT_TRUE(Until([&] { return follower->Stats().malformed >= 1; }));
+    EXPECT_TRUE(in_sync());
+    // Dropped from the set: its blocks are forgotten.
+    follower->SetWorkers({});
+    ASSERT_TRUE(Until([&] { return index->Blocks("w") == 0 && !in_sync(); }));
 }
 
 }  // namespace

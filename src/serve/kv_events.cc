@@ -7,106 +7,13 @@
 #include <cstring>
 
 #include "core/log.h"
+#include "core/msgpack.h"
 
 namespace ferry::serve {
 
 namespace {
 
-// msgpack, as msgspec writes it: the shortest form of each integer, str/bin/array/map headers
-// by length, float64 for a float.
-class Msgpack {
-  public:
-    void Nil() { out_.push_back(char(0xc0)); }
-    void Uint(uint64_t v) {
-        if (v < 128) {
-            out_.push_back(char(v));
-        } else if (v <= 0xff) {
-            out_.push_back(char(0xcc));
-            Be(v, 1);
-        } else if (v <= 0xffff) {
-            out_.push_back(char(0xcd));
-            Be(v, 2);
-        } else if (v <= 0xffffffffull) {
-            out_.push_back(char(0xce));
-            Be(v, 4);
-        } else {
-            out_.push_back(char(0xcf));
-            Be(v, 8);
-        }
-    }
-    void Int(int64_t v) {
-        if (v >= 0) return Uint(uint64_t(v));
-        if (v >= -32) {
-            out_.push_back(char(int8_t(v)));
-        } else if (v >= INT8_MIN) {
-            out_.push_back(char(0xd0));
-            Be(uint64_t(v), 1);
-        } else if (v >= INT16_MIN) {
-            out_.push_back(char(0xd1));
-            Be(uint64_t(v), 2);
-        } else if (v >= INT32_MIN) {
-            out_.push_back(char(0xd2));
-            Be(uint64_t(v), 4);
-        } else {
-            out_.push_back(char(0xd3));
-            Be(uint64_t(v), 8);
-        }
-    }
-    void Float(double v) {
-        out_.push_back(char(0xcb));
-        uint64_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        Be(bits, 8);
-    }
-    void Str(std::string_view s) {
-        if (s.size() < 32) {
-            out_.push_back(char(0xa0 | s.size()));
-        } else if (s.size() <= 0xff) {
-            out_.push_back(char(0xd9));
-            Be(s.size(), 1);
-        } else if (s.size() <= 0xffff) {
-            out_.push_back(char(0xda));
-            Be(s.size(), 2);
-        } else {
-            out_.push_back(char(0xdb));
-            Be(s.size(), 4);
-        }
-        out_.append(s);
-    }
-    void Bin(const uint8_t* p, size_t n) {
-        if (n <= 0xff) {
-            out_.push_back(char(0xc4));
-            Be(n, 1);
-        } else if (n <= 0xffff) {
-            out_.push_back(char(0xc5));
-            Be(n, 2);
-        } else {
-            out_.push_back(char(0xc6));
-            Be(n, 4);
-        }
-        out_.append(reinterpret_cast<const char*>(p), n);
-    }
-    void Array(size_t n) { Header(n, 0x90, 0xdc, 0xdd); }
-    void Map(size_t n) { Header(n, 0x80, 0xde, 0xdf); }
-    std::string Take() { return std::move(out_); }
-
-  private:
-    void Header(size_t n, uint8_t fix, uint8_t b16, uint8_t b32) {
-        if (n < 16) {
-            out_.push_back(char(fix | n));
-        } else if (n <= 0xffff) {
-            out_.push_back(char(b16));
-            Be(n, 2);
-        } else {
-            out_.push_back(char(b32));
-            Be(n, 4);
-        }
-    }
-    void Be(uint64_t v, int bytes) {
-        for (int i = bytes - 1; i >= 0; --i) out_.push_back(char((v >> (8 * i)) & 0xff));
-    }
-    std::string out_;
-};
+using Msgpack = MsgpackWriter;
 
 void Hash(Msgpack& m, const BlockHash& h, KvEventsLayout layout) {
     if (layout == KvEventsLayout::kLegacy) {

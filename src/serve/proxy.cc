@@ -139,6 +139,10 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
         impl->directory = std::move(d);
         rc.agent_directory = router::AgentsFromDirectory(impl->directory);
     }
+    // The workers' prefix caches, from the KV events of those that publish them (their records
+    // say where): what a cache-aware policy scores.
+    auto kv_index = std::make_shared<router::KvIndex>();
+    if (impl->directory) rc.kv_index = kv_index;
     impl->router = std::make_shared<router::Router>(std::move(rc));
     for (const http::Endpoint& ep : impl->cfg.prefill) {
         impl->router->AddWorker(router::Role::kPrefill, ep);
@@ -150,6 +154,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     mc.directory = impl->directory;
     mc.model = impl->cfg.model;
     mc.poll = impl->cfg.load_poll;
+    if (impl->directory) mc.kv_index = kv_index;
     impl->membership = router::Membership::Start(std::move(mc), impl->router);
     impl->client = http::Client::Create(std::max(1, impl->cfg.io_threads / 2));
     router::DriverConfig dc;

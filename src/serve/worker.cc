@@ -129,7 +129,10 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             r.agent_port = a.port;
             r.block_size = c.engine.block_tokens;
             r.hash_seed = c.engine.prefix_hash_seed;
-            if (w->kv_events_) r.kv_events = w->kv_events_->endpoint();
+            if (w->kv_events_) {
+                r.kv_events = w->kv_events_->endpoint();
+                r.kv_events_replay = w->kv_events_->replay_endpoint();
+            }
             StoreOptions so;
             so.secret = c.agent.secret;
             auto reg =

@@ -301,5 +301,51 @@ TEST_F(XpYd, AStalledWorkerAndALongPromptBurstMakeNoHotspot) {
     fmt::print("{}\n", line);
 }
 
+// Cache-aware routing over the workers' own KV events: a prompt sent again goes to the decode
+// worker whose cache holds its blocks (least-loaded would alternate), and a worker restarted under
+// the same address keeps no stale credit (the router forgets its blocks and follows its new
+// events).
+TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
+    const std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
+                                             "--kv-events-replay-endpoint", "tcp://*:0"};
+    auto p = Worker("prefill", events);
+    auto d0 = Worker("decode", events);
+    auto d1 = Worker("decode", events);
+    ASSERT_TRUE(p && d0 && d1);
+    auto proxy = Proxy("cache-aware");
+    ASSERT_TRUE(proxy && Routes(*proxy, {p.get()}, {d0.get(), d1.get()}));
+    for (ServerProcess* w : {d0.get(), d1.get()}) {
+        EXPECT_TRUE(proxy->WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w),
+                                      1, std::chrono::seconds(10)));
+    }
+    const std::vector<int32_t> prompt = RandomPrompt(100, 4242);  // 6 full blocks of 16
+    const Json body = CompletionBody(prompt, 4, false);
+    ASSERT_EQ(SendAll(proxy->port(), {body}, 1)[0].status, 200);
+    ServerProcess* holder = Succeeded(*proxy, "decode", *d0) == 1 ? d0.get() : d1.get();
+    ServerProcess* other = holder == d0.get() ? d1.get() : d0.get();
+    const std::string held = "ferry_router_worker_cached_blocks" + WorkerLabel("decode", *holder);
+    ASSERT_TRUE(
+        testing::WaitUntil([&] { return proxy->Metric(held) >= 6; }, std::chrono::seconds(10)))
+        << proxy->Metric(held);
+    std::vector<Answer> first;
+    for (int i = 0; i < 6; ++i) {
+        auto got = SendAll(proxy->port(), {body}, 1);
+        ASSERT_EQ(got[0].status, 200) << got[0].body;
+        if (i == 0) first = got;
+        EXPECT_EQ(got[0].tokens, first[0].tokens);
+    }
+    EXPECT_EQ(Succeeded(*proxy, "decode", *holder), 7) << "every repeat went where its blocks are";
+    EXPECT_EQ(Succeeded(*proxy, "decode", *other), 0);
+    // Restarted under the same address (a new process, its cache empty, its events elsewhere):
+    // its old blocks are forgotten, and the router is in step with its new events.
+    ASSERT_TRUE(holder->Restart().ok());
+    EXPECT_TRUE(
+        testing::WaitUntil([&] { return proxy->Metric(held) == 0; }, std::chrono::seconds(15)))
+        << proxy->Metric(held);
+    EXPECT_TRUE(proxy->WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *holder),
+                                  1, std::chrono::seconds(15)));
+    EXPECT_EQ(proxy->Metric("ferry_router_kv_event_malformed_total"), 0);
+}
+
 }  // namespace
 }  // namespace ferry
