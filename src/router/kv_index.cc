@@ -68,21 +68,22 @@ Result<KvEvent> ReadEvent(MsgpackReader& r, bool* known) {
     return e;
 }
 
-std::string SeqBytes(uint64_t seq) {
+}  // namespace
+
+std::string KvEventSeqBytes(int64_t seq) {
     std::string s(8, '\0');
-    for (int i = 0; i < 8; ++i) s[7 - i] = char((seq >> (8 * i)) & 0xff);
+    for (int i = 0; i < 8; ++i) s[7 - i] = char((uint64_t(seq) >> (8 * i)) & 0xff);
     return s;
 }
 
-std::optional<int64_t> SeqOf(const std::string& frame) {
+std::optional<int64_t> KvEventSeqOf(std::string_view frame) {
     if (frame.size() != 8) return std::nullopt;
     uint64_t v = 0;
     for (unsigned char c : frame) v = (v << 8) | c;
     return int64_t(v);
 }
 
-// One message's frames (at most `max`), or none if none is waiting.
-std::vector<std::string> Receive(void* socket, size_t max = 8) {
+std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max) {
     std::vector<std::string> frames;
     for (;;) {
         zmq_msg_t msg;
@@ -99,8 +100,6 @@ std::vector<std::string> Receive(void* socket, size_t max = 8) {
         if (!more) return frames;
     }
 }
-
-}  // namespace
 
 Result<std::vector<KvEvent>> DecodeKvEventBatch(std::string_view payload, size_t* unknown) {
     MsgpackReader r(payload);
@@ -251,7 +250,7 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
         zmq_close(s);
         return false;
     }
-    const std::string start = SeqBytes(from);
+    const std::string start = KvEventSeqBytes(int64_t(from));
     zmq_send(s, "", 0, ZMQ_SNDMORE);
     zmq_send(s, start.data(), start.size(), 0);
     bool covered = false, first = true, ended = false;
@@ -259,9 +258,9 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
     while (!ended && std::chrono::steady_clock::now() < deadline) {
         zmq_pollitem_t item{s, 0, ZMQ_POLLIN, 0};
         if (zmq_poll(&item, 1, 50) <= 0) continue;
-        std::vector<std::string> frames = Receive(s);
+        std::vector<std::string> frames = ReceiveZmqFrames(s);
         if (frames.size() != 3 || !frames[0].empty()) break;  // not a replay answer
-        std::optional<int64_t> seq = SeqOf(frames[1]);
+        std::optional<int64_t> seq = KvEventSeqOf(frames[1]);
         if (!seq) break;
         if (*seq == -1) {
             ended = true;
@@ -373,9 +372,10 @@ void KvEventFollower::Loop() {
             if (!(items[i].revents & ZMQ_POLLIN)) continue;
             Worker& w = *order[i];
             for (int n = 0; n < 256; ++n) {
-                std::vector<std::string> frames = Receive(w.sub, 4);
+                std::vector<std::string> frames = ReceiveZmqFrames(w.sub, 4);
                 if (frames.empty()) break;
-                std::optional<int64_t> seq = frames.size() == 3 ? SeqOf(frames[1]) : std::nullopt;
+                std::optional<int64_t> seq =
+                    frames.size() == 3 ? KvEventSeqOf(frames[1]) : std::nullopt;
                 if (!seq || *seq < 0) {
                     std::lock_guard lock(mu_);
                     ++stats_.malformed;

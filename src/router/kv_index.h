@@ -31,6 +31,14 @@
 
 namespace ferry::router {
 
+// The events' framing, shared by the publisher (serve/kv_events.h) and the follower: an 8-byte
+// big-endian sequence number (-1: the end of a replay), and one ZeroMQ message's frames.
+std::string KvEventSeqBytes(int64_t seq);
+std::optional<int64_t> KvEventSeqOf(std::string_view frame);  // none unless 8 bytes
+// The frames of the next message waiting on `socket` (a ZeroMQ socket; at most `max` kept, the
+// rest read and dropped); empty when none is waiting.
+std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max = 8);
+
 struct KvEvent {
     enum class Kind { kStored, kRemoved, kAllCleared };
     Kind kind = Kind::kStored;

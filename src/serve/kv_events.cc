@@ -8,6 +8,7 @@
 
 #include "core/log.h"
 #include "core/msgpack.h"
+#include "router/kv_index.h"
 
 namespace ferry::serve {
 
@@ -78,12 +79,6 @@ void Event(Msgpack& m, const kv::KvCacheEvent& e, KvEventsLayout layout, int blo
             m.Str("AllBlocksCleared");
             break;
     }
-}
-
-std::string SeqBytes(int64_t seq) {
-    std::string s(8, '\0');
-    for (int i = 0; i < 8; ++i) s[7 - i] = char((uint64_t(seq) >> (8 * i)) & 0xff);
-    return s;
 }
 
 bool Send(void* socket, const std::string& frame, bool more) {
@@ -214,7 +209,8 @@ void KvEventPublisher::Loop() {
             EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
         const uint64_t seq = next_seq_++;
         const bool sent = Send(pub_, config_.topic, true) &&
-                          Send(pub_, SeqBytes(int64_t(seq)), true) && Send(pub_, payload, false);
+                          Send(pub_, router::KvEventSeqBytes(int64_t(seq)), true) &&
+                          Send(pub_, payload, false);
         if (!sent)
             FERRY_LOG(kWarn, "kv events: batch {} not sent: {}", seq, zmq_strerror(zmq_errno()));
         buffer_.emplace_back(seq, std::move(payload));
@@ -227,19 +223,8 @@ void KvEventPublisher::Loop() {
 
 void KvEventPublisher::ServeReplay() {
     // A REQ client's request: identity, empty delimiter, 8-byte start sequence.
-    std::vector<std::string> frames;
-    for (;;) {
-        zmq_msg_t msg;
-        zmq_msg_init(&msg);
-        if (zmq_msg_recv(&msg, replay_, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&msg);
-            return;
-        }
-        frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
-        const bool more = zmq_msg_more(&msg);
-        zmq_msg_close(&msg);
-        if (!more || frames.size() > 8) break;
-    }
+    std::vector<std::string> frames = router::ReceiveZmqFrames(replay_);
+    if (frames.empty()) return;
     if (frames.size() != 3 || !frames[1].empty() || frames[2].size() != 8) {
         FERRY_LOG(kWarn,
                   "kv events: replay request of {} frames ignored (want identity, empty, "
@@ -248,7 +233,7 @@ void KvEventPublisher::ServeReplay() {
         if (frames.size() >= 2 && frames[1].empty()) {
             // Still answer a REQ client (it waits for a reply): the end marker alone.
             Send(replay_, frames[0], true) && Send(replay_, "", true) &&
-                Send(replay_, SeqBytes(-1), true) && Send(replay_, "", false);
+                Send(replay_, router::KvEventSeqBytes(-1), true) && Send(replay_, "", false);
         }
         return;
     }
@@ -257,10 +242,11 @@ void KvEventPublisher::ServeReplay() {
     for (const auto& [seq, payload] : buffer_) {
         if (seq < start) continue;
         Send(replay_, frames[0], true) && Send(replay_, "", true) &&
-            Send(replay_, SeqBytes(int64_t(seq)), true) && Send(replay_, payload, false);
+            Send(replay_, router::KvEventSeqBytes(int64_t(seq)), true) &&
+            Send(replay_, payload, false);
     }
     Send(replay_, frames[0], true) && Send(replay_, "", true) &&
-        Send(replay_, SeqBytes(-1), true) && Send(replay_, "", false);
+        Send(replay_, router::KvEventSeqBytes(-1), true) && Send(replay_, "", false);
     std::lock_guard lock(mu_);
     ++stats_.replays;
 }

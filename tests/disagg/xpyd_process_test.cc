@@ -97,6 +97,32 @@ class XpYd : public PdProcess {
             },
             std::chrono::seconds(20));
     }
+    // `np` prefill and `nd` decode workers registered in the store; false if one did not start.
+    struct Fleet {
+        std::vector<std::unique_ptr<ServerProcess>> owned;
+        std::vector<ServerProcess*> prefill, decode;
+    };
+    bool StartFleet(int np, int nd, Fleet* f) {
+        for (int i = 0; i < np + nd; ++i) {
+            f->owned.push_back(Worker(i < np ? "prefill" : "decode"));
+            if (!f->owned.back()) return false;
+            (i < np ? f->prefill : f->decode).push_back(f->owned.back().get());
+        }
+        return true;
+    }
+    // A proxy of each policy over the store's workers, each routing to all of them.
+    std::vector<std::unique_ptr<ServerProcess>> Proxies(const std::vector<std::string>& policies,
+                                                        const Fleet& f) {
+        std::vector<std::unique_ptr<ServerProcess>> out;
+        for (const std::string& policy : policies) {
+            out.push_back(Proxy(policy));
+            if (!out.back() || !Routes(*out.back(), f.prefill, f.decode)) {
+                ADD_FAILURE() << "proxy " << policy << " does not route to the fleet";
+                return {};
+            }
+        }
+        return out;
+    }
     static double Succeeded(const ServerProcess& proxy, const char* role, const ServerProcess& w) {
         double v = proxy.Metric(fmt::format(
             "ferry_router_worker_requests_total{{role=\"{}\",worker=\"{}\",outcome=\"succeeded\"}}",
@@ -114,24 +140,15 @@ class XpYdShapes : public XpYd, public ::testing::WithParamInterface<std::pair<i
 // every answer equals colocated, every worker takes a share, no decoder computes a prompt token.
 TEST_P(XpYdShapes, EveryPolicyRoutesTheStoresWorkersAndEqualsColocated) {
     const auto [np, nd] = GetParam();
-    std::vector<std::unique_ptr<ServerProcess>> prefill, decode;
-    std::vector<ServerProcess*> ps, ds;
-    for (int i = 0; i < np; ++i) prefill.push_back(Worker("prefill"));
-    for (int i = 0; i < nd; ++i) decode.push_back(Worker("decode"));
-    for (auto& w : prefill) ps.push_back(w.get());
-    for (auto& w : decode) ds.push_back(w.get());
-    for (ServerProcess* w : ps) ASSERT_TRUE(w);
-    for (ServerProcess* w : ds) ASSERT_TRUE(w);
+    Fleet fleet;
+    ASSERT_TRUE(StartFleet(np, nd, &fleet));
+    const std::vector<ServerProcess*>&ps = fleet.prefill, &ds = fleet.decode;
     const std::vector<std::string> policies = {"round-robin", "least-loaded", "power-of-two"};
-    std::vector<std::unique_ptr<ServerProcess>> proxies;
-    for (const std::string& policy : policies) {
-        proxies.push_back(Proxy(policy));
-        ASSERT_TRUE(proxies.back());
-    }
+    std::vector<std::unique_ptr<ServerProcess>> proxies = Proxies(policies, fleet);
+    ASSERT_EQ(proxies.size(), policies.size());
     Want();
     for (size_t k = 0; k < proxies.size(); ++k) {
         const ServerProcess& proxy = *proxies[k];
-        ASSERT_TRUE(Routes(proxy, ps, ds)) << policies[k];
         ExpectColocated(SendAll(proxy.port(), Bodies(), 8), policies[k]);
         for (auto [role, list] : {std::pair{"prefill", &ps}, {"decode", &ds}}) {
             double total = 0;
@@ -236,20 +253,12 @@ TEST_F(XpYd, KilledDrainedAndNewWorkersAreFollowedWithoutLosingARequest) {
 // policy (load is counted on the prefill path too, until the prefill worker answers). Prints the
 // spread per policy (docs/benchmarks.md quotes it); the bounds are generous.
 TEST_F(XpYd, AStalledWorkerAndALongPromptBurstMakeNoHotspot) {
-    std::vector<std::unique_ptr<ServerProcess>> prefill, decode;
-    for (int i = 0; i < 2; ++i) prefill.push_back(Worker("prefill"));
-    for (int i = 0; i < 3; ++i) decode.push_back(Worker("decode"));
-    std::vector<ServerProcess*> ps, ds;
-    for (auto& w : prefill) ps.push_back(w.get());
-    for (auto& w : decode) ds.push_back(w.get());
-    for (ServerProcess* w : ps) ASSERT_TRUE(w);
-    for (ServerProcess* w : ds) ASSERT_TRUE(w);
+    Fleet fleet;
+    ASSERT_TRUE(StartFleet(2, 3, &fleet));
+    const std::vector<ServerProcess*>&ps = fleet.prefill, &ds = fleet.decode;
     const std::vector<std::string> policies = {"round-robin", "least-loaded", "power-of-two"};
-    std::vector<std::unique_ptr<ServerProcess>> proxies;
-    for (const std::string& policy : policies) {
-        proxies.push_back(Proxy(policy));
-        ASSERT_TRUE(proxies.back() && Routes(*proxies.back(), ps, ds));
-    }
+    std::vector<std::unique_ptr<ServerProcess>> proxies = Proxies(policies, fleet);
+    ASSERT_EQ(proxies.size(), policies.size());
     ServerProcess& slow = *ds[2];
     std::map<std::string, double> to_slow;
     for (size_t k = 0; k < proxies.size(); ++k) {
