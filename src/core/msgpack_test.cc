@@ -52,7 +52,8 @@ TEST(Msgpack, ReadsWhatItWritesAndNamesWhatIsWrong) {
     EXPECT_TRUE(skip.Skip().ok());
     EXPECT_TRUE(skip.done());
     // A float32 (0xca) reads as a number too.
-    MsgpackReader f(Bytes({0xca, 0x3f, 0xc0, 0x00, 0x00}));
+    const std::string float32 = Bytes({0xca, 0x3f, 0xc0, 0x00, 0x00});  // the reader holds a view
+    MsgpackReader f(float32);
     EXPECT_EQ(*f.ReadNumber(), 1.5);
     const std::pair<std::string, const char*> bad[] = {
         {Bytes({0xdd, 0x7f, 0xff, 0xff, 0xff}), "bytes wanted"},  // 2**31 elements, none there
@@ -68,7 +69,8 @@ TEST(Msgpack, ReadsWhatItWritesAndNamesWhatIsWrong) {
         ASSERT_FALSE(s.ok()) << says;
         EXPECT_NE(s.message().find(says), std::string::npos) << s.ToString();
     }
-    MsgpackReader neg(Bytes({0xff}));
+    const std::string minus_one = Bytes({0xff});
+    MsgpackReader neg(minus_one);
     EXPECT_NE(neg.ReadUint().status().message().find("negative"), std::string::npos);
 }
 
