@@ -23,6 +23,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0",
                        policy = "round-robin", prefill_policy, decode_policy, model;
     static int64_t load_poll_ms = 250;
+    static int pd_min_uncached = 16;
     static router::CacheAwareWeights weights;
     static int port = 8000;
     static bool no_store = false;
@@ -66,6 +67,12 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     px->add_option("--cache-kv-weight", weights.kv,
                    "cache-aware: weight of a worker's reported KV cache usage")
         ->check(CLI::Range(0.0, 1000.0))
+        ->capture_default_str();
+    px->add_option("--pd-min-uncached-tokens", pd_min_uncached,
+                   "skip the prefill worker when the chosen decode worker's cache (its KV events) "
+                   "holds all but fewer than this many prompt tokens: it prefills the rest itself "
+                   "(multi-turn chat); 0: never")
+        ->check(CLI::Range(0, 1 << 20))
         ->capture_default_str();
     px->add_option("--model", model,
                    "the model the workers serve: workers registered with another are ignored "
@@ -111,6 +118,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.decode_policy = std::move(picked_decode).value();
         pc.model = model;
         pc.load_poll = std::chrono::milliseconds(load_poll_ms);
+        pc.pd_min_uncached_tokens = pd_min_uncached;
         for (const auto& [list, dst] : {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}}) {
             for (const std::string& u : *list) {
                 auto ep = http::ParseEndpoint(u);

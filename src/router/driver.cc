@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -35,6 +36,7 @@ struct Driver::Flow {
     // The workers it was routed to, counted on them until their tickets end.
     Ticket prefill, decode;
     size_t prefill_worker = 0;
+    bool prefill_routed = false;  // false: skipped, the decode worker prefills itself
     http::Endpoint prefill_ep, decode_ep;
     int attempt = 0;  // push: 1 once retried after refreshing the prefill worker's agent
     // Relay state.
@@ -97,8 +99,8 @@ Driver::Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client
     : config_(std::move(config)), router_(std::move(router)), client_(client) {}
 
 DriverStats Driver::Stats() const {
-    return {requests_.load(), succeeded_.load(), failed_.load(), client_gone_.load(),
-            in_flight_.load()};
+    return {requests_.load(),    succeeded_.load(), failed_.load(),
+            client_gone_.load(), in_flight_.load(), prefill_skipped_.load()};
 }
 
 http::ClientRequest Driver::ToWorker(const http::Endpoint& ep, const std::string& path,
@@ -123,7 +125,7 @@ void Driver::Finish(const std::shared_ptr<Flow>& f, bool ok) {
     const Outcome rest = ok ? Outcome::kSucceeded : Outcome::kCancelled;
     f->End(&Flow::prefill, rest);
     f->End(&Flow::decode, rest);
-    if (!ok && config_.protocol == Protocol::kPush) {
+    if (!ok && config_.protocol == Protocol::kPush && f->prefill_routed) {
         // The prefill worker may have restarted with another agent: ask it again next time.
         router_->ForgetAgent(Role::kPrefill, f->prefill_worker);
     }
@@ -185,8 +187,9 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
             std::lock_guard lock(f->mu);
             // push: the decoder could not reach the prefill worker's agent before any token
             // (503): that agent may have moved. Once: ask again, then retry on the same workers.
-            retry = self->config_.protocol == Protocol::kPush && f->attempt == 0 &&
-                    f->status == 503 && !f->started && !f->cancelled && !f->answered;
+            retry = self->config_.protocol == Protocol::kPush && f->prefill_routed &&
+                    f->attempt == 0 && f->status == 503 && !f->started && !f->cancelled &&
+                    !f->answered;
             if (retry) f->attempt = 1;
         }
         if (retry) {
@@ -333,19 +336,34 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     // random bits; the workers name their requests "cmpl-" + it.
     f->request_id = RequestIdOr(ex->request().Find("X-Request-Id"));
     const RouteRequest rr{f->request_id, f->prompt_tokens, block_hashes};
-    Result<Ticket> p = router_->Route(Role::kPrefill, rr);
-    Result<Ticket> d = p.ok() ? router_->Route(Role::kDecode, rr) : Result<Ticket>(p.status());
-    if (!p.ok() || !d.ok()) {
-        return ex->Reply(ErrorReply(503, (p.ok() ? d : p).status().message(), f->request_id));
+    // The decode worker first: if its cache holds (nearly) the whole prompt, no prefill worker.
+    Result<Ticket> d = router_->Route(Role::kDecode, rr);
+    if (!d.ok()) return ex->Reply(ErrorReply(503, d.status().message(), f->request_id));
+    const size_t held = d->prefix_blocks() * size_t(std::max(0, router_->block_size()));
+    const bool skip_prefill = config_.pd_min_uncached_tokens > 0 && f->prompt_tokens > 0 &&
+                              held > 0 &&
+                              f->prompt_tokens < held + size_t(config_.pd_min_uncached_tokens);
+    if (!skip_prefill) {
+        Result<Ticket> p = router_->Route(Role::kPrefill, rr);
+        if (!p.ok()) return ex->Reply(ErrorReply(503, p.status().message(), f->request_id));
+        f->prefill_worker = p->worker();
+        f->prefill_routed = true;
+        f->prefill_ep = p->endpoint();
+        f->prefill = std::move(*p);
     }
-    f->prefill_worker = p->worker();
-    f->prefill_ep = p->endpoint();
     f->decode_ep = d->endpoint();
-    f->prefill = std::move(*p);
     f->decode = std::move(*d);
-    FERRY_LOG(kInfo, "proxy: request {}: prefill {}:{}, decode {}:{} ({})", f->request_id,
-              f->prefill_ep.host, f->prefill_ep.port, f->decode_ep.host, f->decode_ep.port,
-              ProtocolName(config_.protocol));
+    if (skip_prefill) {
+        ++prefill_skipped_;
+        FERRY_LOG(kInfo,
+                  "proxy: request {}: decode {}:{} holds {} of its {} prompt tokens: no "
+                  "prefill worker",
+                  f->request_id, f->decode_ep.host, f->decode_ep.port, held, f->prompt_tokens);
+    } else {
+        FERRY_LOG(kInfo, "proxy: request {}: prefill {}:{}, decode {}:{} ({})", f->request_id,
+                  f->prefill_ep.host, f->prefill_ep.port, f->decode_ep.host, f->decode_ep.port,
+                  ProtocolName(config_.protocol));
+    }
     ++in_flight_;
     auto self = shared_from_this();
     // Weak: the flow holds the exchange, so a strong reference here would keep both alive after
@@ -359,7 +377,9 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
         self->Finish(f, false);
         f->CancelAll();  // the workers see their connections close and abort
     });
-    if (config_.protocol == Protocol::kPush) {
+    if (skip_prefill) {
+        Decode(f, f->body);  // as the client sent it: the decode worker prefills the rest
+    } else if (config_.protocol == Protocol::kPush) {
         Push(f);
     } else {
         Pull(f);

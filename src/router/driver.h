@@ -12,6 +12,11 @@
 //   before any token; the driver then asks the prefill worker where its agent is now and tries
 //   once more.
 //
+// The P/D decision (multi-turn chat): when the chosen decode worker already holds all but fewer
+// than `pd_min_uncached_tokens` of the prompt's tokens in its prefix cache (its KV events say so,
+// router/kv_index.h), the prefill worker is skipped and the request goes to the decode worker as
+// the client sent it: it prefills the short rest itself, as a colocated worker would.
+//
 // Event-driven: no thread waits on a worker. A client that leaves cancels its worker calls (the
 // workers then abort and free their blocks). Every request carries one id (the client's valid
 // X-Request-Id, else 128 random bits) to every worker as X-Request-Id, and every error names it.
@@ -36,10 +41,14 @@ struct DriverConfig {
     std::chrono::milliseconds worker_timeout{600000};
     // The deployment's router token, sent to the workers on every call ("" = none).
     std::string router_token;
+    // Skip the prefill worker when the decode worker lacks fewer than this many prompt tokens
+    // (0: never skip).
+    int pd_min_uncached_tokens = 16;
 };
 
 struct DriverStats {
     uint64_t requests = 0, succeeded = 0, failed = 0, client_gone = 0, in_flight = 0;
+    uint64_t prefill_skipped = 0;  // the decode worker held (nearly) the whole prompt
 };
 
 class Driver : public std::enable_shared_from_this<Driver> {
@@ -75,7 +84,8 @@ class Driver : public std::enable_shared_from_this<Driver> {
     DriverConfig config_;
     std::shared_ptr<Router> router_;
     http::Client* client_;
-    std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0};
+    std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0},
+        prefill_skipped_{0};
 };
 
 }  // namespace ferry::router

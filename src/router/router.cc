@@ -248,6 +248,7 @@ Ticket& Ticket::operator=(Ticket&& o) noexcept {
         role_ = o.role_;
         worker_ = o.worker_;
         tokens_ = o.tokens_;
+        prefix_blocks_ = o.prefix_blocks_;
         request_id_ = std::move(o.request_id_);
         endpoint_ = std::move(o.endpoint_);
         o.state_.reset();
@@ -393,6 +394,7 @@ Result<Ticket> Router::Route(Role role, const RouteRequest& request) {
     t.role_ = role;
     t.worker_ = k;
     t.tokens_ = request.prompt_tokens;
+    t.prefix_blocks_ = w.prefix_blocks;
     t.request_id_ = std::string(request.request_id);
     t.endpoint_ = w.endpoint;
     return t;
@@ -411,6 +413,11 @@ void Router::SetBlockHashSpec(const std::string& seed, int block_size) {
     std::lock_guard lock(state_->mu);
     state_->hash_root = RootBlockHash(seed);
     state_->hash_block_size = block_size;
+}
+
+int Router::block_size() const {
+    std::lock_guard lock(state_->mu);
+    return state_->hash_root ? state_->hash_block_size : 0;
 }
 
 std::vector<BlockHash> Router::PromptBlockHashes(std::span<const int32_t> tokens) const {

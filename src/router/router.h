@@ -181,6 +181,8 @@ class Ticket {
     Role role() const { return role_; }
     size_t worker() const { return worker_; }
     const http::Endpoint& endpoint() const { return endpoint_; }
+    // The request's prompt blocks the worker held when it was picked (its KV events).
+    size_t prefix_blocks() const { return prefix_blocks_; }
     void End(Outcome outcome);
 
   private:
@@ -191,6 +193,7 @@ class Ticket {
     Role role_ = Role::kPrefill;
     size_t worker_ = 0;
     size_t tokens_ = 0;
+    size_t prefix_blocks_ = 0;
     std::string request_id_;
     http::Endpoint endpoint_;
 };
@@ -227,6 +230,7 @@ class Router {
     void SetBlockHashSpec(const std::string& seed, int block_size);
     // The hashes of a prompt's full blocks under that spec (empty without one).
     std::vector<BlockHash> PromptBlockHashes(std::span<const int32_t> tokens) const;
+    int block_size() const;  // the spec's (0 without one)
 
     // Picks a worker for `request` and counts the request on it until the ticket ends.
     // Unavailable if there is no worker of that role.

@@ -43,6 +43,9 @@ struct Proxy::Impl {
         w.Counter("ferry_proxy_client_gone_total", "Requests whose client left first.",
                   double(s.client_gone));
         w.Gauge("ferry_proxy_requests_in_flight", "Requests being relayed.", double(s.in_flight));
+        w.Counter("ferry_proxy_prefill_skipped_total",
+                  "Requests sent to the decode worker alone: it held all but a few prompt tokens.",
+                  double(s.prefill_skipped));
         w.Append(router->RenderMetrics());
         w.Append(membership->RenderMetrics());
         http::Server* srv = server_ready.load();
@@ -161,6 +164,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     dc.protocol = impl->cfg.protocol;
     dc.worker_timeout = impl->cfg.worker_timeout;
     dc.router_token = impl->cfg.router_token;
+    dc.pd_min_uncached_tokens = impl->cfg.pd_min_uncached_tokens;
     impl->driver = router::Driver::Create(std::move(dc), impl->router, impl->client.get());
     http::ServerConfig hc;
     hc.name = "proxy";

@@ -37,6 +37,9 @@ struct ProxyConfig {
     std::string model;
     // How often each worker's /metrics is read for its load (router/membership.h).
     std::chrono::milliseconds load_poll{250};
+    // The P/D decision (router/driver.h): skip the prefill worker when the decode worker lacks
+    // fewer than this many prompt tokens (0: never).
+    int pd_min_uncached_tokens = 16;
     // The deployment's router token (RouterToken of its secret): sent to the workers on every
     // call ("Authorization: Bearer ..."); workers with a secret honour kv_transfer_params only
     // with it. "" = none.

@@ -329,22 +329,29 @@ TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
     }
     const std::vector<int32_t> prompt = RandomPrompt(100, 4242);  // 6 full blocks of 16
     const Json body = CompletionBody(prompt, 4, false);
-    ASSERT_EQ(SendAll(proxy->port(), {body}, 1)[0].status, 200);
+    const std::vector<Answer> initial = SendAll(proxy->port(), {body}, 1);  // through prefill
+    ASSERT_EQ(initial[0].status, 200) << initial[0].body;
+    ASSERT_FALSE(initial[0].tokens.empty());
     ServerProcess* holder = Succeeded(*proxy, "decode", *d0) == 1 ? d0.get() : d1.get();
     ServerProcess* other = holder == d0.get() ? d1.get() : d0.get();
     const std::string held = "ferry_router_worker_cached_blocks" + WorkerLabel("decode", *holder);
     ASSERT_TRUE(
         testing::WaitUntil([&] { return proxy->Metric(held) >= 6; }, std::chrono::seconds(10)))
         << proxy->Metric(held);
-    std::vector<Answer> first;
     for (int i = 0; i < 6; ++i) {
         auto got = SendAll(proxy->port(), {body}, 1);
         ASSERT_EQ(got[0].status, 200) << got[0].body;
-        if (i == 0) first = got;
-        EXPECT_EQ(got[0].tokens, first[0].tokens);
+        EXPECT_EQ(got[0].tokens, initial[0].tokens) << "repeat " << i;
     }
     EXPECT_EQ(Succeeded(*proxy, "decode", *holder), 7) << "every repeat went where its blocks are";
     EXPECT_EQ(Succeeded(*proxy, "decode", *other), 0);
+    // The P/D decision: the holder lacked 4 of 100 prompt tokens (fewer than 16), so the
+    // repeats skipped the prefill worker; the holder prefilled the 4 itself, and the answers
+    // are the disaggregated one's token for token.
+    EXPECT_EQ(proxy->Metric("ferry_proxy_prefill_skipped_total"), 6);
+    EXPECT_EQ(Succeeded(*proxy, "prefill", *p), 1);
+    EXPECT_GT(holder->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_LE(holder->Metric("ferry_prompt_tokens_total"), 6 * 16) << "the tails only";
     // Restarted under the same address (a new process, its cache empty, its events elsewhere):
     // its old blocks are forgotten, and the router is in step with its new events.
     ASSERT_TRUE(holder->Restart().ok());
