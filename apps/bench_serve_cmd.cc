@@ -158,8 +158,9 @@ void AddServeBenchCommands(CLI::App& bench, int* rc) {
     sb->add_option("--tokenizer", o.tokenizer,
                    "GGUF file whose tokenizer makes and counts prompts (default: one ASCII "
                    "character per token)");
-    sb->add_option("--dataset-name", o.dataset_name, "random, sharegpt or random-mm")
-        ->check(CLI::IsMember({"random", "sharegpt", "random-mm"}))
+    sb->add_option("--dataset-name", o.dataset_name,
+                   "random, sharegpt, random-mm or prefix_repetition")
+        ->check(CLI::IsMember({"random", "sharegpt", "random-mm", "prefix_repetition"}))
         ->capture_default_str();
     sb->add_option("--dataset-path", o.dataset_path, "ShareGPT-format JSON file");
     sb->add_option("--random-input-len", o.random_input_len, "prompt tokens")
@@ -176,6 +177,22 @@ void AddServeBenchCommands(CLI::App& bench, int* rc) {
     sb->add_option("--random-mm-images", o.mm_images, "random-mm: images per request")
         ->check(CLI::Range(1, 64));
     sb->add_option("--random-mm-size", mm_size, "random-mm: image size WxH");
+    sb->add_option("--prefix-repetition-prefix-len", o.prefix_repetition_prefix_len,
+                   "prefix_repetition: tokens of each shared prefix")
+        ->check(CLI::Range(0, 1 << 24))
+        ->capture_default_str();
+    sb->add_option("--prefix-repetition-suffix-len", o.prefix_repetition_suffix_len,
+                   "prefix_repetition: random tokens after the prefix")
+        ->check(CLI::Range(0, 1 << 24))
+        ->capture_default_str();
+    sb->add_option("--prefix-repetition-num-prefixes", o.prefix_repetition_num_prefixes,
+                   "prefix_repetition: distinct prefixes (num-prompts / this prompts each)")
+        ->check(CLI::Range(1, 1 << 24))
+        ->capture_default_str();
+    sb->add_option("--prefix-repetition-output-len", o.prefix_repetition_output_len,
+                   "prefix_repetition: output tokens (max_tokens)")
+        ->check(CLI::Range(1, 1 << 24))
+        ->capture_default_str();
     sb->add_option("--sharegpt-output-len", o.sharegpt_output_len, "override output lengths")
         ->check(CLI::Range(0, 1 << 24));
     sb->add_option("--num-prompts", o.num_prompts, "requests to send")

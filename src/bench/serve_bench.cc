@@ -164,9 +164,26 @@ Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
     std::mt19937_64 rng(o.seed);
     std::vector<BenchPrompt> out;
     if (o.num_prompts <= 0) return InvalidArgumentError("--num-prompts must be positive");
-    if (o.dataset_name == "random" || o.dataset_name == "random-mm") {
-        if (o.random_input_len < 1 || o.random_output_len < 1 || o.random_range_ratio < 0 ||
-            o.random_range_ratio >= 1 || o.random_prefix_len < 0) {
+    const bool prefix_repetition = o.dataset_name == "prefix_repetition";
+    if (o.dataset_name == "random" || o.dataset_name == "random-mm" || prefix_repetition) {
+        if (prefix_repetition &&
+            (o.prefix_repetition_prefix_len < 0 || o.prefix_repetition_suffix_len < 0 ||
+             o.prefix_repetition_prefix_len + o.prefix_repetition_suffix_len < 1 ||
+             o.prefix_repetition_output_len < 1 || o.prefix_repetition_num_prefixes < 1)) {
+            return InvalidArgumentError(
+                "--prefix-repetition-prefix-len and --prefix-repetition-suffix-len must be >= 0 "
+                "(not both 0), --prefix-repetition-output-len and "
+                "--prefix-repetition-num-prefixes >= 1");
+        }
+        if (prefix_repetition && o.num_prompts < o.prefix_repetition_num_prefixes) {
+            return InvalidArgumentError(fmt::format(
+                "--num-prompts {} is fewer than --prefix-repetition-num-prefixes {}: each prefix "
+                "needs a prompt",
+                o.num_prompts, o.prefix_repetition_num_prefixes));
+        }
+        if (!prefix_repetition &&
+            (o.random_input_len < 1 || o.random_output_len < 1 || o.random_range_ratio < 0 ||
+             o.random_range_ratio >= 1 || o.random_prefix_len < 0)) {
             return InvalidArgumentError(
                 "--random-input-len and --random-output-len must be >= 1, "
                 "--random-range-ratio in [0, 1), --random-prefix-len >= 0");
@@ -200,14 +217,34 @@ Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
             int hi = std::max(lo, static_cast<int>(len * (1 + o.random_range_ratio)));
             return lo + static_cast<int>(rng() % uint64_t(hi - lo + 1));
         };
+        auto count = [&](const std::string& text, int untokenized) {
+            return tk ? static_cast<int>(tk->Encode(text, tk->add_bos()).size()) : untokenized;
+        };
+        if (prefix_repetition) {
+            // As vLLM: num_prompts / num_prefixes prompts per prefix (the rest dropped), then
+            // shuffled so that a prefix's prompts arrive spread over the run.
+            const int per_prefix = o.num_prompts / o.prefix_repetition_num_prefixes;
+            const int len = o.prefix_repetition_prefix_len + o.prefix_repetition_suffix_len;
+            for (int k = 0; k < o.prefix_repetition_num_prefixes; ++k) {
+                std::string prefix = random_text(o.prefix_repetition_prefix_len);
+                for (int i = 0; i < per_prefix; ++i) {
+                    BenchPrompt p;
+                    p.text = prefix + random_text(o.prefix_repetition_suffix_len);
+                    p.prompt_len = count(p.text, len);
+                    p.output_len = o.prefix_repetition_output_len;
+                    out.push_back(std::move(p));
+                }
+            }
+            std::shuffle(out.begin(), out.end(), rng);
+            return out;
+        }
         std::string prefix = random_text(o.random_prefix_len);
         for (int i = 0; i < o.num_prompts; ++i) {
             BenchPrompt p;
             int in = range(o.random_input_len);
             p.output_len = range(o.random_output_len);
             p.text = prefix + random_text(in);
-            p.prompt_len = tk ? static_cast<int>(tk->Encode(p.text, tk->add_bos()).size())
-                              : o.random_prefix_len + in;
+            p.prompt_len = count(p.text, o.random_prefix_len + in);
             p.images = o.dataset_name == "random-mm" ? o.mm_images : 0;
             out.push_back(std::move(p));
         }
@@ -265,7 +302,8 @@ Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
         return out;
     }
     return InvalidArgumentError(fmt::format(
-        "--dataset-name '{}' is not one of random, sharegpt, random-mm", o.dataset_name));
+        "--dataset-name '{}' is not one of random, sharegpt, random-mm, prefix_repetition",
+        o.dataset_name));
 }
 
 // --- the client ---------------------------------------------------------------------------------
@@ -285,7 +323,7 @@ struct Conn {
     bool first = true;
     bool done = false;
     int content_chunks = 0;
-    int usage_prompt = -1, usage_completion = -1;
+    int usage_prompt = -1, usage_completion = -1, usage_cached = -1;
 };
 
 class StreamingRun {
@@ -407,6 +445,7 @@ void StreamingRun::Finish(Conn* c, const Status& st) {
         r.success = true;
         r.output_tokens = c->usage_completion >= 0 ? c->usage_completion : c->content_chunks;
         if (c->usage_prompt >= 0) r.prompt_tokens = c->usage_prompt;
+        r.cached_tokens = c->usage_cached;
         if (c->content_chunks == 0) r.ttft = r.latency;
     } else {
         r.success = false;
@@ -456,6 +495,12 @@ void StreamingRun::ParseEvents(Conn* c, Clock::time_point now) {
             }
             if (u.contains("prompt_tokens") && u["prompt_tokens"].is_number_integer()) {
                 c->usage_prompt = u["prompt_tokens"].get<int>();
+            }
+            if (u.contains("prompt_tokens_details") && u["prompt_tokens_details"].is_object()) {
+                const Json& d = u["prompt_tokens_details"];
+                if (d.contains("cached_tokens") && d["cached_tokens"].is_number_integer()) {
+                    c->usage_cached = d["cached_tokens"].get<int>();
+                }
             }
         }
         if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) continue;
@@ -609,6 +654,9 @@ std::string FormatServeResult(const ServeBenchOptions& o, const ServeBenchResult
     line("Benchmark duration (s):", f2(m.duration));
     line("Total input tokens:", std::to_string(m.total_input));
     line("Total generated tokens:", std::to_string(m.total_output));
+    if (m.prefix_cache_hit_rate) {
+        line("Prefix cache hit rate (%):", f2(*m.prefix_cache_hit_rate * 100));
+    }
     line("Request throughput (req/s):", f2(m.request_throughput));
     if (m.request_goodput) line("Request goodput (req/s):", f2(*m.request_goodput));
     line("Output token throughput (tok/s):", f2(m.output_throughput));
@@ -665,6 +713,8 @@ Status SaveServeResult(const ServeBenchOptions& o, const ServeBenchResult& r,
     j["total_output_tokens"] = m.total_output;
     j["request_throughput"] = m.request_throughput;
     j["request_goodput"] = m.request_goodput ? Json(*m.request_goodput) : Json();
+    j["prefix_cache_hit_rate"] = m.prefix_cache_hit_rate ? Json(*m.prefix_cache_hit_rate) : Json();
+    j["total_cached_tokens"] = m.total_cached;
     j["output_throughput"] = m.output_throughput;
     j["total_token_throughput"] = m.total_token_throughput;
     j["max_output_tokens_per_s"] = m.peak_output_throughput;
@@ -681,14 +731,16 @@ Status SaveServeResult(const ServeBenchOptions& o, const ServeBenchResult& r,
     put("e2el", m.e2el_ms);
     Json reqs = Json::array();
     for (const RequestRecord& rec : r.records) {
-        reqs.push_back({{"success", rec.success},
-                        {"error", rec.error},
-                        {"start_s", rec.start},
-                        {"prompt_tokens", rec.prompt_tokens},
-                        {"output_tokens", rec.output_tokens},
-                        {"ttft_s", rec.ttft},
-                        {"latency_s", rec.latency},
-                        {"itl_s", rec.itl}});
+        reqs.push_back(
+            {{"success", rec.success},
+             {"error", rec.error},
+             {"start_s", rec.start},
+             {"prompt_tokens", rec.prompt_tokens},
+             {"output_tokens", rec.output_tokens},
+             {"cached_tokens", rec.cached_tokens >= 0 ? Json(rec.cached_tokens) : Json()},
+             {"ttft_s", rec.ttft},
+             {"latency_s", rec.latency},
+             {"itl_s", rec.itl}});
     }
     j["requests"] = reqs;
     std::string tmp = path + ".tmp";

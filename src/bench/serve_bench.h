@@ -24,7 +24,7 @@ struct ServeBenchOptions {
     std::string base_url = "http://127.0.0.1:8000";
     std::string endpoint = "/v1/completions";  // or /v1/chat/completions
     std::string model;                         // empty: the first of GET /v1/models
-    std::string dataset_name = "random";       // random | sharegpt | random-mm
+    std::string dataset_name = "random";       // random | sharegpt | random-mm | prefix_repetition
     std::string dataset_path;                  // sharegpt: a ShareGPT-format JSON file
     int random_input_len = 1024;
     int random_output_len = 128;
@@ -33,7 +33,13 @@ struct ServeBenchOptions {
     int mm_images = 1;                // random-mm: images per request
     int mm_width = 64, mm_height = 64;
     int sharegpt_output_len = 0;  // > 0: overrides the dataset's output lengths
-    std::string tokenizer;        // a GGUF file whose tokenizer makes and counts the prompts
+    // prefix_repetition (vLLM's dataset of that name): num_prefixes random prefixes, each
+    // shared by num_prompts / num_prefixes prompts that add a random suffix; shuffled.
+    int prefix_repetition_prefix_len = 256;
+    int prefix_repetition_suffix_len = 256;
+    int prefix_repetition_num_prefixes = 10;
+    int prefix_repetition_output_len = 128;
+    std::string tokenizer;  // a GGUF file whose tokenizer makes and counts the prompts
     int num_prompts = 1000;
     double request_rate = std::numeric_limits<double>::infinity();
     double burstiness = 1.0;  // gamma shape; 1 = Poisson

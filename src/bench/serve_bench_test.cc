@@ -8,7 +8,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "bench/plot.h"
 #include "bench/serve_metrics.h"
@@ -78,6 +80,19 @@ TEST(ServeMetrics, KnownTimelines) {
     EXPECT_DOUBLE_EQ(*ComputeServeMetrics(recs, 2.0, {99}, g).request_goodput, 0.5);
 }
 
+TEST(ServeMetrics, PrefixHitRateCountsOnlyAnswersThatReportedCachedTokens) {
+    std::vector<RequestRecord> recs = {Req(0, 0.1, {0.05}, 100), Req(0.2, 0.3, {0.2}, 50),
+                                       Req(0.3, 0.1, {}, 1000)};
+    ServeMetrics none = ComputeServeMetrics(recs, 1.0, {99}, {});
+    EXPECT_FALSE(none.prefix_cache_hit_rate.has_value());
+    recs[0].cached_tokens = 64;
+    recs[1].cached_tokens = 0;  // reported, none cached; recs[2] reported nothing
+    ServeMetrics m = ComputeServeMetrics(recs, 1.0, {99}, {});
+    EXPECT_EQ(m.total_cached, 64);
+    ASSERT_TRUE(m.prefix_cache_hit_rate.has_value());
+    EXPECT_DOUBLE_EQ(*m.prefix_cache_hit_rate, 64.0 / 150.0);
+}
+
 TEST(ServeMetrics, PercentileInterpolatesLikeNumpy) {
     EXPECT_DOUBLE_EQ(Percentile({1, 2, 3, 4}, 50), 2.5);
     EXPECT_DOUBLE_EQ(Percentile({10}, 99), 10);
@@ -110,6 +125,42 @@ TEST(ServeBenchDatasets, RandomIsReproducibleBySeed) {
     o.seed = 8;
     auto c = std::move(SampleDataset(o, nullptr)).value();
     EXPECT_NE(a[0].text, c[0].text);
+}
+
+TEST(ServeBenchDatasets, PrefixRepetitionGroupsPromptsByPrefixAsVllm) {
+    ServeBenchOptions o;
+    o.dataset_name = "prefix_repetition";
+    o.num_prompts = 23;  // 4 prefixes: 5 prompts each, 3 dropped, as vLLM does
+    o.prefix_repetition_prefix_len = 40;
+    o.prefix_repetition_suffix_len = 12;
+    o.prefix_repetition_num_prefixes = 4;
+    o.prefix_repetition_output_len = 9;
+    o.seed = 3;
+    auto a = std::move(SampleDataset(o, nullptr)).value();
+    ASSERT_EQ(a.size(), 20u);
+    std::map<std::string, int> per_prefix;
+    std::set<std::string> suffixes;
+    for (const BenchPrompt& p : a) {
+        ASSERT_EQ(p.text.size(), 52u);
+        EXPECT_EQ(p.prompt_len, 52);
+        EXPECT_EQ(p.output_len, 9);
+        ++per_prefix[p.text.substr(0, 40)];
+        suffixes.insert(p.text.substr(40));
+    }
+    ASSERT_EQ(per_prefix.size(), 4u);
+    for (const auto& [prefix, n] : per_prefix) EXPECT_EQ(n, 5) << prefix;
+    EXPECT_EQ(suffixes.size(), 20u);
+    // Shuffled: the first five are not all one prefix's.
+    std::set<std::string> first_five;
+    for (int i = 0; i < 5; ++i) first_five.insert(a[i].text.substr(0, 40));
+    EXPECT_GT(first_five.size(), 1u);
+    auto b = std::move(SampleDataset(o, nullptr)).value();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].text, b[i].text);
+    o.prefix_repetition_num_prefixes = 30;  // more prefixes than prompts
+    auto bad = SampleDataset(o, nullptr);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("--prefix-repetition-num-prefixes 30"), std::string::npos)
+        << bad.status().message();
 }
 
 TEST(ServeBenchDatasets, WithATokenizerPromptsHaveTheirTokenCountAfterTheTrip) {

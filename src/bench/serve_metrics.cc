@@ -37,6 +37,8 @@ ServeMetrics ComputeServeMetrics(const std::vector<RequestRecord>& records, doub
     m.duration = duration;
     std::vector<double> ttft, tpot, itl, e2el;
     int good = 0;
+    long reported_input = 0;
+    bool any_cached = false;
     std::map<long, double> per_second;
     std::vector<std::pair<double, int>> edges;  // (time, +1 | -1)
     for (const RequestRecord& r : records) {
@@ -47,6 +49,11 @@ ServeMetrics ComputeServeMetrics(const std::vector<RequestRecord>& records, doub
         ++m.completed;
         m.total_input += r.prompt_tokens;
         m.total_output += r.output_tokens;
+        if (r.cached_tokens >= 0) {
+            any_cached = true;
+            m.total_cached += r.cached_tokens;
+            reported_input += r.prompt_tokens;
+        }
         ttft.push_back(r.ttft * 1e3);
         e2el.push_back(r.latency * 1e3);
         double req_tpot = 0;
@@ -69,6 +76,8 @@ ServeMetrics ComputeServeMetrics(const std::vector<RequestRecord>& records, doub
         m.total_token_throughput = double(m.total_input + m.total_output) / duration;
         if (goodput.any()) m.request_goodput = good / duration;
     }
+    if (any_cached && reported_input > 0)
+        m.prefix_cache_hit_rate = double(m.total_cached) / double(reported_input);
     for (const auto& [sec, n] : per_second)
         m.peak_output_throughput = std::max(m.peak_output_throughput, n);
     // Ends sort before starts at the same instant: back-to-back requests do not overlap.

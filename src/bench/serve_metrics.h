@@ -19,6 +19,7 @@ struct RequestRecord {
     std::string error;
     int prompt_tokens = 0;
     int output_tokens = 0;
+    int cached_tokens = -1;  // usage.prompt_tokens_details.cached_tokens; -1: not reported
     double start = 0;
     double ttft = 0;
     double latency = 0;
@@ -42,6 +43,10 @@ struct ServeMetrics {
     int failed = 0;
     long total_input = 0;
     long total_output = 0;
+    long total_cached = 0;  // prompt tokens the servers found in their prefix caches
+    // total_cached / total_input over the requests whose answer reported cached tokens; none
+    // when no answer did.
+    std::optional<double> prefix_cache_hit_rate;
     double duration = 0;
     double request_throughput = 0;
     std::optional<double> request_goodput;

@@ -136,6 +136,14 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig
     const std::string& ep = c.endpoint;
     const bool bind = ep.find('*') != std::string::npos || ep.find("::") != std::string::npos ||
                       ep.rfind("ipc://", 0) == 0 || ep.rfind("inproc://", 0) == 0;
+    if (!bind && ep.size() > 2 && ep.compare(ep.size() - 2, 2, ":0") == 0) {
+        // zmq_connect would accept it and retry forever: nothing listens on port 0.
+        return InvalidArgumentError(fmt::format(
+            "--kv-events-endpoint '{}': an address without '*' is connected to (vLLM's rule), "
+            "and port 0 is only for binding; to bind any port on this address give "
+            "tcp://*:0",
+            ep));
+    }
     if ((bind ? zmq_bind(p->pub_, ep.c_str()) : zmq_connect(p->pub_, ep.c_str())) != 0) {
         return InvalidArgumentError(
             fmt::format("--kv-events-endpoint '{}': {}", ep, zmq_strerror(zmq_errno())));

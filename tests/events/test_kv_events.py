@@ -203,3 +203,18 @@ def test_legacy_layout_is_vllms_example_subscribers(model):
     finally:
         ctx.destroy(linger=0)
         w.close()
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--kv-events-endpoint", "tcp://127.0.0.1:0"], "--kv-events-endpoint 'tcp://127.0.0.1:0'"),
+    (["--kv-events-endpoint", "bogus://x"], "--kv-events-endpoint 'bogus://x'"),
+    (["--kv-events-endpoint", "tcp://*:0", "--kv-events-replay-endpoint", "tcp://no-such:1"],
+     "--kv-events-replay-endpoint 'tcp://no-such:1'"),
+    (["--kv-events-endpoint", "tcp://*:0", "--kv-events-layout", "msgspec"], "msgspec"),
+])
+def test_a_bad_events_flag_stops_the_worker_with_its_name(model, flags, named):
+    r = subprocess.run([FERRY, "serve", "--model", model, "--port", "0", *flags],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert named in r.stderr, r.stderr
+
