@@ -304,9 +304,17 @@ Status AgentKvConnector::Admit(const ConnectorRequest& r) {
         const int bt = m.layouts.empty() ? 1 : m.bt();
         const int blocks = static_cast<int>((r.prompt.size() + bt - 1) / bt);
         if (!router && p.mode == KvTransferMode::kPull) {
-            // Early, before any compute: the client's unclaimed holds already fill its share
-            // (RequestFinished checks again when the hold would be made).
-            Status st = m.HoldShareLeft(p.requester, blocks);
+            // Early, before any compute: the client's unclaimed holds already fill its share,
+            // or the prompt alone is larger than it. Which of its blocks the client's holds
+            // already pin (a shared prefix) is known only when the hold would be made, where
+            // RequestFinished checks again.
+            Status st = m.HoldShareLeft(p.requester, {}, 1);
+            if (st.ok() && blocks > m.HoldCap() && m.HoldCap() > 0) {
+                st = ResourceExhaustedError(fmt::format(
+                    "kv: a prompt of {} KV blocks is more than a client may hold for remote "
+                    "decoders ({} blocks)",
+                    blocks, m.HoldCap()));
+            }
             if (!st.ok()) return st;
         }
     } else {

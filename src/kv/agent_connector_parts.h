@@ -22,8 +22,10 @@
 #include <mutex>
 #include <optional>
 #include <semaphore>
+#include <span>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "core/crypto.h"
@@ -332,7 +334,10 @@ struct AgentKvConnector::Impl : LayerHook {
     // cache; an honest router's are claimed within milliseconds).
     int HoldCap() const;
 
-    Status HoldShareLeft(const std::string& requester, int more) const;
+    // Whether `requester` may hold `blocks` more (those of its unclaimed holds count once) and
+    // `unknown_blocks` whose ids are not known yet.
+    Status HoldShareLeft(const std::string& requester, std::span<const BlockId> blocks,
+                         int unknown_blocks) const;
 
     // Builds descriptor lists for moving `move` of every rank (local rank r <-> peer rank r).
     Status PlanAllRanks(const Peer& p, const KvMove& move, std::vector<Descriptor>* local,

@@ -10,18 +10,25 @@ int AgentKvConnector::Impl::HoldCap() const {
     return cap;
 }
 
-Status AgentKvConnector::Impl::HoldShareLeft(const std::string& requester, int more) const {
+Status AgentKvConnector::Impl::HoldShareLeft(const std::string& requester,
+                                             std::span<const BlockId> blocks,
+                                             int unknown_blocks) const {
     const int cap = HoldCap();
     if (cap <= 0) return Status::Ok();
-    int used = 0;
+    // Blocks count once however many holds share them (a prompt's cached prefix held for
+    // several requests): the cap bounds the memory a client pins, not its requests.
+    std::unordered_set<BlockId> used;
     for (const auto& [id, h] : holds) {
-        if (h.requester == requester && !h.claimed) used += static_cast<int>(h.blocks.size());
+        if (h.requester == requester && !h.claimed) used.insert(h.blocks.begin(), h.blocks.end());
     }
-    if (used + more <= cap) return Status::Ok();
+    int more = unknown_blocks;
+    for (BlockId b : blocks) more += used.count(b) ? 0 : 1;
+    const int have = static_cast<int>(used.size());
+    if (have + more <= cap) return Status::Ok();
     return ResourceExhaustedError(fmt::format(
         "kv: client {} already has {} KV blocks held unclaimed for remote decoders (at most "
         "{}); this prompt needs {} more: retry once they are claimed or their lease lapses",
-        Esc(requester), used, cap, more));
+        Esc(requester), have, cap, more));
 }
 
 Status AgentKvConnector::Impl::PlanAllRanks(const Peer& p, const KvMove& move,
@@ -190,7 +197,7 @@ FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
     const size_t nblocks =
         std::min(blocks.size(), (r.prompt.size() + block_tokens - 1) / block_tokens);
     if (!p.requester.empty() && p.requester != kRouterRequester) {
-        a.refused = HoldShareLeft(p.requester, static_cast<int>(nblocks));
+        a.refused = HoldShareLeft(p.requester, blocks.first(nblocks), 0);
         if (!a.refused.ok()) {
             CountFailure(a.refused, "client_cap");
             return a;

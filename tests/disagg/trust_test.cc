@@ -421,6 +421,23 @@ TEST_F(Trust, HoldFloodsAreCappedPerClient) {
     }
     EXPECT_EQ(held, 4);  // 128 of 512 blocks
     EXPECT_EQ(limited, 12);
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    // A shared prefix counts once: one prompt held twelve times pins its 31 full blocks once
+    // and a fresh last block per hold (43 blocks, not 12 x 32: cache-aware routing sends one
+    // prefix's requests to one worker, and they must not be refused for it).
+    const auto shared = Prompt(500, 300);
+    for (int i = 0; i < 12; ++i) {
+        Json b = Body(shared, 1);
+        b["kv_transfer_params"] = {{"do_remote_decode", true}};
+        Reply r = PostFrom("127.0.0.2", prefill->port(), "/v1/completions", b);
+        EXPECT_EQ(r.status, 200) << i << ": " << r.body;
+    }
+    // A prompt larger than the share alone is refused before it is computed, naming both.
+    Json big = Body(Prompt(2100, 301), 1);  // 132 blocks
+    big["kv_transfer_params"] = {{"do_remote_decode", true}};
+    Reply too_big = PostFrom("127.0.0.3", prefill->port(), "/v1/completions", big);
+    EXPECT_EQ(too_big.status, 429) << too_big.body;
+    EXPECT_NE(too_big.body.find("a prompt of 132 KV blocks"), std::string::npos) << too_big.body;
     const auto honest = Prompt(500, 9);
     Reply h = Post(proxy->port(), "/v1/completions", Body(honest));
     EXPECT_EQ(h.status, 200) << h.body;
