@@ -10,6 +10,8 @@
 #include "core/crypto.h"
 #include "discovery_cmd.h"
 #include "ferry/discovery.h"
+#include "model/gguf.h"
+#include "model/tokenizer.h"
 #include "serve/proxy.h"
 
 namespace ferry::cli {
@@ -27,7 +29,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     static router::CacheAwareWeights weights;
     static int port = 8000;
     static bool no_store = false;
-    static std::string secret_file;
+    static std::string secret_file, tokenizer;
     static int64_t timeout_ms = 600000;
     px->add_option("--prefill", prefill,
                    "prefill workers' OpenAI servers (HOST:PORT or URL), beside those registered "
@@ -74,6 +76,11 @@ void AddProxyCommand(CLI::App& app, int* rc) {
                    "(multi-turn chat); 0: never")
         ->check(CLI::Range(0, 1 << 20))
         ->capture_default_str();
+    px->add_option("--tokenizer", tokenizer,
+                   "the workers' model file (GGUF; only its tokenizer is read): text prompts and "
+                   "chat messages are tokenized as the workers do, so that cache-aware routing "
+                   "and the P/D decision score them too (without it, only prompts given as token "
+                   "ids are)");
     px->add_option("--model", model,
                    "the model the workers serve: workers registered with another are ignored "
                    "(default: that of the first one registered)");
@@ -119,6 +126,13 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.model = model;
         pc.load_poll = std::chrono::milliseconds(load_poll_ms);
         pc.pd_min_uncached_tokens = pd_min_uncached;
+        if (!tokenizer.empty()) {
+            auto file = model::GgufFile::Open(tokenizer);
+            if (!file.ok()) return fail(file.status().WithContext("--tokenizer"));
+            auto tk = model::Tokenizer::FromGguf(**file);
+            if (!tk.ok()) return fail(tk.status().WithContext("--tokenizer " + tokenizer));
+            pc.tokenizer = std::move(tk).value();
+        }
         for (const auto& [list, dst] : {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}}) {
             for (const std::string& u : *list) {
                 auto ep = http::ParseEndpoint(u);

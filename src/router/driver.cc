@@ -10,6 +10,7 @@
 #include "core/json_depth.h"
 #include "core/log.h"
 #include "core/request_id.h"
+#include "model/prompt.h"
 
 namespace ferry::router {
 
@@ -316,20 +317,34 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     f->path = path;
     f->stream =
         body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
-    // Token ids given as the prompt are counted and hashed by block (a cache-aware policy scores
-    // them against the workers' caches); text is not tokenized here.
+    // The prompt's token ids, counted and hashed by block (what a cache-aware policy scores):
+    // given as ids, or text and messages tokenized as the workers do, only while some worker's
+    // blocks are followed (hashing costs this I/O thread's time).
     std::vector<BlockHash> block_hashes;
-    if (body.contains("prompt") && body["prompt"].is_array()) {
+    const bool hashing = router_->block_size() > 0;
+    if (body.contains("prompt") && body["prompt"].is_array() &&
+        std::all_of(body["prompt"].begin(), body["prompt"].end(),
+                    [](const Json& t) { return t.is_number_integer(); })) {
         f->prompt_tokens = body["prompt"].size();
         std::vector<int32_t> tokens;
         tokens.reserve(f->prompt_tokens);
         for (const Json& t : body["prompt"]) {
-            if (!t.is_number_integer()) break;
             const int64_t v = t.get<int64_t>();
             if (v < 0 || v > INT32_MAX) break;
             tokens.push_back(int32_t(v));
         }
-        if (tokens.size() == f->prompt_tokens) block_hashes = router_->PromptBlockHashes(tokens);
+        if (hashing && tokens.size() == f->prompt_tokens) {
+            block_hashes = router_->PromptBlockHashes(tokens);
+        }
+    } else if (hashing && config_.tokenizer) {
+        // A body the workers would refuse is routed unscored: the worker's 400 names the fault.
+        std::vector<int32_t> tokens;
+        model::PromptError unused;
+        if (model::PromptTokens(body, path == "/v1/chat/completions", *config_.tokenizer, &tokens,
+                                &unused)) {
+            f->prompt_tokens = tokens.size();
+            block_hashes = router_->PromptBlockHashes(tokens);
+        }
     }
     f->body = std::move(body);
     // One id through every worker: the client's X-Request-Id if it gave a valid one, else 128

@@ -12,6 +12,10 @@
 //   before any token; the driver then asks the prefill worker where its agent is now and tries
 //   once more.
 //
+// The prompt's tokens: given as token ids, or text and chat messages tokenized with the workers'
+// tokenizer (DriverConfig::tokenizer) once a worker's KV events are followed; hashed by block as
+// the workers hash them (core/block_hash.h), they are what a cache-aware policy scores.
+//
 // The P/D decision (multi-turn chat): when the chosen decode worker already holds all but fewer
 // than `pd_min_uncached_tokens` of the prompt's tokens in its prefix cache (its KV events say so,
 // router/kv_index.h), the prefill worker is skipped and the request goes to the decode worker as
@@ -30,6 +34,7 @@
 #include <string>
 
 #include "http/http.h"
+#include "model/tokenizer.h"
 #include "router/protocol.h"
 #include "router/router.h"
 
@@ -44,6 +49,11 @@ struct DriverConfig {
     // Skip the prefill worker when the decode worker lacks fewer than this many prompt tokens
     // (0: never skip).
     int pd_min_uncached_tokens = 16;
+    // The workers' tokenizer (their model file's): text prompts and chat messages are turned
+    // into token ids as the workers do (model/prompt.h) and hashed by block, so that
+    // cache-aware routing and the P/D decision see them. Null: only prompts given as token ids
+    // are scored. Used only once a followed worker has stated its block hashes.
+    std::shared_ptr<const model::Tokenizer> tokenizer = {};
 };
 
 struct DriverStats {

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "core/json_fields.h"
+#include "model/prompt.h"
 
 namespace ferry::serve {
 
@@ -87,54 +88,6 @@ class Fields {
     const JsonFields f_;
     std::optional<BadRequest> error_;
 };
-
-// The "messages" of a chat request (text content only); false with `f` failed.
-bool ParseMessages(const Json& body, Fields* f, std::vector<model::ChatMessage>* msgs) {
-    auto fail = [&](std::string message, std::string param) {
-        f->Fail(std::move(message), std::move(param));
-        return false;
-    };
-    if (!f->Has("messages") || !body["messages"].is_array() || body["messages"].empty()) {
-        return fail("'messages' must be a non-empty array", "messages");
-    }
-    for (size_t i = 0; i < body["messages"].size(); ++i) {
-        const Json& m = body["messages"][i];
-        std::string where = fmt::format("messages[{}]", i);
-        if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-            return fail(where + " must be an object with a string 'role'", where);
-        }
-        model::ChatMessage cm;
-        cm.role = m["role"].get<std::string>();
-        const Json& c = m.contains("content") ? m["content"] : Json();
-        if (c.is_string()) {
-            cm.content = c.get<std::string>();
-        } else if (c.is_array()) {
-            for (const Json& part : c) {
-                if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
-                    return fail(where + ".content parts must be objects with a 'type'",
-                                where + ".content");
-                }
-                std::string type = part["type"].get<std::string>();
-                if (type != "text") {
-                    return fail(fmt::format("{}.content: part type '{}' is not supported by this "
-                                            "worker (text only)",
-                                            where, type),
-                                where + ".content");
-                }
-                if (!part.contains("text") || !part["text"].is_string()) {
-                    return fail(where + ".content: a text part needs a string 'text'",
-                                where + ".content");
-                }
-                cm.content += part["text"].get<std::string>();
-            }
-        } else if (!c.is_null()) {
-            return fail(where + ".content must be a string or an array of parts",
-                        where + ".content");
-        }
-        msgs->push_back(std::move(cm));
-    }
-    return true;
-}
 
 // The "model" field, if given, must name the served model.
 void CheckModel(Fields* f, const std::string& model_name) {
@@ -241,39 +194,9 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
     sp.top_k = static_cast<int>(top_k);
 
     // The prompt.
-    if (chat) {
-        std::vector<model::ChatMessage> msgs;
-        if (!ParseMessages(body, f, &msgs)) return;
-        auto text = tk.ApplyChatTemplate(msgs, true);
-        if (!text.ok()) return f->Fail(text.status().message(), "messages");
-        out->prompt = tk.Encode(*text, false);
-    } else {
-        if (!f->Has("prompt")) return f->Fail("'prompt' is required", "prompt");
-        const Json& p = body["prompt"];
-        if (p.is_string()) {
-            out->prompt = tk.Encode(p.get<std::string>(), tk.add_bos());
-        } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const Json& e) {
-                       return e.is_number_integer();
-                   })) {
-            for (const Json& e : p) {
-                auto id = TokenId(e, tk);
-                if (!id) {
-                    return f->Fail(fmt::format("prompt token id {} is outside the vocabulary "
-                                               "(0..{})",
-                                               e.dump(), tk.vocab_size() - 1),
-                                   "prompt");
-                }
-                out->prompt.push_back(*id);
-            }
-        } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
-            out->prompt = tk.Encode(p[0].get<std::string>(), tk.add_bos());
-        } else if (p.is_array() && p.size() > 1) {
-            return f->Fail("batched prompts are not supported: send one request per prompt",
-                           "prompt");
-        } else {
-            return f->Fail("'prompt' must be a string or an array of token ids", "prompt");
-        }
-        if (out->prompt.empty()) return f->Fail("the prompt is empty", "prompt");
+    model::PromptError pe;
+    if (!model::PromptTokens(body, chat, tk, &out->prompt, &pe)) {
+        return f->Fail(std::move(pe.message), std::move(pe.param));
     }
     if (max_tokens < 0) max_tokens = 16;  // chat without a limit: set below from the context
     sp.max_tokens = static_cast<int>(max_tokens);
@@ -354,7 +277,10 @@ bool ParseTokenizeRequest(std::string_view text, const model::Tokenizer& tk,
                    "continue_final_message");
         }
         std::vector<model::ChatMessage> msgs;
-        if (f.ok() && ParseMessages(body, &f, &msgs)) {
+        model::PromptError pe;
+        if (f.ok() && !model::ChatMessages(body, &msgs, &pe)) {
+            f.Fail(std::move(pe.message), std::move(pe.param));
+        } else if (f.ok()) {
             auto rendered = tk.ApplyChatTemplate(msgs, add_generation_prompt);
             if (!rendered.ok()) {
                 f.Fail(rendered.status().message(), "messages");

@@ -165,6 +165,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     dc.worker_timeout = impl->cfg.worker_timeout;
     dc.router_token = impl->cfg.router_token;
     dc.pd_min_uncached_tokens = impl->cfg.pd_min_uncached_tokens;
+    dc.tokenizer = impl->cfg.tokenizer;
     impl->driver = router::Driver::Create(std::move(dc), impl->router, impl->client.get());
     http::ServerConfig hc;
     hc.name = "proxy";

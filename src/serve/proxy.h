@@ -13,6 +13,7 @@
 
 #include "ferry/status.h"
 #include "http/http.h"
+#include "model/tokenizer.h"
 #include "router/protocol.h"
 #include "router/router.h"
 
@@ -40,6 +41,9 @@ struct ProxyConfig {
     // The P/D decision (router/driver.h): skip the prefill worker when the decode worker lacks
     // fewer than this many prompt tokens (0: never).
     int pd_min_uncached_tokens = 16;
+    // The workers' tokenizer: text prompts and chat messages are scored by a cache-aware policy
+    // and the P/D decision too (router/driver.h). Null: only token-id prompts are.
+    std::shared_ptr<const model::Tokenizer> tokenizer = {};
     // The deployment's router token (RouterToken of its secret): sent to the workers on every
     // call ("Authorization: Bearer ..."); workers with a secret honour kv_transfer_params only
     // with it. "" = none.

@@ -194,6 +194,11 @@ class PdProcess : public ::testing::Test {
         if (role != "colocated") {
             a.insert(a.end(), {"--kv-backend", backend});
         }
+        // A cache size in `extra` replaces the default.
+        if (std::find(extra.begin(), extra.end(), "--num-kv-blocks") != extra.end()) {
+            auto it = std::find(a.begin(), a.end(), "--num-kv-blocks");
+            a.erase(it, it + 2);
+        }
         a.insert(a.end(), extra.begin(), extra.end());
         return a;
     }

@@ -363,5 +363,144 @@ TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
     EXPECT_EQ(proxy->Metric("ferry_router_kv_event_malformed_total"), 0);
 }
 
+// A router restarted mid-run: it replays each worker's events from the start, so its credit is
+// back at once (the repeat goes to the holder), and blocks evicted while it was down are not
+// credited: its count equals that of a router that ran all along.
+TEST_F(XpYd, ARestartedRouterHasItsCreditBackAndNoStaleCredit) {
+    std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
+                                       "--kv-events-replay-endpoint", "tcp://*:0"};
+    auto p = Worker("prefill", events);
+    events.insert(events.end(), {"--num-kv-blocks", "24"});  // the decode workers' caches
+    auto d0 = Worker("decode", events);
+    auto d1 = Worker("decode", events);
+    ASSERT_TRUE(p && d0 && d1);
+    auto observer = Proxy("cache-aware");  // runs all along; sent nothing
+    auto proxy = Proxy("cache-aware");
+    ASSERT_TRUE(observer && proxy);
+    auto in_sync = [&](const ServerProcess& px) {
+        if (!Routes(px, {p.get()}, {d0.get(), d1.get()})) return false;
+        for (ServerProcess* w : {d0.get(), d1.get()}) {
+            if (!px.WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w), 1,
+                               std::chrono::seconds(10))) {
+                return false;
+            }
+        }
+        return true;
+    };
+    ASSERT_TRUE(in_sync(*observer) && in_sync(*proxy));
+    const Json body = CompletionBody(RandomPrompt(100, 777), 4, false);  // 6 full blocks
+    auto first = SendAll(proxy->port(), {body}, 1);
+    ASSERT_EQ(first[0].status, 200) << first[0].body;
+    ServerProcess* holder = Succeeded(*proxy, "decode", *d0) == 1 ? d0.get() : d1.get();
+    const std::string held = "ferry_router_worker_cached_blocks" + WorkerLabel("decode", *holder);
+    ASSERT_TRUE(
+        testing::WaitUntil([&] { return observer->Metric(held) >= 6; }, std::chrono::seconds(10)));
+
+    proxy.reset();  // the router goes; a new one starts with nothing but the workers' replay
+    proxy = Proxy("cache-aware");
+    ASSERT_TRUE(proxy && in_sync(*proxy));
+    EXPECT_TRUE(testing::WaitUntil([&] { return proxy->Metric(held) == observer->Metric(held); },
+                                   std::chrono::seconds(10)))
+        << proxy->Metric(held) << " vs " << observer->Metric(held);
+    auto again = SendAll(proxy->port(), {body}, 1);
+    ASSERT_EQ(again[0].status, 200) << again[0].body;
+    EXPECT_EQ(again[0].tokens, first[0].tokens);
+    EXPECT_EQ(Succeeded(*proxy, "decode", *holder), 1) << "the repeat went where its blocks are";
+    EXPECT_EQ(proxy->Metric("ferry_proxy_prefill_skipped_total"), 1);
+
+    // Down again; meanwhile the holder evicts the prompt's blocks (other prompts sent to it
+    // directly fill its 24 blocks). The next router credits what the holder has now, as the
+    // router that ran all along does.
+    proxy.reset();
+    const double before = observer->Metric(held);
+    for (int i = 0; i < 4; ++i) {
+        auto r = SendAll(holder->port(), {CompletionBody(RandomPrompt(100, 900 + i), 4, false)}, 1);
+        ASSERT_EQ(r[0].status, 200) << r[0].body;
+    }
+    proxy = Proxy("cache-aware");
+    ASSERT_TRUE(proxy && in_sync(*proxy));
+    EXPECT_TRUE(testing::WaitUntil([&] { return proxy->Metric(held) == observer->Metric(held); },
+                                   std::chrono::seconds(10)))
+        << proxy->Metric(held) << " vs " << observer->Metric(held) << " (before " << before << ")";
+    // The four prompts' 24 full blocks filled the cache: the first prompt's are gone, and the
+    // router credits none of them, so its repeat is prefilled by the prefill worker again (a
+    // stale credit would skip it); the answer is still the same.
+    auto last = SendAll(proxy->port(), {body}, 1);
+    ASSERT_EQ(last[0].status, 200) << last[0].body;
+    EXPECT_EQ(last[0].tokens, first[0].tokens);
+    EXPECT_EQ(proxy->Metric("ferry_proxy_prefill_skipped_total"), 0);
+    EXPECT_EQ(Succeeded(*proxy, "prefill", *p), 1);
+    EXPECT_EQ(proxy->Metric("ferry_router_kv_event_malformed_total"), 0);
+}
+
+// Text prompts and chat messages: a proxy given the workers' model file (--tokenizer) tokenizes
+// them as the workers do, so cache-aware routing and the P/D decision see their blocks; a proxy
+// without it scores only token-id prompts, and the same repeats go through the prefill worker.
+TEST_F(XpYd, CacheAwareScoresTextAndChatWithTheWorkersTokenizer) {
+    const std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
+                                             "--kv-events-replay-endpoint", "tcp://*:0"};
+    auto p = Worker("prefill", events);
+    auto d0 = Worker("decode", events);
+    auto d1 = Worker("decode", events);
+    ASSERT_TRUE(p && d0 && d1);
+    auto plain = Proxy("cache-aware");
+    auto tokenizing =
+        StartOrDie({"proxy", "--port", "0", "--store", url_, "--policy", "cache-aware",
+                    "--load-poll-ms", "100", "--tokenizer", model_->path()});
+    ASSERT_TRUE(plain && tokenizing);
+    for (ServerProcess* px : {plain.get(), tokenizing.get()}) {
+        ASSERT_TRUE(Routes(*px, {p.get()}, {d0.get(), d1.get()}));
+        for (ServerProcess* w : {d0.get(), d1.get()}) {
+            ASSERT_TRUE(px->WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w),
+                                       1, std::chrono::seconds(10)));
+        }
+    }
+    // The answer's text, and the decode worker that served it.
+    auto send = [&](ServerProcess& px, const std::string& path, const Json& body) {
+        const double before0 = Succeeded(px, "decode", *d0);
+        auto r = http::Fetch(Post(px.port(), body, path));
+        EXPECT_TRUE(r.ok() && r->status == 200) << (r.ok() ? r->body : r.status().ToString());
+        Json j = r.ok() ? Json::parse(r->body, nullptr, false) : Json();
+        std::string text;
+        if (j.is_object() && j.contains("choices")) {
+            const Json& c = j["choices"][0];
+            text = c.contains("message") ? c["message"]["content"].get<std::string>()
+                                         : c["text"].get<std::string>();
+        }
+        return std::pair{text, Succeeded(px, "decode", *d0) > before0 ? d0.get() : d1.get()};
+    };
+    std::string words;
+    for (int i = 0; words.size() < 140; ++i) words += fmt::format("word{} ", i * 7919 % 1000);
+    const Json text = {
+        {"prompt", words}, {"max_tokens", 4}, {"temperature", 0}, {"ignore_eos", true}};
+    const Json chat = {{"messages", {{{"role", "user"}, {"content", "chat: " + words}}}},
+                       {"max_tokens", 4},
+                       {"temperature", 0},
+                       {"ignore_eos", true}};
+    for (const auto& [path, body] :
+         {std::pair{"/v1/completions", text}, std::pair{"/v1/chat/completions", chat}}) {
+        SCOPED_TRACE(path);
+        const double skipped = tokenizing->Metric("ferry_proxy_prefill_skipped_total");
+        const auto [want, holder] = send(*tokenizing, path, body);
+        EXPECT_EQ(tokenizing->Metric("ferry_proxy_prefill_skipped_total"), skipped)
+            << "the first time, no worker holds it";
+        const std::string held =
+            "ferry_router_worker_cached_blocks" + WorkerLabel("decode", *holder);
+        ASSERT_TRUE(testing::WaitUntil([&] { return tokenizing->Metric(held) >= 8; },
+                                       std::chrono::seconds(10)));
+        for (int i = 0; i < 3; ++i) {
+            const auto [got, served] = send(*tokenizing, path, body);
+            EXPECT_EQ(got, want) << "repeat " << i;
+            EXPECT_EQ(served, holder) << "repeat " << i << " went where its blocks are";
+        }
+        EXPECT_EQ(tokenizing->Metric("ferry_proxy_prefill_skipped_total"), skipped + 3);
+        // Without the tokenizer the same repeats are not scored: through the prefill worker.
+        const double plain_prefills = Succeeded(*plain, "prefill", *p);
+        for (int i = 0; i < 2; ++i) EXPECT_EQ(send(*plain, path, body).first, want);
+        EXPECT_EQ(plain->Metric("ferry_proxy_prefill_skipped_total"), 0);
+        EXPECT_EQ(Succeeded(*plain, "prefill", *p), plain_prefills + 2);
+    }
+}
+
 }  // namespace
 }  // namespace ferry
