@@ -161,6 +161,13 @@ void AddServeCommand(CLI::App& app, int* rc) {
     serve->add_option("--kv-events-replay-endpoint", kv_events_replay,
                       "ZeroMQ ROUTER endpoint that replays missed batches, e.g. tcp://*:5558");
     serve->add_option("--kv-events-topic", kv_events_topic, "the events' topic frame (vLLM: \"\")");
+    static double kv_events_replays = 20;
+    serve
+        ->add_option("--kv-events-replays-per-second", kv_events_replays,
+                     "replay requests served per second (each sends up to the whole 10 000-batch "
+                     "buffer); more get no answer")
+        ->check(CLI::Range(0.1, 1e6))
+        ->capture_default_str();
     serve
         ->add_option("--kv-events-layout", kv_events_layout,
                      "vllm (vLLM's current structs, 32-byte hashes) or legacy (array_like structs "
@@ -346,6 +353,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         wc.kv_events.endpoint = kv_events_endpoint;
         wc.kv_events.replay_endpoint = kv_events_replay;
         wc.kv_events.topic = kv_events_topic;
+        wc.kv_events.replays_per_second = kv_events_replays;
         wc.kv_events.layout = *serve::ParseKvEventsLayout(kv_events_layout);
         if (kv_events_endpoint.empty() && !kv_events_replay.empty()) {
             return fail(

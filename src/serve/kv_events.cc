@@ -1,10 +1,15 @@
 #include "serve/kv_events.h"
 
 #include <fmt/core.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "core/log.h"
 #include "core/msgpack.h"
@@ -158,6 +163,12 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig
         }
         p->bound_replay_ = LastEndpoint(p->replay_);
     }
+    p->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (p->wake_fd_ < 0) {
+        return InternalError(fmt::format("kv events: eventfd: {}", std::strerror(errno)));
+    }
+    p->replay_tokens_ = c.replays_per_second;
+    p->replay_refill_ = std::chrono::steady_clock::now();
     p->thread_ = std::thread([raw = p.get()] { raw->Loop(); });
     return p;
 }
@@ -167,8 +178,9 @@ KvEventPublisher::~KvEventPublisher() {
         std::lock_guard lock(mu_);
         stop_ = true;
     }
-    cv_.notify_all();
+    Wake();
     if (thread_.joinable()) thread_.join();
+    if (wake_fd_ >= 0) close(wake_fd_);
     if (pub_) zmq_close(pub_);
     if (replay_) zmq_close(replay_);
     if (ctx_) zmq_ctx_term(ctx_);
@@ -186,7 +198,14 @@ void KvEventPublisher::Publish(std::vector<kv::KvCacheEvent> events) {
         }
         queue_.emplace_back(ts, std::move(events));
     }
-    cv_.notify_one();
+    Wake();
+}
+
+void KvEventPublisher::Wake() {
+    if (wake_fd_ < 0) return;
+    const uint64_t one = 1;
+    // A full counter (never, at 2^64 - 1) already wakes the thread.
+    [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof one);
 }
 
 KvEventsStats KvEventPublisher::Stats() const {
@@ -196,36 +215,47 @@ KvEventsStats KvEventPublisher::Stats() const {
 
 void KvEventPublisher::Loop() {
     for (;;) {
+        // Sleeps until a batch is queued (the eventfd) or a replay request arrives: no polling.
+        zmq_pollitem_t items[2] = {{nullptr, wake_fd_, ZMQ_POLLIN, 0}, {replay_, 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, replay_ ? 2 : 1, -1) < 0 && zmq_errno() != EINTR) {
+            FERRY_LOG(kWarn, "kv events: zmq_poll: {}", zmq_strerror(zmq_errno()));
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        if (items[0].revents & ZMQ_POLLIN) {
+            uint64_t n;
+            [[maybe_unused]] ssize_t r = read(wake_fd_, &n, sizeof n);
+        }
         if (replay_) {
             zmq_pollitem_t item{replay_, 0, ZMQ_POLLIN, 0};
             while (zmq_poll(&item, 1, 0) > 0 && (item.revents & ZMQ_POLLIN)) ServeReplay();
         }
-        std::pair<double, std::vector<kv::KvCacheEvent>> batch;
-        {
-            std::unique_lock lock(mu_);
-            // With a replay socket, look at it every 10 ms; a batch wakes this at once.
-            cv_.wait_for(lock, std::chrono::milliseconds(replay_ ? 10 : 200),
-                         [&] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) {
-                if (stop_) return;
-                continue;
+        for (;;) {
+            std::pair<double, std::vector<kv::KvCacheEvent>> batch;
+            {
+                std::lock_guard lock(mu_);
+                if (queue_.empty()) {
+                    if (stop_) return;
+                    break;
+                }
+                batch = std::move(queue_.front());
+                queue_.pop_front();
             }
-            batch = std::move(queue_.front());
-            queue_.pop_front();
+            std::string payload =
+                EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
+            const uint64_t seq = next_seq_++;
+            const bool sent = Send(pub_, config_.topic, true) &&
+                              Send(pub_, router::KvEventSeqBytes(int64_t(seq)), true) &&
+                              Send(pub_, payload, false);
+            if (!sent) {
+                FERRY_LOG(kWarn, "kv events: batch {} not sent: {}", seq,
+                          zmq_strerror(zmq_errno()));
+            }
+            buffer_.emplace_back(seq, std::move(payload));
+            while (buffer_.size() > config_.buffer_batches) buffer_.pop_front();
+            std::lock_guard lock(mu_);
+            ++stats_.batches;
+            stats_.events += batch.second.size();
         }
-        std::string payload =
-            EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
-        const uint64_t seq = next_seq_++;
-        const bool sent = Send(pub_, config_.topic, true) &&
-                          Send(pub_, router::KvEventSeqBytes(int64_t(seq)), true) &&
-                          Send(pub_, payload, false);
-        if (!sent)
-            FERRY_LOG(kWarn, "kv events: batch {} not sent: {}", seq, zmq_strerror(zmq_errno()));
-        buffer_.emplace_back(seq, std::move(payload));
-        while (buffer_.size() > config_.buffer_batches) buffer_.pop_front();
-        std::lock_guard lock(mu_);
-        ++stats_.batches;
-        stats_.events += batch.second.size();
     }
 }
 
@@ -245,6 +275,27 @@ void KvEventPublisher::ServeReplay() {
         }
         return;
     }
+    // The budget: replays_per_second tokens, refilled continuously.
+    const auto now = std::chrono::steady_clock::now();
+    const double rate = config_.replays_per_second;
+    replay_tokens_ = std::min(
+        rate, replay_tokens_ + rate * std::chrono::duration<double>(now - replay_refill_).count());
+    replay_refill_ = now;
+    if (replay_tokens_ < 1) {
+        uint64_t refused;
+        {
+            std::lock_guard lock(mu_);
+            refused = ++stats_.replays_refused;
+        }
+        if ((refused & (refused - 1)) == 0) {  // the 1st, 2nd, 4th, ...: the log stays small
+            FERRY_LOG(kWarn,
+                      "kv events: replay request refused: more than {:g} a second ({} refused "
+                      "so far)",
+                      rate, refused);
+        }
+        return;
+    }
+    replay_tokens_ -= 1;
     uint64_t start = 0;
     for (unsigned char c : frames[2]) start = (start << 8) | c;
     for (const auto& [seq, payload] : buffer_) {

@@ -27,7 +27,6 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -55,6 +54,11 @@ struct KvEventsConfig {
     int block_size = 16;
     size_t buffer_batches = 10000;  // kept for replay
     size_t max_queue = 100000;      // batches waiting for the publisher thread; more are dropped
+    // Replay requests served per second (a token bucket of this many, refilled at this rate):
+    // each one sends up to the whole buffer, so a client that asks again and again would keep
+    // the publisher from the live events. Requests beyond it get no answer (a subscriber's
+    // replay times out: it forgets the worker's blocks, never credits stale ones).
+    double replays_per_second = 20;
 };
 
 // One batch as msgpack, in `layout`.
@@ -63,6 +67,7 @@ std::string EncodeKvEventBatch(double ts, std::span<const kv::KvCacheEvent> even
 
 struct KvEventsStats {
     uint64_t batches = 0, events = 0, dropped = 0, replays = 0;
+    uint64_t replays_refused = 0;  // beyond replays_per_second
 };
 
 // The publisher: Publish never blocks (it queues for a thread of its own).
@@ -81,6 +86,7 @@ class KvEventPublisher {
     KvEventPublisher() = default;
     void Loop();
     void ServeReplay();
+    void Wake();
 
     KvEventsConfig config_;
     void* ctx_ = nullptr;
@@ -88,9 +94,11 @@ class KvEventPublisher {
     void* replay_ = nullptr;
     std::string bound_endpoint_, bound_replay_;
     std::thread thread_;
+    int wake_fd_ = -1;  // an eventfd: Publish and the destructor wake the thread's zmq_poll
     mutable std::mutex mu_;
-    std::condition_variable cv_;
     bool stop_ = false;
+    double replay_tokens_ = 0;  // publisher thread only
+    std::chrono::steady_clock::time_point replay_refill_;
     std::deque<std::pair<double, std::vector<kv::KvCacheEvent>>> queue_;
     std::deque<std::pair<uint64_t, std::string>> buffer_;  // publisher thread only
     uint64_t next_seq_ = 0;

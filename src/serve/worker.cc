@@ -105,6 +105,9 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
                       double(st.dropped));
             m.Counter("ferry_kv_events_replays_total", "Replay requests answered.",
                       double(st.replays));
+            m.Counter("ferry_kv_events_replays_refused_total",
+                      "Replay requests beyond the budget (--kv-events-replays-per-second).",
+                      double(st.replays_refused));
             std::string out = m.Take();
             if (extra) out += extra();
             return out;

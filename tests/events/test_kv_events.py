@@ -205,6 +205,45 @@ def test_legacy_layout_is_vllms_example_subscribers(model):
         w.close()
 
 
+def test_replays_beyond_the_budget_get_no_answer(model):
+    """A client asking for the whole buffer again and again: the worker serves
+    --kv-events-replays-per-second of them (a token bucket) and leaves the rest unanswered, and
+    its live events keep flowing."""
+    w = Worker(model, "--kv-events-replays-per-second", "2")
+    ctx = zmq.Context()
+    try:
+        w.complete(list(range(1, 41)))
+        s = ctx.socket(zmq.DEALER)
+        s.connect(w.replay)
+        for _ in range(12):
+            s.send_multipart([b"", (0).to_bytes(8, "big")])
+        answered = 0
+        deadline = time.time() + 1.0
+        while time.time() < deadline:
+            if s.poll(100):
+                _, seq, _ = s.recv_multipart()
+                answered += int.from_bytes(seq, "big", signed=True) == -1
+        s.close()
+        # 2 at once, then one more each half second; the rest refused.
+        assert 2 <= answered <= 5, answered
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{w.port}/metrics").read().decode()
+        refused = float(re.search(r"^ferry_kv_events_replays_refused_total (\S+)$", metrics,
+                                  re.M).group(1))
+        assert refused >= 12 - answered - 1, metrics
+        time.sleep(0.6)  # the bucket refills: an honest subscriber is answered again
+        assert replay(ctx, w.replay, 0), "no replay after the budget refilled"
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(w.events)
+        time.sleep(0.3)
+        w.complete(list(range(50, 90)))
+        assert sub.poll(5000), "live events stopped"
+        sub.close()
+    finally:
+        ctx.destroy(linger=0)
+        w.close()
+
+
 @pytest.mark.parametrize("flags,named", [
     (["--kv-events-endpoint", "tcp://127.0.0.1:0"], "--kv-events-endpoint 'tcp://127.0.0.1:0'"),
     (["--kv-events-endpoint", "bogus://x"], "--kv-events-endpoint 'bogus://x'"),
