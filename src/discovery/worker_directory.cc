@@ -54,13 +54,14 @@ Result<WorkerRecord> DecodeWorkerRecord(std::string_view json) {
         FERRY_ASSIGN_OR_RETURN(int64_t version, b.Int("version", 1, 1000));
         FERRY_ASSIGN_OR_RETURN(std::string algorithm, b.String("algorithm", 64));
         if (version != kBlockHashSpecVersion || algorithm != kBlockHashAlgorithm) {
-            return InvalidArgumentError(fmt::format(
+            r.block_hash_unknown = fmt::format(
                 "'block_hash' is version {} of '{}'; this router knows version {} of '{}'", version,
-                algorithm.substr(0, 64), kBlockHashSpecVersion, kBlockHashAlgorithm));
+                algorithm.substr(0, 64), kBlockHashSpecVersion, kBlockHashAlgorithm);
+        } else {
+            FERRY_ASSIGN_OR_RETURN(r.hash_seed, b.String("seed", 256));
+            FERRY_ASSIGN_OR_RETURN(int64_t bs, b.Int("block_size", 1, 1 << 16));
+            r.block_size = static_cast<int>(bs);
         }
-        FERRY_ASSIGN_OR_RETURN(r.hash_seed, b.String("seed", 256));
-        FERRY_ASSIGN_OR_RETURN(int64_t bs, b.Int("block_size", 1, 1 << 16));
-        r.block_size = static_cast<int>(bs);
     }
     FERRY_ASSIGN_OR_RETURN(std::optional<std::string> events, f.OptString("kv_events", 300));
     if (events) r.kv_events = *events;

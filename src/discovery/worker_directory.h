@@ -37,6 +37,10 @@ struct WorkerRecord {
     std::string hash_seed{};
     // Where its KV events are published and replayed (serve/kv_events.h); "" = not published.
     std::string kv_events{}, kv_events_replay{};
+    // A "block_hash" of a version or algorithm this router does not know (a newer worker): the
+    // record still stands (the worker is routed to), its blocks get no prefix credit
+    // (block_size 0), and this says why.
+    std::string block_hash_unknown{};
 };
 
 std::string EncodeWorkerRecord(const WorkerRecord& r);

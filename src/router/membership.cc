@@ -221,6 +221,13 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
         }
         present[r].insert(rec.url);
         const Role role = RoleAt(r);
+        if (!rec.block_hash_unknown.empty()) {
+            std::lock_guard lock(mu_);
+            if (logged_.insert(rec.url + " block_hash").second) {
+                FERRY_LOG(kWarn, "router: worker {}: no prefix credit: {}", rec.url.substr(0, 200),
+                          rec.block_hash_unknown);
+            }
+        }
         if (rec.block_size > 0 && hash_block_size_ == 0) {
             hash_seed_ = rec.hash_seed;
             hash_block_size_ = rec.block_size;

@@ -590,6 +590,16 @@ TEST(WorkerDirectory, FollowsTheWorkersRecordsInTheStoreAndIgnoresBadOnes) {
     ASSERT_TRUE(back.ok());
     EXPECT_EQ(back->engine_id, "p0");
     EXPECT_EQ(back->tp_size, 2);
+    // A newer worker's block hashes: the record stands, its blocks get no prefix credit.
+    auto newer = DecodeWorkerRecord(
+        R"({"url":"127.0.0.1:1","role":"decode","model":"tiny","tp_size":1,"engine_id":"d",)"
+        R"("agent_host":"127.0.0.1","agent_port":2,"block_hash":{"version":2,)"
+        R"("algorithm":"sha512_cbor","seed":"0","block_size":16},"kv_events":"tcp://x:1"})");
+    ASSERT_TRUE(newer.ok()) << newer.status().ToString();
+    EXPECT_EQ(newer->block_size, 0);
+    EXPECT_EQ(newer->block_hash_unknown,
+              "'block_hash' is version 2 of 'sha512_cbor'; this router knows version 1 of "
+              "'sha256_cbor'");
     auto bad = DecodeWorkerRecord(R"({"url":"x","role":"prefill"})");
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.status().message().find("'model'"), std::string::npos) << bad.status().ToString();
