@@ -286,8 +286,12 @@ struct AgentKvConnector::Impl : LayerHook {
     // Checks a peer's compat against ours; the error names the field and both values.
     Status CheckCompat(const std::string& peer, const msg::Compat& theirs) const;
 
-    // The peer's ranks from its hello or ack.
-    Result<std::vector<PeerRank>> ParseRanks(const std::vector<msg::RankInfo>& ranks) const;
+    // The peer's ranks from its hello or ack: their regions and the kv heads each holds (its
+    // TP size may differ from ours).
+    Result<std::vector<PeerRank>> ParseRanks(const msg::Compat& theirs,
+                                             const std::vector<msg::RankInfo>& ranks) const;
+    // (our rank, peer rank) pairs that hold some of the same kv heads: what moves between them.
+    std::vector<std::pair<int, int>> RankPairs(const Peer& p) const;
 
     void PeerReady(const std::string& name, std::vector<PeerRank> ranks,
                    const std::string& address);

@@ -61,17 +61,47 @@ Status AgentKvConnector::Impl::CheckCompat(const std::string& peer,
 }
 
 Result<std::vector<PeerRank>> AgentKvConnector::Impl::ParseRanks(
-    const std::vector<msg::RankInfo>& ranks) const {
-    if (static_cast<int>(ranks.size()) != tp) {
-        return InvalidArgumentError(fmt::format("field 'ranks' must list {} ranks", tp));
+    const msg::Compat& theirs, const std::vector<msg::RankInfo>& ranks) const {
+    const int their_tp = static_cast<int>(ranks.size());
+    if (their_tp < 1 || their_tp != theirs.tp) {
+        return InvalidArgumentError(
+            fmt::format("field 'ranks' lists {} ranks for tp {}", their_tp, theirs.tp));
+    }
+    // Rank i of a TP-t peer holds the model's kv heads [i * H / t, (i + 1) * H / t).
+    const int heads = cfg.model_kv_heads;
+    if (heads % their_tp != 0) {
+        return FailedPreconditionError(fmt::format(
+            "tp differs (this worker {}, the peer {}) and the peer's {} does not divide the "
+            "model's {} kv heads",
+            tp, their_tp, their_tp, heads));
     }
     std::vector<PeerRank> out;
-    for (int r = 0; r < tp; ++r) {
+    for (int i = 0; i < their_tp; ++i) {
         PeerRank pr;
-        pr.region = ranks[r].region;
-        pr.layout = layouts[r];
-        pr.layout.spec.num_blocks = ranks[r].blocks;
+        pr.region = ranks[i].region;
+        pr.layout.spec = layouts[0].spec;
+        pr.layout.spec.kv_heads = heads / their_tp;
+        pr.layout.spec.num_blocks = ranks[i].blocks;
+        pr.layout.head_begin = i * (heads / their_tp);
         out.push_back(pr);
+    }
+    return out;
+}
+
+std::vector<std::pair<int, int>> AgentKvConnector::Impl::RankPairs(const Peer& p) const {
+    // Each of this worker's ranks with each peer rank that holds some of the same heads: one
+    // pair per rank when the TP sizes are equal; the decode side of TP d reads (or is written)
+    // only its own heads, from the one or more peer ranks that hold them.
+    std::vector<std::pair<int, int>> out;
+    for (int r = 0; r < tp; ++r) {
+        const KvLayout& l = layouts[r];
+        for (int i = 0; i < static_cast<int>(p.ranks.size()); ++i) {
+            const KvLayout& x = p.ranks[i].layout;
+            if (std::max(l.head_begin, x.head_begin) <
+                std::min(l.head_begin + l.spec.kv_heads, x.head_begin + x.spec.kv_heads)) {
+                out.emplace_back(r, i);
+            }
+        }
     }
     return out;
 }
@@ -182,7 +212,7 @@ Status AgentKvConnector::Impl::OnHelloAck(const std::string& from, const msg::He
                              m.error.empty() ? "kv handshake refused by the peer" : Esc(m.error)));
         return Status::Ok();
     }
-    auto ranks = ParseRanks(m.ranks);
+    auto ranks = ParseRanks(m.compat, m.ranks);
     if (!ranks.ok()) {
         PeerFailed(from, ranks.status().WithContext("kv handshake"));
         return Status::Ok();
@@ -241,7 +271,7 @@ void AgentKvConnector::Impl::ConnectLoop() {
         std::vector<PeerRank> ranks;
         if (st.ok()) st = CheckCompat(job.name, job.hello.compat);
         if (st.ok()) {
-            auto r = ParseRanks(job.hello.ranks);
+            auto r = ParseRanks(job.hello.compat, job.hello.ranks);
             if (r.ok()) {
                 ranks = std::move(*r);
             } else {

@@ -35,13 +35,15 @@ Status AgentKvConnector::Impl::PlanAllRanks(const Peer& p, const KvMove& move,
                                             std::vector<Descriptor>* local,
                                             std::vector<Descriptor>* remote,
                                             uint64_t* bytes) const {
-    for (int r = 0; r < tp; ++r) {
-        FERRY_ASSIGN_OR_RETURN(KvPlan plan, PlanKvMove(layouts[r], p.ranks[r].layout, move));
-        for (size_t i = 0; i < plan.local.size(); ++i) {
-            const KvSpan& l = plan.local[i];
-            const KvSpan& m = plan.remote[i];
+    for (const auto& [r, i] : RankPairs(p)) {
+        // The heads both hold (head_end < 0): straight from the peer rank's blocks into a
+        // slice of ours, strided, no staging copy.
+        FERRY_ASSIGN_OR_RETURN(KvPlan plan, PlanKvMove(layouts[r], p.ranks[i].layout, move));
+        for (size_t k = 0; k < plan.local.size(); ++k) {
+            const KvSpan& l = plan.local[k];
+            const KvSpan& m = plan.remote[k];
             local->push_back({regions[r], l.offset, l.length, l.stride, l.count});
-            remote->push_back({p.ranks[r].region, m.offset, m.length, m.stride, m.count});
+            remote->push_back({p.ranks[i].region, m.offset, m.length, m.stride, m.count});
         }
         *bytes += plan.bytes;
     }

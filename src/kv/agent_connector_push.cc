@@ -229,10 +229,12 @@ LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
             ps.timing = true;
             ps.started = SteadyClock::now();
         }
-        for (int r = 0; r < m.tp; ++r) {
-            for (int l = 0; l < m.layouts[r].spec.num_layers; ++l) {
+        // Each of our ranks writes its heads to every peer rank that holds some of them, layer
+        // by layer as that rank computes them.
+        for (const auto& [r, pr] : m.RankPairs(pit->second)) {
+            for (int l = 0; l < m.layouts[r].spec.num_layers && ps.error.ok(); ++l) {
                 KvMove move{c.block_table, ps.target, ps.next_send, end, l, l + 1};
-                auto plan = PlanKvMove(m.layouts[r], pit->second.ranks[r].layout, move);
+                auto plan = PlanKvMove(m.layouts[r], pit->second.ranks[pr].layout, move);
                 if (!plan.ok()) {
                     ps.error = plan.status().WithContext(fmt::format("kv push {}", Esc(ps.xid)));
                     break;
@@ -245,7 +247,7 @@ LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
                     const KvSpan& b = plan->remote[i];
                     w.local.push_back({m.regions[r], a.offset, a.length, a.stride, a.count});
                     w.remote.push_back(
-                        {pit->second.ranks[r].region, b.offset, b.length, b.stride, b.count});
+                        {pit->second.ranks[pr].region, b.offset, b.length, b.stride, b.count});
                 }
                 w.bytes = plan->bytes;
                 if (!w.local.empty()) {

@@ -231,7 +231,6 @@ std::optional<CompatDiff> FirstDifference(const Compat& ours, const Compat& thei
         {"dtype", {ours.dtype, theirs.dtype}},
         {"block_tokens", {num(ours.block_tokens), num(theirs.block_tokens)}},
         {"layout", {ours.layout, theirs.layout}},
-        {"tp", {num(ours.tp), num(theirs.tp)}},
     };
     for (const auto& [name, v] : fields) {
         if (v.first != v.second) return CompatDiff{name, v.first, v.second};

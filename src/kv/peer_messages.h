@@ -42,10 +42,13 @@ struct Compat {
     std::string dtype;
     int block_tokens = 0;
     std::string layout = "HND";
+    // Its ranks (the hello's `ranks` list them): it may differ between peers (heterogeneous TP:
+    // each rank's heads are read from, or written to, the peer ranks that hold them), so it is
+    // not compared below.
     int tp = 0;
 };
 
-// The first field where `theirs` differs from `ours`, in the order above.
+// The first field where `theirs` differs from `ours`, in the order above (tp excepted).
 struct CompatDiff {
     std::string field, ours, theirs;
 };

@@ -166,10 +166,16 @@ class Disagg : public ::testing::Test {
     static void SetUpTestSuite() {
         file_ = new testing::TinyModelFile("kv-connector-test", testing::TinyModelSpec(1024), 5);
         other_ = new testing::TinyModelFile("kv-connector-other", testing::TinyModelSpec(1024), 6);
+        // 4 kv heads (8 query heads): TP 1, 2 and 4 each split them.
+        model::RandomModelSpec wide = testing::TinyModelSpec(1024);
+        wide.num_heads = 8;
+        wide.num_kv_heads = 4;
+        wide_ = new testing::TinyModelFile("kv-connector-wide", wide, 7);
     }
     static void TearDownTestSuite() {
         delete file_;
         delete other_;
+        delete wide_;
     }
     // A model of its own for every engine: Model::Forward takes one caller at a time, and the
     // two workers of a pair compute at the same time (as two processes would).
@@ -178,13 +184,14 @@ class Disagg : public ::testing::Test {
     // The colocated answers for `prompts` (id -> tokens and logprobs).
     static std::map<std::string, Answer> Colocated(
         const std::vector<std::pair<std::string, std::vector<int32_t>>>& prompts,
-        model::SamplingParams sp, int tp = 1) {
+        model::SamplingParams sp, int tp = 1, testing::TinyModelFile* file = nullptr) {
         engine::EngineConfig ec;
         ec.block_tokens = 8;
         ec.num_blocks = 512;
         ec.max_batched_tokens = 512;
         Answers answers;  // before the engine: its step thread calls into it until it is gone
-        auto e = testing::ValueOrDie(Engine::Create(Model(tp), ec), "colocated");
+        auto e =
+            testing::ValueOrDie(Engine::Create((file ? file : file_)->Load(tp), ec), "colocated");
         std::vector<std::string> ids;
         for (const auto& [id, p] : prompts) {
             EXPECT_TRUE(Submit(e.get(), &answers, id, p, sp).ok());
@@ -198,9 +205,11 @@ class Disagg : public ::testing::Test {
 
     static testing::TinyModelFile* file_;
     static testing::TinyModelFile* other_;
+    static testing::TinyModelFile* wide_;
 };
 testing::TinyModelFile* Disagg::file_;
 testing::TinyModelFile* Disagg::other_;
+testing::TinyModelFile* Disagg::wide_;
 
 std::shared_ptr<KvTransferParams> PushPrefillParams(const std::string& xid) {
     auto p = std::make_shared<KvTransferParams>();
@@ -223,11 +232,16 @@ std::shared_ptr<KvTransferParams> PushDecodeParams(const std::string& xid, const
 
 struct Case {
     std::string backend;
-    int tp;
+    int tp;  // the prefill worker's (and the decode worker's, unless decode_tp says otherwise)
     KvTransferMode mode;
+    int decode_tp = 0;
+    int DecodeTp() const { return decode_tp > 0 ? decode_tp : tp; }
 };
 std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
-    return fmt::format("{}_tp{}_{}", i.param.backend, i.param.tp,
+    const std::string tp = i.param.DecodeTp() == i.param.tp
+                               ? fmt::format("tp{}", i.param.tp)
+                               : fmt::format("tp{}to{}", i.param.tp, i.param.DecodeTp());
+    return fmt::format("{}_{}_{}", i.param.backend, tp,
                        i.param.mode == KvTransferMode::kPull ? "pull" : "push");
 }
 std::vector<Case> Cases() {
@@ -317,7 +331,7 @@ TEST_P(DisaggMatrix, DecodeAnswersEqualColocatedAndTheDecoderComputesNoPrompt) {
     auto want = Colocated(prompts, sp, c.tp);
 
     Worker prefill = MakeWorker("prefill-0", c.backend, Model(c.tp));
-    Worker decode = MakeWorker("decode-0", c.backend, Model(c.tp));
+    Worker decode = MakeWorker("decode-0", c.backend, Model(c.DecodeTp()));
     auto got = RunDisaggregated(prefill, decode, prompts, sp);
     int total = 0;
     for (const auto& [id, prompt] : prompts) {
@@ -367,6 +381,138 @@ TEST_P(DisaggMatrix, DecodeAnswersEqualColocatedAndTheDecoderComputesNoPrompt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, DisaggMatrix, ::testing::ValuesIn(Cases()), CaseName);
+
+// Heterogeneous TP: a prefill worker of TP p and a decode worker of TP d, every p, d in
+// {1, 2, 4}, on a model of 4 kv heads. Each decode rank gets its heads from the prefill ranks
+// that hold them (strided, straight into its blocks); the answers equal a colocated engine's of
+// the decode worker's TP, and the decoder computes no prompt token.
+class DisaggHeteroTp : public DisaggMatrix {};
+TEST_P(DisaggHeteroTp, EveryDecodeRankGetsItsHeadsFromThePrefillRanksThatHoldThem) {
+    const Case c = GetParam();
+    std::vector<std::pair<std::string, std::vector<int32_t>>> prompts;
+    int salt = 1;
+    for (int n : {1, 9, 63, 100, 257})
+        prompts.push_back({fmt::format("h{}", n), Prompt(n, salt++)});
+    auto sp = Greedy(5);
+    auto want = Colocated(prompts, sp, c.DecodeTp(), wide_);
+    Worker prefill = MakeWorker("prefill-h", c.backend, wide_->Load(c.tp));
+    Worker decode = MakeWorker("decode-h", c.backend, wide_->Load(c.DecodeTp()));
+    auto got = RunDisaggregated(prefill, decode, prompts, sp);
+    size_t total = 0;
+    for (const auto& [id, prompt] : prompts) {
+        const Answer& a = got[id];
+        EXPECT_EQ(a.finish, FinishReason::kLength) << id << ": " << a.error.ToString();
+        EXPECT_EQ(a.tokens, want[id].tokens) << id;
+        ASSERT_EQ(a.logprobs.size(), want[id].logprobs.size()) << id;
+        for (size_t i = 0; i < a.logprobs.size(); ++i) {
+            // The prefill worker's TP sums in another order than the decoder's would have.
+            EXPECT_NEAR(a.logprobs[i], want[id].logprobs[i], 1e-4) << id << " token " << i;
+        }
+        EXPECT_EQ(a.external, static_cast<int>(prompt.size())) << id;
+        total += prompt.size();
+    }
+    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
+    EXPECT_EQ(decode.engine->Stats().kv_external_tokens, total);
+    kv::KvConnectorStats cs = decode.conn->Stats(), ps = prefill.conn->Stats();
+    EXPECT_EQ(cs.succeeded, prompts.size());
+    EXPECT_EQ(cs.failed + ps.failed, 0u);
+    // Every head once: the bytes moved are the prompt's KV, not one copy per rank pair.
+    const kv::KvCacheSpec& s = decode.engine->caches()[0]->spec();
+    const uint64_t per_token_all_heads = 2ull * s.num_layers * 4 * s.head_dim * 4;
+    const uint64_t moved = c.mode == KvTransferMode::kPull ? cs.bytes_read : ps.bytes_written;
+    EXPECT_GE(moved, total * per_token_all_heads);
+    EXPECT_LE(moved, (total + 8 * prompts.size()) * per_token_all_heads);
+    if (c.mode == KvTransferMode::kPull) {
+        // One READ per request; per (decode rank, prefill rank) pair that share heads and run
+        // of adjacent blocks, one strided descriptor when the pair holds the same heads, else
+        // one per layer and K|V (a head slice of the run; stride one block), never one per
+        // block. At most 2 runs here.
+        EXPECT_EQ(cs.transfers, prompts.size());
+        const uint64_t pairs = std::max(c.tp, c.DecodeTp());
+        const uint64_t per_run = c.tp == c.DecodeTp() ? 1 : 2 * uint64_t(s.num_layers);
+        EXPECT_LE(cs.max_descriptors, 2 * pairs * per_run);
+        EXPECT_GE(cs.max_descriptors, pairs * per_run);
+    }
+}
+std::vector<Case> HeteroCases() {
+    std::vector<Case> out;
+    for (const auto& b : AvailableBackends()) {
+        if (b != "shm" && b != "tcp") continue;
+        for (int p : {1, 2, 4}) {
+            for (int d : {1, 2, 4}) {
+                for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) {
+                    out.push_back({b, p, m, d});
+                }
+            }
+        }
+    }
+    return out;
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggHeteroTp, ::testing::ValuesIn(HeteroCases()), CaseName);
+
+// What lands in the decode worker's blocks is, byte for byte, the head slices of the prefill
+// worker's cache: for every prompt block, layer, K and V and global kv head, the decode rank that
+// holds the head has the rows the prefill rank that holds it computed.
+class DisaggHeteroBytes : public DisaggMatrix {};
+TEST_P(DisaggHeteroBytes, TheReceivedRowsAreTheSendersHeadSlices) {
+    const Case c = GetParam();
+    const std::vector<int32_t> prompt = Prompt(77, 13);  // 9 full blocks of 8 and 5 tokens
+    Worker prefill = MakeWorker("prefill-b", c.backend, wide_->Load(c.tp));
+    Worker decode = MakeWorker("decode-b", c.backend, wide_->Load(c.DecodeTp()),
+                               WorkerOptions{.num_blocks = 64});
+    Answers pa, da;
+    auto psp = Greedy(1);
+    auto kvp = std::make_shared<KvTransferParams>();
+    kvp->do_remote_decode = true;
+    FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "b", prompt, psp, kvp));
+    ASSERT_TRUE(pa.Wait({"b"}));
+    const Answer held = pa.Get("b");
+    ASSERT_TRUE(held.kv) << held.error.ToString();
+    const std::vector<kv::BlockId> pblocks = held.kv->remote_block_ids;
+    FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "b", prompt, Greedy(1), held.kv));
+    ASSERT_TRUE(da.Wait({"b"}));
+    ASSERT_EQ(da.Get("b").external, 77) << da.Get("b").error.ToString();
+
+    const auto& pc = prefill.engine->caches();
+    const auto& dc = decode.engine->caches();
+    const int heads = 4, hp = heads / c.tp, hd = heads / c.DecodeTp();
+    const kv::KvCacheSpec& spec = pc[0]->spec();
+    const int bt = spec.block_tokens;
+    const size_t row = size_t(spec.head_dim) * kv::KvDtypeSize(spec.dtype);
+    ASSERT_EQ(pblocks.size(), 10u);
+    for (size_t k = 0; k < pblocks.size(); ++k) {
+        const int n = std::min<int>(bt, 77 - int(k) * bt);  // the prompt's rows in this block
+        auto rows = [&](const kv::KvCache& cache, int layer, bool v, int block, int head) {
+            return std::string_view(reinterpret_cast<const char*>(cache.memory().data()) +
+                                        cache.Offset(layer, v, block, head),
+                                    size_t(n) * row);
+        };
+        // The decode block that holds prompt block k: the one whose first head's layer-0 K rows
+        // are the prefill's (random weights: no two blocks share them).
+        int found = -1;
+        for (int j = 0; j < dc[0]->spec().num_blocks && found < 0; ++j) {
+            if (rows(*dc[0], 0, false, j, 0) == rows(*pc[0], 0, false, pblocks[k], 0)) found = j;
+        }
+        ASSERT_GE(found, 0) << "prompt block " << k << " is in no decode block";
+        for (int layer = 0; layer < spec.num_layers; ++layer) {
+            for (bool v : {false, true}) {
+                for (int g = 0; g < heads; ++g) {
+                    EXPECT_EQ(rows(*dc[g / hd], layer, v, found, g % hd),
+                              rows(*pc[g / hp], layer, v, pblocks[k], g % hp))
+                        << "block " << k << " layer " << layer << (v ? " V" : " K") << " head "
+                        << g;
+                }
+            }
+        }
+    }
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggHeteroBytes,
+                         ::testing::Values(Case{"shm", 1, KvTransferMode::kPull, 2},
+                                           Case{"shm", 2, KvTransferMode::kPull, 1},
+                                           Case{"shm", 1, KvTransferMode::kPull, 4},
+                                           Case{"shm", 4, KvTransferMode::kPull, 2},
+                                           Case{"tcp", 2, KvTransferMode::kPull, 4}),
+                         CaseName);
 
 // 64 requests in flight at once through one pair, every answer still its own (the SGLang thread
 // found requests matched to the wrong transfer under concurrency).

@@ -194,10 +194,12 @@ class PdProcess : public ::testing::Test {
         if (role != "colocated") {
             a.insert(a.end(), {"--kv-backend", backend});
         }
-        // A cache size in `extra` replaces the default.
-        if (std::find(extra.begin(), extra.end(), "--num-kv-blocks") != extra.end()) {
-            auto it = std::find(a.begin(), a.end(), "--num-kv-blocks");
-            a.erase(it, it + 2);
+        // A block size or cache size in `extra` replaces the default.
+        for (const char* flag : {"--num-kv-blocks", "--block-size"}) {
+            if (std::find(extra.begin(), extra.end(), flag) != extra.end()) {
+                auto it = std::find(a.begin(), a.end(), flag);
+                a.erase(it, it + 2);
+            }
         }
         a.insert(a.end(), extra.begin(), extra.end());
         return a;

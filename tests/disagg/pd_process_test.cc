@@ -116,6 +116,44 @@ INSTANTIATE_TEST_SUITE_P(Backends, PdMatrix, ::testing::ValuesIn(MatrixCases()),
     return fmt::format("{}_tp{}", std::get<0>(i.param), std::get<1>(i.param));
 });
 
+// Heterogeneous TP between processes, through the proxy, pull and push: a prefill worker of
+// TP p and a decode worker of TP d (the in-process matrix in kv_connector_test covers every p, d
+// in {1, 2, 4}); answers equal a colocated worker's of the decoder's TP.
+class PdHeteroTp : public PdProcess,
+                   public ::testing::WithParamInterface<std::tuple<std::string, int, int>> {};
+TEST_P(PdHeteroTp, ThroughTheProxyEqualColocated) {
+    const auto [backend, ptp, dtp] = GetParam();
+    const std::vector<Answer>& want = Reference(dtp);
+    Deployment d = Deploy(WorkerArgs("prefill", backend, ptp), WorkerArgs("decode", backend, dtp));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    const auto prompts = Prompts();
+    for (ServerProcess* proxy : {d.proxy_pull.get(), d.proxy_push.get()}) {
+        const bool push = proxy == d.proxy_push.get();
+        std::vector<Json> bodies;
+        // Different prompts per protocol: the decoder's prefix cache does not help the second.
+        for (size_t i = push ? 30 : 0; i < (push ? 60u : 30u); ++i) {
+            bodies.push_back(CompletionBody(prompts[i], 6, i % 2 == 1));
+        }
+        auto got = SendAll(proxy->port(), bodies);
+        for (size_t k = 0; k < bodies.size(); ++k) {
+            const size_t i = k + (push ? 30 : 0);
+            EXPECT_EQ(got[k].status, 200) << (push ? "push " : "pull ") << i << ": "
+                                          << got[k].body.substr(0, 300) << got[k].error.ToString();
+            EXPECT_EQ(got[k].tokens, want[i].tokens) << (push ? "push" : "pull") << " prompt " << i;
+        }
+    }
+    EXPECT_EQ(d.decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_blocks_used", 0));
+}
+INSTANTIATE_TEST_SUITE_P(Backends, PdHeteroTp,
+                         ::testing::Values(std::tuple<std::string, int, int>{"tcp", 2, 1},
+                                           std::tuple<std::string, int, int>{"shm", 1, 2}),
+                         [](const auto& i) {
+                             return fmt::format("{}_tp{}to{}", std::get<0>(i.param),
+                                                std::get<1>(i.param), std::get<2>(i.param));
+                         });
+
 TEST_F(PdProcess, SixtyFourInFlightAndSeededSamplingMatchColocated) {
     auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
     Deployment d = Deploy(WorkerArgs("prefill", "shm", 1), WorkerArgs("decode", "shm", 1));
@@ -197,6 +235,48 @@ TEST_F(PdProcess, DecodeFirstRemotePrefillEqualsColocated) {
     EXPECT_EQ(dead[0].status, 503) << dead[0].body;
     EXPECT_NE(dead[0].body.find("remote prefill worker"), std::string::npos) << dead[0].body;
     EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
+// Seed 004's deployment as its commands say: the decode worker at TP 2, the prefill worker at
+// TP 1, both with block size 128, decode-first (the decode worker sends long prompts to the
+// prefill worker it was given by POST /add_remote_prefill_eps, which pushes the KV back). Each
+// decode rank receives its kv head from the one prefill rank; answers equal a colocated worker's
+// of the decoder's shape, and the decoder computes none of the long prompts.
+TEST_F(PdProcess, SeedFourDeploymentDecodeTp2PrefillTp1BlockSize128EqualsColocated) {
+    testing::SecretFile secret("pd-seed-004");
+    const std::vector<std::string> big_blocks = {"--block-size", "128", "--num-kv-blocks", "800"};
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 2, big_blocks));
+    std::vector<std::string> p = big_blocks, d = big_blocks;
+    p.insert(p.end(), {"--secret-file", secret.path()});
+    d.insert(d.end(), {"--remote-prefill-min-tokens", "64", "--secret-file", secret.path()});
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1, p));
+    auto decode = StartOrDie(WorkerArgs("decode", "shm", 2, d));
+    ASSERT_TRUE(colocated && prefill && decode);
+    http::ClientRequest add = Post(
+        decode->port(), Json{{"endpoints", {fmt::format("http://127.0.0.1:{}", prefill->port())}}},
+        "/add_remote_prefill_eps");
+    add.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+    auto added = http::Fetch(add);
+    ASSERT_TRUE(added.ok() && added->status == 200) << (added.ok() ? added->body : "");
+    std::vector<Json> bodies;
+    int64_t remote = 0;
+    const auto prompts = Prompts();
+    for (size_t i = 0; i < prompts.size() && i < 24; ++i) {
+        if (prompts[i].size() < 64) continue;
+        bodies.push_back(CompletionBody(prompts[i], 6, i % 2 == 0));
+        remote += static_cast<int64_t>(prompts[i].size());
+    }
+    ASSERT_GE(bodies.size(), 8u);
+    auto want = SendAll(colocated->port(), bodies);
+    auto got = SendAll(decode->port(), bodies);
+    for (size_t i = 0; i < bodies.size(); ++i) {
+        EXPECT_EQ(got[i].status, 200) << got[i].body.substr(0, 300);
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
+    }
+    EXPECT_EQ(decode->Metric("ferry_kv_external_tokens_total"), double(remote));
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
 }
 
 // One request id from the client (or the proxy) through the proxy and both workers: the id a
