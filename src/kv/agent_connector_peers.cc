@@ -75,11 +75,16 @@ Result<std::vector<PeerRank>> AgentKvConnector::Impl::ParseRanks(
             "model's {} kv heads",
             tp, their_tp, their_tp, heads));
     }
+    if (theirs.block_tokens < 1 || theirs.block_tokens > (1 << 16)) {
+        return InvalidArgumentError(
+            fmt::format("field 'block_tokens' is {}: not a block size", theirs.block_tokens));
+    }
     std::vector<PeerRank> out;
     for (int i = 0; i < their_tp; ++i) {
         PeerRank pr;
         pr.region = ranks[i].region;
         pr.layout.spec = layouts[0].spec;
+        pr.layout.spec.block_tokens = theirs.block_tokens;
         pr.layout.spec.kv_heads = heads / their_tp;
         pr.layout.spec.num_blocks = ranks[i].blocks;
         pr.layout.head_begin = i * (heads / their_tp);

@@ -154,8 +154,20 @@ void AgentKvConnector::Impl::PumpHolds(SteadyClock::time_point now) {
 // pull, decode side: claim the hold and READ at once (the data counts only once the claim is
 // acked).
 void AgentKvConnector::Impl::ProceedPull(const std::string& id, Load& ld, Peer& p) {
-    const int end = std::min<int>((ld.num_computed + ld.num_external + bt() - 1) / bt() * bt(),
-                                  static_cast<int>(ld.params.remote_block_ids.size()) * bt());
+    // The prefill worker's blocks are of its own size (the handshake said which).
+    const int pbt = p.ranks[0].layout.spec.block_tokens;
+    const int want = ld.num_computed + ld.num_external;
+    const int covered = static_cast<int>(ld.params.remote_block_ids.size()) * pbt;
+    if (covered < want) {
+        FailLoad(id, InvalidArgumentError(fmt::format(
+                         "kv_transfer_params: remote_block_ids names {} blocks of {} tokens, "
+                         "fewer than the {} prompt tokens to load",
+                         ld.params.remote_block_ids.size(), pbt, want)));
+        return;
+    }
+    // Equal block sizes: read the last block whole (one span per run of blocks, not one per
+    // head for its partial tail); its slots past the prompt are overwritten as tokens come.
+    const int end = pbt == bt() ? std::min((want + bt() - 1) / bt() * bt(), covered) : want;
     std::vector<Descriptor> local, remote;
     KvMove move{ld.blocks, ld.params.remote_block_ids, ld.num_computed, end};
     Status st = PlanAllRanks(p, move, &local, &remote, &ld.bytes);
@@ -245,10 +257,12 @@ class PullProtocol final : public TransferProtocol {
     }
     // What the held blocks cover; without the first token the last prompt token is computed
     // here, for its logits.
+    // The held blocks cover the prompt (their size is the prefill worker's, learnt at the
+    // handshake; ProceedPull fails a load whose blocks fall short); without the first token the
+    // last prompt token is computed here, for its logits.
     int ExternalTokens(const KvTransferParams& p, int prompt_len, int num_computed) const override {
-        const int bt = m_.layouts.empty() ? 1 : m_.bt();
-        int covered = std::min<int>(prompt_len, static_cast<int>(p.remote_block_ids.size()) * bt);
-        if (!p.first_token || covered < prompt_len) covered = std::min(covered, prompt_len - 1);
+        if (p.remote_block_ids.empty()) return 0;
+        const int covered = p.first_token ? prompt_len : prompt_len - 1;
         return std::max(0, covered - num_computed);
     }
     void Proceed(const std::string& id, Load& ld, Peer& p) override { m_.ProceedPull(id, ld, p); }

@@ -19,8 +19,13 @@ bool AgentKvConnector::Impl::BindTarget(const std::string& id, Push& ps, Target 
         ps.error = st;
         return false;
     }
-    const int need = (ps.prompt_len + bt() - 1) / bt();
-    if (static_cast<int>(t.blocks.size()) < need || t.from < 0 || t.from % bt() != 0 ||
+    // The decoder's blocks are of its own size (the handshake said which).
+    auto peer = peers.find(t.peer);
+    const int dbt = peer != peers.end() && peer->second.state == Peer::State::kReady
+                        ? peer->second.ranks[0].layout.spec.block_tokens
+                        : bt();
+    const int need = (ps.prompt_len + dbt - 1) / dbt;
+    if (static_cast<int>(t.blocks.size()) < need || t.from < 0 || t.from % dbt != 0 ||
         t.from >= ps.prompt_len) {
         Status st = InvalidArgumentError(
             fmt::format("kv push {}: the decoder sent {} blocks from token {} for {} tokens",

@@ -79,6 +79,88 @@ Status CheckTable(std::span<const BlockId> table, int blocks_needed, int num_blo
     return Status::Ok();
 }
 
+struct Range {
+    int l0, l1, h0, h1;
+};
+
+// The layers and heads `m` moves, checked against both layouts.
+Result<Range> MoveRange(const KvLayout& local, const KvLayout& remote, const KvMove& m) {
+    const KvCacheSpec& ls = local.spec;
+    const KvCacheSpec& rs = remote.spec;
+    Range r;
+    r.l0 = m.layer_begin;
+    r.l1 = m.layer_end < 0 ? ls.num_layers : m.layer_end;
+    if (r.l0 < 0 || r.l0 > r.l1 || r.l1 > ls.num_layers) {
+        return InvalidArgumentError(
+            fmt::format("kv plan: layers [{}, {}) outside 0..{}", r.l0, r.l1, ls.num_layers));
+    }
+    const int h_lo = std::max(local.head_begin, remote.head_begin);
+    const int h_hi = std::min(local.head_begin + ls.kv_heads, remote.head_begin + rs.kv_heads);
+    r.h0 = m.head_end < 0 ? h_lo : m.head_begin;
+    r.h1 = m.head_end < 0 ? h_hi : m.head_end;
+    if (r.h0 >= r.h1 || r.h0 < h_lo || r.h1 > h_hi) {
+        return InvalidArgumentError(fmt::format(
+            "kv plan: kv heads [{}, {}) are not held by both sides (local [{}, {}), remote "
+            "[{}, {}))",
+            r.h0, r.h1, local.head_begin, local.head_begin + ls.kv_heads, remote.head_begin,
+            remote.head_begin + rs.kv_heads));
+    }
+    if (m.token_begin < 0 || m.token_begin > m.token_end) {
+        return InvalidArgumentError(
+            fmt::format("kv plan: token range [{}, {})", m.token_begin, m.token_end));
+    }
+    return r;
+}
+
+// Different block sizes on the two sides (any two sizes): the token range is cut where either
+// side's block ends, so each piece is contiguous in one block of each side; a piece's rows for
+// one head are one run. Per piece, one strided span over the heads (stride: each side's head
+// size) per layer and K|V, or one over the layers and K|V (stride: each side's tensor) per head,
+// whichever makes fewer.
+Result<KvPlan> PlanAcrossBlockSizes(const KvLayout& local, const KvLayout& remote,
+                                    const KvMove& m) {
+    FERRY_ASSIGN_OR_RETURN(Range g, MoveRange(local, remote, m));
+    KvPlan plan;
+    if (m.token_begin == m.token_end || g.l0 == g.l1) return plan;
+    const int lb = local.spec.block_tokens, rb = remote.spec.block_tokens;
+    FERRY_RETURN_IF_ERROR(
+        CheckTable(m.local_blocks, (m.token_end + lb - 1) / lb, local.spec.num_blocks, "local"));
+    FERRY_RETURN_IF_ERROR(
+        CheckTable(m.remote_blocks, (m.token_end + rb - 1) / rb, remote.spec.num_blocks, "remote"));
+    const int lh = g.h0 - local.head_begin, rh = g.h0 - remote.head_begin;
+    const int nh = g.h1 - g.h0, nlv = 2 * (g.l1 - g.l0);
+    const uint64_t row = local.RowBytes();
+    SpanFolder fold(&plan);
+    for (int t = m.token_begin; t < m.token_end;) {
+        const int e = std::min({(t / lb + 1) * lb, (t / rb + 1) * rb, m.token_end});
+        const BlockId lblock = m.local_blocks[t / lb], rblock = m.remote_blocks[t / rb];
+        const int lslot = t % lb, rslot = t % rb;
+        const uint64_t len = uint64_t(e - t) * row;
+        auto add = [&](int l, bool v, int h) {
+            fold.Add(local.Offset(l, v, lblock, lh + h, lslot),
+                     remote.Offset(l, v, rblock, rh + h, rslot), len);
+        };
+        if (nh <= nlv) {
+            for (int h = 0; h < nh; ++h) {
+                for (int l = g.l0; l < g.l1; ++l) {
+                    for (bool v : {false, true}) add(l, v, h);
+                }
+                fold.Flush();
+            }
+        } else {
+            for (int l = g.l0; l < g.l1; ++l) {
+                for (bool v : {false, true}) {
+                    for (int h = 0; h < nh; ++h) add(l, v, h);
+                    fold.Flush();
+                }
+            }
+        }
+        t = e;
+    }
+    fold.Flush();
+    return plan;
+}
+
 }  // namespace
 
 Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const KvMove& m) {
@@ -90,10 +172,11 @@ Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const K
     };
     if (ls.num_layers != rs.num_layers) return differ("layers", ls.num_layers, rs.num_layers);
     if (ls.head_dim != rs.head_dim) return differ("head dim", ls.head_dim, rs.head_dim);
-    if (ls.block_tokens != rs.block_tokens) {
+    if (ls.dtype != rs.dtype) return differ("dtype", KvDtypeName(ls.dtype), KvDtypeName(rs.dtype));
+    if (ls.block_tokens < 1 || rs.block_tokens < 1) {
         return differ("block size", ls.block_tokens, rs.block_tokens);
     }
-    if (ls.dtype != rs.dtype) return differ("dtype", KvDtypeName(ls.dtype), KvDtypeName(rs.dtype));
+    if (ls.block_tokens != rs.block_tokens) return PlanAcrossBlockSizes(local, remote, m);
 
     const int bt = ls.block_tokens;
     const int l0 = m.layer_begin, l1 = m.layer_end < 0 ? ls.num_layers : m.layer_end;

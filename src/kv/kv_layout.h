@@ -4,7 +4,9 @@
 // - a run of block ids adjacent on both sides is one run of bytes per layer and K/V;
 // - that run at every layer and K/V is one strided descriptor (stride: one layer's tensor);
 // - a head slice of a run of blocks is one strided descriptor (stride: one block);
-// - a partial block (the tail of a chunk) is one strided descriptor over its heads.
+// - a partial block (the tail of a chunk) is one strided descriptor over its heads;
+// - with different block sizes on the two sides, a piece that lies in one block of each side is
+//   one strided descriptor over its heads or over its layers and K|V.
 // The planner knows nothing of agents or peers: it returns offsets into each side's allocation
 // (the connector adds region ids). Heterogeneous TP and MLA extend it.
 #pragma once
@@ -71,10 +73,10 @@ struct KvMove {
     int head_end = -1;
 };
 
-// Plans `move` between `local` and `remote`. InvalidArgument when the two layouts cannot
-// exchange KV (layers, head dim, dtype or block size differ), when the head range is not held by
-// both sides, or when a block table is too short for the token range or names a block outside
-// its cache.
+// Plans `move` between `local` and `remote`. The block sizes may differ (any two sizes: the
+// range is cut where either side's block ends). InvalidArgument when the two layouts cannot
+// exchange KV (layers, head dim or dtype differ), when the head range is not held by both sides,
+// or when a block table is too short for the token range or names a block outside its cache.
 Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const KvMove& move);
 
 }  // namespace ferry::kv

@@ -3,6 +3,7 @@
 // allows.
 #include "kv/kv_layout.h"
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -63,7 +64,7 @@ void Apply(const KvPlan& plan, const std::vector<uint8_t>& src, std::vector<uint
 // The same move, one token row at a time.
 void Reference(const KvLayout& L, const KvLayout& R, const KvMove& m,
                const std::vector<uint8_t>& src, std::vector<uint8_t>* dst) {
-    const int bt = L.spec.block_tokens;
+    const int lbt = L.spec.block_tokens, rbt = R.spec.block_tokens;
     int l1 = m.layer_end < 0 ? L.spec.num_layers : m.layer_end;
     int h0 = m.head_end < 0 ? std::max(L.head_begin, R.head_begin) : m.head_begin;
     int h1 = m.head_end < 0
@@ -73,10 +74,10 @@ void Reference(const KvLayout& L, const KvLayout& R, const KvMove& m,
         for (int l = m.layer_begin; l < l1; ++l) {
             for (bool v : {false, true}) {
                 for (int h = h0; h < h1; ++h) {
-                    std::memcpy(dst->data() + R.Offset(l, v, m.remote_blocks[t / bt],
-                                                       h - R.head_begin, t % bt),
-                                src.data() + L.Offset(l, v, m.local_blocks[t / bt],
-                                                      h - L.head_begin, t % bt),
+                    std::memcpy(dst->data() + R.Offset(l, v, m.remote_blocks[t / rbt],
+                                                       h - R.head_begin, t % rbt),
+                                src.data() + L.Offset(l, v, m.local_blocks[t / lbt],
+                                                      h - L.head_begin, t % lbt),
                                 L.RowBytes());
                 }
             }
@@ -190,13 +191,58 @@ TEST(KvPlan, RandomMovesMatchTheReference) {
     }
 }
 
+// Different block sizes, both ways (16 to 32, 32 to 16, 16 to 128, 128 to 16, sizes that do
+// not divide each other), with partial blocks at either end and head slices: the rows land where
+// the token-by-token reference puts them, in few spans.
+TEST(KvPlan, DifferentBlockSizesEitherWayMatchTheReference) {
+    struct Sizes {
+        int a, b;
+    };
+    for (Sizes z :
+         {Sizes{16, 32}, Sizes{32, 16}, Sizes{16, 128}, Sizes{128, 16}, Sizes{4, 6}, Sizes{6, 4}}) {
+        SCOPED_TRACE(fmt::format("{} to {}", z.a, z.b));
+        const int tokens = 300;
+        KvLayout L = Layout(2, 2, 0, 96, z.a, 4), R = Layout(2, 2, 0, 96, z.b, 4);
+        auto table = [&](int bt, int first) {
+            std::vector<BlockId> t((tokens + bt - 1) / bt);
+            std::iota(t.begin(), t.end(), first);
+            return t;
+        };
+        std::vector<BlockId> lb = table(z.a, 1), rb = table(z.b, 3);
+        for (auto [a, b] : std::vector<std::pair<int, int>>{
+                 {0, 300}, {0, 1}, {17, 300}, {128, 256}, {5, 7}, {31, 33}, {299, 300}}) {
+            ExpectSameAsReference(L, R, {lb, rb, a, b});
+        }
+        // A head slice (a TP 2 rank's head [1, 2)) and one layer.
+        KvLayout half = Layout(2, 1, 1, 96, z.b, 4);
+        ExpectSameAsReference(L, half, {lb, rb, 3, 250});
+        ExpectSameAsReference(L, R, {lb, rb, 9, 200, 1, 2});
+        // Shuffled tables.
+        std::mt19937 g(z.a * 1000 + z.b);
+        std::shuffle(lb.begin(), lb.end(), g);
+        std::shuffle(rb.begin(), rb.end(), g);
+        ExpectSameAsReference(L, R, {lb, rb, 0, 300});
+    }
+    // 2048 tokens of 16-token blocks into 128-token blocks, 2 heads, 4 layers: one span per
+    // 16-token piece and head (its 8 layer-K|V runs strided), 128 x 2.
+    KvLayout L = Layout(4, 2, 0, 200, 16, 8), R = Layout(4, 2, 0, 40, 128, 8);
+    std::vector<BlockId> lb(128), rb(16);
+    std::iota(lb.begin(), lb.end(), 0);
+    std::iota(rb.begin(), rb.end(), 0);
+    size_t spans = 0;
+    ExpectSameAsReference(L, R, {lb, rb, 0, 2048}, &spans);
+    EXPECT_EQ(spans, 128u * 2);
+}
+
 TEST(KvPlan, RefusesWhatCannotBeMoved) {
     KvLayout L = Layout(2, 2, 0, 8), R = Layout(2, 2, 0, 8);
     std::vector<BlockId> lb = {0, 1}, rb = {2, 3};
     KvLayout other = R;
     other.spec.block_tokens = 8;
-    EXPECT_THAT(PlanKvMove(L, other, {lb, rb, 0, 8}),
-                StatusHas(Code::kInvalidArgument, "block size differs (local 4, remote 8)"));
+    const std::vector<BlockId> three = {0, 1, 2}, one = {2};  // 12 tokens of 4; 8 tokens of 8
+    EXPECT_THAT(PlanKvMove(L, other, {three, one, 0, 12}),
+                StatusHas(Code::kInvalidArgument,
+                          "the remote block table has 1 blocks, the token range needs 2"));
     other = R;
     other.spec.num_layers = 3;
     EXPECT_THAT(PlanKvMove(L, other, {lb, rb, 0, 8}), StatusHas(Code::kInvalidArgument, "layers"));

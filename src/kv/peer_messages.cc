@@ -229,7 +229,6 @@ std::optional<CompatDiff> FirstDifference(const Compat& ours, const Compat& thei
         {"kv_heads", {num(ours.kv_heads), num(theirs.kv_heads)}},
         {"head_dim", {num(ours.head_dim), num(theirs.head_dim)}},
         {"dtype", {ours.dtype, theirs.dtype}},
-        {"block_tokens", {num(ours.block_tokens), num(theirs.block_tokens)}},
         {"layout", {ours.layout, theirs.layout}},
     };
     for (const auto& [name, v] : fields) {

@@ -40,7 +40,7 @@ struct Compat {
     int kv_heads = 0;  // the model's, over all ranks
     int head_dim = 0;
     std::string dtype;
-    int block_tokens = 0;
+    int block_tokens = 0;  // may differ between peers: transfers cut at both sides' blocks
     std::string layout = "HND";
     // Its ranks (the hello's `ranks` list them): it may differ between peers (heterogeneous TP:
     // each rank's heads are read from, or written to, the peer ranks that hold them), so it is
@@ -48,7 +48,8 @@ struct Compat {
     int tp = 0;
 };
 
-// The first field where `theirs` differs from `ours`, in the order above (tp excepted).
+// The first field where `theirs` differs from `ours`, in the order above (block_tokens and tp
+// excepted).
 struct CompatDiff {
     std::string field, ours, theirs;
 };
