@@ -257,6 +257,31 @@ std::vector<Case> Cases() {
 
 class DisaggMatrix : public Disagg, public ::testing::WithParamInterface<Case> {
   protected:
+    // Every answer is the colocated one (tokens; logprobs within 1e-4), ended by its length,
+    // with every prompt token from the wire; the decoder computed none and no load failed.
+    // Returns the prompt tokens.
+    static size_t ExpectEqualsColocatedFromTheWire(
+        Worker& prefill, Worker& decode,
+        const std::vector<std::pair<std::string, std::vector<int32_t>>>& prompts,
+        std::map<std::string, Answer>& got, std::map<std::string, Answer>& want) {
+        size_t total = 0;
+        for (const auto& [id, prompt] : prompts) {
+            const Answer& a = got[id];
+            EXPECT_EQ(a.finish, FinishReason::kLength) << id << ": " << a.error.ToString();
+            EXPECT_EQ(a.tokens, want[id].tokens) << id;
+            EXPECT_EQ(a.logprobs.size(), want[id].logprobs.size()) << id;
+            for (size_t i = 0; i < std::min(a.logprobs.size(), want[id].logprobs.size()); ++i) {
+                EXPECT_NEAR(a.logprobs[i], want[id].logprobs[i], 1e-4) << id << " token " << i;
+            }
+            EXPECT_EQ(a.external, static_cast<int>(prompt.size())) << id;
+            total += prompt.size();
+        }
+        EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
+        EXPECT_EQ(decode.engine->Stats().kv_external_tokens, total);
+        EXPECT_EQ(decode.conn->Stats().succeeded, prompts.size());
+        EXPECT_EQ(decode.conn->Stats().failed + prefill.conn->Stats().failed, 0u);
+        return total;
+    }
     // Runs every prompt through prefill -> decode with the case's protocol, all in flight at
     // once, and returns the decode worker's answers.
     std::map<std::string, Answer> RunDisaggregated(
@@ -399,24 +424,9 @@ TEST_P(DisaggHeteroTp, EveryDecodeRankGetsItsHeadsFromThePrefillRanksThatHoldThe
     Worker prefill = MakeWorker("prefill-h", c.backend, wide_->Load(c.tp));
     Worker decode = MakeWorker("decode-h", c.backend, wide_->Load(c.DecodeTp()));
     auto got = RunDisaggregated(prefill, decode, prompts, sp);
-    size_t total = 0;
-    for (const auto& [id, prompt] : prompts) {
-        const Answer& a = got[id];
-        EXPECT_EQ(a.finish, FinishReason::kLength) << id << ": " << a.error.ToString();
-        EXPECT_EQ(a.tokens, want[id].tokens) << id;
-        ASSERT_EQ(a.logprobs.size(), want[id].logprobs.size()) << id;
-        for (size_t i = 0; i < a.logprobs.size(); ++i) {
-            // The prefill worker's TP sums in another order than the decoder's would have.
-            EXPECT_NEAR(a.logprobs[i], want[id].logprobs[i], 1e-4) << id << " token " << i;
-        }
-        EXPECT_EQ(a.external, static_cast<int>(prompt.size())) << id;
-        total += prompt.size();
-    }
-    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
-    EXPECT_EQ(decode.engine->Stats().kv_external_tokens, total);
+    // Another layout sums in another order than the decoder's own would have: 1e-4.
+    const size_t total = ExpectEqualsColocatedFromTheWire(prefill, decode, prompts, got, want);
     kv::KvConnectorStats cs = decode.conn->Stats(), ps = prefill.conn->Stats();
-    EXPECT_EQ(cs.succeeded, prompts.size());
-    EXPECT_EQ(cs.failed + ps.failed, 0u);
     // Every head once: the bytes moved are the prompt's KV, not one copy per rank pair.
     const kv::KvCacheSpec& s = decode.engine->caches()[0]->spec();
     const uint64_t per_token_all_heads = 2ull * s.num_layers * 4 * s.head_dim * 4;
@@ -545,23 +555,7 @@ TEST_P(DisaggBlockSizes, TransfersAreCutAtBothSidesBlocksAndEqualColocated) {
     Worker prefill = MakeWorker("prefill-k", c.backend, Model(1), {.block_tokens = pbt});
     Worker decode = MakeWorker("decode-k", c.backend, Model(1), {.block_tokens = dbt});
     auto got = RunDisaggregated(prefill, decode, prompts, sp);
-    size_t total = 0;
-    for (const auto& [id, prompt] : prompts) {
-        const Answer& a = got[id];
-        EXPECT_EQ(a.finish, FinishReason::kLength) << id << ": " << a.error.ToString();
-        EXPECT_EQ(a.tokens, want[id].tokens) << id;
-        ASSERT_EQ(a.logprobs.size(), want[id].logprobs.size()) << id;
-        for (size_t i = 0; i < a.logprobs.size(); ++i) {
-            EXPECT_NEAR(a.logprobs[i], want[id].logprobs[i], 1e-4) << id << " token " << i;
-        }
-        EXPECT_EQ(a.external, static_cast<int>(prompt.size())) << id;
-        total += prompt.size();
-    }
-    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
-    EXPECT_EQ(decode.engine->Stats().kv_external_tokens, total);
-    kv::KvConnectorStats cs = decode.conn->Stats(), ps = prefill.conn->Stats();
-    EXPECT_EQ(cs.succeeded, prompts.size());
-    EXPECT_EQ(cs.failed + ps.failed, 0u);
+    ExpectEqualsColocatedFromTheWire(prefill, decode, prompts, got, want);
     EXPECT_TRUE(WaitStats(prefill.engine.get(),
                           [](const auto& s) { return s.kv_held == 0 && s.kv_blocks_used == 0; }));
 }

@@ -152,6 +152,17 @@ inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, in
     return out;
 }
 
+// Every answer 200 and with the reference's tokens.
+inline void ExpectSameTokens(const std::vector<Answer>& got, const std::vector<Answer>& want,
+                             const std::string& what = "prompt") {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].status, 200)
+            << what << " " << i << ": " << got[i].body.substr(0, 300) << got[i].error.ToString();
+        EXPECT_EQ(got[i].tokens, want[i].tokens) << what << " " << i;
+    }
+}
+
 inline std::unique_ptr<ServerProcess> StartOrDie(std::vector<std::string> args,
                                                  std::string log_path = "") {
     auto p = ServerProcess::Start(FERRY_BIN, std::move(args), std::chrono::seconds(60),

@@ -221,12 +221,7 @@ TEST_F(PdProcess, DecodeFirstRemotePrefillEqualsColocated) {
         bodies.push_back(CompletionBody(prompts[i], 6, i % 2 == 0));
         (prompts[i].size() >= 64 ? remote : local) += static_cast<int64_t>(prompts[i].size());
     }
-    auto want = SendAll(colocated->port(), bodies);
-    auto got = SendAll(decode->port(), bodies);
-    for (size_t i = 0; i < bodies.size(); ++i) {
-        EXPECT_EQ(got[i].status, 200) << got[i].body.substr(0, 300);
-        EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
-    }
+    ExpectSameTokens(SendAll(decode->port(), bodies), SendAll(colocated->port(), bodies));
     EXPECT_EQ(decode->Metric("ferry_kv_external_tokens_total"), double(remote));
     EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), double(local));
     // A prefill worker that is gone: the request fails with an error naming it, no hang.
@@ -267,12 +262,7 @@ TEST_F(PdProcess, SeedFourDeploymentDecodeTp2PrefillTp1BlockSize128EqualsColocat
         remote += static_cast<int64_t>(prompts[i].size());
     }
     ASSERT_GE(bodies.size(), 8u);
-    auto want = SendAll(colocated->port(), bodies);
-    auto got = SendAll(decode->port(), bodies);
-    for (size_t i = 0; i < bodies.size(); ++i) {
-        EXPECT_EQ(got[i].status, 200) << got[i].body.substr(0, 300);
-        EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
-    }
+    ExpectSameTokens(SendAll(decode->port(), bodies), SendAll(colocated->port(), bodies));
     EXPECT_EQ(decode->Metric("ferry_kv_external_tokens_total"), double(remote));
     EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
     EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));

@@ -97,6 +97,19 @@ class XpYd : public PdProcess {
             },
             std::chrono::seconds(20));
     }
+    // Routes(...), and every decode worker's KV events followed (in step).
+    static bool FollowsEvents(const ServerProcess& proxy,
+                              const std::vector<ServerProcess*>& prefill,
+                              const std::vector<ServerProcess*>& decode) {
+        if (!Routes(proxy, prefill, decode)) return false;
+        for (ServerProcess* w : decode) {
+            if (!proxy.WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w), 1,
+                                  std::chrono::seconds(10))) {
+                return false;
+            }
+        }
+        return true;
+    }
     // `np` prefill and `nd` decode workers registered in the store; false if one did not start.
     struct Fleet {
         std::vector<std::unique_ptr<ServerProcess>> owned;
@@ -322,11 +335,7 @@ TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
     auto d1 = Worker("decode", events);
     ASSERT_TRUE(p && d0 && d1);
     auto proxy = Proxy("cache-aware");
-    ASSERT_TRUE(proxy && Routes(*proxy, {p.get()}, {d0.get(), d1.get()}));
-    for (ServerProcess* w : {d0.get(), d1.get()}) {
-        EXPECT_TRUE(proxy->WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w),
-                                      1, std::chrono::seconds(10)));
-    }
+    ASSERT_TRUE(proxy && FollowsEvents(*proxy, {p.get()}, {d0.get(), d1.get()}));
     const std::vector<int32_t> prompt = RandomPrompt(100, 4242);  // 6 full blocks of 16
     const Json body = CompletionBody(prompt, 4, false);
     const std::vector<Answer> initial = SendAll(proxy->port(), {body}, 1);  // through prefill
@@ -378,14 +387,7 @@ TEST_F(XpYd, ARestartedRouterHasItsCreditBackAndNoStaleCredit) {
     auto proxy = Proxy("cache-aware");
     ASSERT_TRUE(observer && proxy);
     auto in_sync = [&](const ServerProcess& px) {
-        if (!Routes(px, {p.get()}, {d0.get(), d1.get()})) return false;
-        for (ServerProcess* w : {d0.get(), d1.get()}) {
-            if (!px.WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w), 1,
-                               std::chrono::seconds(10))) {
-                return false;
-            }
-        }
-        return true;
+        return FollowsEvents(px, {p.get()}, {d0.get(), d1.get()});
     };
     ASSERT_TRUE(in_sync(*observer) && in_sync(*proxy));
     const Json body = CompletionBody(RandomPrompt(100, 777), 4, false);  // 6 full blocks
@@ -449,11 +451,7 @@ TEST_F(XpYd, CacheAwareScoresTextAndChatWithTheWorkersTokenizer) {
                     "--load-poll-ms", "100", "--tokenizer", model_->path()});
     ASSERT_TRUE(plain && tokenizing);
     for (ServerProcess* px : {plain.get(), tokenizing.get()}) {
-        ASSERT_TRUE(Routes(*px, {p.get()}, {d0.get(), d1.get()}));
-        for (ServerProcess* w : {d0.get(), d1.get()}) {
-            ASSERT_TRUE(px->WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *w),
-                                       1, std::chrono::seconds(10)));
-        }
+        ASSERT_TRUE(FollowsEvents(*px, {p.get()}, {d0.get(), d1.get()}));
     }
     // The answer's text, and the decode worker that served it.
     auto send = [&](ServerProcess& px, const std::string& path, const Json& body) {
