@@ -4,12 +4,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <filesystem>
-
-#include "model/model.h"
+#include "testing/tiny_model.h"
 
 namespace ferry::model {
 namespace {
@@ -17,19 +13,9 @@ namespace {
 using Json = nlohmann::json;
 
 std::unique_ptr<Tokenizer> PresetTokenizer() {
-    const std::string path =
-        (std::filesystem::temp_directory_path() / ("prompt-" + std::to_string(getpid()))).string();
-    RandomModelSpec s;
-    s.dim = 32;
-    s.num_layers = 1;
-    s.num_heads = 2;
-    s.num_kv_heads = 1;
-    s.ffn_dim = 32;
-    EXPECT_TRUE(WriteRandomModel(s, 1, path).ok());
-    auto file = std::move(GgufFile::Open(path)).value();
-    auto t = std::move(Tokenizer::FromGguf(*file)).value();
-    std::remove(path.c_str());
-    return t;
+    testing::TinyModelFile file("prompt-test", testing::TinyModelSpec(256), 1);
+    auto gguf = std::move(GgufFile::Open(file.path())).value();
+    return std::move(Tokenizer::FromGguf(*gguf)).value();
 }
 
 TEST(PromptTokens, TextIdsAndChatAsTheWorkerComputesThem) {

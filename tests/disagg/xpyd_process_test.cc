@@ -97,6 +97,22 @@ class XpYd : public PdProcess {
             },
             std::chrono::seconds(20));
     }
+    // One prefill and two decode workers that publish their KV events (`decode_extra`: more
+    // flags for the decode workers).
+    struct EventFleet {
+        std::unique_ptr<ServerProcess> p, d0, d1;
+        bool ok() const { return p && d0 && d1; }
+    };
+    EventFleet StartEventFleet(const std::vector<std::string>& decode_extra = {}) {
+        std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
+                                           "--kv-events-replay-endpoint", "tcp://*:0"};
+        EventFleet f;
+        f.p = Worker("prefill", events);
+        events.insert(events.end(), decode_extra.begin(), decode_extra.end());
+        f.d0 = Worker("decode", events);
+        f.d1 = Worker("decode", events);
+        return f;
+    }
     // Routes(...), and every decode worker's KV events followed (in step).
     static bool FollowsEvents(const ServerProcess& proxy,
                               const std::vector<ServerProcess*>& prefill,
@@ -328,12 +344,9 @@ TEST_F(XpYd, AStalledWorkerAndALongPromptBurstMakeNoHotspot) {
 // the same address keeps no stale credit (the router forgets its blocks and follows its new
 // events).
 TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
-    const std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
-                                             "--kv-events-replay-endpoint", "tcp://*:0"};
-    auto p = Worker("prefill", events);
-    auto d0 = Worker("decode", events);
-    auto d1 = Worker("decode", events);
-    ASSERT_TRUE(p && d0 && d1);
+    EventFleet fleet = StartEventFleet();
+    ASSERT_TRUE(fleet.ok());
+    auto& [p, d0, d1] = fleet;
     auto proxy = Proxy("cache-aware");
     ASSERT_TRUE(proxy && FollowsEvents(*proxy, {p.get()}, {d0.get(), d1.get()}));
     const std::vector<int32_t> prompt = RandomPrompt(100, 4242);  // 6 full blocks of 16
@@ -376,13 +389,9 @@ TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
 // back at once (the repeat goes to the holder), and blocks evicted while it was down are not
 // credited: its count equals that of a router that ran all along.
 TEST_F(XpYd, ARestartedRouterHasItsCreditBackAndNoStaleCredit) {
-    std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
-                                       "--kv-events-replay-endpoint", "tcp://*:0"};
-    auto p = Worker("prefill", events);
-    events.insert(events.end(), {"--num-kv-blocks", "24"});  // the decode workers' caches
-    auto d0 = Worker("decode", events);
-    auto d1 = Worker("decode", events);
-    ASSERT_TRUE(p && d0 && d1);
+    EventFleet fleet = StartEventFleet({"--num-kv-blocks", "24"});  // small decode caches
+    ASSERT_TRUE(fleet.ok());
+    auto& [p, d0, d1] = fleet;
     auto observer = Proxy("cache-aware");  // runs all along; sent nothing
     auto proxy = Proxy("cache-aware");
     ASSERT_TRUE(observer && proxy);
@@ -439,12 +448,9 @@ TEST_F(XpYd, ARestartedRouterHasItsCreditBackAndNoStaleCredit) {
 // them as the workers do, so cache-aware routing and the P/D decision see their blocks; a proxy
 // without it scores only token-id prompts, and the same repeats go through the prefill worker.
 TEST_F(XpYd, CacheAwareScoresTextAndChatWithTheWorkersTokenizer) {
-    const std::vector<std::string> events = {"--kv-events-endpoint", "tcp://*:0",
-                                             "--kv-events-replay-endpoint", "tcp://*:0"};
-    auto p = Worker("prefill", events);
-    auto d0 = Worker("decode", events);
-    auto d1 = Worker("decode", events);
-    ASSERT_TRUE(p && d0 && d1);
+    EventFleet fleet = StartEventFleet();
+    ASSERT_TRUE(fleet.ok());
+    auto& [p, d0, d1] = fleet;
     auto plain = Proxy("cache-aware");
     auto tokenizing =
         StartOrDie({"proxy", "--port", "0", "--store", url_, "--policy", "cache-aware",
