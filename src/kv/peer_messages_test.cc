@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -69,8 +70,9 @@ bool Same(const PeerMessage& a, const PeerMessage& b) {
                 return false;
         }
         return x->ack == y.ack && x->version == y.version &&
-               !FirstDifference(x->compat, y.compat) && x->addr == y.addr && x->ok == y.ok &&
-               x->error == y.error;
+               !FirstDifference(x->compat, y.compat) && x->compat.tp == y.compat.tp &&
+               x->compat.block_tokens == y.compat.block_tokens && x->addr == y.addr &&
+               x->ok == y.ok && x->error == y.error;
     }
     if (auto* x = std::get_if<Claim>(&a)) {
         auto& y = std::get<Claim>(b);
@@ -238,6 +240,25 @@ TEST(PeerMessages, FirstDifferenceNamesTheFieldAndBothValues) {
     d = FirstDifference(a, b);
     ASSERT_TRUE(d);
     EXPECT_EQ(d->field, "protocol");
+    // What a transfer converts is not a difference: TP size and block size.
+    b = a;
+    b.tp = a.tp * 2;
+    b.block_tokens = a.block_tokens * 8;
+    EXPECT_FALSE(FirstDifference(a, b));
+    for (auto [field, change] : std::vector<std::pair<std::string, std::function<void(Compat&)>>>{
+             {"model", [](Compat& c) { c.model = "other"; }},
+             {"layers", [](Compat& c) { ++c.layers; }},
+             {"kv_heads", [](Compat& c) { ++c.kv_heads; }},
+             {"head_dim", [](Compat& c) { ++c.head_dim; }},
+             {"dtype", [](Compat& c) { c.dtype = "f16"; }},
+             {"layout", [](Compat& c) { c.layout = "NHD"; }}}) {
+        b = a;
+        change(b);
+        d = FirstDifference(a, b);
+        ASSERT_TRUE(d) << field;
+        EXPECT_EQ(d->field, field);
+        EXPECT_NE(d->ours, d->theirs) << field;
+    }
 }
 
 }  // namespace

@@ -242,7 +242,10 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& i) {
     const std::string tp = i.param.DecodeTp() == i.param.tp
                                ? fmt::format("tp{}", i.param.tp)
                                : fmt::format("tp{}to{}", i.param.tp, i.param.DecodeTp());
-    return fmt::format("{}_{}_{}", i.param.backend, tp,
+    const std::string bt = i.param.prefill_bt == 8 && i.param.decode_bt == 8
+                               ? std::string()
+                               : fmt::format("_bt{}to{}", i.param.prefill_bt, i.param.decode_bt);
+    return fmt::format("{}_{}{}_{}", i.param.backend, tp, bt,
                        i.param.mode == KvTransferMode::kPull ? "pull" : "push");
 }
 std::vector<Case> Cases() {
@@ -559,13 +562,7 @@ TEST_P(DisaggBlockSizes, TransfersAreCutAtBothSidesBlocksAndEqualColocated) {
     EXPECT_TRUE(WaitStats(prefill.engine.get(),
                           [](const auto& s) { return s.kv_held == 0 && s.kv_blocks_used == 0; }));
 }
-INSTANTIATE_TEST_SUITE_P(Protocols, DisaggBlockSizes, ::testing::ValuesIn(BlockCases()),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                             return fmt::format(
-                                 "{}_bt{}to{}_{}", i.param.backend, i.param.prefill_bt,
-                                 i.param.decode_bt,
-                                 i.param.mode == KvTransferMode::kPull ? "pull" : "push");
-                         });
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggBlockSizes, ::testing::ValuesIn(BlockCases()), CaseName);
 
 // 64 requests in flight at once through one pair, every answer still its own (the SGLang thread
 // found requests matched to the wrong transfer under concurrency).
@@ -607,15 +604,24 @@ TEST_P(DisaggSeeded, SeededSamplingGivesTheColocatedTokens) {
     sp.seed = 1234;
     sp.ignore_eos = true;
     sp.max_tokens = 12;
-    auto want = Colocated(prompts, sp);
-    Worker prefill = MakeWorker("prefill-s", "shm", Model(1));
-    Worker decode = MakeWorker("decode-s", "shm", Model(1));
+    // Also across layouts: the seeded stream does not depend on where the KV came from.
+    const Case c = GetParam();
+    auto want = Colocated(prompts, sp, c.DecodeTp(), wide_);
+    Worker prefill =
+        MakeWorker("prefill-s", c.backend, wide_->Load(c.tp), {.block_tokens = c.prefill_bt});
+    Worker decode =
+        MakeWorker("decode-s", c.backend, wide_->Load(c.DecodeTp()), {.block_tokens = c.decode_bt});
     auto got = RunDisaggregated(prefill, decode, prompts, sp);
     for (const auto& [id, p] : prompts) EXPECT_EQ(got[id].tokens, want[id].tokens) << id;
+    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
 }
 INSTANTIATE_TEST_SUITE_P(Protocols, DisaggSeeded,
                          ::testing::Values(Case{"shm", 1, KvTransferMode::kPull},
-                                           Case{"shm", 1, KvTransferMode::kPush}),
+                                           Case{"shm", 1, KvTransferMode::kPush},
+                                           Case{"shm", 2, KvTransferMode::kPull, 1},
+                                           Case{"tcp", 1, KvTransferMode::kPush, 4},
+                                           Case{"shm", 1, KvTransferMode::kPull, 1, 16, 32},
+                                           Case{"shm", 2, KvTransferMode::kPush, 1, 32, 8}),
                          CaseName);
 
 // The decoder's own prefix cache counts: only the blocks it lacks move.
