@@ -255,8 +255,6 @@ class PullProtocol final : public TransferProtocol {
         if (!ok || !first) return {};
         return m_.HoldForReader(r, blocks, *first);
     }
-    // What the held blocks cover; without the first token the last prompt token is computed
-    // here, for its logits.
     // The held blocks cover the prompt (their size is the prefill worker's, learnt at the
     // handshake; ProceedPull fails a load whose blocks fall short); without the first token the
     // last prompt token is computed here, for its logits.

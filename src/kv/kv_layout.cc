@@ -179,26 +179,8 @@ Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const K
     if (ls.block_tokens != rs.block_tokens) return PlanAcrossBlockSizes(local, remote, m);
 
     const int bt = ls.block_tokens;
-    const int l0 = m.layer_begin, l1 = m.layer_end < 0 ? ls.num_layers : m.layer_end;
-    if (l0 < 0 || l0 > l1 || l1 > ls.num_layers) {
-        return InvalidArgumentError(
-            fmt::format("kv plan: layers [{}, {}) outside 0..{}", l0, l1, ls.num_layers));
-    }
-    const int h_lo = std::max(local.head_begin, remote.head_begin);
-    const int h_hi = std::min(local.head_begin + ls.kv_heads, remote.head_begin + rs.kv_heads);
-    const int h0 = m.head_end < 0 ? h_lo : m.head_begin;
-    const int h1 = m.head_end < 0 ? h_hi : m.head_end;
-    if (h0 >= h1 || h0 < h_lo || h1 > h_hi) {
-        return InvalidArgumentError(fmt::format(
-            "kv plan: kv heads [{}, {}) are not held by both sides (local [{}, {}), remote "
-            "[{}, {}))",
-            h0, h1, local.head_begin, local.head_begin + ls.kv_heads, remote.head_begin,
-            remote.head_begin + rs.kv_heads));
-    }
-    if (m.token_begin < 0 || m.token_begin > m.token_end) {
-        return InvalidArgumentError(
-            fmt::format("kv plan: token range [{}, {})", m.token_begin, m.token_end));
-    }
+    FERRY_ASSIGN_OR_RETURN(Range g, MoveRange(local, remote, m));
+    const int l0 = g.l0, l1 = g.l1, h0 = g.h0, h1 = g.h1;
     KvPlan plan;
     if (m.token_begin == m.token_end || l0 == l1) return plan;
     const int b0 = m.token_begin / bt, b1 = (m.token_end + bt - 1) / bt;
