@@ -243,6 +243,14 @@ void AddServeCommand(CLI::App& app, int* rc) {
                      "give up on a peer agent that has not completed the KV handshake by then")
         ->check(CLI::Range(int64_t{100}, int64_t{600000}))
         ->capture_default_str();
+    static std::string kv_verify = "sample";
+    serve
+        ->add_option("--kv-verify", kv_verify,
+                     "checksums of the KV that arrives, compared with the sender's (a mismatch "
+                     "fails the request): off, sample (one unit in 16 of layers x heads x K|V, "
+                     "at random per request) or all")
+        ->check(CLI::IsMember({"off", "sample", "all"}))
+        ->capture_default_str();
     static std::vector<std::string> kv_peers;
     serve->add_option("--kv-peers", kv_peers,
                       "the only agents (HOST:PORT) this worker dials for KV; without it, with "
@@ -337,6 +345,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
             cc.hold_lease = std::chrono::milliseconds(hold_lease_ms);
             cc.transfer_timeout = std::chrono::milliseconds(kv_timeout_ms);
             cc.handshake_timeout = std::chrono::milliseconds(handshake_ms);
+            cc.verify = *kv::ParseKvVerifyMode(kv_verify);
             for (const std::string& p : kv_peers) {
                 auto ep = http::ParseEndpoint(p);
                 if (!ep.ok()) return fail(ep.status().WithContext("--kv-peers"));

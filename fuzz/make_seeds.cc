@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
         const std::string nonce(32, 'a'), prompt(64, 'b');
         msg::Hello hello;
         hello.compat = {msg::kProtocolVersion, "fuzz", 2, 2, 8, "f32", 16, "HND", 1};
-        hello.ranks = {{1, 32}};
+        hello.ranks = {{1, 32, 2}};
         hello.addr = "127.0.0.1:1";
         msg::Hello ack = hello;
         ack.ack = true;
@@ -113,6 +113,13 @@ int main(int argc, char** argv) {
             {"hello-ack", ack},
             {"claim", msg::Claim{"r1", nonce, "l1", prompt, {0, 1}}},
             {"claim-ack", msg::ClaimAck{"l1", true, first, "", ""}},
+            // --kv-verify: the units asked for, the sums answered.
+            {"claim-verify",
+             msg::Claim{"r1", nonce, "l1", prompt, {0, 1}, msg::VerifyRequest{0, 20, {0, 3, 7}}}},
+            {"claim-ack-sums", msg::ClaimAck{"l1", true, first, "", "", {1, 2, 3}}},
+            {"push-target-verify",
+             msg::PushTarget{"x1", "l1", {0, 1}, 0, 20, prompt, msg::VerifyRequest{0, 20, {1}}}},
+            {"push-done-sums", msg::PushEnd{msg::PushEnd::Kind::kDone, "x1", "l1", first, "", {9}}},
             {"claim-refused", msg::ClaimAck{"l1", false, std::nullopt, "gone", "gone"}},
             {"read-done", msg::HoldEnd{msg::HoldEnd::Kind::kReadDone, "r1", nonce}},
             {"release", msg::HoldEnd{msg::HoldEnd::Kind::kRelease, "r1", nonce}},

@@ -194,6 +194,17 @@ TEST_F(EngineTest, TensorParallelTwoMatchesOne) {
     auto b = Run(tp2.get(), reqs, 24);
     for (const auto& r : reqs) EXPECT_EQ(a[r.first].tokens, b[r.first].tokens) << r.first;
     EXPECT_EQ(tp2->caches().size(), 2u);
+    // TP 4 on the model's 2 kv heads: each head on two ranks (each rank's query heads attend to
+    // its copy).
+    auto tp4 =
+        std::move(Engine::Create(std::shared_ptr<model::Model>(
+                                     std::move(model::Model::Load(path_, {.tp = 4})).value()),
+                                 Config()))
+            .value();
+    auto c = Run(tp4.get(), reqs, 24);
+    for (const auto& r : reqs) EXPECT_EQ(a[r.first].tokens, c[r.first].tokens) << r.first;
+    ASSERT_EQ(tp4->caches().size(), 4u);
+    EXPECT_EQ(tp4->caches()[0]->spec().kv_heads, 1);
 }
 
 TEST_F(EngineTest, StopTokensStopStringsAndLogprobs) {

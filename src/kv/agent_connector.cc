@@ -109,7 +109,8 @@ Status AgentKvConnector::Bind(std::span<KvCache* const> caches, std::function<vo
     if (caches.empty()) return InvalidArgumentError("kv connector: no caches");
     if (m.bound) return FailedPreconditionError("kv connector: already bound");
     const int tp = static_cast<int>(caches.size());
-    if (m.cfg.model_kv_heads % tp != 0 || caches[0]->spec().kv_heads * tp != m.cfg.model_kv_heads) {
+    if (!TpSplitsHeads(tp, m.cfg.model_kv_heads) ||
+        caches[0]->spec().kv_heads != RankKvHeads(tp, m.cfg.model_kv_heads)) {
         return InvalidArgumentError(
             fmt::format("kv connector: {} caches of {} kv heads for a model with {}", tp,
                         caches[0]->spec().kv_heads, m.cfg.model_kv_heads));
@@ -119,7 +120,7 @@ Status AgentKvConnector::Bind(std::span<KvCache* const> caches, std::function<vo
         KvCache* c = caches[r];
         KvLayout l;
         l.spec = c->spec();
-        l.head_begin = r * l.spec.kv_heads;
+        l.head_begin = RankHeadBegin(r, tp, m.cfg.model_kv_heads);
         std::span<std::byte> mem = c->memory();
         // A cache the agent allocated (the fast shm path: peers map it) is already a region.
         auto it = std::find_if(existing.begin(), existing.end(), [&](const RegionInfo& ri) {
@@ -145,6 +146,17 @@ Status AgentKvConnector::Bind(std::span<KvCache* const> caches, std::function<vo
     auto scratch = m.agent->AllocateRegion(kProbeBytes * kProbeSlots);
     if (!scratch.ok()) return scratch.status().WithContext("kv connector: scratch");
     m.scratch = *scratch;
+    // Each rank's handshake canary: peers read it through the mapping their requests use.
+    m.canaries.clear();
+    m.canary_layouts.clear();
+    for (int r = 0; r < tp && m.cfg.canary; ++r) {
+        KvLayout cl{CanarySpec(m.layouts[r].spec), m.layouts[r].head_begin};
+        auto region = m.agent->AllocateRegion(cl.spec.TotalBytes());
+        if (!region.ok()) return region.status().WithContext("kv connector: canary");
+        FillCanary(cl, {static_cast<std::byte*>(region->base), cl.spec.TotalBytes()});
+        m.canaries.push_back(*region);
+        m.canary_layouts.push_back(cl);
+    }
     m.tp = tp;
     m.wake = std::move(wake);
     m.step_writes.assign(tp, std::vector<std::vector<PlannedWrite>>(m.layouts[0].spec.num_layers));
@@ -188,6 +200,13 @@ void AgentKvConnector::Unbind() {
     for (auto& [name, p] : m.peers) {
         if (p.probe.valid()) (void)p.probe.Cancel();
     }
+    for (auto& [key, c] : m.canary_checks) {
+        if (c.xfer.valid()) (void)c.xfer.Cancel();
+        if (c.scratch.id) (void)m.agent->Deregister(c.scratch.id);
+    }
+    m.canary_checks.clear();
+    for (const RegionInfo& c : m.canaries) (void)m.agent->Deregister(c.id);
+    m.canaries.clear();
     m.loads.clear();
     m.pushes.clear();
     m.push_by_xid.clear();

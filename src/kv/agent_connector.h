@@ -34,6 +34,7 @@
 #include "ferry/agent.h"
 #include "kv/connector.h"
 #include "kv/kv_transfer_params.h"
+#include "kv/kv_verify.h"
 
 namespace ferry::kv {
 
@@ -77,6 +78,15 @@ struct AgentConnectorConfig {
     int max_peer_loads = 1024;
     // Handshakes run on these many threads, each with its own deadline.
     int connect_threads = 16;
+    // The receiving side's checksums of what moved (kv_verify.h): off, a random sample of units
+    // per request, or all. A mismatch fails the request (DataLoss), never a wrong answer.
+    KvVerifyMode verify = KvVerifyMode::kSample;
+    // The handshake canary (kv_verify.h): a peer is ready only once its canary, read through the
+    // mapping requests use, arrived right.
+    bool canary = true;
+    // Tests only: a mapping bug on purpose. Each peer rank's heads are taken to begin this many
+    // heads later than they do (what the canary and --kv-verify must catch).
+    int fault_head_offset_for_testing = 0;
 };
 
 // Seconds buckets of the transfer time histogram (upper bounds; the last bucket is +Inf).
@@ -98,6 +108,13 @@ struct KvConnectorStats {
     uint64_t descriptors = 0;      // local descriptors over all of them
     uint64_t max_descriptors = 0;  // in one transfer
     uint64_t handshakes = 0;
+    // --kv-verify: loads whose checksums were compared, and those that differed; units checked.
+    uint64_t verified = 0;
+    uint64_t verify_mismatches = 0;
+    uint64_t verify_units = 0;
+    // Handshake canaries checked, and those that arrived wrong.
+    uint64_t canaries = 0;
+    uint64_t canary_failures = 0;
     // Per request, from the first byte posted to the last byte in place.
     uint64_t transfer_seconds_count = 0;
     double transfer_seconds_sum = 0;

@@ -47,7 +47,7 @@ void AgentKvConnector::Impl::FailLoad(const std::string& id, Status st, const st
     }
     if (peer_ready && ld.params.mode == KvTransferMode::kPush &&
         ld.state != Load::State::kBootstrapping && ld.state != Load::State::kCancelling &&
-        reason != "peer_failed") {
+        reason != "peer_failed" && reason != "verify") {  // (verify: the push is over)
         // The prefill worker may still be writing into our blocks: ask it to stop, and
         // release them once it says it has (or is gone, or cannot be writing any more).
         (void)Send(ld.peer, msg::PushCancel{ld.params.transfer_id, id});
@@ -68,10 +68,61 @@ std::optional<FirstToken> AgentKvConnector::Impl::FirstOf(const Load& ld) {
     return ld.acked_first;
 }
 
+std::vector<KvRankView> AgentKvConnector::Impl::RankViews() const {
+    std::vector<KvRankView> v;
+    for (int r = 0; r < tp; ++r) v.push_back({layouts[r], caches[r]->memory().data()});
+    return v;
+}
+
+std::optional<msg::VerifyRequest> AgentKvConnector::Impl::VerifyRequestFor(int begin, int end) {
+    if (cfg.verify == KvVerifyMode::kOff || end <= begin) return std::nullopt;
+    msg::VerifyRequest v;
+    v.begin = begin;
+    v.end = end;
+    v.units = ChooseUnits(cfg.verify, layouts[0].spec.num_layers, cfg.model_kv_heads, rng);
+    return v;
+}
+
+Result<std::vector<uint64_t>> AgentKvConnector::Impl::SumsFor(
+    const msg::VerifyRequest& v, std::span<const BlockId> blocks) const {
+    return KvUnitSums(RankViews(), blocks, v.begin, v.end, v.units, cfg.model_kv_heads);
+}
+
+Status AgentKvConnector::Impl::CheckLoad(const std::string& id, const Load& ld) {
+    if (!ld.verify) return Status::Ok();
+    const msg::VerifyRequest& v = *ld.verify;
+    if (ld.sums.size() != v.units.size()) {
+        ++stats.verify_mismatches;
+        return DataLossError(fmt::format(
+            "kv verify: prefill worker '{}' sent {} checksums for the {} units asked of it",
+            Esc(ld.peer), ld.sums.size(), v.units.size()));
+    }
+    Result<std::vector<uint64_t>> ours = SumsFor(v, ld.blocks);
+    if (!ours.ok()) return ours.status();
+    ++stats.verified;
+    stats.verify_units += v.units.size();
+    auto bad = FirstMismatch(*ours, ld.sums);
+    if (!bad) return Status::Ok();
+    ++stats.verify_mismatches;
+    size_t differ = 0;
+    for (size_t i = 0; i < ours->size(); ++i) differ += (*ours)[i] != ld.sums[i] ? 1 : 0;
+    return DataLossError(fmt::format(
+        "kv verify: the KV of request {} that arrived from '{}' is not what it sent: {} over "
+        "tokens [{}, {}) differs ({} of {} checked units differ)",
+        Esc(id), Esc(ld.peer), UnitName(UnitOf(v.units[*bad], cfg.model_kv_heads)), v.begin, v.end,
+        differ, v.units.size()));
+}
+
 void AgentKvConnector::Impl::CompleteLoad(const std::string& id, std::optional<FirstToken> first) {
     auto it = loads.find(id);
     if (it == loads.end()) return;
     Load& ld = it->second;
+    // Never a wrong answer: KV whose checksums differ from the sender's fails the request.
+    if (Status v = CheckLoad(id, ld); !v.ok()) {
+        FERRY_LOG(kError, "{}", v.message());
+        FailLoad(id, v, "verify");
+        return;
+    }
     if (ld.params.mode == KvTransferMode::kPull) {
         (void)Send(ld.peer, msg::HoldEnd{msg::HoldEnd::Kind::kReadDone, ld.params.remote_request_id,
                                          ld.params.hold_nonce});

@@ -78,6 +78,20 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
             double(s.max_descriptors));
     w.Counter("ferry_kv_connector_handshakes_total", "Peer handshakes completed.",
               double(s.handshakes));
+    w.Counter("ferry_kv_connector_verified_total",
+              "Received KV whose checksums were compared with the sender's (--kv-verify).",
+              double(s.verified));
+    w.Counter("ferry_kv_connector_verify_mismatches_total",
+              "Received KV whose checksums differed from the sender's (the request failed).",
+              double(s.verify_mismatches));
+    w.Counter("ferry_kv_connector_verify_units_total",
+              "Units (a layer's K or V of one kv head) checksummed on receipt.",
+              double(s.verify_units));
+    w.Counter("ferry_kv_connector_canaries_total", "Peers' handshake canaries checked.",
+              double(s.canaries));
+    w.Counter("ferry_kv_connector_canary_failures_total",
+              "Peers' handshake canaries that arrived wrong (the peer was refused).",
+              double(s.canary_failures));
     w.Counter("ferry_kv_connector_transfer_exposed_seconds_sum",
               "push: transfer time after the prefill's compute ended (not hidden by it).",
               s.transfer_exposed_seconds_sum);

@@ -21,6 +21,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <semaphore>
 #include <span>
 #include <string>
@@ -68,6 +69,7 @@ inline std::string PromptDigest(std::span<const int32_t> prompt) {
 struct PeerRank {
     RegionId region = 0;
     KvLayout layout;
+    RegionId canary = 0;  // its handshake canary (0: none offered)
 };
 
 struct Peer {
@@ -105,6 +107,9 @@ struct Load {
     // pull: the first token as the prefill worker's claim-ack gives it (the params' copy is
     // the client's to change; this one is the holder's).
     std::optional<FirstToken> acked_first;
+    // --kv-verify: what was asked of the sender, and its answer.
+    std::optional<msg::VerifyRequest> verify;
+    std::vector<uint64_t> sums;
     uint64_t bytes = 0;
     SteadyClock::time_point started, deadline;
 };
@@ -135,6 +140,9 @@ struct Push {
     Status error;
     bool cancelled = false;
     std::optional<FirstToken> first;
+    // --kv-verify (the decoder's): checksummed over our own blocks once the writes are done.
+    std::optional<msg::VerifyRequest> verify;
+    std::vector<BlockId> blocks;  // ours, from when the request finished
     uint64_t bytes = 0;
     bool timing = false;
     SteadyClock::time_point started, deadline, computed;
@@ -146,6 +154,18 @@ struct Target {
     std::vector<BlockId> blocks;
     int from = 0, len = 0;
     std::string prompt_digest;
+    std::optional<msg::VerifyRequest> verify;
+    SteadyClock::time_point deadline;
+};
+
+// A peer's handshake canary being read (kv_verify.h): into `scratch`, each of our ranks'
+// canary-shaped copy one after the other.
+struct CanaryCheck {
+    std::string name, address;
+    bool inbound = false;  // answering its hello: the ack goes once the canary is checked
+    std::vector<PeerRank> ranks;
+    RegionInfo scratch;
+    Transfer xfer;
     SteadyClock::time_point deadline;
 };
 
@@ -201,6 +221,10 @@ struct AgentKvConnector::Impl : LayerHook {
     std::vector<RegionId> regions;
     std::vector<RegionId> registered;  // the ones Bind registered (Unbind deregisters)
     RegionInfo scratch;
+    // Each rank's handshake canary, and its layout (kv_verify.h).
+    std::vector<RegionInfo> canaries;
+    std::vector<KvLayout> canary_layouts;
+    std::mt19937_64 rng{std::random_device{}()};
     std::function<void()> wake;
     int tp = 0;
 
@@ -214,6 +238,7 @@ struct AgentKvConnector::Impl : LayerHook {
     std::map<std::string, Push> pushes;
     std::map<std::string, std::string> push_by_xid;
     std::map<std::string, Target> targets;
+    std::map<std::pair<std::string, bool>, CanaryCheck> canary_checks;  // by (peer, inbound)
     // push: transfer ids a decoder cancelled before its prefill request came, until the
     // bootstrap timeout (the request then fails at once instead of waiting for it).
     std::map<std::string, SteadyClock::time_point> cancelled_xids;
@@ -241,6 +266,18 @@ struct AgentKvConnector::Impl : LayerHook {
 
     int bt() const { return layouts[0].spec.block_tokens; }
 
+    // Our ranks' caches, for checksums.
+    std::vector<KvRankView> RankViews() const;
+    // --kv-verify, the receiving side: what to ask the sender for tokens [begin, end) (none
+    // when off or nothing moves).
+    std::optional<msg::VerifyRequest> VerifyRequestFor(int begin, int end);
+    // The sending side: checksums of our blocks as `v` asks.
+    Result<std::vector<uint64_t>> SumsFor(const msg::VerifyRequest& v,
+                                          std::span<const BlockId> blocks) const;
+    // The receiving side, once the KV is in place: OK, or DataLoss naming the first unit that
+    // differs.
+    Status CheckLoad(const std::string& id, const Load& ld);
+
     // --- Messages and threads (agent_connector.cc)
     // -------------------------------------------------
 
@@ -263,7 +300,8 @@ struct AgentKvConnector::Impl : LayerHook {
     void PumpHolds(SteadyClock::time_point now);
     bool PushReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p);
     // RequestFinished of each protocol's sending side.
-    FinishAction FinishPush(const ConnectorRequest& r, bool ok, const FirstToken* first);
+    FinishAction FinishPush(const ConnectorRequest& r, std::span<const BlockId> blocks, bool ok,
+                            const FirstToken* first);
     FinishAction HoldForReader(const ConnectorRequest& r, std::span<const BlockId> blocks,
                                const FirstToken& first);
 
@@ -290,8 +328,21 @@ struct AgentKvConnector::Impl : LayerHook {
     // TP size may differ from ours).
     Result<std::vector<PeerRank>> ParseRanks(const msg::Compat& theirs,
                                              const std::vector<msg::RankInfo>& ranks) const;
-    // (our rank, peer rank) pairs that hold some of the same kv heads: what moves between them.
-    std::vector<std::pair<int, int>> RankPairs(const Peer& p) const;
+    // (our rank, peer rank) pairs that hold some of the same kv heads: what moves between them
+    // when the peer sends (pull, the canary) or we do (push); of a head the sending side
+    // replicates, one copy per receiving rank.
+    std::vector<std::pair<int, int>> RankPairs(const std::vector<PeerRank>& ranks,
+                                               bool peer_sends) const;
+
+    // The handshake canary: read the peer's through the mapping requests use, then check it;
+    // the peer is ready (or, inbound, our ack is sent) only if it arrived right.
+    void StartCanary(const std::string& name, std::vector<PeerRank> ranks,
+                     const std::string& address, bool inbound);
+    void PumpCanaries(SteadyClock::time_point now);
+    void EndCanary(const std::pair<std::string, bool>& key, const Status& st);
+    // The peer's hello was answered well (canary checked, if any): ready, and the ack sent.
+    void AcceptHello(const std::string& name, std::vector<PeerRank> ranks,
+                     const std::string& address);
 
     void PeerReady(const std::string& name, std::vector<PeerRank> ranks,
                    const std::string& address);

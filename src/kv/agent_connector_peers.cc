@@ -1,4 +1,6 @@
 // Peers: where to dial, the handshake and what must match, peers ready, failed or gone.
+#include <cstring>
+
 #include "kv/agent_connector_parts.h"
 
 namespace ferry::kv {
@@ -45,7 +47,10 @@ msg::Hello AgentKvConnector::Impl::Hello(bool ack) const {
     msg::Hello h;
     h.ack = ack;
     h.compat = Compat();
-    for (int r = 0; r < tp; ++r) h.ranks.push_back({regions[r], layouts[r].spec.num_blocks});
+    for (int r = 0; r < tp; ++r) {
+        h.ranks.push_back({regions[r], layouts[r].spec.num_blocks,
+                           r < static_cast<int>(canaries.size()) ? canaries[r].id : 0});
+    }
     h.addr = agent->ListenAddress();
     return h;
 }
@@ -67,12 +72,13 @@ Result<std::vector<PeerRank>> AgentKvConnector::Impl::ParseRanks(
         return InvalidArgumentError(
             fmt::format("field 'ranks' lists {} ranks for tp {}", their_tp, theirs.tp));
     }
-    // Rank i of a TP-t peer holds the model's kv heads [i * H / t, (i + 1) * H / t).
+    // Rank i of a TP-t peer holds the model's kv heads [i * H / t, (i + 1) * H / t), or with
+    // more ranks than heads the one head i / (t / H) (kv_layout.h).
     const int heads = cfg.model_kv_heads;
-    if (heads % their_tp != 0) {
+    if (!TpSplitsHeads(their_tp, heads)) {
         return FailedPreconditionError(fmt::format(
-            "tp differs (this worker {}, the peer {}) and the peer's {} does not divide the "
-            "model's {} kv heads",
+            "tp differs (this worker {}, the peer {}) and the peer's {} neither divides nor is a "
+            "multiple of the model's {} kv heads",
             tp, their_tp, their_tp, heads));
     }
     if (theirs.block_tokens < 1 || theirs.block_tokens > (1 << 16)) {
@@ -85,27 +91,52 @@ Result<std::vector<PeerRank>> AgentKvConnector::Impl::ParseRanks(
         pr.region = ranks[i].region;
         pr.layout.spec = layouts[0].spec;
         pr.layout.spec.block_tokens = theirs.block_tokens;
-        pr.layout.spec.kv_heads = heads / their_tp;
+        pr.layout.spec.kv_heads = RankKvHeads(their_tp, heads);
         pr.layout.spec.num_blocks = ranks[i].blocks;
-        pr.layout.head_begin = i * (heads / their_tp);
+        pr.layout.head_begin =
+            RankHeadBegin(i, their_tp, heads) + cfg.fault_head_offset_for_testing;
+        pr.canary = ranks[i].canary;
         out.push_back(pr);
     }
     return out;
 }
 
-std::vector<std::pair<int, int>> AgentKvConnector::Impl::RankPairs(const Peer& p) const {
+std::vector<std::pair<int, int>> AgentKvConnector::Impl::RankPairs(
+    const std::vector<PeerRank>& ranks, bool peer_sends) const {
     // Each of this worker's ranks with each peer rank that holds some of the same heads: one
-    // pair per rank when the TP sizes are equal; the decode side of TP d reads (or is written)
-    // only its own heads, from the one or more peer ranks that hold them.
+    // pair per rank when the TP sizes are equal; the receiving side of TP d gets only its own
+    // heads, from the one or more sending ranks that hold them. A head the sending side
+    // replicates (more ranks than kv heads) comes from one of its copies only: for receiving
+    // rank k, copy k mod (copies), so that the copies share the work and no head moves twice to
+    // one rank.
+    auto shared = [](const KvLayout& a, const KvLayout& b) {
+        return std::max(a.head_begin, b.head_begin) <
+               std::min(a.head_begin + a.spec.kv_heads, b.head_begin + b.spec.kv_heads);
+    };
+    const int theirs = static_cast<int>(ranks.size());
+    // Which copy of its head a sending rank is, and how many copies there are.
+    auto copy_of = [&](bool peer_side, int rank, int* copies) {
+        const int n = peer_side ? theirs : tp;
+        const KvLayout& me = peer_side ? ranks[rank].layout : layouts[rank];
+        int index = 0, count = 0;
+        for (int j = 0; j < n; ++j) {
+            const KvLayout& x = peer_side ? ranks[j].layout : layouts[j];
+            if (x.head_begin == me.head_begin && x.spec.kv_heads == me.spec.kv_heads) {
+                if (j < rank) ++index;
+                ++count;
+            }
+        }
+        *copies = count;
+        return index;
+    };
     std::vector<std::pair<int, int>> out;
     for (int r = 0; r < tp; ++r) {
-        const KvLayout& l = layouts[r];
-        for (int i = 0; i < static_cast<int>(p.ranks.size()); ++i) {
-            const KvLayout& x = p.ranks[i].layout;
-            if (std::max(l.head_begin, x.head_begin) <
-                std::min(l.head_begin + l.spec.kv_heads, x.head_begin + x.spec.kv_heads)) {
-                out.emplace_back(r, i);
-            }
+        for (int i = 0; i < theirs; ++i) {
+            if (!shared(layouts[r], ranks[i].layout)) continue;
+            int copies = 1;
+            const int copy = peer_sends ? copy_of(true, i, &copies) : copy_of(false, r, &copies);
+            const int receiver = peer_sends ? r : i;
+            if (copy == receiver % copies) out.emplace_back(r, i);
         }
     }
     return out;
@@ -222,8 +253,143 @@ Status AgentKvConnector::Impl::OnHelloAck(const std::string& from, const msg::He
         PeerFailed(from, ranks.status().WithContext("kv handshake"));
         return Status::Ok();
     }
-    PeerReady(from, std::move(*ranks), it->second.address);
+    StartCanary(from, std::move(*ranks), it->second.address, false);
     return Status::Ok();
+}
+
+void AgentKvConnector::Impl::AcceptHello(const std::string& name, std::vector<PeerRank> ranks,
+                                         const std::string& address) {
+    auto it = peers.find(name);
+    if (it == peers.end() || it->second.state != Peer::State::kConnecting ||
+        !it->second.hello_sent) {
+        // Not our own handshake in flight: the peer is ready for us now. (If ours is in
+        // flight, its ack finishes it.)
+        if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
+            PeerReady(name, std::move(ranks), address);
+        } else {
+            it->second.ranks = std::move(ranks);
+        }
+    }
+    msg::Hello ack = Hello(true);
+    ack.ok = true;
+    (void)Send(name, ack);
+}
+
+void AgentKvConnector::Impl::StartCanary(const std::string& name, std::vector<PeerRank> ranks,
+                                         const std::string& address, bool inbound) {
+    const bool offered =
+        std::all_of(ranks.begin(), ranks.end(), [](const PeerRank& r) { return r.canary != 0; });
+    auto settle = [&](std::vector<PeerRank> rs) {
+        if (inbound) {
+            AcceptHello(name, std::move(rs), address);
+        } else {
+            PeerReady(name, std::move(rs), peers[name].address);
+        }
+    };
+    if (!cfg.canary || canaries.empty() || !offered) {
+        if (cfg.canary && !offered) {
+            FERRY_LOG(kInfo, "kv: '{}' offers no handshake canary: its mapping is not checked",
+                      Esc(name));
+        }
+        settle(std::move(ranks));
+        return;
+    }
+    auto key = std::make_pair(name, inbound);
+    if (canary_checks.count(key)) return;  // the same hello (or ack) again: one check runs
+    auto fail = [&](const Status& st) {
+        CanaryCheck c;
+        c.name = name;
+        c.address = address;
+        c.inbound = inbound;
+        canary_checks[key] = std::move(c);
+        EndCanary(key, st);
+    };
+    const size_t per_rank = canary_layouts[0].spec.TotalBytes();
+    auto scratch = agent->AllocateRegion(per_rank * tp);
+    if (!scratch.ok()) return fail(scratch.status().WithContext("kv canary"));
+    std::memset(scratch->base, 0, scratch->length);
+    CanaryCheck& c = canary_checks[key];
+    c.name = name;
+    c.address = address;
+    c.inbound = inbound;
+    c.scratch = *scratch;
+    c.deadline = SteadyClock::now() + cfg.handshake_timeout;
+    std::vector<Descriptor> local, remote;
+    for (const auto& [r, i] : RankPairs(ranks, true)) {
+        KvLayout theirs = ranks[i].layout;
+        theirs.spec = CanarySpec(theirs.spec);
+        const std::vector<BlockId> ours_table = CanaryTable(canary_layouts[r].spec);
+        const std::vector<BlockId> their_table = CanaryTable(theirs.spec);
+        auto plan = PlanKvMove(canary_layouts[r], theirs,
+                               KvMove{ours_table, their_table, 0, kCanaryTokens});
+        if (!plan.ok()) return fail(plan.status().WithContext("kv canary"));
+        for (size_t k = 0; k < plan->local.size(); ++k) {
+            const KvSpan& a = plan->local[k];
+            const KvSpan& b = plan->remote[k];
+            local.push_back({c.scratch.id, r * per_rank + a.offset, a.length, a.stride, a.count});
+            remote.push_back({ranks[i].canary, b.offset, b.length, b.stride, b.count});
+        }
+    }
+    c.ranks = std::move(ranks);
+    auto x = agent->PostRead(local, name, remote,
+                             {.timeout = cfg.handshake_timeout, .backend = cfg.backend});
+    if (!x.ok()) return EndCanary(key, x.status().WithContext("kv canary read"));
+    c.xfer = std::move(*x);
+    WakeOnDone(c.xfer);
+}
+
+void AgentKvConnector::Impl::PumpCanaries(SteadyClock::time_point now) {
+    std::vector<std::pair<std::pair<std::string, bool>, Status>> ended;
+    const size_t per_rank = canary_layouts.empty() ? 0 : canary_layouts[0].spec.TotalBytes();
+    for (auto& [key, c] : canary_checks) {
+        auto s = c.xfer.valid() ? c.xfer.Poll() : Result<TransferState>(TransferState::kPending);
+        if (!s.ok()) {
+            ended.emplace_back(key, s.status().WithContext("kv canary read"));
+        } else if (*s == TransferState::kDone) {
+            Status st;
+            for (int r = 0; r < tp && st.ok(); ++r) {
+                const auto* base = static_cast<const std::byte*>(c.scratch.base) + r * per_rank;
+                st = CheckCanary(canary_layouts[r], {base, per_rank}, cfg.model_kv_heads);
+            }
+            ended.emplace_back(key, st);
+        } else if (now > c.deadline) {
+            ended.emplace_back(key, DeadlineExceededError("kv canary read did not finish in time"));
+        }
+    }
+    for (auto& [key, st] : ended) EndCanary(key, st);
+}
+
+void AgentKvConnector::Impl::EndCanary(const std::pair<std::string, bool>& key, const Status& st) {
+    auto it = canary_checks.find(key);
+    if (it == canary_checks.end()) return;
+    CanaryCheck c = std::move(it->second);
+    canary_checks.erase(it);
+    if (c.xfer.valid()) (void)c.xfer.Cancel();
+    if (c.scratch.id) (void)agent->Deregister(c.scratch.id);
+    ++stats.canaries;
+    if (!st.ok()) ++stats.canary_failures;
+    Status err = st.ok() ? st
+                         : Status(st.code(), fmt::format("kv handshake with '{}': {}", Esc(c.name),
+                                                         st.message()));
+    if (!c.inbound) {
+        auto p = peers.find(c.name);
+        if (p == peers.end() || p->second.state != Peer::State::kConnecting) return;
+        if (err.ok()) {
+            PeerReady(c.name, std::move(c.ranks), p->second.address);
+        } else {
+            PeerFailed(c.name, err);
+        }
+        return;
+    }
+    if (err.ok()) {
+        AcceptHello(c.name, std::move(c.ranks), c.address);
+        return;
+    }
+    FERRY_LOG(kWarn, "kv: hello from '{}' refused: {}", Esc(c.name), err.ToString());
+    msg::Hello ack = Hello(true);
+    ack.ok = false;
+    ack.error = err.message();
+    (void)Send(c.name, ack);
 }
 
 void AgentKvConnector::Impl::ConnectLoop() {
@@ -292,24 +458,14 @@ void AgentKvConnector::Impl::ConnectLoop() {
             }
             continue;
         }
-        ack.ok = true;
-        auto it = peers.find(job.name);
-        if (it == peers.end() || it->second.state != Peer::State::kConnecting ||
-            !it->second.hello_sent) {
-            // Not our own handshake in flight: the peer is ready for us now. (If ours is in
-            // flight, its ack finishes it.)
-            if (it == peers.end() || it->second.state != Peer::State::kConnecting) {
-                PeerReady(job.name, ranks, job.address);
-            } else {
-                it->second.ranks = ranks;
-            }
-        }
-        (void)Send(job.name, ack);
+        // The ack goes once the peer's canary arrived right (AcceptHello).
+        StartCanary(job.name, std::move(ranks), job.address, true);
     }
 }
 
 // Handshakes that got no answer; the liveness of peers that loads wait on.
 void AgentKvConnector::Impl::PumpPeers(SteadyClock::time_point now) {
+    PumpCanaries(now);
     // Handshakes that got no answer.
     std::vector<std::string> stale;
     for (auto& [name, p] : peers) {

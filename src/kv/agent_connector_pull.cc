@@ -35,7 +35,7 @@ Status AgentKvConnector::Impl::PlanAllRanks(const Peer& p, const KvMove& move,
                                             std::vector<Descriptor>* local,
                                             std::vector<Descriptor>* remote,
                                             uint64_t* bytes) const {
-    for (const auto& [r, i] : RankPairs(p)) {
+    for (const auto& [r, i] : RankPairs(p.ranks, true)) {
         // The heads both hold (head_end < 0): straight from the peer rank's blocks into a
         // slice of ours, strided, no staging copy.
         FERRY_ASSIGN_OR_RETURN(KvPlan plan, PlanKvMove(layouts[r], p.ranks[i].layout, move));
@@ -78,7 +78,17 @@ Status AgentKvConnector::Impl::On(const std::string& from, msg::Claim& m) {
     } else if (m.blocks != h->blocks) {
         error =
             fmt::format("the claim names blocks that are not those request '{}' holds", Esc(m.rid));
-    } else {
+    } else if (m.verify) {
+        // --kv-verify: our checksums of what the reader will read (the blocks stay as they
+        // are while held).
+        auto sums = SumsFor(*m.verify, h->blocks);
+        if (sums.ok()) {
+            ack.sums = std::move(*sums);
+        } else {
+            error = sums.status().message();
+        }
+    }
+    if (error.empty()) {
         h->claimed = true;
         h->claimer = from;
         h->deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
@@ -132,6 +142,7 @@ Status AgentKvConnector::Impl::On(const std::string& from, msg::ClaimAck& m) {
     }
     it->second.claim_acked = true;
     it->second.acked_first = std::move(m.first);
+    it->second.sums = std::move(m.sums);
     if (it->second.read_done) CompleteLoad(m.lid, FirstOf(it->second));
     return Status::Ok();
 }
@@ -168,6 +179,7 @@ void AgentKvConnector::Impl::ProceedPull(const std::string& id, Load& ld, Peer& 
     // Equal block sizes: read the last block whole (one span per run of blocks, not one per
     // head for its partial tail); its slots past the prompt are overwritten as tokens come.
     const int end = pbt == bt() ? std::min((want + bt() - 1) / bt() * bt(), covered) : want;
+    ld.verify = VerifyRequestFor(ld.num_computed, want);
     std::vector<Descriptor> local, remote;
     KvMove move{ld.blocks, ld.params.remote_block_ids, ld.num_computed, end};
     Status st = PlanAllRanks(p, move, &local, &remote, &ld.bytes);
@@ -177,8 +189,9 @@ void AgentKvConnector::Impl::ProceedPull(const std::string& id, Load& ld, Peer& 
     }
     // The claim names exactly the blocks the read touches (all the params named): the
     // prefill worker refuses it unless they are its hold's, for this prompt.
-    Status sent = Send(ld.peer, msg::Claim{ld.params.remote_request_id, ld.params.hold_nonce, id,
-                                           ld.prompt_digest, ld.params.remote_block_ids});
+    Status sent =
+        Send(ld.peer, msg::Claim{ld.params.remote_request_id, ld.params.hold_nonce, id,
+                                 ld.prompt_digest, ld.params.remote_block_ids, ld.verify});
     if (!sent.ok()) {
         FailLoad(id, UnavailableError(
                          fmt::format("kv: prefill worker '{}' is not reachable", Esc(ld.peer))));

@@ -39,6 +39,7 @@ bool AgentKvConnector::Impl::BindTarget(const std::string& id, Push& ps, Target 
     ps.lid = t.lid;
     ps.target = std::move(t.blocks);
     ps.next_send = t.from;
+    ps.verify = std::move(t.verify);
     FERRY_LOG(kInfo, "kv: request {} has its target: '{}' from token {} (transfer {})", Esc(id),
               Esc(ps.peer), ps.next_send, Esc(ps.xid));
     return true;
@@ -49,8 +50,20 @@ void AgentKvConnector::Impl::EndPush(const std::string& id, bool ok, const Statu
     if (it == pushes.end()) return;
     Push& ps = it->second;
     for (Transfer& x : ps.transfers) (void)x.Cancel();
+    Status failed = err;
+    msg::PushEnd done{msg::PushEnd::Kind::kDone, ps.xid, ps.lid, ps.first, "", {}};
+    if (ok && ps.verify) {
+        // --kv-verify: our checksums of what we wrote (our blocks are held until the push ends).
+        auto sums = SumsFor(*ps.verify, ps.blocks);
+        if (sums.ok()) {
+            done.sums = std::move(*sums);
+        } else {
+            ok = false;
+            failed = sums.status().WithContext(fmt::format("kv push {}", Esc(ps.xid)));
+        }
+    }
     if (ok) {
-        (void)Send(ps.peer, msg::PushEnd{msg::PushEnd::Kind::kDone, ps.xid, ps.lid, ps.first, ""});
+        (void)Send(ps.peer, done);
         ++stats.succeeded;
         stats.bytes_written += ps.bytes;
         if (ps.timing) {
@@ -62,10 +75,10 @@ void AgentKvConnector::Impl::EndPush(const std::string& id, bool ok, const Statu
         FERRY_LOG(kInfo, "kv: request {} pushed {} bytes to '{}'", Esc(id), ps.bytes, Esc(ps.peer));
     } else {
         if (!ps.peer.empty()) {
-            (void)SendPushFailed(ps.peer, ps.xid, ps.lid, err.message());
+            (void)SendPushFailed(ps.peer, ps.xid, ps.lid, failed.message());
         }
-        CountFailure(err);
-        FERRY_LOG(kInfo, "kv: request {} push failed: {}", Esc(id), err.ToString());
+        CountFailure(failed);
+        FERRY_LOG(kInfo, "kv: request {} push failed: {}", Esc(id), failed.ToString());
     }
     push_by_xid.erase(ps.xid);
     pushes.erase(it);
@@ -79,6 +92,7 @@ Status AgentKvConnector::Impl::On(const std::string& from, msg::PushTarget& m) {
     tg.from = m.from;
     tg.len = m.len;
     tg.prompt_digest = m.prompt;
+    tg.verify = std::move(m.verify);
     auto pit = peers.find(from);
     if (pit == peers.end() || pit->second.state != Peer::State::kReady) {
         (void)SendPushFailed(from, m.xid, tg.lid, "no kv handshake with this prefill worker");
@@ -151,6 +165,7 @@ Status AgentKvConnector::Impl::On(const std::string& from, msg::PushEnd& m) {
         loads.erase(it);
         return Status::Ok();
     }
+    ld.sums = std::move(m.sums);
     CompleteLoad(m.lid, std::move(m.first));
     return Status::Ok();
 }
@@ -236,7 +251,7 @@ LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
         }
         // Each of our ranks writes its heads to every peer rank that holds some of them, layer
         // by layer as that rank computes them.
-        for (const auto& [r, pr] : m.RankPairs(pit->second)) {
+        for (const auto& [r, pr] : m.RankPairs(pit->second.ranks, false)) {
             for (int l = 0; l < m.layouts[r].spec.num_layers && ps.error.ok(); ++l) {
                 KvMove move{c.block_table, ps.target, ps.next_send, end, l, l + 1};
                 auto plan = PlanKvMove(m.layouts[r], pit->second.ranks[pr].layout, move);
@@ -362,8 +377,10 @@ void AgentKvConnector::Impl::PumpPushes(SteadyClock::time_point now) {
 void AgentKvConnector::Impl::ProceedPush(const std::string& id, Load& ld) {
     ld.state = Load::State::kWaitingForInput;
     ld.deadline = ld.started + cfg.bootstrap_timeout + cfg.transfer_timeout;
-    Status sent = Send(ld.peer, msg::PushTarget{ld.params.transfer_id, id, ld.blocks,
-                                                ld.num_computed, ld.prompt_len, ld.prompt_digest});
+    ld.verify = VerifyRequestFor(ld.num_computed, ld.prompt_len);
+    Status sent =
+        Send(ld.peer, msg::PushTarget{ld.params.transfer_id, id, ld.blocks, ld.num_computed,
+                                      ld.prompt_len, ld.prompt_digest, ld.verify});
     if (!sent.ok()) {
         FailLoad(id, UnavailableError(
                          fmt::format("kv: prefill worker '{}' is not reachable", Esc(ld.peer))));
@@ -375,7 +392,8 @@ void AgentKvConnector::Impl::ProceedPush(const std::string& id, Load& ld) {
 
 // push, prefill side: the request ended. If it went well the push finishes (its last writes
 // land, then the decoder hears of it) and the blocks stay until then; else it fails now.
-FinishAction AgentKvConnector::Impl::FinishPush(const ConnectorRequest& r, bool ok,
+FinishAction AgentKvConnector::Impl::FinishPush(const ConnectorRequest& r,
+                                                std::span<const BlockId> blocks, bool ok,
                                                 const FirstToken* first) {
     FinishAction a;
     auto it = pushes.find(r.id);
@@ -387,6 +405,7 @@ FinishAction AgentKvConnector::Impl::FinishPush(const ConnectorRequest& r, bool 
         return a;
     }
     ps.first = *first;
+    ps.blocks.assign(blocks.begin(), blocks.end());
     ps.state = Push::State::kFinishing;
     ps.computed = SteadyClock::now();
     ps.deadline = (ps.timing ? ps.started : SteadyClock::now()) + cfg.transfer_timeout;
@@ -403,9 +422,9 @@ class PushProtocol final : public TransferProtocol {
     bool ReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p) override {
         return m_.PushReadyToSchedule(r, p);
     }
-    FinishAction Finished(const ConnectorRequest& r, std::span<const BlockId>, bool ok,
+    FinishAction Finished(const ConnectorRequest& r, std::span<const BlockId> blocks, bool ok,
                           const FirstToken* first) override {
-        return m_.FinishPush(r, ok, first);
+        return m_.FinishPush(r, blocks, ok, first);
     }
     // Every prompt token not already here is written by the prefill worker.
     int ExternalTokens(const KvTransferParams&, int prompt_len, int num_computed) const override {

@@ -21,6 +21,18 @@
 
 namespace ferry::kv {
 
+// How TP ranks split a model's `heads` kv heads: TP t dividing them gives each rank heads / t of
+// its own, [rank * heads / t, (rank + 1) * heads / t); TP a multiple of them (more ranks than kv
+// heads) gives each rank one head, replicated on t / heads ranks: rank r holds head
+// r / (t / heads), the one its query heads attend to. Other TP sizes cannot split them.
+inline bool TpSplitsHeads(int tp, int heads) {
+    return tp >= 1 && heads >= 1 && (heads % tp == 0 || tp % heads == 0);
+}
+inline int RankKvHeads(int tp, int heads) { return tp >= heads ? 1 : heads / tp; }
+inline int RankHeadBegin(int rank, int tp, int heads) {
+    return tp >= heads ? rank / (tp / heads) : rank * (heads / tp);
+}
+
 // One rank's cache as a transfer sees it: its spec and the first global kv head it holds
 // (rank r of tp holds heads [r * kv_heads, (r + 1) * kv_heads)).
 struct KvLayout {

@@ -36,9 +36,24 @@ void PutFirst(Json& j, const FirstToken& f) {
     j["top"] = std::move(top);
 }
 
+Json VerifyJson(const VerifyRequest& v) {
+    return Json{{"begin", v.begin}, {"end", v.end}, {"units", v.units}};
+}
+
+// Checksums as 16 hex digits each (a JSON number would lose bits in most parsers).
+Json SumsJson(const std::vector<uint64_t>& sums) {
+    Json a = Json::array();
+    for (uint64_t s : sums) a.push_back(fmt::format("{:016x}", s));
+    return a;
+}
+
 Json EncodeJson(const Hello& m) {
     Json ranks = Json::array();
-    for (const RankInfo& r : m.ranks) ranks.push_back({{"region", r.region}, {"blocks", r.blocks}});
+    for (const RankInfo& r : m.ranks) {
+        Json ri{{"region", r.region}, {"blocks", r.blocks}};
+        if (r.canary) ri["canary"] = r.canary;
+        ranks.push_back(std::move(ri));
+    }
     Json j{{"t", m.ack ? "hello-ack" : "hello"},
            {"v", m.version},
            {"compat", CompatJson(m.compat)},
@@ -51,12 +66,15 @@ Json EncodeJson(const Hello& m) {
     return j;
 }
 Json EncodeJson(const Claim& m) {
-    return Json{{"t", "claim"}, {"rid", m.rid},       {"nonce", m.nonce},
-                {"lid", m.lid}, {"prompt", m.prompt}, {"blocks", m.blocks}};
+    Json j{{"t", "claim"}, {"rid", m.rid},       {"nonce", m.nonce},
+           {"lid", m.lid}, {"prompt", m.prompt}, {"blocks", m.blocks}};
+    if (m.verify) j["verify"] = VerifyJson(*m.verify);
+    return j;
 }
 Json EncodeJson(const ClaimAck& m) {
     Json j{{"t", "claim-ack"}, {"lid", m.lid}, {"ok", m.ok}};
     if (m.ok && m.first) PutFirst(j, *m.first);
+    if (m.ok && !m.sums.empty()) j["sums"] = SumsJson(m.sums);
     if (!m.ok) {
         j["error"] = m.error;
         if (!m.code.empty()) j["code"] = m.code;
@@ -69,8 +87,10 @@ Json EncodeJson(const HoldEnd& m) {
                 {"nonce", m.nonce}};
 }
 Json EncodeJson(const PushTarget& m) {
-    return Json{{"t", "push-target"}, {"xid", m.xid}, {"lid", m.lid},      {"blocks", m.blocks},
-                {"from", m.from},     {"len", m.len}, {"prompt", m.prompt}};
+    Json j{{"t", "push-target"}, {"xid", m.xid}, {"lid", m.lid},      {"blocks", m.blocks},
+           {"from", m.from},     {"len", m.len}, {"prompt", m.prompt}};
+    if (m.verify) j["verify"] = VerifyJson(*m.verify);
+    return j;
 }
 Json EncodeJson(const PushCancel& m) {
     return Json{{"t", "push-cancel"}, {"xid", m.xid}, {"lid", m.lid}};
@@ -81,6 +101,7 @@ Json EncodeJson(const PushEnd& m) {
                                                        : "push-cancelled";
     Json j{{"t", t}, {"xid", m.xid}, {"lid", m.lid}};
     if (m.kind == PushEnd::Kind::kDone && m.first) PutFirst(j, *m.first);
+    if (m.kind == PushEnd::Kind::kDone && !m.sums.empty()) j["sums"] = SumsJson(m.sums);
     if (m.kind == PushEnd::Kind::kFailed) j["error"] = m.error;
     return j;
 }
@@ -128,6 +149,32 @@ Result<std::vector<BlockId>> DecodeBlocks(const JsonFields& f) {
     return f.IntArray<BlockId>("blocks", 0, INT32_MAX, kMaxBlocks);
 }
 
+Result<std::optional<VerifyRequest>> DecodeVerify(const JsonFields& f) {
+    if (!f.Has("verify")) return std::optional<VerifyRequest>();
+    FERRY_ASSIGN_OR_RETURN(JsonFields v, f.Object("verify"));
+    VerifyRequest r;
+    FERRY_ASSIGN_OR_RETURN(r.begin, SmallInt(v, "begin", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(r.end, SmallInt(v, "end", 0, INT32_MAX));
+    FERRY_ASSIGN_OR_RETURN(r.units, v.IntArray<int>("units", 0, INT32_MAX, kMaxUnits));
+    if (r.end <= r.begin) return v.Bad("end", "is not after begin");
+    return std::optional<VerifyRequest>(std::move(r));
+}
+
+Result<std::vector<uint64_t>> DecodeSums(const JsonFields& f) {
+    std::vector<uint64_t> out;
+    if (!f.Has("sums")) return out;
+    FERRY_ASSIGN_OR_RETURN(const Json* a, f.Array("sums", kMaxUnits));
+    for (const Json& e : *a) {
+        const std::string* s = e.is_string() ? e.get_ptr<const std::string*>() : nullptr;
+        if (!s || s->size() != 16 ||
+            s->find_first_not_of("0123456789abcdef") != std::string::npos) {
+            return f.Bad("sums", "holds an entry that is not 16 lowercase hex digits");
+        }
+        out.push_back(std::stoull(*s, nullptr, 16));
+    }
+    return out;
+}
+
 Result<PeerMessage> DecodeHello(const JsonFields& f, bool ack) {
     Hello m;
     m.ack = ack;
@@ -140,6 +187,9 @@ Result<PeerMessage> DecodeHello(const JsonFields& f, bool ack) {
         RankInfo ri;
         FERRY_ASSIGN_OR_RETURN(ri.region, r.Uint("region"));
         FERRY_ASSIGN_OR_RETURN(ri.blocks, SmallInt(r, "blocks", 1, 1 << 24));
+        if (r.Has("canary")) {
+            FERRY_ASSIGN_OR_RETURN(ri.canary, r.Uint("canary"));
+        }
         m.ranks.push_back(ri);
     }
     FERRY_ASSIGN_OR_RETURN(m.addr, f.String("addr", kMaxIdChars));
@@ -159,6 +209,7 @@ Result<PeerMessage> DecodeClaim(const JsonFields& f) {
     FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
     FERRY_ASSIGN_OR_RETURN(m.prompt, f.Hex("prompt", 64));
     FERRY_ASSIGN_OR_RETURN(m.blocks, DecodeBlocks(f));
+    FERRY_ASSIGN_OR_RETURN(m.verify, DecodeVerify(f));
     return PeerMessage(std::move(m));
 }
 
@@ -168,6 +219,7 @@ Result<PeerMessage> DecodeClaimAck(const JsonFields& f) {
     FERRY_ASSIGN_OR_RETURN(m.ok, f.Bool("ok"));
     if (m.ok) {
         FERRY_ASSIGN_OR_RETURN(m.first, DecodeFirst(f));
+        FERRY_ASSIGN_OR_RETURN(m.sums, DecodeSums(f));
     } else {
         if (f.Has("error")) {
             FERRY_ASSIGN_OR_RETURN(m.error, f.String("error", kMaxErrorChars));
@@ -195,6 +247,7 @@ Result<PeerMessage> DecodePushTarget(const JsonFields& f) {
     FERRY_ASSIGN_OR_RETURN(m.from, SmallInt(f, "from", 0, INT32_MAX));
     FERRY_ASSIGN_OR_RETURN(m.len, SmallInt(f, "len", 1, INT32_MAX));
     FERRY_ASSIGN_OR_RETURN(m.prompt, f.Hex("prompt", 64));
+    FERRY_ASSIGN_OR_RETURN(m.verify, DecodeVerify(f));
     return PeerMessage(std::move(m));
 }
 
@@ -212,6 +265,7 @@ Result<PeerMessage> DecodePushEnd(const JsonFields& f, PushEnd::Kind kind) {
     FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
     if (kind == PushEnd::Kind::kDone) {
         FERRY_ASSIGN_OR_RETURN(m.first, DecodeFirst(f));
+        FERRY_ASSIGN_OR_RETURN(m.sums, DecodeSums(f));
     } else if (kind == PushEnd::Kind::kFailed && f.Has("error")) {
         FERRY_ASSIGN_OR_RETURN(m.error, f.String("error", kMaxErrorChars));
     }

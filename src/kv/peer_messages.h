@@ -31,6 +31,8 @@ inline constexpr size_t kMaxIdChars = 1024;
 inline constexpr size_t kMaxErrorChars = 16384;
 inline constexpr size_t kMaxTopLogprobs = 64;
 inline constexpr int kMaxRanks = 1024;
+// The most checksum units one message names (kv_verify.h).
+inline constexpr size_t kMaxUnits = size_t{1} << 20;
 
 // What two workers must agree on to move KV between them.
 struct Compat {
@@ -59,6 +61,16 @@ std::optional<CompatDiff> FirstDifference(const Compat& ours, const Compat& thei
 struct RankInfo {
     uint64_t region = 0;
     int blocks = 0;
+    // Its handshake canary (kv_verify.h): a region laid out as the cache with just enough blocks
+    // for kv::kCanaryTokens; 0: none offered (the peer's canary is then not checked).
+    uint64_t canary = 0;
+};
+
+// What the receiver of KV asks the sender to checksum (`--kv-verify`): units (kv_verify.h) over
+// tokens [begin, end) of the request's sequence. The answer's `sums` are in the same order.
+struct VerifyRequest {
+    int begin = 0, end = 0;
+    std::vector<int> units;
 };
 
 // "hello" (the dialing side) and "hello-ack" (the answer).
@@ -80,6 +92,7 @@ struct Claim {
     std::string lid;     // the decoder's request id
     std::string prompt;  // SHA-256 of the prompt's token ids, 64 hex digits
     std::vector<BlockId> blocks;
+    std::optional<VerifyRequest> verify = std::nullopt;
 };
 
 // pull: the holder's answer; on success the token the prefill sampled.
@@ -89,6 +102,7 @@ struct ClaimAck {
     std::optional<FirstToken> first;  // set when ok
     std::string error;                // when !ok
     std::string code;                 // when !ok: "gone" (lease lapsed) or "conflict"
+    std::vector<uint64_t> sums = {};  // when ok and the claim asked to verify
 };
 
 // pull: the decoder is done with a hold ("read-done") or gives it up ("release").
@@ -104,6 +118,7 @@ struct PushTarget {
     int from = 0;  // first token to write (what the decoder has cached before it)
     int len = 0;   // the prompt's length
     std::string prompt;
+    std::optional<VerifyRequest> verify = std::nullopt;
 };
 
 // push: the decoder stops a transfer.
@@ -117,6 +132,7 @@ struct PushEnd {
     std::string xid, lid;
     std::optional<FirstToken> first;  // kDone
     std::string error;                // kFailed (may be empty)
+    std::vector<uint64_t> sums = {};  // kDone, when the push-target asked to verify
 };
 
 using PeerMessage = std::variant<Hello, Claim, ClaimAck, HoldEnd, PushTarget, PushCancel, PushEnd>;

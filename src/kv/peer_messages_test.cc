@@ -28,7 +28,7 @@ Hello SomeHello(bool ack) {
     h.compat.dtype = "f32";
     h.compat.block_tokens = 16;
     h.compat.tp = 2;
-    h.ranks = {{7, 100}, {uint64_t{1} << 40, 200}};
+    h.ranks = {{7, 100, 9}, {uint64_t{1} << 40, 200, uint64_t{1} << 41}};
     h.addr = "127.0.0.1:5000";
     if (ack) {
         h.ok = false;
@@ -43,13 +43,17 @@ std::vector<PeerMessage> Every() {
         SomeHello(false),
         SomeHello(true),
         Claim{"rid-1", kNonce, "lid-1", kPrompt, {0, 5, 2147483647}},
+        Claim{"rid-1", kNonce, "lid-1", kPrompt, {0, 5}, VerifyRequest{3, 40, {0, 5, 7}}},
         ClaimAck{"lid-1", true, First(), "", ""},
+        ClaimAck{"lid-1", true, First(), "", "", {0, UINT64_MAX, 0x0123456789abcdefULL}},
         ClaimAck{"lid-1", false, std::nullopt, "gone away", "gone"},
         HoldEnd{HoldEnd::Kind::kReadDone, "rid-1", kNonce},
         HoldEnd{HoldEnd::Kind::kRelease, "rid-1", kNonce},
         PushTarget{"x-1", "lid-1", {3, 4}, 16, 40, kPrompt},
+        PushTarget{"x-1", "lid-1", {3, 4}, 16, 40, kPrompt, VerifyRequest{16, 40, {1}}},
         PushCancel{"x-1", "lid-1"},
         PushEnd{PushEnd::Kind::kDone, "x-1", "lid-1", First(), ""},
+        PushEnd{PushEnd::Kind::kDone, "x-1", "lid-1", First(), "", {42, 1}},
         PushEnd{PushEnd::Kind::kFailed, "x-1", "lid-1", std::nullopt, "out of blocks"},
         PushEnd{PushEnd::Kind::kCancelled, "x-1", "lid-1", std::nullopt, ""},
     };
@@ -60,13 +64,19 @@ bool SameFirst(const std::optional<FirstToken>& a, const std::optional<FirstToke
     return !a || (a->token == b->token && a->logprob == b->logprob && a->top == b->top);
 }
 
+bool SameVerify(const std::optional<VerifyRequest>& a, const std::optional<VerifyRequest>& b) {
+    if (a.has_value() != b.has_value()) return false;
+    return !a || (a->begin == b->begin && a->end == b->end && a->units == b->units);
+}
+
 bool Same(const PeerMessage& a, const PeerMessage& b) {
     if (a.index() != b.index() || TypeOf(a) != TypeOf(b)) return false;
     if (auto* x = std::get_if<Hello>(&a)) {
         auto& y = std::get<Hello>(b);
         if (x->ranks.size() != y.ranks.size()) return false;
         for (size_t i = 0; i < x->ranks.size(); ++i) {
-            if (x->ranks[i].region != y.ranks[i].region || x->ranks[i].blocks != y.ranks[i].blocks)
+            if (x->ranks[i].region != y.ranks[i].region ||
+                x->ranks[i].blocks != y.ranks[i].blocks || x->ranks[i].canary != y.ranks[i].canary)
                 return false;
         }
         return x->ack == y.ack && x->version == y.version &&
@@ -77,12 +87,12 @@ bool Same(const PeerMessage& a, const PeerMessage& b) {
     if (auto* x = std::get_if<Claim>(&a)) {
         auto& y = std::get<Claim>(b);
         return x->rid == y.rid && x->nonce == y.nonce && x->lid == y.lid && x->prompt == y.prompt &&
-               x->blocks == y.blocks;
+               x->blocks == y.blocks && SameVerify(x->verify, y.verify);
     }
     if (auto* x = std::get_if<ClaimAck>(&a)) {
         auto& y = std::get<ClaimAck>(b);
         return x->lid == y.lid && x->ok == y.ok && SameFirst(x->first, y.first) &&
-               x->error == y.error && x->code == y.code;
+               x->error == y.error && x->code == y.code && x->sums == y.sums;
     }
     if (auto* x = std::get_if<HoldEnd>(&a)) {
         auto& y = std::get<HoldEnd>(b);
@@ -91,7 +101,7 @@ bool Same(const PeerMessage& a, const PeerMessage& b) {
     if (auto* x = std::get_if<PushTarget>(&a)) {
         auto& y = std::get<PushTarget>(b);
         return x->xid == y.xid && x->lid == y.lid && x->blocks == y.blocks && x->from == y.from &&
-               x->len == y.len && x->prompt == y.prompt;
+               x->len == y.len && x->prompt == y.prompt && SameVerify(x->verify, y.verify);
     }
     if (auto* x = std::get_if<PushCancel>(&a)) {
         auto& y = std::get<PushCancel>(b);
@@ -100,7 +110,7 @@ bool Same(const PeerMessage& a, const PeerMessage& b) {
     auto& x = std::get<PushEnd>(a);
     auto& y = std::get<PushEnd>(b);
     return x.kind == y.kind && x.xid == y.xid && x.lid == y.lid && SameFirst(x.first, y.first) &&
-           x.error == y.error;
+           x.error == y.error && x.sums == y.sums;
 }
 
 TEST(PeerMessages, EveryMessageRoundTrips) {
@@ -138,7 +148,7 @@ TEST(PeerMessages, UnknownFieldsAreIgnored) {
 // Every field a message defines, removed and then replaced by a value of the wrong type: each
 // is refused with an error naming the field, except the ones documented as optional.
 TEST(PeerMessages, MissingAndMistypedFieldsAreNamed) {
-    const std::set<std::string> optional = {"error", "code", "top"};
+    const std::set<std::string> optional = {"error", "code", "top", "verify", "sums"};
     for (const PeerMessage& m : Every()) {
         Json j = Json::parse(Encode(m));
         for (auto& [key, value] : j.items()) {
@@ -196,6 +206,22 @@ TEST(PeerMessages, BadValuesAreRefused) {
         R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 18446744073709551615,
             "len": 1, "prompt": "0000000000000000000000000000000000000000000000000000000000000000"})",
         R"({"t": "push-done", "xid": "x", "lid": "l"})",
+        // --kv-verify: a range that is empty, units out of range, checksums that are not 16
+        // lowercase hex digits.
+        R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 0, "len": 1,
+            "prompt": "0000000000000000000000000000000000000000000000000000000000000000",
+            "verify": {"begin": 4, "end": 4, "units": [0]}})",
+        R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 0, "len": 1,
+            "prompt": "0000000000000000000000000000000000000000000000000000000000000000",
+            "verify": {"begin": 0, "end": 4, "units": [-1]}})",
+        R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 0, "len": 1,
+            "prompt": "0000000000000000000000000000000000000000000000000000000000000000",
+            "verify": {"begin": 0, "units": [1]}})",
+        R"({"t": "push-done", "xid": "x", "lid": "l", "token": 1, "logprob": 0,
+            "sums": ["00000000000000000"]})",
+        R"({"t": "push-done", "xid": "x", "lid": "l", "token": 1, "logprob": 0,
+            "sums": ["000000000000000A"]})",
+        R"({"t": "claim-ack", "lid": "l", "ok": true, "token": 1, "logprob": 0, "sums": [17]})",
         R"([[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]])",
     };
     for (const char* text : bad) {

@@ -20,6 +20,7 @@
 #include "core/half.h"
 #include "core/log.h"
 #include "kv/connector.h"
+#include "kv/kv_layout.h"
 #include "model/kernels.h"
 
 namespace ferry::model {
@@ -336,10 +337,14 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
     }
     const ModelConfig& c = m->config_;
     const int tp = options.tp;
-    if (tp < 1 || tp > 64 || c.num_heads % tp || c.num_kv_heads % tp || c.ffn_dim % tp) {
-        return InvalidArgumentError(
-            fmt::format("tp {} must divide the {} heads, {} kv heads and MLP width {} of {}", tp,
-                        c.num_heads, c.num_kv_heads, c.ffn_dim, path));
+    // More ranks than kv heads replicate them (kv::RankHeadBegin): each rank holds the one its
+    // query heads attend to.
+    if (tp < 1 || tp > 64 || c.num_heads % tp || !kv::TpSplitsHeads(tp, c.num_kv_heads) ||
+        c.ffn_dim % tp) {
+        return InvalidArgumentError(fmt::format(
+            "tp {} must divide the {} heads and MLP width {}, and divide or be a multiple of the "
+            "{} kv heads, of {}",
+            tp, c.num_heads, c.ffn_dim, c.num_kv_heads, path));
     }
     m->tp_ = tp;
     FERRY_RETURN_IF_ERROR(m->LoadWeights(*file));
@@ -511,7 +516,7 @@ Status Model::LoadWeights(const GgufFile& f) {
     for (int r = 0; r < tp_; ++r) {
         auto rank = std::make_unique<Rank>();
         rank->q_heads = c.num_heads / tp_;
-        rank->kv_heads = c.num_kv_heads / tp_;
+        rank->kv_heads = kv::RankKvHeads(tp_, c.num_kv_heads);
         rank->ffn = c.ffn_dim / tp_;
         rank->vocab_begin = static_cast<int>(vocab * r / tp_);
         rank->vocab_end = static_cast<int>(vocab * (r + 1) / tp_);
@@ -546,7 +551,8 @@ Status Model::LoadWeights(const GgufFile& f) {
             Rank& rk = *ranks_[r];
             Layer& L = rk.layers[l];
             const uint64_t q0 = uint64_t(r) * rk.q_heads * hd, q1 = q0 + rk.q_heads * hd;
-            const uint64_t k0 = uint64_t(r) * rk.kv_heads * hd, k1 = k0 + rk.kv_heads * hd;
+            const uint64_t k0 = uint64_t(kv::RankHeadBegin(r, tp_, c.num_kv_heads)) * hd;
+            const uint64_t k1 = k0 + uint64_t(rk.kv_heads) * hd;
             const uint64_t f0 = uint64_t(r) * rk.ffn, f1 = f0 + rk.ffn;
             L.wqkv = RowsOf(wq, q0, q1);
             AppendRows(&L.wqkv, RowsOf(wk, k0, k1));
@@ -565,7 +571,7 @@ Status Model::LoadWeights(const GgufFile& f) {
 kv::KvCacheSpec Model::CacheSpec(int block_tokens, int num_blocks, kv::KvDtype dtype) const {
     kv::KvCacheSpec s;
     s.num_layers = config_.num_layers;
-    s.kv_heads = config_.num_kv_heads / tp_;
+    s.kv_heads = kv::RankKvHeads(tp_, config_.num_kv_heads);
     s.head_dim = config_.head_dim;
     s.block_tokens = block_tokens;
     s.num_blocks = num_blocks;
@@ -585,7 +591,7 @@ Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* co
     const kv::KvCacheSpec& spec = caches[0]->spec();
     for (kv::KvCache* cache : caches) {
         const kv::KvCacheSpec& s = cache->spec();
-        if (s.num_layers != c.num_layers || s.kv_heads != c.num_kv_heads / tp_ ||
+        if (s.num_layers != c.num_layers || s.kv_heads != kv::RankKvHeads(tp_, c.num_kv_heads) ||
             s.head_dim != c.head_dim || s.block_tokens != spec.block_tokens ||
             s.num_blocks != spec.num_blocks) {
             return InvalidArgumentError("forward: a kv cache does not match the model");

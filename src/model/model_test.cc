@@ -466,6 +466,10 @@ TEST(Model, RefusesUnusableFiles) {
     FERRY_ASSERT_OK(WriteRandomModel(TestSpec(), 1, path));
     EXPECT_THAT(Model::Load(path, {.tp = 3}).status(),
                 StatusHas(Code::kInvalidArgument, "tp 3 must divide"));
+    // 4 heads, 2 kv heads: TP 4 replicates each kv head on two ranks; TP 8 has too few heads.
+    FERRY_EXPECT_OK(Model::Load(path, {.tp = 4}).status());
+    EXPECT_THAT(Model::Load(path, {.tp = 8}).status(),
+                StatusHas(Code::kInvalidArgument, "tp 8 must divide the 4 heads"));
     // A file with a tensor of the wrong shape.
     GgufWriter w;
     w.SetString("general.architecture", "llama");

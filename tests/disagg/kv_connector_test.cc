@@ -16,6 +16,7 @@
 #include "core/host_port.h"
 #include "engine/engine.h"
 #include "kv/agent_connector.h"
+#include "kv/peer_messages.h"
 #include "serve/worker.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
@@ -88,6 +89,9 @@ struct WorkerOptions {
     int max_batched_tokens = 512;
     std::chrono::milliseconds hold_lease{10000};
     std::chrono::milliseconds transfer_timeout{10000};
+    kv::KvVerifyMode verify = kv::KvVerifyMode::kSample;  // the default of `ferry serve`
+    bool canary = true;
+    int fault_head_offset = 0;  // a mapping bug on purpose (AgentConnectorConfig)
 };
 
 // One worker as `ferry serve` assembles it (serve::Worker), without its HTTP server: an Agent,
@@ -112,6 +116,9 @@ Worker MakeWorker(const std::string& name, const std::string& backend,
     c.agent = testing::TestConfig(name, backend);
     c.connector.hold_lease = o.hold_lease;
     c.connector.transfer_timeout = o.transfer_timeout;
+    c.connector.verify = o.verify;
+    c.connector.canary = o.canary;
+    c.connector.fault_head_offset_for_testing = o.fault_head_offset;
     c.engine.block_tokens = o.block_tokens;
     c.engine.num_blocks = o.num_blocks;
     c.engine.max_batched_tokens = o.max_batched_tokens;
@@ -393,6 +400,15 @@ TEST_P(DisaggMatrix, DecodeAnswersEqualColocatedAndTheDecoderComputesNoPrompt) {
     kv::KvConnectorStats ps = prefill.conn->Stats();
     EXPECT_EQ(ps.failed, 0u);
     EXPECT_EQ(ps.holding, 0);
+    // --kv-verify sample (the default): every request's checksums compared, one unit in 16 of
+    // the tiny model's 8 (2 layers x 2 heads x K|V), at least one; each side checked the other's
+    // canary at the handshake.
+    EXPECT_EQ(cs.verified, prompts.size());
+    EXPECT_EQ(cs.verify_units, prompts.size());
+    EXPECT_EQ(cs.verify_mismatches, 0u);
+    EXPECT_GE(cs.canaries, 1u);
+    EXPECT_GE(ps.canaries, 1u);
+    EXPECT_EQ(cs.canary_failures + ps.canary_failures, 0u);
     if (c.mode == KvTransferMode::kPull) {
         // One READ per request, a few descriptors each (runs of adjacent blocks per rank).
         EXPECT_EQ(cs.transfers, prompts.size());
@@ -424,26 +440,42 @@ TEST_P(DisaggHeteroTp, EveryDecodeRankGetsItsHeadsFromThePrefillRanksThatHoldThe
         prompts.push_back({fmt::format("h{}", n), Prompt(n, salt++)});
     auto sp = Greedy(5);
     auto want = Colocated(prompts, sp, c.DecodeTp(), wide_);
-    Worker prefill = MakeWorker("prefill-h", c.backend, wide_->Load(c.tp));
-    Worker decode = MakeWorker("decode-h", c.backend, wide_->Load(c.DecodeTp()));
+    const WorkerOptions all{.verify = kv::KvVerifyMode::kAll};
+    Worker prefill = MakeWorker("prefill-h", c.backend, wide_->Load(c.tp), all);
+    Worker decode = MakeWorker("decode-h", c.backend, wide_->Load(c.DecodeTp()), all);
     auto got = RunDisaggregated(prefill, decode, prompts, sp);
     // Another layout sums in another order than the decoder's own would have: 1e-4.
     const size_t total = ExpectEqualsColocatedFromTheWire(prefill, decode, prompts, got, want);
     kv::KvConnectorStats cs = decode.conn->Stats(), ps = prefill.conn->Stats();
-    // Every head once: the bytes moved are the prompt's KV, not one copy per rank pair.
+    // Every head once per decode rank that holds it: the bytes moved are the prompt's KV (times
+    // the copies a decode worker of TP 8 keeps of each of the 4 heads), never one copy per rank
+    // pair or per prefill rank that holds a copy.
     const kv::KvCacheSpec& s = decode.engine->caches()[0]->spec();
-    const uint64_t per_token_all_heads = 2ull * s.num_layers * 4 * s.head_dim * 4;
+    const uint64_t copies = std::max(1, c.DecodeTp() / 4);
+    const uint64_t per_token_all_heads = 2ull * s.num_layers * 4 * s.head_dim * 4 * copies;
     const uint64_t moved = c.mode == KvTransferMode::kPull ? cs.bytes_read : ps.bytes_written;
     EXPECT_GE(moved, total * per_token_all_heads);
     EXPECT_LE(moved, (total + 8 * prompts.size()) * per_token_all_heads);
+    // --kv-verify all: every unit (layer, global head, K|V) of every request summed the same on
+    // both sides; the canary came through the same rank pairs at the handshake.
+    EXPECT_EQ(cs.verified, prompts.size());
+    EXPECT_EQ(cs.verify_units, prompts.size() * 2 * s.num_layers * 4);
+    EXPECT_EQ(cs.verify_mismatches, 0u);
+    EXPECT_GE(cs.canaries, 1u);
+    EXPECT_GE(ps.canaries, 1u);
+    EXPECT_EQ(cs.canary_failures + ps.canary_failures, 0u);
     if (c.mode == KvTransferMode::kPull) {
         // One READ per request; per (decode rank, prefill rank) pair that share heads and run
         // of adjacent blocks, one strided descriptor when the pair holds the same heads, else
         // one per layer and K|V (a head slice of the run; stride one block), never one per
         // block. At most 2 runs here.
         EXPECT_EQ(cs.transfers, prompts.size());
-        const uint64_t pairs = std::max(c.tp, c.DecodeTp());
-        const uint64_t per_run = c.tp == c.DecodeTp() ? 1 : 2 * uint64_t(s.num_layers);
+        // Rank pairs: each decode rank with one prefill rank per head it holds (one copy of a
+        // replicated head); the same heads on both ranks of a pair move whole blocks.
+        const int heads_p = std::max(1, 4 / c.tp), heads_d = std::max(1, 4 / c.DecodeTp());
+        const uint64_t pairs = uint64_t(std::max(std::min(c.tp, 4), std::min(c.DecodeTp(), 4))) *
+                               std::max(1, c.DecodeTp() / 4);
+        const uint64_t per_run = heads_p == heads_d ? 1 : 2 * uint64_t(s.num_layers);
         EXPECT_LE(cs.max_descriptors, 2 * pairs * per_run);
         EXPECT_GE(cs.max_descriptors, pairs * per_run);
     }
@@ -457,6 +489,15 @@ std::vector<Case> HeteroCases() {
                 for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) {
                     out.push_back({b, p, m, d});
                 }
+            }
+        }
+        // TP 8 on 4 kv heads: each head on two ranks. Over shm every pairing, over tcp two.
+        std::vector<std::pair<int, int>> eight = {{8, 1}, {8, 2}, {8, 4}, {8, 8},
+                                                  {1, 8}, {2, 8}, {4, 8}};
+        if (b == "tcp") eight = {{8, 2}, {2, 8}};
+        for (auto [p, d] : eight) {
+            for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) {
+                out.push_back({b, p, m, d});
             }
         }
     }
@@ -676,6 +717,160 @@ TEST_F(Disagg, ChunkedPrefillPushesEachChunkAsItIsComputed) {
     EXPECT_EQ(da.Get("x").tokens, want["x"].tokens) << da.Get("x").error.ToString();
     EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
     EXPECT_GE(prefill.conn->Stats().transfers, 10u * 2);  // 10 chunks x 2 layers
+}
+
+// A mapping bug on purpose (the side that plans the transfer takes the peer's heads to begin one
+// later: pull, the decoder; push, the prefill worker): the handshake canary refuses the peer
+// before any request moves KV; with the canary off, --kv-verify fails the request instead (sample
+// catches it too: every unit is wrong, the shifted heads and the one left unwritten); with both
+// off, the same fault gives a wrong answer, so the checks are what stands between it and the
+// client.
+class DisaggFault : public DisaggMatrix {
+  protected:
+    struct Run {
+        Answer answer;
+        Answer want;
+        kv::KvConnectorStats decode, prefill;
+    };
+    Run RunWithFault(const std::string& tag, WorkerOptions o) {
+        const Case c = GetParam();
+        const bool push = c.mode == KvTransferMode::kPush;
+        WorkerOptions faulty = o;
+        faulty.fault_head_offset = 1;
+        const std::vector<std::pair<std::string, std::vector<int32_t>>> prompts = {
+            {"f", Prompt(45, 9)}};
+        auto sp = Greedy(4);
+        Run run;
+        run.want = Colocated(prompts, sp, 1, wide_)["f"];
+        Worker prefill =
+            MakeWorker("prefill-f" + tag, c.backend, wide_->Load(1), push ? faulty : o);
+        Worker decode = MakeWorker("decode-f" + tag, c.backend, wide_->Load(1), push ? o : faulty);
+        Answers pa, da;
+        if (push) {
+            FERRY_EXPECT_OK(Submit(decode.engine.get(), &da, "f", prompts[0].second, sp,
+                                   PushDecodeParams("xf", prefill)));
+            if (!o.canary) {
+                FERRY_EXPECT_OK(Submit(prefill.engine.get(), &pa, "f", prompts[0].second, sp,
+                                       PushPrefillParams("xf")));
+            }
+        } else {
+            auto psp = sp;
+            psp.max_tokens = 1;
+            auto kvp = std::make_shared<KvTransferParams>();
+            kvp->do_remote_decode = true;
+            FERRY_EXPECT_OK(Submit(prefill.engine.get(), &pa, "f", prompts[0].second, psp, kvp));
+            EXPECT_TRUE(pa.Wait({"f"}));
+            if (pa.Get("f").kv) {
+                FERRY_EXPECT_OK(
+                    Submit(decode.engine.get(), &da, "f", prompts[0].second, sp, pa.Get("f").kv));
+            }
+        }
+        EXPECT_TRUE(da.Wait({"f"}));
+        run.answer = da.Get("f");
+        // Whatever happened, the decoder's blocks go back.
+        EXPECT_TRUE(WaitStats(decode.engine.get(), [](const auto& s) {
+            return s.kv_blocks_used == 0 && s.kv_loading == 0;
+        }));
+        if (push && !o.canary) {
+            EXPECT_TRUE(pa.Wait({"f"}));
+        }
+        run.decode = decode.conn->Stats();
+        run.prefill = prefill.conn->Stats();
+        return run;
+    }
+};
+
+TEST_P(DisaggFault, TheCanaryRefusesTheMappingAtTheHandshake) {
+    Run r = RunWithFault("c", {.verify = kv::KvVerifyMode::kOff});
+    EXPECT_EQ(r.answer.finish, FinishReason::kError);
+    EXPECT_TRUE(r.answer.tokens.empty());
+    // The side with the fault read the peer's canary through it and names the first wrong row.
+    EXPECT_THAT(r.answer.error.message(),
+                ::testing::AllOf(::testing::HasSubstr("kv canary: layer 0 head 0 K token 0 "
+                                                      "arrived wrong"),
+                                 ::testing::HasSubstr("the transfer mapping")));
+    EXPECT_EQ(r.decode.canary_failures + r.prefill.canary_failures, 1u);
+    EXPECT_EQ(r.decode.succeeded, 0u);
+}
+
+TEST_P(DisaggFault, KvVerifyFailsTheRequestWhereTheCanaryIsOff) {
+    for (auto mode : {kv::KvVerifyMode::kAll, kv::KvVerifyMode::kSample}) {
+        SCOPED_TRACE(std::string(kv::KvVerifyModeName(mode)));
+        Run r = RunWithFault(std::string(kv::KvVerifyModeName(mode)),
+                             {.verify = mode, .canary = false});
+        EXPECT_EQ(r.answer.finish, FinishReason::kError);
+        EXPECT_TRUE(r.answer.tokens.empty());
+        EXPECT_THAT(r.answer.error, StatusHas(Code::kDataLoss, "kv verify: the KV of request f"));
+        EXPECT_THAT(r.answer.error.message(), ::testing::HasSubstr("differs"));
+        EXPECT_EQ(r.decode.verify_mismatches, 1u);
+        EXPECT_EQ(r.decode.failures["verify"], 1u);
+        EXPECT_EQ(r.decode.succeeded, 0u);
+    }
+    // Unchecked, the fault is a wrong answer (the checks above are what catches it).
+    Run r = RunWithFault("o", {.verify = kv::KvVerifyMode::kOff, .canary = false});
+    EXPECT_EQ(r.answer.finish, FinishReason::kLength) << r.answer.error.ToString();
+    EXPECT_NE(r.answer.logprobs, r.want.logprobs);
+    EXPECT_EQ(r.decode.verified, 0u);
+}
+std::vector<Case> FaultCases() {
+    return {{"shm", 1, KvTransferMode::kPull}, {"tcp", 1, KvTransferMode::kPush}};
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggFault, ::testing::ValuesIn(FaultCases()), CaseName);
+
+// A peer that lies in its hello about its TP: refused in the hello-ack, naming both sizes and
+// why, and the worker goes on serving.
+TEST_F(Disagg, AHelloWhoseTpDoesNotDivideTheHeadsIsRefusedNamingBoth) {
+    Worker decode = MakeWorker("decode-t", "tcp", wide_->Load(1));
+    auto liar = testing::ValueOrDie(Agent::Create(testing::TestConfig("liar-t", "tcp")), "liar");
+    FERRY_ASSERT_OK(liar->Connect(decode.agent->ListenAddress(), std::chrono::seconds(5)).status());
+    const kv::KvCacheSpec& s = decode.engine->caches()[0]->spec();
+    auto hello = [&](int tp, int ranks) {
+        kv::msg::Hello h;
+        h.compat.model = wide_->Load(1)->fingerprint();
+        h.compat.layers = s.num_layers;
+        h.compat.kv_heads = 4;
+        h.compat.head_dim = s.head_dim;
+        h.compat.dtype = std::string(kv::KvDtypeName(s.dtype));
+        h.compat.block_tokens = 8;
+        h.compat.tp = tp;
+        for (int i = 0; i < ranks; ++i) h.ranks.push_back({uint64_t(i + 1), 64, 0});
+        h.addr = liar->ListenAddress();
+        return kv::msg::Encode(h);
+    };
+    auto ack_to = [&](const std::string& hello_text) -> kv::msg::Hello {
+        FERRY_EXPECT_OK(liar->Notify(decode.agent->name(), hello_text));
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (std::chrono::steady_clock::now() < until) {
+            for (Notification& n : liar->WaitNotifications(until)) {
+                auto m = kv::msg::Decode(n.payload);
+                if (m.ok() && std::holds_alternative<kv::msg::Hello>(*m)) {
+                    return std::get<kv::msg::Hello>(*m);
+                }
+            }
+        }
+        ADD_FAILURE() << "no hello-ack";
+        return {};
+    };
+    kv::msg::Hello ack = ack_to(hello(3, 3));
+    EXPECT_TRUE(ack.ack);
+    EXPECT_FALSE(ack.ok);
+    EXPECT_THAT(ack.error, ::testing::HasSubstr(
+                               "tp differs (this worker 1, the peer 3) and the peer's 3 "
+                               "neither divides nor is a multiple of the model's 4 kv heads"));
+    ack = ack_to(hello(2, 3));
+    EXPECT_FALSE(ack.ok);
+    EXPECT_THAT(ack.error, ::testing::HasSubstr("lists 3 ranks for tp 2"));
+    // Still serving: a good peer's handshake and transfer work.
+    auto prompt = Prompt(20, 1);
+    auto want = Colocated({{"g", prompt}}, Greedy(3), 1, wide_);
+    Worker prefill = MakeWorker("prefill-t", "tcp", wide_->Load(1));
+    Answers pa, da;
+    FERRY_ASSERT_OK(
+        Submit(decode.engine.get(), &da, "g", prompt, Greedy(3), PushDecodeParams("xg", prefill)));
+    FERRY_ASSERT_OK(
+        Submit(prefill.engine.get(), &pa, "g", prompt, Greedy(3), PushPrefillParams("xg")));
+    ASSERT_TRUE(da.Wait({"g"}));
+    EXPECT_EQ(da.Get("g").tokens, want["g"].tokens) << da.Get("g").error.ToString();
 }
 
 TEST_F(Disagg, AModelMismatchIsRefusedAtHandshakeNamingTheField) {

@@ -245,7 +245,9 @@ TEST_F(PdProcess, SeedFourDeploymentDecodeTp2PrefillTp1BlockSize128EqualsColocat
     auto colocated = StartOrDie(WorkerArgs("colocated", "", 2, big_blocks));
     std::vector<std::string> p = big_blocks, d = big_blocks;
     p.insert(p.end(), {"--secret-file", secret.path()});
-    d.insert(d.end(), {"--remote-prefill-min-tokens", "64", "--secret-file", secret.path()});
+    // Every unit of every request's KV checked on arrival (the default checks a sample).
+    d.insert(d.end(), {"--remote-prefill-min-tokens", "64", "--secret-file", secret.path(),
+                       "--kv-verify", "all"});
     auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1, p));
     auto decode = StartOrDie(WorkerArgs("decode", "shm", 2, d));
     ASSERT_TRUE(colocated && prefill && decode);
@@ -269,6 +271,15 @@ TEST_F(PdProcess, SeedFourDeploymentDecodeTp2PrefillTp1BlockSize128EqualsColocat
     EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
     EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    // The KV of each request summed the same on both sides, across TP 1 -> 2 and blocks of 128;
+    // each side checked the other's canary once.
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_verified_total"), double(bodies.size()));
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_verify_mismatches_total"), 0);
+    EXPECT_GE(decode->Metric("ferry_kv_connector_canaries_total"), 1);
+    EXPECT_GE(prefill->Metric("ferry_kv_connector_canaries_total"), 1);
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_canary_failures_total") +
+                  prefill->Metric("ferry_kv_connector_canary_failures_total"),
+              0);
 }
 
 // One request id from the client (or the proxy) through the proxy and both workers: the id a
