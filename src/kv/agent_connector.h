@@ -112,6 +112,9 @@ struct KvConnectorStats {
     uint64_t verified = 0;
     uint64_t verify_mismatches = 0;
     uint64_t verify_units = 0;
+    // Time spent computing checksums, both roles (the receiver's of what landed, the sender's
+    // of what it holds).
+    double verify_seconds = 0;
     // Handshake canaries checked, and those that arrived wrong.
     uint64_t canaries = 0;
     uint64_t canary_failures = 0;

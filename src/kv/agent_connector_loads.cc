@@ -83,9 +83,12 @@ std::optional<msg::VerifyRequest> AgentKvConnector::Impl::VerifyRequestFor(int b
     return v;
 }
 
-Result<std::vector<uint64_t>> AgentKvConnector::Impl::SumsFor(
-    const msg::VerifyRequest& v, std::span<const BlockId> blocks) const {
-    return KvUnitSums(RankViews(), blocks, v.begin, v.end, v.units, cfg.model_kv_heads);
+Result<std::vector<uint64_t>> AgentKvConnector::Impl::SumsFor(const msg::VerifyRequest& v,
+                                                              std::span<const BlockId> blocks) {
+    const auto t0 = SteadyClock::now();
+    auto sums = KvUnitSums(RankViews(), blocks, v.begin, v.end, v.units, cfg.model_kv_heads);
+    stats.verify_seconds += std::chrono::duration<double>(SteadyClock::now() - t0).count();
+    return sums;
 }
 
 Status AgentKvConnector::Impl::CheckLoad(const std::string& id, const Load& ld) {

@@ -87,6 +87,9 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
     w.Counter("ferry_kv_connector_verify_units_total",
               "Units (a layer's K or V of one kv head) checksummed on receipt.",
               double(s.verify_units));
+    w.Counter("ferry_kv_connector_verify_seconds_total",
+              "Time spent computing --kv-verify checksums (received KV, and KV sent).",
+              s.verify_seconds);
     w.Counter("ferry_kv_connector_canaries_total", "Peers' handshake canaries checked.",
               double(s.canaries));
     w.Counter("ferry_kv_connector_canary_failures_total",

@@ -273,7 +273,7 @@ struct AgentKvConnector::Impl : LayerHook {
     std::optional<msg::VerifyRequest> VerifyRequestFor(int begin, int end);
     // The sending side: checksums of our blocks as `v` asks.
     Result<std::vector<uint64_t>> SumsFor(const msg::VerifyRequest& v,
-                                          std::span<const BlockId> blocks) const;
+                                          std::span<const BlockId> blocks);
     // The receiving side, once the KV is in place: OK, or DataLoss naming the first unit that
     // differs.
     Status CheckLoad(const std::string& id, const Load& ld);
