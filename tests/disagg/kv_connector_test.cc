@@ -742,10 +742,10 @@ class DisaggFault : public DisaggMatrix {
         auto sp = Greedy(4);
         Run run;
         run.want = Colocated(prompts, sp, 1, wide_)["f"];
+        Answers pa, da;  // before the engines: their step threads call into them until gone
         Worker prefill =
             MakeWorker("prefill-f" + tag, c.backend, wide_->Load(1), push ? faulty : o);
         Worker decode = MakeWorker("decode-f" + tag, c.backend, wide_->Load(1), push ? o : faulty);
-        Answers pa, da;
         if (push) {
             FERRY_EXPECT_OK(Submit(decode.engine.get(), &da, "f", prompts[0].second, sp,
                                    PushDecodeParams("xf", prefill)));
@@ -820,6 +820,7 @@ INSTANTIATE_TEST_SUITE_P(Protocols, DisaggFault, ::testing::ValuesIn(FaultCases(
 // A peer that lies in its hello about its TP: refused in the hello-ack, naming both sizes and
 // why, and the worker goes on serving.
 TEST_F(Disagg, AHelloWhoseTpDoesNotDivideTheHeadsIsRefusedNamingBoth) {
+    Answers pa, da;  // before the engines: their step threads call into them until gone
     Worker decode = MakeWorker("decode-t", "tcp", wide_->Load(1));
     auto liar = testing::ValueOrDie(Agent::Create(testing::TestConfig("liar-t", "tcp")), "liar");
     FERRY_ASSERT_OK(liar->Connect(decode.agent->ListenAddress(), std::chrono::seconds(5)).status());
@@ -864,13 +865,13 @@ TEST_F(Disagg, AHelloWhoseTpDoesNotDivideTheHeadsIsRefusedNamingBoth) {
     auto prompt = Prompt(20, 1);
     auto want = Colocated({{"g", prompt}}, Greedy(3), 1, wide_);
     Worker prefill = MakeWorker("prefill-t", "tcp", wide_->Load(1));
-    Answers pa, da;
     FERRY_ASSERT_OK(
         Submit(decode.engine.get(), &da, "g", prompt, Greedy(3), PushDecodeParams("xg", prefill)));
     FERRY_ASSERT_OK(
         Submit(prefill.engine.get(), &pa, "g", prompt, Greedy(3), PushPrefillParams("xg")));
     ASSERT_TRUE(da.Wait({"g"}));
     EXPECT_EQ(da.Get("g").tokens, want["g"].tokens) << da.Get("g").error.ToString();
+    EXPECT_TRUE(pa.Wait({"g"}));
 }
 
 TEST_F(Disagg, AModelMismatchIsRefusedAtHandshakeNamingTheField) {
