@@ -55,8 +55,10 @@ void AddModelCommand(CLI::App& app, int* rc) {
         "init", "Write a deterministic random-weight llama model (GGUF) with a byte vocabulary");
     static std::string preset = "tiny", out, dtype = "f32";
     static uint64_t seed = 1;
-    init->add_option("--preset", preset, "tiny (4 layers, dim 256) or small (12 layers, dim 768)")
-        ->check(CLI::IsMember({"tiny", "small"}));
+    init->add_option("--preset", preset,
+                     "tiny (4 layers, dim 256) or small (12 layers, dim 768); tiny-mla and "
+                     "small-mla: the same with multi-head latent attention (deepseek2)")
+        ->check(CLI::IsMember({"tiny", "small", "tiny-mla", "small-mla"}));
     init->add_option("--seed", seed, "weights seed");
     init->add_option("--out", out, "output .gguf file")->required();
     init->add_option("--dtype", dtype, "weight type: f32, f16 or bf16")
@@ -426,8 +428,8 @@ void AddModelBenchCommand(CLI::App& bench, int* rc) {
         "GFLOP/s");
     static bench::ModelBenchOptions o;
     static std::string prompts = "512,2048", batches = "1,8,32";
-    mb->add_option("--preset", o.preset, "random-weight model: tiny or small")
-        ->check(CLI::IsMember({"tiny", "small"}))
+    mb->add_option("--preset", o.preset, "random-weight model: tiny, small, tiny-mla or small-mla")
+        ->check(CLI::IsMember({"tiny", "small", "tiny-mla", "small-mla"}))
         ->capture_default_str();
     mb->add_option("--model", o.model, "a GGUF file instead of a preset");
     mb->add_option("--tp", o.tp, "tensor-parallel ranks")->check(CLI::Range(1, 64));

@@ -256,22 +256,33 @@ int RunModelBench(const ModelBenchOptions& o) {
 
     fmt::print(
         "ferry bench model: {} ({:.1f} M parameters, {} layers, dim {}, heads {}/{}, "
-        "head dim {}), tp {}, kv {}, {} cores\n",
+        "head dim {}, {}), tp {}, kv {}, {} cores\n",
         c.name, c.ParamCount() / 1e6, c.num_layers, c.dim, c.num_heads, c.num_kv_heads, c.head_dim,
-        o.tp, kv::KvDtypeName(*kv_dtype), cores);
+        c.attention(), o.tp, kv::KvDtypeName(*kv_dtype), cores);
     {
         // What a request's KV costs: the cache a disaggregated request moves, per token.
         const kv::KvCacheSpec rank = m->CacheSpec(16, 1, *kv_dtype);
         const uint64_t row = uint64_t(rank.head_dim) * kv::KvDtypeSize(rank.dtype);
-        const uint64_t model_bytes = 2ull * rank.num_layers * c.num_kv_heads * row;
-        const uint64_t worker_bytes = 2ull * rank.num_layers * rank.kv_heads * row * o.tp;
-        fmt::print(
-            "kv cache: {} bytes per token ({} layers x K|V x {} kv heads x {} x {}){}\n",
-            model_bytes, rank.num_layers, c.num_kv_heads, rank.head_dim,
-            kv::KvDtypeName(rank.dtype),
-            worker_bytes == model_bytes
-                ? std::string()
-                : fmt::format("; {} held by the {} ranks (heads replicated)", worker_bytes, o.tp));
+        if (c.mla) {
+            const uint64_t mha = uint64_t(rank.num_layers) * c.num_heads *
+                                 (c.qk_nope_dim + c.qk_rope_dim + c.v_head_dim) *
+                                 kv::KvDtypeSize(rank.dtype);
+            fmt::print(
+                "kv cache: {} bytes per token (mla: {} layers x latent {} + rope {} x {}; one "
+                "copy per worker at any tp; per-head K and V of its {} heads would be {})\n",
+                c.KvBytesPerToken(static_cast<int>(kv::KvDtypeSize(rank.dtype))), rank.num_layers,
+                c.kv_lora_rank, c.qk_rope_dim, kv::KvDtypeName(rank.dtype), c.num_heads, mha);
+        } else {
+            const uint64_t model_bytes = 2ull * rank.num_layers * c.num_kv_heads * row;
+            const uint64_t worker_bytes = 2ull * rank.num_layers * rank.kv_heads * row * o.tp;
+            fmt::print("kv cache: {} bytes per token ({} layers x K|V x {} kv heads x {} x {}){}\n",
+                       model_bytes, rank.num_layers, c.num_kv_heads, rank.head_dim,
+                       kv::KvDtypeName(rank.dtype),
+                       worker_bytes == model_bytes
+                           ? std::string()
+                           : fmt::format("; {} held by the {} ranks (heads replicated)",
+                                         worker_bytes, o.tp));
+        }
     }
     fmt::print("kernels: rows {}; {}\n", model::KernelIsaName(model::RowIsa()), blas);
     // A decode step reads every weight once, in its stored precision (f16 and bf16 stay 16-bit).

@@ -116,7 +116,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Model> mod
     }
     if (c.num_blocks <= 0) {
         kv::KvCacheSpec one = model->CacheSpec(c.block_tokens, 1, c.kv_dtype);
-        uint64_t per_block = one.TotalBytes() * model->tp();
+        uint64_t per_block = one.TotalBytes() * model->cache_ranks();
         c.num_blocks = static_cast<int>(std::min<uint64_t>(c.kv_cache_bytes / per_block, 1u << 24));
         if (c.num_blocks <= 0) {
             return InvalidArgumentError(
@@ -125,7 +125,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Model> mod
         }
     }
     std::unique_ptr<Engine> e(new Engine(std::move(model), c));
-    for (int r = 0; r < e->model_->tp(); ++r) {
+    for (int r = 0; r < e->model_->cache_ranks(); ++r) {
         FERRY_ASSIGN_OR_RETURN(
             auto cache,
             kv::KvCache::Create(e->model_->CacheSpec(c.block_tokens, c.num_blocks, c.kv_dtype),

@@ -207,6 +207,38 @@ TEST_F(EngineTest, TensorParallelTwoMatchesOne) {
     EXPECT_EQ(tp4->caches()[0]->spec().kv_heads, 1);
 }
 
+// An MLA model through the engine: one latent cache whatever the TP, chunked prefill, batching,
+// prefix-cache hits and preemption give the tokens of one sequence alone at TP 1.
+TEST_F(EngineTest, MlaServesChunksBatchesPrefixHitsAndTpAlike) {
+    testing::TinyModelFile mla("engine-test-mla", testing::TinyMlaModelSpec(512), 13);
+    std::vector<std::pair<std::string, std::vector<int32_t>>> reqs = {
+        {"a", Prompt(33, 1)}, {"b", Prompt(70, 2)}, {"c", Prompt(9, 3)}};
+    auto make = [&](int tp, EngineConfig c) {
+        return std::move(Engine::Create(mla.Load(tp), c)).value();
+    };
+    std::map<std::string, std::vector<int32_t>> alone;
+    {
+        auto e = make(1, Config());
+        ASSERT_EQ(e->caches().size(), 1u);
+        EXPECT_TRUE(e->caches()[0]->spec().latent);
+        for (const auto& r : reqs) alone[r.first] = Run(e.get(), {r}, 20)[r.first].tokens;
+    }
+    EngineConfig chunked = Config();
+    chunked.max_batched_tokens = 16;  // prompts in chunks, beside the others' decode steps
+    for (int tp : {1, 2, 4}) {
+        auto e = make(tp, chunked);
+        EXPECT_EQ(e->caches().size(), 1u) << "tp " << tp;  // one latent cache for all ranks
+        auto got = Run(e.get(), reqs, 20);
+        for (const auto& r : reqs) EXPECT_EQ(got[r.first].tokens, alone[r.first]) << r.first;
+        // The same prompts again hit the prefix cache: the latents found equal the ones computed.
+        auto again = Run(e.get(), reqs, 20);
+        for (const auto& r : reqs) {
+            EXPECT_EQ(again[r.first].tokens, alone[r.first]) << r.first;
+            EXPECT_GT(again[r.first].cached_tokens, 0) << r.first;
+        }
+    }
+}
+
 TEST_F(EngineTest, StopTokensStopStringsAndLogprobs) {
     auto e = Make(Config());
     auto base = Run(e.get(), {{"a", Prompt(12, 5)}}, 12)["a"];

@@ -42,6 +42,9 @@ struct AgentConnectorConfig {
     // Model::fingerprint() and the model's total kv heads (all ranks): checked at handshake.
     std::string model_fingerprint;
     int model_kv_heads = 0;
+    // The worker's TP, reported as kv_transfer_params' tp_size (vLLM's meaning); 0: the caches
+    // bound. They differ for MLA, whose ranks share one latent cache.
+    int model_tp = 0;
     // pull: a held request's blocks are freed if no decoder claims them within this time.
     std::chrono::milliseconds hold_lease{10000};
     // A load or push not finished this long after it started fails (DeadlineExceeded).

@@ -79,7 +79,9 @@ std::optional<msg::VerifyRequest> AgentKvConnector::Impl::VerifyRequestFor(int b
     msg::VerifyRequest v;
     v.begin = begin;
     v.end = end;
-    v.units = ChooseUnits(cfg.verify, layouts[0].spec.num_layers, cfg.model_kv_heads, rng);
+    v.units = ChooseUnits(
+        cfg.verify,
+        UnitCount(layouts[0].spec.num_layers, cfg.model_kv_heads, layouts[0].spec.Planes()), rng);
     return v;
 }
 
@@ -112,8 +114,9 @@ Status AgentKvConnector::Impl::CheckLoad(const std::string& id, const Load& ld) 
     return DataLossError(fmt::format(
         "kv verify: the KV of request {} that arrived from '{}' is not what it sent: {} over "
         "tokens [{}, {}) differs ({} of {} checked units differ)",
-        Esc(id), Esc(ld.peer), UnitName(UnitOf(v.units[*bad], cfg.model_kv_heads)), v.begin, v.end,
-        differ, v.units.size()));
+        Esc(id), Esc(ld.peer),
+        UnitName(UnitOf(v.units[*bad], cfg.model_kv_heads, layouts[0].spec.Planes())), v.begin,
+        v.end, differ, v.units.size()));
 }
 
 void AgentKvConnector::Impl::CompleteLoad(const std::string& id, std::optional<FirstToken> first) {

@@ -34,6 +34,7 @@ msg::Compat AgentKvConnector::Impl::Compat() const {
     const KvCacheSpec& s = layouts[0].spec;
     msg::Compat c;
     c.model = cfg.model_fingerprint;
+    c.attention = s.latent ? "mla" : "gqa";
     c.layers = s.num_layers;
     c.kv_heads = cfg.model_kv_heads;
     c.head_dim = s.head_dim;

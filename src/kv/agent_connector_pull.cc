@@ -247,7 +247,7 @@ FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
     out->remote_port = addr.port;
     out->remote_block_ids.assign(blocks.begin(), blocks.begin() + nblocks);
     out->remote_request_id = r.id;
-    out->tp_size = tp;
+    out->tp_size = cfg.model_tp > 0 ? cfg.model_tp : tp;
     out->first_token = first;
     out->hold_nonce = h.nonce;
     a.hold_blocks = true;

@@ -41,7 +41,11 @@ Status KvCacheSpec::Validate() const {
     if (block_tokens > 4096 || head_dim > 4096 || kv_heads > 4096 || num_layers > 4096) {
         return InvalidArgumentError("kv cache spec: a dimension is above 4096");
     }
-    if (TotalBytes() / 2 / num_layers / num_blocks != BlockBytes()) {
+    if (latent && kv_heads != 1) {
+        return InvalidArgumentError(
+            fmt::format("kv cache spec: a latent cache holds 1 head, not {}", kv_heads));
+    }
+    if (TotalBytes() / Planes() / num_layers / num_blocks != BlockBytes()) {
         return InvalidArgumentError("kv cache spec: size overflows");
     }
     return Status::Ok();

@@ -79,6 +79,12 @@ Status CheckTable(std::span<const BlockId> table, int blocks_needed, int num_blo
     return Status::Ok();
 }
 
+// K and V, or the one latent tensor (whose V is its K).
+std::span<const bool> Planes(const KvCacheSpec& s) {
+    static constexpr bool kBoth[] = {false, true};
+    return {kBoth, static_cast<size_t>(s.Planes())};
+}
+
 struct Range {
     int l0, l1, h0, h1;
 };
@@ -128,7 +134,7 @@ Result<KvPlan> PlanAcrossBlockSizes(const KvLayout& local, const KvLayout& remot
     FERRY_RETURN_IF_ERROR(
         CheckTable(m.remote_blocks, (m.token_end + rb - 1) / rb, remote.spec.num_blocks, "remote"));
     const int lh = g.h0 - local.head_begin, rh = g.h0 - remote.head_begin;
-    const int nh = g.h1 - g.h0, nlv = 2 * (g.l1 - g.l0);
+    const int nh = g.h1 - g.h0, nlv = local.spec.Planes() * (g.l1 - g.l0);
     const uint64_t row = local.RowBytes();
     SpanFolder fold(&plan);
     for (int t = m.token_begin; t < m.token_end;) {
@@ -143,13 +149,13 @@ Result<KvPlan> PlanAcrossBlockSizes(const KvLayout& local, const KvLayout& remot
         if (nh <= nlv) {
             for (int h = 0; h < nh; ++h) {
                 for (int l = g.l0; l < g.l1; ++l) {
-                    for (bool v : {false, true}) add(l, v, h);
+                    for (bool v : Planes(local.spec)) add(l, v, h);
                 }
                 fold.Flush();
             }
         } else {
             for (int l = g.l0; l < g.l1; ++l) {
-                for (bool v : {false, true}) {
+                for (bool v : Planes(local.spec)) {
                     for (int h = 0; h < nh; ++h) add(l, v, h);
                     fold.Flush();
                 }
@@ -171,6 +177,9 @@ Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const K
             fmt::format("kv plan: {} differs (local {}, remote {})", what, a, b));
     };
     if (ls.num_layers != rs.num_layers) return differ("layers", ls.num_layers, rs.num_layers);
+    if (ls.latent != rs.latent) {
+        return differ("attention", ls.latent ? "mla" : "gqa", rs.latent ? "mla" : "gqa");
+    }
     if (ls.head_dim != rs.head_dim) return differ("head dim", ls.head_dim, rs.head_dim);
     if (ls.dtype != rs.dtype) return differ("dtype", KvDtypeName(ls.dtype), KvDtypeName(rs.dtype));
     if (ls.block_tokens < 1 || rs.block_tokens < 1) {
@@ -201,7 +210,7 @@ Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const K
         if (s0 != 0 || s1 != bt) {
             // A partial block: the slots of each head, one run per head.
             for (int l = l0; l < l1; ++l) {
-                for (bool v : {false, true}) {
+                for (bool v : Planes(local.spec)) {
                     for (int h = 0; h < nh; ++h) {
                         fold.Add(local.Offset(l, v, m.local_blocks[i], lh + h, s0),
                                  remote.Offset(l, v, m.remote_blocks[i], rh + h, s0),
@@ -221,7 +230,7 @@ Result<KvPlan> PlanKvMove(const KvLayout& local, const KvLayout& remote, const K
         }
         const int n = j - i;
         for (int l = l0; l < l1; ++l) {
-            for (bool v : {false, true}) {
+            for (bool v : Planes(local.spec)) {
                 if (whole_heads) {
                     fold.Add(local.Offset(l, v, m.local_blocks[i], 0, 0),
                              remote.Offset(l, v, m.remote_blocks[i], 0, 0),

@@ -8,7 +8,8 @@
 // - with different block sizes on the two sides, a piece that lies in one block of each side is
 //   one strided descriptor over its heads or over its layers and K|V.
 // The planner knows nothing of agents or peers: it returns offsets into each side's allocation
-// (the connector adds region ids). Heterogeneous TP and MLA extend it.
+// (the connector adds region ids). A latent (MLA) cache has one tensor per layer: the plan moves
+// it once, not as K and V.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +42,7 @@ struct KvLayout {
 
     size_t RowBytes() const { return size_t(spec.head_dim) * KvDtypeSize(spec.dtype); }
     size_t TensorOffset(int layer, bool v) const {
-        return (size_t(layer) * 2 + (v ? 1 : 0)) * spec.TensorBytes();
+        return spec.Plane(layer, v) * spec.TensorBytes();
     }
     // Offset of (layer, K|V, block, local head, token slot) in the allocation.
     size_t Offset(int layer, bool v, BlockId block, int head, int slot) const {

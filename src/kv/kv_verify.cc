@@ -30,11 +30,11 @@ Result<KvVerifyMode> ParseKvVerifyMode(std::string_view name) {
 }
 
 std::string UnitName(const KvUnit& u) {
+    if (u.latent) return fmt::format("layer {} latent", u.layer);
     return fmt::format("layer {} head {} {}", u.layer, u.head, u.v ? "V" : "K");
 }
 
-std::vector<int> ChooseUnits(KvVerifyMode mode, int layers, int heads, std::mt19937_64& rng) {
-    const int n = UnitCount(layers, heads);
+std::vector<int> ChooseUnits(KvVerifyMode mode, int n, std::mt19937_64& rng) {
     std::vector<int> out;
     if (mode == KvVerifyMode::kOff || n <= 0) return out;
     if (mode == KvVerifyMode::kAll) {
@@ -84,7 +84,8 @@ Result<std::vector<uint64_t>> KvUnitSums(std::span<const KvRankView> ranks,
     }
     std::unique_ptr<XXH3_state_t, StateFree> st(XXH3_createState());
     if (!st) return ResourceExhaustedError("kv verify: no memory for a hash state");
-    const int total = UnitCount(s0.num_layers, heads);
+    const int planes = s0.Planes();
+    const int total = UnitCount(s0.num_layers, heads, planes);
     std::vector<uint64_t> out;
     out.reserve(units.size());
     for (int u : units) {
@@ -92,7 +93,7 @@ Result<std::vector<uint64_t>> KvUnitSums(std::span<const KvRankView> ranks,
             return InvalidArgumentError(
                 fmt::format("kv verify: unit {} is outside the model's {}", u, total));
         }
-        const KvUnit k = UnitOf(u, heads);
+        const KvUnit k = UnitOf(u, heads, planes);
         const KvRankView* rank = nullptr;
         for (const KvRankView& r : ranks) {
             if (k.head >= r.layout.head_begin &&
@@ -168,7 +169,7 @@ void FillCanary(const KvLayout& layout, std::span<std::byte> memory) {
     const size_t row = layout.RowBytes();
     std::fill(memory.begin(), memory.end(), std::byte{0});
     for (int l = 0; l < s.num_layers; ++l) {
-        for (int v = 0; v < 2; ++v) {
+        for (int v = 0; v < s.Planes(); ++v) {
             for (int h = 0; h < s.kv_heads; ++h) {
                 for (int t = 0; t < kCanaryTokens; ++t) {
                     const size_t off =
@@ -189,7 +190,7 @@ Status CheckCanary(const KvLayout& layout, std::span<const std::byte> memory, in
     }
     std::vector<std::byte> want(row);
     for (int l = 0; l < s.num_layers; ++l) {
-        for (int v = 0; v < 2; ++v) {
+        for (int v = 0; v < s.Planes(); ++v) {
             for (int h = 0; h < s.kv_heads; ++h) {
                 const int g = layout.head_begin + h;
                 for (int t = 0; t < kCanaryTokens; ++t) {
@@ -201,13 +202,14 @@ Status CheckCanary(const KvLayout& layout, std::span<const std::byte> memory, in
                     // Whose row is it? (A head, layer or token offset is the usual mapping bug.)
                     std::string instead = "bytes that are no canary row (not written, or mixed)";
                     for (int l2 = 0; l2 < s.num_layers; ++l2) {
-                        for (int v2 = 0; v2 < 2; ++v2) {
+                        for (int v2 = 0; v2 < s.Planes(); ++v2) {
                             for (int h2 = 0; h2 < model_heads; ++h2) {
                                 for (int t2 = 0; t2 < kCanaryTokens; ++t2) {
                                     PatternRow(l2, v2 != 0, h2, t2, want.data(), row);
                                     if (std::memcmp(got, want.data(), row) == 0) {
-                                        instead = fmt::format("the row of {} token {}",
-                                                              UnitName({l2, h2, v2 != 0}), t2);
+                                        instead =
+                                            fmt::format("the row of {} token {}",
+                                                        UnitName({l2, h2, v2 != 0, s.latent}), t2);
                                     }
                                 }
                             }
@@ -216,7 +218,7 @@ Status CheckCanary(const KvLayout& layout, std::span<const std::byte> memory, in
                     return DataLossError(fmt::format(
                         "kv canary: {} token {} arrived wrong: it holds {}; the transfer mapping "
                         "between the two layouts is wrong",
-                        UnitName({l, g, v != 0}), t, instead));
+                        UnitName({l, g, v != 0, s.latent}), t, instead));
                 }
             }
         }

@@ -2,10 +2,11 @@
 // "Verified transfers"):
 //
 // - Per-request checksums (`--kv-verify off|sample|all`). A unit is one global kv head's K or V at
-//   one layer over a token range; its checksum is XXH3-64 over the unit's token rows in token
-//   order, so it does not depend on block size, TP split or where the blocks lie: the sender sums
-//   what it holds, the receiver what landed, and they must agree. `sample` checks one unit in 16
-//   (at least one), chosen at random per request; `all` checks every unit.
+//   one layer over a token range (a latent cache's unit: one layer's latent); its checksum is
+//   XXH3-64 over the unit's token rows in token order, so it does not depend on block size, TP
+//   split or where the blocks lie: the sender sums what it holds, the receiver what landed, and
+//   they must agree. `sample` checks one unit in 16 (at least one), chosen at random per request;
+//   `all` checks every unit.
 // - The handshake canary. Each rank keeps a small cache-shaped region (kCanaryTokens tokens in
 //   its own block size and layout, its blocks in reverse order) filled with a pattern that is a
 //   function of (layer, K|V, global head, token, byte) alone. A worker reads its peer's canary
@@ -35,18 +36,23 @@ Result<KvVerifyMode> ParseKvVerifyMode(std::string_view name);  // "off" | "samp
 // `sample` checks one unit in this many.
 inline constexpr int kVerifySampleEvery = 16;
 
-// Unit u is (layer u / (2 * heads), global head (u / 2) % heads, V if u is odd).
+// With `planes` tensors per layer (2: K and V; 1: a latent cache), unit u is
+// (layer u / (planes * heads), global head (u / planes) % heads, V if planes is 2 and u is odd).
 struct KvUnit {
     int layer = 0;
     int head = 0;
     bool v = false;
+    bool latent = false;
 };
-inline KvUnit UnitOf(int u, int heads) { return {u / (2 * heads), (u / 2) % heads, (u & 1) != 0}; }
-inline int UnitCount(int layers, int heads) { return layers * heads * 2; }
-std::string UnitName(const KvUnit& u);  // "layer 3 head 1 V"
+inline KvUnit UnitOf(int u, int heads, int planes) {
+    return {u / (planes * heads), (u / planes) % heads, planes == 2 && (u & 1) != 0, planes == 1};
+}
+inline int UnitCount(int layers, int heads, int planes) { return layers * heads * planes; }
+std::string UnitName(const KvUnit& u);  // "layer 3 head 1 V", "layer 3 latent"
 
-// The units a request checks: none (off), every one (all), or a random sorted sample.
-std::vector<int> ChooseUnits(KvVerifyMode mode, int layers, int heads, std::mt19937_64& rng);
+// The units a request checks among `count`: none (off), every one (all), or a random sorted
+// sample.
+std::vector<int> ChooseUnits(KvVerifyMode mode, int count, std::mt19937_64& rng);
 
 // One side's ranks as checksums see them: each rank's layout and its allocation.
 struct KvRankView {

@@ -90,7 +90,7 @@ std::vector<BlockId> Shuffled(int n, int of, uint32_t seed) {
 }
 
 std::vector<int> AllUnits(int layers, int heads) {
-    std::vector<int> u(UnitCount(layers, heads));
+    std::vector<int> u(UnitCount(layers, heads, 2));
     std::iota(u.begin(), u.end(), 0);
     return u;
 }
@@ -123,7 +123,7 @@ TEST(KvVerify, SumsDoNotDependOnBlockSizeTpOrWhereTheBlocksLie) {
         ASSERT_TRUE(ours.ok());
         auto bad = FirstMismatch(*ours, *theirs);
         ASSERT_TRUE(bad.has_value());
-        const KvUnit u = UnitOf(units[*bad], heads);
+        const KvUnit u = UnitOf(units[*bad], heads, 2);
         EXPECT_EQ(UnitName(u), "layer 1 head 3 V");
         int differ = 0;
         for (size_t i = 0; i < units.size(); ++i) differ += (*ours)[i] != (*theirs)[i];
@@ -164,12 +164,13 @@ TEST(KvVerify, ModesAndTheSample) {
     EXPECT_EQ(KvVerifyModeName(*ParseKvVerifyMode("all")), "all");
     EXPECT_THAT(ParseKvVerifyMode("most"), StatusHas(Code::kInvalidArgument, "'most'"));
     std::mt19937_64 rng(7);
-    EXPECT_TRUE(ChooseUnits(KvVerifyMode::kOff, 8, 4, rng).empty());
-    EXPECT_EQ(ChooseUnits(KvVerifyMode::kAll, 8, 4, rng).size(), 64u);
-    EXPECT_EQ(ChooseUnits(KvVerifyMode::kSample, 2, 2, rng).size(), 1u);  // 8 units: at least 1
+    EXPECT_TRUE(ChooseUnits(KvVerifyMode::kOff, UnitCount(8, 4, 2), rng).empty());
+    EXPECT_EQ(ChooseUnits(KvVerifyMode::kAll, UnitCount(8, 4, 2), rng).size(), 64u);
+    EXPECT_EQ(ChooseUnits(KvVerifyMode::kSample, UnitCount(2, 2, 2), rng).size(),
+              1u);  // 8 units: at least 1
     std::set<std::vector<int>> seen;
     for (int i = 0; i < 50; ++i) {
-        auto s = ChooseUnits(KvVerifyMode::kSample, 8, 4, rng);
+        auto s = ChooseUnits(KvVerifyMode::kSample, UnitCount(8, 4, 2), rng);
         ASSERT_EQ(s.size(), 4u);  // one in 16 of 64
         EXPECT_TRUE(std::is_sorted(s.begin(), s.end()));
         EXPECT_EQ(std::set<int>(s.begin(), s.end()).size(), 4u);
@@ -178,7 +179,8 @@ TEST(KvVerify, ModesAndTheSample) {
         seen.insert(s);
     }
     EXPECT_GT(seen.size(), 40u);  // random per request
-    EXPECT_EQ(UnitName(UnitOf(13, 4)), "layer 1 head 2 V");
+    EXPECT_EQ(UnitName(UnitOf(13, 4, 2)), "layer 1 head 2 V");
+    EXPECT_EQ(UnitName(UnitOf(3, 1, 1)), "layer 3 latent");  // a latent cache: one unit a layer
 }
 
 // Every rank's canary, read through the planner into the receiver's canary-shaped scratch.

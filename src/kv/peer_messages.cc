@@ -23,9 +23,11 @@ Overloaded(F...) -> Overloaded<F...>;
 // --- encode ----------------------------------------------------------------------------------
 
 Json CompatJson(const Compat& c) {
-    return Json{{"protocol", c.protocol},         {"model", c.model},       {"layers", c.layers},
-                {"kv_heads", c.kv_heads},         {"head_dim", c.head_dim}, {"dtype", c.dtype},
-                {"block_tokens", c.block_tokens}, {"layout", c.layout},     {"tp", c.tp}};
+    return Json{{"protocol", c.protocol},   {"model", c.model},
+                {"attention", c.attention}, {"layers", c.layers},
+                {"kv_heads", c.kv_heads},   {"head_dim", c.head_dim},
+                {"dtype", c.dtype},         {"block_tokens", c.block_tokens},
+                {"layout", c.layout},       {"tp", c.tp}};
 }
 
 void PutFirst(Json& j, const FirstToken& f) {
@@ -117,6 +119,9 @@ Result<Compat> DecodeCompat(const JsonFields& f) {
     Compat c;
     FERRY_ASSIGN_OR_RETURN(c.protocol, SmallInt(f, "protocol", 0, INT32_MAX));
     FERRY_ASSIGN_OR_RETURN(c.model, f.String("model", kMaxIdChars));
+    if (f.Has("attention")) {
+        FERRY_ASSIGN_OR_RETURN(c.attention, f.String("attention", 16));
+    }
     FERRY_ASSIGN_OR_RETURN(c.layers, SmallInt(f, "layers", 0, INT32_MAX));
     FERRY_ASSIGN_OR_RETURN(c.kv_heads, SmallInt(f, "kv_heads", 0, INT32_MAX));
     FERRY_ASSIGN_OR_RETURN(c.head_dim, SmallInt(f, "head_dim", 0, INT32_MAX));
@@ -278,6 +283,7 @@ std::optional<CompatDiff> FirstDifference(const Compat& ours, const Compat& thei
     auto num = [](int v) { return std::to_string(v); };
     const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
         {"protocol", {num(ours.protocol), num(theirs.protocol)}},
+        {"attention", {ours.attention, theirs.attention}},
         {"model", {ours.model, theirs.model}},
         {"layers", {num(ours.layers), num(theirs.layers)}},
         {"kv_heads", {num(ours.kv_heads), num(theirs.kv_heads)}},

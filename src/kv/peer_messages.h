@@ -38,6 +38,9 @@ inline constexpr size_t kMaxUnits = size_t{1} << 20;
 struct Compat {
     int protocol = kProtocolVersion;
     std::string model;  // weights fingerprint
+    // "gqa" (per-head K and V) or "mla" (one latent per token and layer, the same on every rank:
+    // the connector then sees one cache per worker whatever its TP). Absent in a hello: "gqa".
+    std::string attention = "gqa";
     int layers = 0;
     int kv_heads = 0;  // the model's, over all ranks
     int head_dim = 0;
@@ -50,8 +53,8 @@ struct Compat {
     int tp = 0;
 };
 
-// The first field where `theirs` differs from `ours`, in the order above (block_tokens and tp
-// excepted).
+// The first field where `theirs` differs from `ours` (block_tokens and tp excepted): protocol,
+// attention, model, then the rest in the order above.
 struct CompatDiff {
     std::string field, ours, theirs;
 };

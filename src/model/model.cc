@@ -115,15 +115,20 @@ constexpr int kQueryTile = 128;
 Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
     auto arch = f.GetString("general.architecture");
     if (!arch.ok()) return InvalidArgumentError(f.path() + ": general.architecture is missing");
-    if (*arch != "llama") {
+    if (*arch != "llama" && *arch != "deepseek2") {
         return InvalidArgumentError(
-            fmt::format("{}: architecture '{}' is not supported (llama only)", f.path(), *arch));
+            fmt::format("{}: architecture '{}' is not supported (llama, or deepseek2 for MLA)",
+                        f.path(), *arch));
     }
+    const std::string a = *arch + ".";
     ModelConfig c;
+    c.mla = *arch == "deepseek2";
     auto name = f.GetString("general.name");
     c.name = name.ok() ? *name : f.path().substr(f.path().find_last_of('/') + 1);
-    auto get = [&](const char* key, int* out, bool required, int fallback) -> Status {
-        auto v = Key(f, key);
+    // `min` 0 allows a key to be 0 (q_lora_rank: none).
+    auto get = [&](const std::string& key, int* out, bool required, int fallback,
+                   uint64_t min = 1) -> Status {
+        auto v = Key(f, a + key);
         if (!v.ok()) {
             if (required || v.status().code() != Code::kNotFound) {
                 return InvalidArgumentError(fmt::format("{}: {}", f.path(), v.status().message()));
@@ -131,37 +136,79 @@ Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
             *out = fallback;
             return Status::Ok();
         }
-        if (*v == 0 || *v > (1u << 24)) {
+        if (*v < min || *v > (1u << 24)) {
             return InvalidArgumentError(
-                fmt::format("{}: {} = {} is out of range", f.path(), key, *v));
+                fmt::format("{}: {}{} = {} is out of range", f.path(), a, key, *v));
         }
         *out = static_cast<int>(*v);
         return Status::Ok();
     };
-    FERRY_RETURN_IF_ERROR(get("llama.embedding_length", &c.dim, true, 0));
-    FERRY_RETURN_IF_ERROR(get("llama.block_count", &c.num_layers, true, 0));
-    FERRY_RETURN_IF_ERROR(get("llama.attention.head_count", &c.num_heads, true, 0));
-    FERRY_RETURN_IF_ERROR(
-        get("llama.attention.head_count_kv", &c.num_kv_heads, false, c.num_heads));
-    FERRY_RETURN_IF_ERROR(get("llama.feed_forward_length", &c.ffn_dim, true, 0));
-    FERRY_RETURN_IF_ERROR(get("llama.context_length", &c.context_length, false, 2048));
-    FERRY_RETURN_IF_ERROR(get("llama.attention.key_length", &c.head_dim, false,
-                              c.num_heads ? c.dim / c.num_heads : 0));
+    FERRY_RETURN_IF_ERROR(get("embedding_length", &c.dim, true, 0));
+    FERRY_RETURN_IF_ERROR(get("block_count", &c.num_layers, true, 0));
+    FERRY_RETURN_IF_ERROR(get("attention.head_count", &c.num_heads, true, 0));
+    FERRY_RETURN_IF_ERROR(get("attention.head_count_kv", &c.num_kv_heads, false, c.num_heads));
+    FERRY_RETURN_IF_ERROR(get("feed_forward_length", &c.ffn_dim, true, 0));
+    FERRY_RETURN_IF_ERROR(get("context_length", &c.context_length, false, 2048));
+    if (!c.mla) {
+        FERRY_RETURN_IF_ERROR(
+            get("attention.key_length", &c.head_dim, false, c.num_heads ? c.dim / c.num_heads : 0));
+    } else {
+        // llama.cpp's deepseek2 with MLA: the latent view (key_length = latent + rope,
+        // value_length = latent, one kv head) and the per-head view (key_length_mla,
+        // value_length_mla); the split attn_k_b / attn_v_b tensors, not the legacy attn_kv_b.
+        int key_mla = 0, lead = 0, key = 0, value = 0;
+        FERRY_RETURN_IF_ERROR(get("attention.kv_lora_rank", &c.kv_lora_rank, true, 0));
+        FERRY_RETURN_IF_ERROR(get("attention.q_lora_rank", &c.q_lora_rank, false, 0, 0));
+        FERRY_RETURN_IF_ERROR(get("rope.dimension_count", &c.qk_rope_dim, true, 0));
+        FERRY_RETURN_IF_ERROR(get("attention.key_length_mla", &key_mla, true, 0));
+        FERRY_RETURN_IF_ERROR(get("attention.value_length_mla", &c.v_head_dim, true, 0));
+        FERRY_RETURN_IF_ERROR(get("leading_dense_block_count", &lead, false, 0, 0));
+        FERRY_RETURN_IF_ERROR(get("attention.key_length", &key, false, 0));
+        FERRY_RETURN_IF_ERROR(get("attention.value_length", &value, false, 0));
+        if (lead != c.num_layers) {
+            return InvalidArgumentError(fmt::format(
+                "{}: {}leading_dense_block_count is {} of {} layers: mixture-of-experts layers "
+                "are not supported (dense layers only)",
+                f.path(), a, lead, c.num_layers));
+        }
+        if (c.num_kv_heads != 1) {
+            return InvalidArgumentError(
+                fmt::format("{}: {}attention.head_count_kv is {}; MLA's latent is one kv head",
+                            f.path(), a, c.num_kv_heads));
+        }
+        if (key_mla <= c.qk_rope_dim) {
+            return InvalidArgumentError(fmt::format(
+                "{}: {}attention.key_length_mla {} leaves no dims without RoPE ({} with)", f.path(),
+                a, key_mla, c.qk_rope_dim));
+        }
+        c.qk_nope_dim = key_mla - c.qk_rope_dim;
+        c.head_dim = c.kv_lora_rank + c.qk_rope_dim;
+        if ((key && key != c.head_dim) || (value && value != c.kv_lora_rank)) {
+            return InvalidArgumentError(fmt::format(
+                "{}: {}attention.key_length {} and value_length {} are not the latent's {} + {} "
+                "and {}",
+                f.path(), a, key, value, c.kv_lora_rank, c.qk_rope_dim, c.kv_lora_rank));
+        }
+        if (f.FindTensor("blk.0.attn_kv_b.weight") && !f.FindTensor("blk.0.attn_k_b.weight")) {
+            return InvalidArgumentError(f.path() +
+                                        ": a legacy MLA file (attn_kv_b, not attn_k_b / attn_v_b)");
+        }
+    }
     // An optional float keeps its default when absent; present, it must be a positive float.
-    auto get_float = [&](const char* key, float* out) -> Status {
-        auto v = f.GetFloat(key);
+    auto get_float = [&](const std::string& key, float* out) -> Status {
+        auto v = f.GetFloat(a + key);
         if (!v.ok()) {
             return v.status().code() == Code::kNotFound ? Status::Ok() : v.status();
         }
         if (!(*v > 0 && *v <= std::numeric_limits<float>::max())) {
             return InvalidArgumentError(
-                fmt::format("{}: {} = {} is not a positive float", f.path(), key, *v));
+                fmt::format("{}: {}{} = {} is not a positive float", f.path(), a, key, *v));
         }
         *out = static_cast<float>(*v);
         return Status::Ok();
     };
-    FERRY_RETURN_IF_ERROR(get_float("llama.rope.freq_base", &c.rope_theta));
-    FERRY_RETURN_IF_ERROR(get_float("llama.attention.layer_norm_rms_epsilon", &c.norm_eps));
+    FERRY_RETURN_IF_ERROR(get_float("rope.freq_base", &c.rope_theta));
+    FERRY_RETURN_IF_ERROR(get_float("attention.layer_norm_rms_epsilon", &c.norm_eps));
     const GgufTensor* emb = f.FindTensor("token_embd.weight");
     if (!emb || emb->dims.size() != 2) {
         return InvalidArgumentError(f.path() + ": tensor token_embd.weight is missing or not 2-D");
@@ -184,6 +231,18 @@ Status ModelConfig::Validate() const {
     if (head_dim % 2 != 0) {
         return InvalidArgumentError(fmt::format("model config: head dim {} is odd", head_dim));
     }
+    if (mla) {
+        if (num_kv_heads != 1 || kv_lora_rank <= 0 || qk_nope_dim <= 0 || qk_rope_dim <= 0 ||
+            v_head_dim <= 0 || q_lora_rank < 0 || head_dim != kv_lora_rank + qk_rope_dim) {
+            return InvalidArgumentError(
+                "model config: MLA needs one kv head, a latent, per-head dims with and without "
+                "RoPE and a value width");
+        }
+        if (qk_rope_dim % 2 != 0) {
+            return InvalidArgumentError(
+                fmt::format("model config: RoPE dims {} are odd", qk_rope_dim));
+        }
+    }
     if (!(rope_theta > 0) || !(norm_eps > 0)) {
         return InvalidArgumentError("model config: rope theta and norm eps must be positive");
     }
@@ -191,19 +250,38 @@ Status ModelConfig::Validate() const {
 }
 
 uint64_t ModelConfig::ParamCount() const {
-    uint64_t per_layer = uint64_t(dim) * head_dim * (2 * num_heads + 2 * num_kv_heads) +
-                         3ull * dim * ffn_dim + 2ull * dim;
+    uint64_t attn = uint64_t(dim) * head_dim * (2 * num_heads + 2 * num_kv_heads);
+    if (mla) {
+        const uint64_t h = num_heads, qk = qk_nope_dim + qk_rope_dim;
+        const uint64_t q = q_lora_rank > 0
+                               ? uint64_t(dim) * q_lora_rank + q_lora_rank + q_lora_rank * h * qk
+                               : uint64_t(dim) * h * qk;
+        attn = q + uint64_t(dim) * head_dim + kv_lora_rank +
+               h * kv_lora_rank * (qk_nope_dim + v_head_dim) + h * v_head_dim * dim;
+    }
+    uint64_t per_layer = attn + 3ull * dim * ffn_dim + 2ull * dim;
     return per_layer * num_layers + uint64_t(vocab_size) * dim * (tied_embeddings ? 1 : 2) + dim;
+}
+
+uint64_t ModelConfig::KvBytesPerToken(int dtype_bytes) const {
+    const uint64_t per_layer = mla ? uint64_t(head_dim) : 2ull * num_kv_heads * head_dim;
+    return per_layer * num_layers * dtype_bytes;
 }
 
 // --- ranks -------------------------------------------------------------------------------------
 
 // Weights in the file's precision (kernels.h).
 struct Model::Layer {
-    Weights wqkv;   // [(q + 2 kv) * head_dim][dim]
-    Weights wo;     // [dim][q * head_dim]
+    Weights wqkv;   // [(q + 2 kv) * head_dim][dim]; MLA: the queries' rows (or q_a's), then kv_a's
+    Weights wo;     // [dim][q * head_dim]; MLA: [dim][q * v_head_dim]
     Weights wgu;    // [2 ffn][dim]: gate rows, then up rows
     Weights wdown;  // [dim][ffn]
+    // MLA only.
+    Weights wqb;                   // [q * (nope + rope)][q_lora_rank] (with a query LoRA)
+    std::vector<float> q_a_norm;   // [q_lora_rank]
+    std::vector<float> kv_a_norm;  // [kv_lora_rank]
+    std::vector<float> wkb;        // [q heads][kv_lora_rank][nope]: no-RoPE query to latent
+    std::vector<float> wvb;        // [q heads][v_head_dim][kv_lora_rank]: latent to value
 };
 
 struct Model::AttendSpace {
@@ -221,6 +299,7 @@ struct Model::Rank {
     // Workspace, grown as needed.
     // Cache-line aligned: the row kernels read rows of these with 64-byte loads.
     AlignedFloats xn, qkv, attn, partial, gu, act, sel, widened;
+    AlignedFloats qa, qmla, qcat, olat;  // MLA: q LoRA, queries, latent-space queries, outputs
     // A layer's attention of short chunks: one part per chunk and KV head.
     struct ShortPart {
         const SeqChunk* chunk;
@@ -354,6 +433,10 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
         std::string id = fmt::format("{} {} {} {} {} {} {} {} {}", c.vocab_size, c.dim,
                                      c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
                                      c.ffn_dim, c.rope_theta, c.norm_eps);
+        if (c.mla) {
+            id += fmt::format(" mla {} {} {} {} {}", c.q_lora_rank, c.kv_lora_rank, c.qk_nope_dim,
+                              c.qk_rope_dim, c.v_head_dim);
+        }
         for (const GgufTensor& t : file->tensors()) {
             id += fmt::format("|{}:{}:{}:{}:", t.name, static_cast<uint32_t>(t.type), t.offset,
                               t.bytes);
@@ -481,8 +564,8 @@ uint64_t Model::StreamedWeightBytes() const {
     for (const auto& rk : ranks_) {
         n += rk->wout.size_bytes();
         for (const Layer& L : rk->layers) {
-            n +=
-                L.wqkv.size_bytes() + L.wo.size_bytes() + L.wgu.size_bytes() + L.wdown.size_bytes();
+            n += L.wqkv.size_bytes() + L.wo.size_bytes() + L.wgu.size_bytes() +
+                 L.wdown.size_bytes() + L.wqb.size_bytes() + (L.wkb.size() + L.wvb.size()) * 4;
         }
     }
     return n;
@@ -501,13 +584,16 @@ Status Model::LoadWeights(const GgufFile& f) {
     }
     const Weights& head = c.tied_embeddings ? embedding_ : out_w;
 
-    rope_freq_.resize(hd / 2);
+    // RoPE over the head (llama) or over the rope part of MLA's heads, adjacent pairs (llama.cpp's
+    // "norm" RoPE for both architectures).
+    const uint64_t rd = c.mla ? static_cast<uint64_t>(c.qk_rope_dim) : hd;
+    rope_freq_.resize(rd / 2);
     std::vector<float> factors;
     if (f.FindTensor("rope_freqs.weight")) {
-        FERRY_ASSIGN_OR_RETURN(factors, TensorF32(f, "rope_freqs.weight", {hd / 2}));
+        FERRY_ASSIGN_OR_RETURN(factors, TensorF32(f, "rope_freqs.weight", {rd / 2}));
     }
-    for (uint64_t i = 0; i < hd / 2; ++i) {
-        double inv = std::pow(double(c.rope_theta), -2.0 * double(i) / double(hd));
+    for (uint64_t i = 0; i < rd / 2; ++i) {
+        double inv = std::pow(double(c.rope_theta), -2.0 * double(i) / double(rd));
         if (!factors.empty() && factors[i] > 0) inv /= factors[i];
         rope_freq_[i] = static_cast<float>(inv);
     }
@@ -529,6 +615,10 @@ Status Model::LoadWeights(const GgufFile& f) {
     const uint64_t q_rows = uint64_t(c.num_heads) * hd, kv_rows = uint64_t(c.num_kv_heads) * hd;
     const auto ffn = static_cast<uint64_t>(c.ffn_dim);
     for (int l = 0; l < c.num_layers; ++l) {
+        if (c.mla) {
+            FERRY_RETURN_IF_ERROR(LoadMlaLayer(f, l));
+            continue;
+        }
         std::string p = fmt::format("blk.{}.", l);
         FERRY_ASSIGN_OR_RETURN(auto an, TensorF32(f, p + "attn_norm.weight", {dim}));
         FERRY_ASSIGN_OR_RETURN(auto fn, TensorF32(f, p + "ffn_norm.weight", {dim}));
@@ -568,10 +658,72 @@ Status Model::LoadWeights(const GgufFile& f) {
     return Status::Ok();
 }
 
+Status Model::LoadMlaLayer(const GgufFile& f, int l) {
+    const ModelConfig& c = config_;
+    const auto dim = static_cast<uint64_t>(c.dim), ffn = static_cast<uint64_t>(c.ffn_dim);
+    const auto heads = static_cast<uint64_t>(c.num_heads), lat = uint64_t(c.kv_lora_rank);
+    const auto nope = uint64_t(c.qk_nope_dim), qk = nope + c.qk_rope_dim;
+    const auto vd = uint64_t(c.v_head_dim), ql = uint64_t(c.q_lora_rank);
+    const std::string p = fmt::format("blk.{}.", l);
+    FERRY_ASSIGN_OR_RETURN(auto an, TensorF32(f, p + "attn_norm.weight", {dim}));
+    FERRY_ASSIGN_OR_RETURN(auto fn, TensorF32(f, p + "ffn_norm.weight", {dim}));
+    Weights wq, wqa, wqb;
+    std::vector<float> qan;
+    if (ql > 0) {
+        FERRY_ASSIGN_OR_RETURN(wqa, TensorWeights(f, p + "attn_q_a.weight", {dim, ql}));
+        FERRY_ASSIGN_OR_RETURN(qan, TensorF32(f, p + "attn_q_a_norm.weight", {ql}));
+        FERRY_ASSIGN_OR_RETURN(wqb, TensorWeights(f, p + "attn_q_b.weight", {ql, heads * qk}));
+    } else {
+        FERRY_ASSIGN_OR_RETURN(wq, TensorWeights(f, p + "attn_q.weight", {dim, heads * qk}));
+    }
+    FERRY_ASSIGN_OR_RETURN(
+        auto wkva, TensorWeights(f, p + "attn_kv_a_mqa.weight", {dim, lat + c.qk_rope_dim}));
+    FERRY_ASSIGN_OR_RETURN(auto kvan, TensorF32(f, p + "attn_kv_a_norm.weight", {lat}));
+    FERRY_ASSIGN_OR_RETURN(auto wkb, TensorF32(f, p + "attn_k_b.weight", {nope, lat, heads}));
+    FERRY_ASSIGN_OR_RETURN(auto wvb, TensorF32(f, p + "attn_v_b.weight", {lat, vd, heads}));
+    FERRY_ASSIGN_OR_RETURN(auto wo, TensorWeights(f, p + "attn_output.weight", {heads * vd, dim}));
+    FERRY_ASSIGN_OR_RETURN(auto wg, TensorWeights(f, p + "ffn_gate.weight", {dim, ffn}));
+    FERRY_ASSIGN_OR_RETURN(auto wu, TensorWeights(f, p + "ffn_up.weight", {dim, ffn}));
+    FERRY_ASSIGN_OR_RETURN(auto wd, TensorWeights(f, p + "ffn_down.weight", {ffn, dim}));
+    const Weights& first = ql > 0 ? wqa : wq;
+    for (const Weights* w : {&wkva, &wo, &wg, &wu, &wd, ql > 0 ? &wqb : &wq}) {
+        if (w->type != first.type) {
+            return InvalidArgumentError(fmt::format(
+                "{}: layer {} mixes weight types ({} and {}); ferry needs one per layer", f.path(),
+                l, TensorTypeName(first.type), TensorTypeName(w->type)));
+        }
+    }
+    for (int r = 0; r < tp_; ++r) {
+        Rank& rk = *ranks_[r];
+        Layer& L = rk.layers[l];
+        const uint64_t h0 = uint64_t(r) * rk.q_heads, h1 = h0 + rk.q_heads;
+        const uint64_t f0 = uint64_t(r) * rk.ffn, f1 = f0 + rk.ffn;
+        if (ql > 0) {
+            L.wqkv = RowsOf(wqa, 0, ql);
+            L.wqb = RowsOf(wqb, h0 * qk, h1 * qk);
+            L.q_a_norm = qan;
+        } else {
+            L.wqkv = RowsOf(wq, h0 * qk, h1 * qk);
+        }
+        AppendRows(&L.wqkv, RowsOf(wkva, 0, lat + c.qk_rope_dim));
+        L.kv_a_norm = kvan;
+        L.wkb.assign(wkb.begin() + h0 * lat * nope, wkb.begin() + h1 * lat * nope);
+        L.wvb.assign(wvb.begin() + h0 * vd * lat, wvb.begin() + h1 * vd * lat);
+        L.wo = ColsOf(wo, h0 * vd, h1 * vd);
+        L.wgu = RowsOf(wg, f0, f1);
+        AppendRows(&L.wgu, RowsOf(wu, f0, f1));
+        L.wdown = ColsOf(wd, f0, f1);
+        Append(&rk.attn_norm, an);
+        Append(&rk.ffn_norm, fn);
+    }
+    return Status::Ok();
+}
+
 kv::KvCacheSpec Model::CacheSpec(int block_tokens, int num_blocks, kv::KvDtype dtype) const {
     kv::KvCacheSpec s;
     s.num_layers = config_.num_layers;
-    s.kv_heads = kv::RankKvHeads(tp_, config_.num_kv_heads);
+    s.latent = config_.mla;
+    s.kv_heads = config_.mla ? 1 : kv::RankKvHeads(tp_, config_.num_kv_heads);
     s.head_dim = config_.head_dim;
     s.block_tokens = block_tokens;
     s.num_blocks = num_blocks;
@@ -584,15 +736,16 @@ kv::KvCacheSpec Model::CacheSpec(int block_tokens, int num_blocks, kv::KvDtype d
 Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* const> caches,
                       float* logits, kv::LayerHook* hook) {
     const ModelConfig& c = config_;
-    if (static_cast<int>(caches.size()) != tp_) {
-        return InvalidArgumentError(
-            fmt::format("forward: {} caches for tp {}", caches.size(), tp_));
+    if (static_cast<int>(caches.size()) != cache_ranks()) {
+        return InvalidArgumentError(fmt::format("forward: {} caches for tp {} ({} expected)",
+                                                caches.size(), tp_, cache_ranks()));
     }
     const kv::KvCacheSpec& spec = caches[0]->spec();
     for (kv::KvCache* cache : caches) {
         const kv::KvCacheSpec& s = cache->spec();
-        if (s.num_layers != c.num_layers || s.kv_heads != kv::RankKvHeads(tp_, c.num_kv_heads) ||
-            s.head_dim != c.head_dim || s.block_tokens != spec.block_tokens ||
+        const int heads = c.mla ? 1 : kv::RankKvHeads(tp_, c.num_kv_heads);
+        if (s.num_layers != c.num_layers || s.kv_heads != heads || s.head_dim != c.head_dim ||
+            s.latent != c.mla || s.block_tokens != spec.block_tokens ||
             s.num_blocks != spec.num_blocks) {
             return InvalidArgumentError("forward: a kv cache does not match the model");
         }
@@ -640,7 +793,7 @@ Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* co
         }
         if (ch.want_logits) logit_rows_.push_back(row - 1);
     }
-    pool_->Run([&](int r) { RankForward(r, batch, caches[r], logits, hook); });
+    pool_->Run([&](int r) { RankForward(r, batch, caches[c.mla ? 0 : r], logits, hook); });
     return Status::Ok();
 }
 
@@ -669,11 +822,12 @@ void Model::AllReduceAdd(int r, float* x, int rows) {
 namespace {
 
 // Attention of a short chunk (decode steps: n <= kSmallChunk query rows) for one KV head and
-// its group of query heads, block by block over the paged cache. q: the chunk's first row of
-// q/k/v (row width W, query heads first); out: its first row of attention output (width qw).
-// The workspaces are the caller's, so that chunks and heads can run on several threads.
+// its group of query heads, block by block over the paged cache. q: the chunk's first query row
+// (row width W, query heads at head_dim apart); out: its first row of attention output (width
+// qw, heads dv apart; the values' first dv dims, all of them but for a latent cache). The
+// workspaces are the caller's, so that chunks and heads can run on several threads.
 void AttendShort(const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int group,
-                 const float* q_rows, int W, float* out_rows, int qw, float scale,
+                 const float* q_rows, int W, float* out_rows, int qw, int dv, float scale,
                  std::vector<float>* scores, std::vector<float>* kbuf) {
     const int hd = cache.spec().head_dim, bt = cache.spec().block_tokens;
     const int n = static_cast<int>(ch.tokens.size()), p0 = ch.start_pos, ctx = p0 + n;
@@ -707,8 +861,8 @@ void AttendShort(const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int
         for (int i = 0; i < n; ++i) {
             float* srow = &(*scores)[(size_t(g) * n + i) * ctx];
             Softmax(srow, p0 + i + 1, ctx);
-            float* out = out_rows + size_t(i) * qw + (h * group + g) * hd;
-            std::fill(out, out + hd, 0.0f);
+            float* out = out_rows + size_t(i) * qw + (h * group + g) * dv;
+            std::fill(out, out + dv, 0.0f);
         }
     }
     for (int j = 0; j < blocks; ++j) {
@@ -717,11 +871,11 @@ void AttendShort(const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int
         for (int g = 0; g < group; ++g) {
             for (int i = 0; i < n; ++i) {
                 const float* srow = &(*scores)[(size_t(g) * n + i) * ctx + size_t(j) * bt];
-                float* out = out_rows + size_t(i) * qw + (h * group + g) * hd;
+                float* out = out_rows + size_t(i) * qw + (h * group + g) * dv;
                 for (int k = 0; k < cnt; ++k) {
                     const float p = srow[k];
                     const float* vr = vb + size_t(k) * hd;
-                    for (int d = 0; d < hd; ++d) out[d] += p * vr[d];
+                    for (int d = 0; d < dv; ++d) out[d] += p * vr[d];
                 }
             }
         }
@@ -731,32 +885,35 @@ void AttendShort(const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int
 }  // namespace
 
 void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqChunk& ch, int t0,
-                   int W, int qw, float scale, AttendSpace& ws, WorkPool* softmax_pool) {
-    const int hd = config_.head_dim, bt = cache.spec().block_tokens;
+                   const AttendIo& io, AttendSpace& ws, WorkPool* softmax_pool) {
+    const int hd = cache.spec().head_dim, bt = cache.spec().block_tokens, dv = io.v_dim;
+    const int W = io.q_width, qw = io.out_width;
+    const float scale = io.scale;
+    const bool latent = cache.spec().latent;  // the values are the keys' first dv dims
     const int group = rk.q_heads / rk.kv_heads;
     const int n = static_cast<int>(ch.tokens.size()), p0 = ch.start_pos, ctx = p0 + n;
     const int blocks = (ctx + bt - 1) / bt;
     // Long chunks: gather this head's K and V, then per tile of query rows two sgemms over the
     // keys that tile can see (causal: rows [i0, i1) see keys [0, p0 + i1)).
     ws.kbuf.resize(size_t(blocks) * bt * hd);
-    ws.vbuf.resize(size_t(blocks) * bt * hd);
+    if (!latent) ws.vbuf.resize(size_t(blocks) * bt * hd);
     for (int j = 0; j < blocks; ++j) {
         int cnt = std::min(bt, ctx - j * bt);
         cache.Load(l, false, ch.block_table[j], h, cnt, &ws.kbuf[size_t(j) * bt * hd]);
-        cache.Load(l, true, ch.block_table[j], h, cnt, &ws.vbuf[size_t(j) * bt * hd]);
+        if (!latent) cache.Load(l, true, ch.block_table[j], h, cnt, &ws.vbuf[size_t(j) * bt * hd]);
     }
+    const float* values = latent ? ws.kbuf.data() : ws.vbuf.data();
     // The group's query heads go through together: rows (g, i) of one [group * rows][head_dim]
     // matrix, so each tile is two larger sgemms instead of two per head.
     const int tile = std::min(n, kQueryTile);
-    ws.qstack.resize(size_t(group) * tile * hd);  // stacked queries, then stacked outputs
+    ws.qstack.resize(size_t(group) * tile * hd);  // stacked queries, then stacked outputs (dv)
     ws.scores.resize(size_t(group) * tile * ctx);
     for (int i0 = 0; i0 < n; i0 += kQueryTile) {
         const int rows = std::min(kQueryTile, n - i0), keys = p0 + i0 + rows, m = group * rows;
         for (int g = 0; g < group; ++g) {
             for (int i = 0; i < rows; ++i) {
                 std::memcpy(&ws.qstack[(size_t(g) * rows + i) * hd],
-                            &rk.qkv[size_t(t0 + i0 + i) * W + (h * group + g) * hd],
-                            size_t(hd) * 4);
+                            &io.q[size_t(t0 + i0 + i) * W + (h * group + g) * hd], size_t(hd) * 4);
             }
         }
         float* s = ws.scores.data();
@@ -778,15 +935,174 @@ void Model::Attend(Rank& rk, const kv::KvCache& cache, int l, int h, const SeqCh
         } else {
             for (int part = 0; part < parts; ++part) softmax_rows(part);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, keys, 1.0f, s, keys,
-                    ws.vbuf.data(), hd, 0.0f, ws.qstack.data(), hd);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, keys, 1.0f, s, keys, values,
+                    hd, 0.0f, ws.qstack.data(), dv);
         for (int g = 0; g < group; ++g) {
             for (int i = 0; i < rows; ++i) {
-                std::memcpy(&rk.attn[size_t(t0 + i0 + i) * qw + (h * group + g) * hd],
-                            &ws.qstack[(size_t(g) * rows + i) * hd], size_t(hd) * 4);
+                std::memcpy(&io.out[size_t(t0 + i0 + i) * qw + (h * group + g) * dv],
+                            &ws.qstack[(size_t(g) * rows + i) * dv], size_t(dv) * 4);
             }
         }
     }
+}
+
+void Model::AttendAll(Rank& rk, const kv::KvCache& cache, int l, std::span<const SeqChunk> batch,
+                      const AttendIo& io) {
+    // Short chunks (decode steps), one part per chunk and KV head, on the rank's pool. Long ones
+    // (prefill): with one rank, one part per chunk and KV head on the rank's pool too, each
+    // part's sgemms on its own thread (OpenBLAS set to one thread meanwhile: its threads on
+    // products of head_dim 64 were slower, and spinning after each call they took the cores from
+    // the pool's); with several ranks (which call OpenBLAS at once and share its thread count),
+    // one head at a time on OpenBLAS's threads.
+    const int heads = cache.spec().kv_heads;
+    rk.short_parts.clear();
+    rk.long_parts.clear();
+    int t0 = 0;
+    for (const SeqChunk& ch : batch) {
+        const int n = static_cast<int>(ch.tokens.size());
+        for (int h = 0; h < heads; ++h) {
+            (n <= kSmallChunk ? rk.short_parts : rk.long_parts).push_back({&ch, h, t0});
+        }
+        t0 += n;
+    }
+    if (tp_ == 1 && blas_threads_ > 1 && rk.long_parts.size() > 1) {
+        openblas_set_num_threads(1);
+        rk.work->Run(
+            static_cast<int>(rk.long_parts.size()),
+            [&](int part) {
+                const Rank::ShortPart& lp = rk.long_parts[part];
+                thread_local AttendSpace ws;
+                Attend(rk, cache, l, lp.head, *lp.chunk, lp.t0, io, ws, nullptr);
+            },
+            /*then_spin=*/false);
+        openblas_set_num_threads(blas_threads_);
+    } else {
+        for (const Rank::ShortPart& lp : rk.long_parts) {
+            Attend(rk, cache, l, lp.head, *lp.chunk, lp.t0, io, rk.attend, rk.work.get());
+        }
+    }
+    rk.work->Run(static_cast<int>(rk.short_parts.size()), [&](int part) {
+        const Rank::ShortPart& sp = rk.short_parts[part];
+        thread_local std::vector<float> scores, kbuf;
+        AttendShort(cache, l, sp.head, *sp.chunk, rk.q_heads / heads,
+                    io.q + size_t(sp.t0) * io.q_width, io.q_width,
+                    io.out + size_t(sp.t0) * io.out_width, io.out_width, io.v_dim, io.scale,
+                    &scores, &kbuf);
+    });
+}
+
+namespace {
+
+// RoPE on `heads` runs of `dims` floats, `stride` apart from `v`, at position `pos`: pairs
+// (2i, 2i+1) rotated by pos * freq[i].
+void Rope(float* v, int heads, int stride, int dims, float pos, const float* freq) {
+    for (int i = 0; i < dims / 2; ++i) {
+        const float theta = pos * freq[i];
+        const float cs = std::cos(theta), sn = std::sin(theta);
+        for (int h = 0; h < heads; ++h) {
+            float* x = v + size_t(h) * stride + 2 * i;
+            const float a = x[0], b = x[1];
+            x[0] = a * cs - b * sn;
+            x[1] = a * sn + b * cs;
+        }
+    }
+}
+
+// Per head h of `heads`: C[rows][m] (row stride ldc, at h * hstride_c) = A[rows][k] (row stride
+// lda, at h * hstride_a) times W[h]^T, W[h] being [m][k] row-major. Rows of short runs (decode
+// steps) go one at a time through dot products, so a sequence's numbers do not depend on what
+// else is in the batch (as the row kernels); long runs go through sgemm.
+template <class Runs>
+void PerHeadProduct(const Runs& runs, int heads, const float* a, int lda, int hstride_a,
+                    const float* w, int m, int k, float* c, int ldc, int hstride_c) {
+    for (const auto& run : runs) {
+        for (int h = 0; h < heads; ++h) {
+            const float* wh = w + size_t(h) * m * k;
+            if (run.short_rows) {
+                for (int t = run.begin; t < run.end; ++t) {
+                    const float* x = a + size_t(t) * lda + size_t(h) * hstride_a;
+                    float* y = c + size_t(t) * ldc + size_t(h) * hstride_c;
+                    for (int j = 0; j < m; ++j) y[j] = Dot(wh + size_t(j) * k, x, k);
+                }
+            } else {
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, run.end - run.begin, m, k,
+                            1.0f, a + size_t(run.begin) * lda + size_t(h) * hstride_a, lda, wh, k,
+                            0.0f, c + size_t(run.begin) * ldc + size_t(h) * hstride_c, ldc);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void Model::MlaAttention(int r, int l, std::span<const SeqChunk> batch, kv::KvCache* cache,
+                         kv::LayerHook* hook) {
+    const ModelConfig& c = config_;
+    Rank& rk = *ranks_[r];
+    const Layer& L = rk.layers[l];
+    const int T = num_tokens_, dim = c.dim, H = rk.q_heads;
+    const int lat = c.kv_lora_rank, rope = c.qk_rope_dim, nope = c.qk_nope_dim;
+    const int qk = nope + rope, row = lat + rope, ql = c.q_lora_rank;
+    // rk.qkv: [T][first | latent | k_rope], first = q_a (LoRA) or this rank's queries.
+    const int first = ql > 0 ? ql : H * qk, W = first + row;
+    rk.qkv.resize(size_t(T) * W);
+    rk.MatMul(rk.xn.data(), dim, L.wqkv, rk.qkv.data(), W);
+    float* q = rk.qkv.data();
+    int qw = W;
+    if (ql > 0) {
+        rk.qa.resize(size_t(T) * ql);
+        rk.qmla.resize(size_t(T) * H * qk);
+        for (int t = 0; t < T; ++t) {
+            RmsNorm(&rk.qkv[size_t(t) * W], L.q_a_norm.data(), ql, c.norm_eps,
+                    &rk.qa[size_t(t) * ql]);
+        }
+        rk.MatMul(rk.qa.data(), ql, L.wqb, rk.qmla.data(), H * qk);
+        q = rk.qmla.data();
+        qw = H * qk;
+    }
+    // The latent (normed) and the shared key's RoPE, in place; the queries' RoPE.
+    for (int t = 0; t < T; ++t) {
+        float* kv = &rk.qkv[size_t(t) * W + first];
+        RmsNorm(kv, L.kv_a_norm.data(), lat, c.norm_eps, kv);
+        const auto pos = static_cast<float>(positions_[t]);
+        Rope(kv + lat, 1, 0, rope, pos, rope_freq_.data());
+        Rope(q + size_t(t) * qw + nope, H, qk, rope, pos, rope_freq_.data());
+    }
+    // Rank 0 stores the latent rows for every rank; the others wait until they are in.
+    if (r == 0) {
+        const int bt = cache->spec().block_tokens;
+        int t0 = 0;
+        for (const SeqChunk& ch : batch) {
+            const int n = static_cast<int>(ch.tokens.size());
+            for (int i = 0; i < n;) {
+                const int pos = ch.start_pos + i;
+                const int block = ch.block_table[pos / bt], slot = pos % bt;
+                const int cnt = std::min(n - i, bt - slot);
+                cache->Store(l, false, block, 0, slot, cnt, &rk.qkv[size_t(t0 + i) * W + first], W);
+                i += cnt;
+            }
+            t0 += n;
+        }
+        if (hook) hook->OnLayerStored(0, l);
+    }
+    pool_->Sync();
+    // Queries into the latent space: [q_nope W_kb | q_rope] per head.
+    rk.qcat.resize(size_t(T) * H * row);
+    PerHeadProduct(rk.runs, H, q, qw, qk, L.wkb.data(), lat, nope, rk.qcat.data(), H * row, row);
+    for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < H; ++h) {
+            std::memcpy(&rk.qcat[(size_t(t) * H + h) * row + lat],
+                        q + size_t(t) * qw + h * qk + nope, size_t(rope) * 4);
+        }
+    }
+    rk.olat.resize(size_t(T) * H * lat);
+    AttendAll(rk, *cache, l, batch,
+              {rk.qcat.data(), H * row, rk.olat.data(), H * lat, lat,
+               1.0f / std::sqrt(static_cast<float>(qk))});
+    // Each head's latent output to its value.
+    rk.attn.resize(size_t(T) * H * c.v_head_dim);
+    PerHeadProduct(rk.runs, H, rk.olat.data(), H * lat, lat, L.wvb.data(), c.v_head_dim, lat,
+                   rk.attn.data(), H * c.v_head_dim, c.v_head_dim);
 }
 
 void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits,
@@ -794,12 +1110,15 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
     const ModelConfig& c = config_;
     Rank& rk = *ranks_[r];
     const int T = num_tokens_, dim = c.dim, hd = c.head_dim;
-    const int qw = rk.q_heads * hd, kvw = rk.kv_heads * hd, W = qw + 2 * kvw;
+    const int qw = c.mla ? rk.q_heads * c.v_head_dim : rk.q_heads * hd;
+    const int kvw = rk.kv_heads * hd, W = rk.q_heads * hd + 2 * kvw;
     const int bt = cache->spec().block_tokens;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     rk.xn.resize(size_t(T) * dim);
-    rk.qkv.resize(size_t(T) * W);
-    rk.attn.resize(size_t(T) * qw);
+    if (!c.mla) {
+        rk.qkv.resize(size_t(T) * W);
+        rk.attn.resize(size_t(T) * qw);
+    }
     rk.partial.resize(size_t(T) * dim);
     rk.gu.resize(size_t(T) * 2 * rk.ffn);
     rk.act.resize(size_t(T) * rk.ffn);
@@ -825,82 +1144,38 @@ void Model::RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cac
             RmsNorm(&x_[size_t(t) * dim], &rk.attn_norm[size_t(l) * dim], dim, c.norm_eps,
                     &rk.xn[size_t(t) * dim]);
         }
-        rk.MatMul(rk.xn.data(), dim, L.wqkv, rk.qkv.data(), W);
-        for (int t = 0; t < T; ++t) {  // RoPE on q and k heads: pairs (2i, 2i+1)
-            float* row = &rk.qkv[size_t(t) * W];
-            const auto pos = static_cast<float>(positions_[t]);
-            for (int i = 0; i < hd / 2; ++i) {
-                float theta = pos * rope_freq_[i];
-                float cs = std::cos(theta), sn = std::sin(theta);
-                for (int h = 0; h < rk.q_heads + rk.kv_heads; ++h) {
-                    float* v = row + h * hd + 2 * i;
-                    float a = v[0], b = v[1];
-                    v[0] = a * cs - b * sn;
-                    v[1] = a * sn + b * cs;
-                }
-            }
-        }
-        int t0 = 0;
-        for (const SeqChunk& ch : batch) {
-            const int n = static_cast<int>(ch.tokens.size());
-            const int p0 = ch.start_pos;
-            // Store this chunk's K and V, one run of slots per block.
-            for (int i = 0; i < n;) {
-                int pos = p0 + i;
-                int block = ch.block_table[pos / bt], slot = pos % bt;
-                int cnt = std::min(n - i, bt - slot);
-                const float* krow = &rk.qkv[size_t(t0 + i) * W + qw];
-                for (int h = 0; h < rk.kv_heads; ++h) {
-                    cache->Store(l, false, block, h, slot, cnt, krow + h * hd, W);
-                    cache->Store(l, true, block, h, slot, cnt, krow + kvw + h * hd, W);
-                }
-                i += cnt;
-            }
-            t0 += n;
-        }
-        // Every chunk's K and V of this layer are stored: a connector may send them while this
-        // rank attends and computes the next layers.
-        if (hook) hook->OnLayerStored(r, l);
-        // Short chunks (decode steps), one part per chunk and KV head, on the rank's pool. Long
-        // ones (prefill): with one rank, one part per chunk and KV head on the rank's pool too,
-        // each part's sgemms on its own thread (OpenBLAS set to one thread meanwhile: its
-        // threads on products of head_dim 64 were slower, and spinning after each call they
-        // took the cores from the pool's); with several ranks (which call OpenBLAS at once and
-        // share its thread count), one head at a time on OpenBLAS's threads.
-        rk.short_parts.clear();
-        rk.long_parts.clear();
-        t0 = 0;
-        for (const SeqChunk& ch : batch) {
-            const int n = static_cast<int>(ch.tokens.size());
-            for (int h = 0; h < rk.kv_heads; ++h) {
-                (n <= kSmallChunk ? rk.short_parts : rk.long_parts).push_back({&ch, h, t0});
-            }
-            t0 += n;
-        }
-        if (tp_ == 1 && blas_threads_ > 1 && rk.long_parts.size() > 1) {
-            openblas_set_num_threads(1);
-            rk.work->Run(
-                static_cast<int>(rk.long_parts.size()),
-                [&](int part) {
-                    const Rank::ShortPart& lp = rk.long_parts[part];
-                    thread_local AttendSpace ws;
-                    Attend(rk, *cache, l, lp.head, *lp.chunk, lp.t0, W, qw, scale, ws, nullptr);
-                },
-                /*then_spin=*/false);
-            openblas_set_num_threads(blas_threads_);
+        if (c.mla) {
+            MlaAttention(r, l, batch, cache, hook);
         } else {
-            for (const Rank::ShortPart& lp : rk.long_parts) {
-                Attend(rk, *cache, l, lp.head, *lp.chunk, lp.t0, W, qw, scale, rk.attend,
-                       rk.work.get());
+            rk.MatMul(rk.xn.data(), dim, L.wqkv, rk.qkv.data(), W);
+            for (int t = 0; t < T; ++t) {  // RoPE on q and k heads
+                Rope(&rk.qkv[size_t(t) * W], rk.q_heads + rk.kv_heads, hd, hd,
+                     static_cast<float>(positions_[t]), rope_freq_.data());
             }
+            const int qwidth = rk.q_heads * hd;
+            int t0 = 0;
+            for (const SeqChunk& ch : batch) {
+                const int n = static_cast<int>(ch.tokens.size());
+                const int p0 = ch.start_pos;
+                // Store this chunk's K and V, one run of slots per block.
+                for (int i = 0; i < n;) {
+                    int pos = p0 + i;
+                    int block = ch.block_table[pos / bt], slot = pos % bt;
+                    int cnt = std::min(n - i, bt - slot);
+                    const float* krow = &rk.qkv[size_t(t0 + i) * W + qwidth];
+                    for (int h = 0; h < rk.kv_heads; ++h) {
+                        cache->Store(l, false, block, h, slot, cnt, krow + h * hd, W);
+                        cache->Store(l, true, block, h, slot, cnt, krow + kvw + h * hd, W);
+                    }
+                    i += cnt;
+                }
+                t0 += n;
+            }
+            // Every chunk's K and V of this layer are stored: a connector may send them while
+            // this rank attends and computes the next layers.
+            if (hook) hook->OnLayerStored(r, l);
+            AttendAll(rk, *cache, l, batch, {rk.qkv.data(), W, rk.attn.data(), qw, hd, scale});
         }
-        rk.work->Run(static_cast<int>(rk.short_parts.size()), [&](int part) {
-            const Rank::ShortPart& sp = rk.short_parts[part];
-            thread_local std::vector<float> scores, kbuf;
-            AttendShort(*cache, l, sp.head, *sp.chunk, rk.q_heads / rk.kv_heads,
-                        rk.qkv.data() + size_t(sp.t0) * W, W, rk.attn.data() + size_t(sp.t0) * qw,
-                        qw, scale, &scores, &kbuf);
-        });
         rk.MatMul(rk.attn.data(), qw, L.wo, rk.partial.data(), dim);
         AllReduceAdd(r, x_.data(), T);
 

@@ -3,6 +3,15 @@
 // file (architecture "llama"; F32, F16 or BF16 tensors, converted to f32 at load). Compute is
 // fp32 with matrix products through OpenBLAS.
 //
+// Multi-head latent attention (MLA, DeepSeek-V2/V3; GGUF architecture "deepseek2" as llama.cpp
+// reads it, dense layers only): per token and layer the cache holds one compressed latent
+// (kv_lora_rank, RMS-normed) and one RoPE key shared by the heads, [latent | rope] as llama.cpp
+// stores it. Attention runs in the latent space ("absorbed", as llama.cpp and vLLM do): each
+// head's no-RoPE query goes through attn_k_b into the latent, scores are [q_latent | q_rope] .
+// [latent | k_rope] scaled by 1/sqrt(qk_nope + qk_rope), the weighted sum of latents goes
+// through attn_v_b to the head's value, then attn_output. With TP the heads are split; the
+// latent is the same for every rank, so the ranks share one cache (rank 0 writes it).
+//
 // Tensor parallelism: with tp = N the query and KV heads and the MLP columns are split into N
 // contiguous shards, one per rank; each rank has its own KV cache (its kv heads only) and runs on
 // its own thread; partial outputs are summed after the attention output and MLP down projections
@@ -16,6 +25,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/status.h"
@@ -46,8 +56,23 @@ struct ModelConfig {
     float rope_theta = 10000.0f;
     float norm_eps = 1e-5f;
     bool tied_embeddings = false;
+    // MLA (architecture deepseek2): num_kv_heads is 1 and head_dim the cache row,
+    // kv_lora_rank + qk_rope_dim.
+    bool mla = false;
+    int q_lora_rank = 0;   // 0: the queries come straight from the input (attn_q)
+    int kv_lora_rank = 0;  // the latent's width
+    int qk_nope_dim = 0;   // per head: the query and key dims without RoPE
+    int qk_rope_dim = 0;   // per head: with RoPE (the key's part is shared by all heads)
+    int v_head_dim = 0;    // per head: the value's width
 
-    // Reads llama.* keys; InvalidArgument naming the key that is missing or inconsistent.
+    // "gqa" or "mla".
+    std::string_view attention() const { return mla ? "mla" : "gqa"; }
+    // KV cache bytes per token over all layers and kv heads (what one worker holds, whatever its
+    // TP: MLA's latent once, GQA's heads once each) at `dtype_bytes` per value.
+    uint64_t KvBytesPerToken(int dtype_bytes) const;
+
+    // Reads llama.* or deepseek2.* keys; InvalidArgument naming the key that is missing or
+    // inconsistent.
     static Result<ModelConfig> FromGguf(const GgufFile& file);
     Status Validate() const;
     uint64_t ParamCount() const;
@@ -105,12 +130,15 @@ class Model {
     // offsets), the first and last bytes of every tensor, and the config (hex). Two workers
     // exchange KV only when theirs are equal.
     const std::string& fingerprint() const { return fingerprint_; }
-    // The KV cache spec of each rank for the given pool geometry.
+    // KV caches a forward pass takes: one per rank, or one for all ranks with MLA (its latent is
+    // the same on every rank).
+    int cache_ranks() const { return config_.mla ? 1 : tp_; }
+    // The spec of each of those caches for the given pool geometry.
     kv::KvCacheSpec CacheSpec(int block_tokens, int num_blocks, kv::KvDtype dtype) const;
 
     // Runs one step over `batch` (chunks of different sequences; their tokens are processed
-    // together), writes each chunk's K and V into `caches` (one per rank) and the logits of every
-    // chunk with want_logits, in batch order, into `logits` ([n][vocab_size]).
+    // together), writes each chunk's K and V into `caches` (cache_ranks() of them) and the logits
+    // of every chunk with want_logits, in batch order, into `logits` ([n][vocab_size]).
     // InvalidArgument for a token id outside the vocabulary, a position past the context or a
     // block table too short; nothing is written then. `hook`, when given, is called on each
     // rank's thread as soon as a layer's K and V of the whole batch are stored (a KV connector
@@ -133,12 +161,29 @@ class Model {
     // Attention of a long chunk (prefill) for one KV head; short ones go through AttendShort.
     // Its gathered K and V, stacked queries and scores go in `ws`; the rows' softmax runs on
     // `softmax_pool`, or on the calling thread when that is null (heads in parallel).
+    // Queries are rows of `q_width` floats (head g's at g * key width, the cache's head_dim);
+    // outputs rows of `out_width` (head g's at g * v_dim). With a latent cache the values are
+    // the first v_dim floats of the keys.
     struct AttendSpace;
+    struct AttendIo {
+        const float* q;
+        int q_width;
+        float* out;
+        int out_width;
+        int v_dim;
+        float scale;
+    };
     void Attend(Rank& rk, const kv::KvCache& cache, int layer, int kv_head, const SeqChunk& ch,
-                int t0, int row_width, int q_width, float scale, AttendSpace& ws,
-                WorkPool* softmax_pool);
+                int t0, const AttendIo& io, AttendSpace& ws, WorkPool* softmax_pool);
+    // Every chunk's attention of one layer over this rank's kv heads.
+    void AttendAll(Rank& rk, const kv::KvCache& cache, int layer, std::span<const SeqChunk> batch,
+                   const AttendIo& io);
     void RankForward(int r, std::span<const SeqChunk> batch, kv::KvCache* cache, float* logits,
                      kv::LayerHook* hook);
+    // MLA's attention of layer l on rank r: from rk.xn to rk.attn (the heads' values).
+    void MlaAttention(int r, int l, std::span<const SeqChunk> batch, kv::KvCache* cache,
+                      kv::LayerHook* hook);
+    Status LoadMlaLayer(const GgufFile& f, int l);
     void AllReduceAdd(int r, float* x, int rows);
 
     ModelConfig config_;
@@ -148,7 +193,7 @@ class Model {
     std::unique_ptr<Tokenizer> tokenizer_;
     Weights embedding_;               // [vocab][dim], in the file's precision
     std::vector<float> output_norm_;  // [dim]
-    std::vector<float> rope_freq_;    // [head_dim / 2] inverse frequencies
+    std::vector<float> rope_freq_;    // [rope dims / 2] inverse frequencies
     std::vector<std::unique_ptr<Rank>> ranks_;
     std::unique_ptr<RankPool> pool_;
 
@@ -174,13 +219,22 @@ struct RandomModelSpec {
     float rope_theta = 10000.0f;
     bool tied_embeddings = false;
     TensorType dtype = TensorType::kF32;
+    // MLA (written as architecture deepseek2, every layer dense): num_kv_heads is then ignored.
+    bool mla = false;
+    int q_lora_rank = 0;
+    int kv_lora_rank = 0;
+    int qk_nope_dim = 0;
+    int qk_rope_dim = 0;
+    int v_head_dim = 0;
     // The tokenizer: empty for the byte vocabulary below, else a GGUF file whose tokenizer.*
     // keys the model takes (a real model's vocabulary, e.g. tests/data/tokenizers/); the
     // embedding and output tensors then have its vocabulary's size.
     std::string vocab_file;
     uint64_t vocab_size = kRandomModelVocab;  // set from vocab_file by WriteRandomModel
 };
-// "tiny" (4 layers, dim 256) or "small" (12 layers, dim 768, GQA 12/4, head_dim 64).
+// "tiny" (4 layers, dim 256) or "small" (12 layers, dim 768, GQA 12/4, head_dim 64), or their
+// MLA twins "tiny-mla" (latent 64 + RoPE 16, queries from the input) and "small-mla" (latent
+// 256 + RoPE 32, queries through a rank-384 LoRA), same widths, layers and MLP otherwise.
 Result<RandomModelSpec> PresetSpec(std::string_view preset);
 // The tensors WriteRandomModel writes for `spec`, in order: name, dims, the dtype they are stored
 // in (1-D tensors, the norms, always f32 as llama.cpp's converter writes them; the rest in
@@ -193,7 +247,8 @@ struct RandomTensor {
     float center;
 };
 std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec);
-// Writes a llama GGUF with a byte-level vocabulary (256 byte tokens plus <|endoftext|>,
+// Writes a llama (or, for MLA, deepseek2) GGUF with a byte-level vocabulary (256 byte tokens plus
+// <|endoftext|>,
 // <|im_start|>, <|im_end|>; gpt2 tokenizer, ChatML template), or spec.vocab_file's tokenizer,
 // and weights drawn from `seed`.
 Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::string& path);

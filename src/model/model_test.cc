@@ -36,6 +36,20 @@ RandomModelSpec TestSpec() {
     return s;
 }
 
+// MLA's twin of TestSpec (architecture deepseek2); q_lora 0: queries straight from the input.
+RandomModelSpec TestSpecMla(int q_lora) {
+    RandomModelSpec s = TestSpec();
+    s.name = "test-mla";
+    s.mla = true;
+    s.num_kv_heads = 1;
+    s.q_lora_rank = q_lora;
+    s.kv_lora_rank = 32;
+    s.qk_nope_dim = 16;
+    s.qk_rope_dim = 8;
+    s.v_head_dim = 12;
+    return s;
+}
+
 std::string TempPath(const std::string& name) {
     return (std::filesystem::temp_directory_path() /
             (name + "-" + std::to_string(getpid()) + ".gguf"))
@@ -50,8 +64,7 @@ class Reference {
     }
 
     std::vector<std::vector<double>> Logits(const std::vector<int32_t>& tokens) {
-        const int n = static_cast<int>(tokens.size()), d = cfg_.dim, hd = cfg_.head_dim;
-        const int H = cfg_.num_heads, KV = cfg_.num_kv_heads, F = cfg_.ffn_dim;
+        const int n = static_cast<int>(tokens.size()), d = cfg_.dim, F = cfg_.ffn_dim;
         auto emb = W("token_embd.weight");
         std::vector<std::vector<double>> x(n, std::vector<double>(d));
         for (int t = 0; t < n; ++t) {
@@ -60,10 +73,106 @@ class Reference {
         for (int l = 0; l < cfg_.num_layers; ++l) {
             std::string p = "blk." + std::to_string(l) + ".";
             auto an = W(p + "attn_norm.weight"), fn = W(p + "ffn_norm.weight");
+            if (cfg_.mla) {
+                MlaLayer(p, an, &x);
+            } else {
+                MhaLayer(p, an, &x);
+            }
+            for (int t = 0; t < n; ++t) {
+                auto h = Norm(x[t], fn);
+                auto wg = W(p + "ffn_gate.weight"), wu = W(p + "ffn_up.weight");
+                auto wd = W(p + "ffn_down.weight");
+                auto g = MatVec(wg, h, F), u = MatVec(wu, h, F);
+                for (int i = 0; i < F; ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
+                auto o = MatVec(wd, g, d);
+                for (int i = 0; i < d; ++i) x[t][i] += o[i];
+            }
+        }
+        auto on = W("output_norm.weight");
+        auto head = file_->FindTensor("output.weight") ? W("output.weight") : emb;
+        std::vector<std::vector<double>> out;
+        for (int t = 0; t < n; ++t) out.push_back(MatVec(head, Norm(x[t], on), cfg_.vocab_size));
+        return out;
+    }
+
+    const ModelConfig& config() const { return cfg_; }
+
+  private:
+    using Rows = std::vector<std::vector<double>>;
+
+    // MLA as its paper writes it, decompressed (no absorption): per head a key [k_nope | k_rope]
+    // with k_nope = W_kb^T latent and the shared k_rope, a value W_vb latent, and plain
+    // attention over them.
+    void MlaLayer(const std::string& p, const std::vector<double>& an, Rows* xs) {
+        Rows& x = *xs;
+        const int n = static_cast<int>(x.size()), d = cfg_.dim, H = cfg_.num_heads;
+        const int L = cfg_.kv_lora_rank, N = cfg_.qk_nope_dim, R = cfg_.qk_rope_dim;
+        const int qk = N + R, vd = cfg_.v_head_dim;
+        auto wkva = W(p + "attn_kv_a_mqa.weight"), kvan = W(p + "attn_kv_a_norm.weight");
+        auto wkb = W(p + "attn_k_b.weight"), wvb = W(p + "attn_v_b.weight");
+        auto wo = W(p + "attn_output.weight");
+        Rows q(n), k(n), v(n);
+        for (int t = 0; t < n; ++t) {
+            auto h = Norm(x[t], an);
+            if (cfg_.q_lora_rank > 0) {
+                auto qa = MatVec(W(p + "attn_q_a.weight"), h, cfg_.q_lora_rank);
+                q[t] = MatVec(W(p + "attn_q_b.weight"), Norm(qa, W(p + "attn_q_a_norm.weight")),
+                              H * qk);
+            } else {
+                q[t] = MatVec(W(p + "attn_q.weight"), h, H * qk);
+            }
+            auto ckv = MatVec(wkva, h, L + R);
+            std::vector<double> c(ckv.begin(), ckv.begin() + L);
+            std::vector<double> kr(ckv.begin() + L, ckv.end());
+            c = Norm(c, kvan);
+            RopeDims(&kr, 0, R, t);
+            k[t].assign(size_t(H) * qk, 0.0);
+            v[t].assign(size_t(H) * vd, 0.0);
+            for (int hh = 0; hh < H; ++hh) {
+                RopeDims(&q[t], hh * qk + N, R, t);
+                for (int dd = 0; dd < N; ++dd) {
+                    double acc = 0;
+                    for (int j = 0; j < L; ++j) acc += wkb[(size_t(hh) * L + j) * N + dd] * c[j];
+                    k[t][hh * qk + dd] = acc;
+                }
+                for (int r = 0; r < R; ++r) k[t][hh * qk + N + r] = kr[r];
+                for (int e = 0; e < vd; ++e) {
+                    double acc = 0;
+                    for (int j = 0; j < L; ++j) acc += wvb[(size_t(hh) * vd + e) * L + j] * c[j];
+                    v[t][hh * vd + e] = acc;
+                }
+            }
+        }
+        for (int t = 0; t < n; ++t) {
+            std::vector<double> att(size_t(H) * vd, 0.0);
+            for (int hh = 0; hh < H; ++hh) {
+                std::vector<double> sc(t + 1);
+                double mx = -1e300;
+                for (int u = 0; u <= t; ++u) {
+                    double dot = 0;
+                    for (int i = 0; i < qk; ++i) dot += q[t][hh * qk + i] * k[u][hh * qk + i];
+                    sc[u] = dot / std::sqrt(double(qk));
+                    mx = std::max(mx, sc[u]);
+                }
+                double sum = 0;
+                for (double& e : sc) sum += (e = std::exp(e - mx));
+                for (int u = 0; u <= t; ++u) {
+                    for (int e = 0; e < vd; ++e)
+                        att[hh * vd + e] += sc[u] / sum * v[u][hh * vd + e];
+                }
+            }
+            auto o = MatVec(wo, att, d);
+            for (int i = 0; i < d; ++i) x[t][i] += o[i];
+        }
+    }
+
+    void MhaLayer(const std::string& p, const std::vector<double>& an, Rows* xs) {
+        Rows& x = *xs;
+        const int n = static_cast<int>(x.size()), d = cfg_.dim, hd = cfg_.head_dim;
+        const int H = cfg_.num_heads, KV = cfg_.num_kv_heads;
+        {
             auto wq = W(p + "attn_q.weight"), wk = W(p + "attn_k.weight");
             auto wv = W(p + "attn_v.weight"), wo = W(p + "attn_output.weight");
-            auto wg = W(p + "ffn_gate.weight"), wu = W(p + "ffn_up.weight");
-            auto wd = W(p + "ffn_down.weight");
             std::vector<std::vector<double>> q(n), k(n), v(n);
             for (int t = 0; t < n; ++t) {
                 auto h = Norm(x[t], an);
@@ -96,22 +205,18 @@ class Reference {
                 auto o = MatVec(wo, att, d);
                 for (int i = 0; i < d; ++i) x[t][i] += o[i];
             }
-            for (int t = 0; t < n; ++t) {
-                auto h = Norm(x[t], fn);
-                auto g = MatVec(wg, h, F), u = MatVec(wu, h, F);
-                for (int i = 0; i < F; ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
-                auto o = MatVec(wd, g, d);
-                for (int i = 0; i < d; ++i) x[t][i] += o[i];
-            }
         }
-        auto on = W("output_norm.weight");
-        auto head = file_->FindTensor("output.weight") ? W("output.weight") : emb;
-        std::vector<std::vector<double>> out;
-        for (int t = 0; t < n; ++t) out.push_back(MatVec(head, Norm(x[t], on), cfg_.vocab_size));
-        return out;
     }
 
-    const ModelConfig& config() const { return cfg_; }
+    // RoPE (adjacent pairs) on dims [at, at + dims) of v, over `dims` dims.
+    void RopeDims(std::vector<double>* v, int at, int dims, int pos) const {
+        for (int i = 0; i < dims / 2; ++i) {
+            double theta = pos * std::pow(double(cfg_.rope_theta), -2.0 * i / dims);
+            double a = (*v)[at + 2 * i], b = (*v)[at + 2 * i + 1];
+            (*v)[at + 2 * i] = a * std::cos(theta) - b * std::sin(theta);
+            (*v)[at + 2 * i + 1] = a * std::sin(theta) + b * std::cos(theta);
+        }
+    }
 
   private:
     std::vector<double> W(const std::string& name) {
@@ -171,7 +276,7 @@ struct Paged {
 
 Paged MakeCaches(const Model& m, int blocks, int block_tokens, kv::KvDtype dtype) {
     Paged p;
-    for (int r = 0; r < m.tp(); ++r) {
+    for (int r = 0; r < m.cache_ranks(); ++r) {
         p.caches.push_back(
             std::move(kv::KvCache::Create(m.CacheSpec(block_tokens, blocks, dtype))).value());
         p.ptrs.push_back(p.caches.back().get());
@@ -220,6 +325,81 @@ TEST_P(ModelTest, PrefillThenDecodeMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Tp, ModelTest, ::testing::Values(1, 2),
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+// MLA (absorbed, over the shared latent cache) against the decompressed textbook form, with and
+// without a query LoRA, at TP 1, 2 and 4 (the ranks share one cache), prefill in two chunks then
+// decode steps, blocks out of order.
+class MlaTest : public ::testing::TestWithParam<std::tuple<int, int>> {};  // tp, q_lora
+
+TEST_P(MlaTest, PrefillThenDecodeMatchesTheDecompressedReference) {
+    const auto [tp, q_lora] = GetParam();
+    std::string path = TempPath("model-mla");
+    FERRY_ASSERT_OK(WriteRandomModel(TestSpecMla(q_lora), 7, path));
+    Reference ref(path);
+    auto m = std::move(Model::Load(path, {.tp = tp})).value();
+    const ModelConfig& c = m->config();
+    EXPECT_TRUE(c.mla);
+    EXPECT_EQ(c.attention(), "mla");
+    EXPECT_EQ(c.head_dim, 32 + 8);
+    EXPECT_EQ(m->cache_ranks(), 1);
+    const kv::KvCacheSpec spec = m->CacheSpec(8, 8, kv::KvDtype::kF32);
+    EXPECT_TRUE(spec.latent);
+    EXPECT_EQ(spec.kv_heads, 1);
+    EXPECT_EQ(spec.TotalBytes(), size_t(2) * 8 * 8 * 40 * 4);  // layers x blocks x tokens x row
+    EXPECT_EQ(c.KvBytesPerToken(4), uint64_t(2) * 40 * 4);
+    const int V = c.vocab_size;
+    auto tokens = Tokens(40, 3);
+    auto want = ref.Logits(tokens);
+    std::vector<kv::BlockId> table = {5, 2, 7, 0, 3, 6};
+    Paged p = MakeCaches(*m, 8, 8, kv::KvDtype::kF32);
+    ASSERT_EQ(p.ptrs.size(), 1u);
+    std::vector<float> logits(V);
+    SeqChunk first{std::span(tokens).first(13), 0, table, true};
+    FERRY_ASSERT_OK(m->Forward(std::span(&first, 1), p.ptrs, logits.data()));
+    EXPECT_LT(MaxDiff(logits.data(), want[12]), 1e-4);
+    SeqChunk second{std::span(tokens).subspan(13, 17), 13, table, true};
+    FERRY_ASSERT_OK(m->Forward(std::span(&second, 1), p.ptrs, logits.data()));
+    EXPECT_LT(MaxDiff(logits.data(), want[29]), 1e-4);
+    for (int pos = 30; pos < 40; ++pos) {
+        SeqChunk step{std::span(tokens).subspan(pos, 1), pos, table, true};
+        FERRY_ASSERT_OK(m->Forward(std::span(&step, 1), p.ptrs, logits.data()));
+        EXPECT_LT(MaxDiff(logits.data(), want[pos]), 1e-4) << "position " << pos;
+    }
+    // The cache holds [normed latent | roped key] rows: one per token, the same whatever the TP.
+    std::vector<float> row(40);
+    p.caches[0]->Load(1, false, table[0], 0, 1, row.data());
+    EXPECT_NE(row[0], 0.0f);
+    std::remove(path.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Mla, MlaTest,
+                         ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Values(0, 24)),
+                         [](const auto& info) {
+                             return "tp" + std::to_string(std::get<0>(info.param)) + "_qlora" +
+                                    std::to_string(std::get<1>(info.param));
+                         });
+
+// A TP that does not split the heads, and a cache that is not one latent cache, are refused.
+TEST(Mla, RefusesWhatItCannotRun) {
+    std::string path = TempPath("model-mla-bad");
+    RandomModelSpec s = TestSpecMla(0);
+    FERRY_ASSERT_OK(WriteRandomModel(s, 1, path));
+    // TP 3 divides neither the 4 heads nor the MLP.
+    EXPECT_THAT(Model::Load(path, {.tp = 3}).status(), StatusIs(Code::kInvalidArgument));
+    // A cache per rank is not what an MLA model takes.
+    auto m = std::move(Model::Load(path, {.tp = 2})).value();
+    kv::KvCacheSpec gqa = m->CacheSpec(8, 4, kv::KvDtype::kF32);
+    gqa.latent = false;
+    auto wrong = std::move(kv::KvCache::Create(gqa)).value();
+    std::vector<kv::KvCache*> ptrs = {wrong.get()};
+    std::vector<float> logits(m->config().vocab_size);
+    auto tokens = Tokens(4, 1);
+    std::vector<kv::BlockId> table = {0};
+    SeqChunk ch{tokens, 0, table, true};
+    EXPECT_THAT(m->Forward(std::span(&ch, 1), ptrs, logits.data()),
+                StatusHas(Code::kInvalidArgument, "does not match"));
+    std::remove(path.c_str());
+}
 
 // Thread counts follow the process's CPU affinity (`taskset`), not the machine's core count:
 // pinned to one core, a model used to start as many BLAS threads as the machine has cores.

@@ -63,16 +63,40 @@ Result<RandomModelSpec> PresetSpec(std::string_view preset) {
     if (preset == "tiny") {
         return s;
     }
-    if (preset == "small") {
+    if (preset == "tiny-mla") {
+        // DeepSeek-V2-Lite's shape in small: queries from the input, a latent of 2 head widths,
+        // a RoPE key of half a head.
+        s.name = "ferry-tiny-mla";
+        s.mla = true;
+        s.num_kv_heads = 1;
+        s.kv_lora_rank = 64;
+        s.qk_nope_dim = 32;
+        s.qk_rope_dim = 16;
+        s.v_head_dim = 32;
+        return s;
+    }
+    if (preset == "small" || preset == "small-mla") {
         s.name = "ferry-small";
         s.dim = 768;
         s.num_layers = 12;
         s.num_heads = 12;
         s.num_kv_heads = 4;
         s.ffn_dim = 2048;
+        if (preset == "small-mla") {
+            // DeepSeek-V2's proportions: queries through a LoRA, latent 4 head widths, RoPE half.
+            s.name = "ferry-small-mla";
+            s.mla = true;
+            s.num_kv_heads = 1;
+            s.q_lora_rank = 384;
+            s.kv_lora_rank = 256;
+            s.qk_nope_dim = 64;
+            s.qk_rope_dim = 32;
+            s.v_head_dim = 64;
+        }
         return s;
     }
-    return InvalidArgumentError(fmt::format("preset '{}' is not one of tiny, small", preset));
+    return InvalidArgumentError(
+        fmt::format("preset '{}' is not one of tiny, small, tiny-mla, small-mla", preset));
 }
 
 std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec) {
@@ -102,6 +126,29 @@ std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec) {
         std::string p = fmt::format("blk.{}.", l);
         add(p + "attn_norm.weight", {dim}, 0.1f, 1.0f);
         add(p + "ffn_norm.weight", {dim}, 0.1f, 1.0f);
+        if (spec.mla) {
+            // llama.cpp's deepseek2 tensors, MLA split (attn_k_b, attn_v_b), in its order.
+            const auto heads = static_cast<uint64_t>(spec.num_heads);
+            const auto lat = uint64_t(spec.kv_lora_rank), nope = uint64_t(spec.qk_nope_dim);
+            const uint64_t qk = nope + spec.qk_rope_dim, vd = uint64_t(spec.v_head_dim);
+            const auto ql = uint64_t(spec.q_lora_rank);
+            if (ql > 0) {
+                add(p + "attn_q_a_norm.weight", {ql}, 0.1f, 1.0f);
+                add(p + "attn_q_a.weight", {dim, ql}, fan(dim), 0);
+                add(p + "attn_q_b.weight", {ql, heads * qk}, fan(ql), 0);
+            } else {
+                add(p + "attn_q.weight", {dim, heads * qk}, fan(dim), 0);
+            }
+            add(p + "attn_kv_a_norm.weight", {lat}, 0.1f, 1.0f);
+            add(p + "attn_kv_a_mqa.weight", {dim, lat + spec.qk_rope_dim}, fan(dim), 0);
+            add(p + "attn_k_b.weight", {nope, lat, heads}, fan(nope), 0);
+            add(p + "attn_v_b.weight", {lat, vd, heads}, fan(lat), 0);
+            add(p + "attn_output.weight", {heads * vd, dim}, fan(heads * vd), 0);
+            add(p + "ffn_gate.weight", {dim, ffn}, fan(dim), 0);
+            add(p + "ffn_up.weight", {dim, ffn}, fan(dim), 0);
+            add(p + "ffn_down.weight", {ffn, dim}, fan(ffn), 0);
+            continue;
+        }
         add(p + "attn_q.weight", {dim, q}, fan(dim), 0);
         add(p + "attn_k.weight", {dim, kv}, fan(dim), 0);
         add(p + "attn_v.weight", {dim, kv}, fan(dim), 0);
@@ -118,17 +165,39 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
         spec.ffn_dim <= 0 || spec.dim % spec.num_heads || spec.num_heads % spec.num_kv_heads) {
         return InvalidArgumentError("random model: inconsistent dimensions");
     }
+    if (spec.mla && (spec.kv_lora_rank <= 0 || spec.qk_nope_dim <= 0 || spec.qk_rope_dim <= 0 ||
+                     spec.qk_rope_dim % 2 || spec.v_head_dim <= 0 || spec.q_lora_rank < 0)) {
+        return InvalidArgumentError("random model: inconsistent MLA dimensions");
+    }
     GgufWriter w;
-    w.SetString("general.architecture", "llama");
+    const std::string arch = spec.mla ? "deepseek2" : "llama";
+    const std::string a = arch + ".";
+    w.SetString("general.architecture", arch);
     w.SetString("general.name", spec.name);
-    w.SetUint32("llama.context_length", spec.context_length);
-    w.SetUint32("llama.embedding_length", spec.dim);
-    w.SetUint32("llama.block_count", spec.num_layers);
-    w.SetUint32("llama.feed_forward_length", spec.ffn_dim);
-    w.SetUint32("llama.attention.head_count", spec.num_heads);
-    w.SetUint32("llama.attention.head_count_kv", spec.num_kv_heads);
-    w.SetFloat32("llama.rope.freq_base", spec.rope_theta);
-    w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    w.SetUint32(a + "context_length", spec.context_length);
+    w.SetUint32(a + "embedding_length", spec.dim);
+    w.SetUint32(a + "block_count", spec.num_layers);
+    w.SetUint32(a + "feed_forward_length", spec.ffn_dim);
+    w.SetUint32(a + "attention.head_count", spec.num_heads);
+    w.SetUint32(a + "attention.head_count_kv", spec.mla ? 1 : spec.num_kv_heads);
+    w.SetFloat32(a + "rope.freq_base", spec.rope_theta);
+    w.SetFloat32(a + "attention.layer_norm_rms_epsilon", 1e-5f);
+    if (spec.mla) {
+        // As llama.cpp's converter writes a DeepSeek-V2 without experts: every layer dense (the
+        // expert keys it requires, with no expert), the latent view of the cache (one kv head
+        // of latent + rope; values the latent) and the per-head view (*_mla).
+        w.SetUint32(a + "leading_dense_block_count", spec.num_layers);
+        w.SetUint32(a + "vocab_size", 0);  // set below, once the vocabulary is known
+        w.SetUint32(a + "attention.q_lora_rank", spec.q_lora_rank);
+        w.SetUint32(a + "attention.kv_lora_rank", spec.kv_lora_rank);
+        w.SetUint32(a + "attention.key_length", spec.kv_lora_rank + spec.qk_rope_dim);
+        w.SetUint32(a + "attention.value_length", spec.kv_lora_rank);
+        w.SetUint32(a + "attention.key_length_mla", spec.qk_nope_dim + spec.qk_rope_dim);
+        w.SetUint32(a + "attention.value_length_mla", spec.v_head_dim);
+        w.SetUint32(a + "expert_feed_forward_length", spec.ffn_dim);
+        w.SetUint32(a + "expert_shared_count", 0);
+        w.SetUint32(a + "rope.dimension_count", spec.qk_rope_dim);
+    }
 
     RandomModelSpec sized = spec;
     if (!spec.vocab_file.empty()) {
@@ -168,6 +237,7 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
         sized.vocab_size = kRandomModelVocab;
     }
 
+    if (spec.mla) w.SetUint32(a + "vocab_size", static_cast<uint32_t>(sized.vocab_size));
     for (const RandomTensor& t : RandomModelTensors(sized)) {
         uint64_t n = 1;
         for (uint64_t d : t.dims) n *= d;

@@ -58,6 +58,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         w->agent_ = std::shared_ptr<Agent>(std::move(agent).value());
         c.connector.model_fingerprint = c.model->fingerprint();
         c.connector.model_kv_heads = c.model->config().num_kv_heads;
+        c.connector.model_tp = c.model->tp();
         c.connector.authenticated = authenticated;
         c.connector.by_store = by_store;
         auto conn = kind.create({w->agent_, c.connector});

@@ -20,6 +20,18 @@ model::RandomModelSpec TinyModelSpec(int context_length) {
     return s;
 }
 
+model::RandomModelSpec TinyMlaModelSpec(int context_length) {
+    model::RandomModelSpec s = TinyModelSpec(context_length);
+    s.name = "ferry-test-tiny-mla";
+    s.mla = true;
+    s.num_kv_heads = 1;
+    s.kv_lora_rank = 32;
+    s.qk_nope_dim = 16;
+    s.qk_rope_dim = 8;
+    s.v_head_dim = 16;
+    return s;
+}
+
 TinyModelFile::TinyModelFile(const std::string& tag, const model::RandomModelSpec& spec,
                              uint64_t seed)
     : path_((std::filesystem::temp_directory_path() /

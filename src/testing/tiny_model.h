@@ -11,6 +11,8 @@ namespace ferry::testing {
 
 // dim 64, 2 layers, 4 heads, 2 kv heads, MLP 128: milliseconds per step on one core.
 model::RandomModelSpec TinyModelSpec(int context_length = 2048);
+// Its MLA twin (architecture deepseek2): latent 32 + RoPE 8 per token and layer, 4 heads.
+model::RandomModelSpec TinyMlaModelSpec(int context_length = 2048);
 
 class TinyModelFile {
   public:

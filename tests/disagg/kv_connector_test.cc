@@ -178,8 +178,10 @@ class Disagg : public ::testing::Test {
         wide.num_heads = 8;
         wide.num_kv_heads = 4;
         wide_ = new testing::TinyModelFile("kv-connector-wide", wide, 7);
+        mla_ = new testing::TinyModelFile("kv-connector-mla", testing::TinyMlaModelSpec(1024), 8);
     }
     static void TearDownTestSuite() {
+        delete mla_;
         delete file_;
         delete other_;
         delete wide_;
@@ -213,7 +215,9 @@ class Disagg : public ::testing::Test {
     static testing::TinyModelFile* file_;
     static testing::TinyModelFile* other_;
     static testing::TinyModelFile* wide_;
+    static testing::TinyModelFile* mla_;
 };
+testing::TinyModelFile* Disagg::mla_;
 testing::TinyModelFile* Disagg::file_;
 testing::TinyModelFile* Disagg::other_;
 testing::TinyModelFile* Disagg::wide_;
@@ -504,6 +508,90 @@ std::vector<Case> HeteroCases() {
     return out;
 }
 INSTANTIATE_TEST_SUITE_P(Protocols, DisaggHeteroTp, ::testing::ValuesIn(HeteroCases()), CaseName);
+
+// MLA: the latent (one row per token and layer, the same on every rank) moves once per request,
+// whatever the two workers' TP: each worker's ranks share one latent cache, so the connector
+// sees one rank on each side. Answers equal a colocated engine's of the decode worker's TP, the
+// decoder computes no prompt token, `--kv-verify all` sums every layer's latent rows on both
+// sides (one unit a layer) and the canary comes through the same plan at the handshake.
+class DisaggMla : public DisaggMatrix {};
+TEST_P(DisaggMla, OneLatentCopyMovesPerRequestWhateverTheTp) {
+    const Case c = GetParam();
+    std::vector<std::pair<std::string, std::vector<int32_t>>> prompts;
+    int salt = 5;
+    for (int n : {1, 9, 63, 100, 257})
+        prompts.push_back({fmt::format("m{}", n), Prompt(n, salt++)});
+    auto sp = Greedy(5);
+    auto want = Colocated(prompts, sp, c.DecodeTp(), mla_);
+    WorkerOptions po{.block_tokens = c.prefill_bt, .verify = kv::KvVerifyMode::kAll};
+    WorkerOptions dopt{.block_tokens = c.decode_bt, .verify = kv::KvVerifyMode::kAll};
+    Worker prefill = MakeWorker("prefill-m", c.backend, mla_->Load(c.tp), po);
+    Worker decode = MakeWorker("decode-m", c.backend, mla_->Load(c.DecodeTp()), dopt);
+    ASSERT_EQ(prefill.engine->caches().size(), 1u);
+    ASSERT_EQ(decode.engine->caches().size(), 1u);
+    auto got = RunDisaggregated(prefill, decode, prompts, sp);
+    const size_t total = ExpectEqualsColocatedFromTheWire(prefill, decode, prompts, got, want);
+    kv::KvConnectorStats cs = decode.conn->Stats(), ps = prefill.conn->Stats();
+    const kv::KvCacheSpec& s = decode.engine->caches()[0]->spec();
+    ASSERT_TRUE(s.latent);
+    // One latent row per token and layer: [latent 32 | rope 8] f32.
+    const uint64_t per_token = uint64_t(s.num_layers) * (32 + 8) * 4;
+    const uint64_t moved = c.mode == KvTransferMode::kPull ? cs.bytes_read : ps.bytes_written;
+    EXPECT_GE(moved, total * per_token);
+    EXPECT_LE(moved,
+              (total + uint64_t(std::max(c.prefill_bt, c.decode_bt)) * prompts.size()) * per_token);
+    EXPECT_EQ(cs.verified, prompts.size());
+    EXPECT_EQ(cs.verify_units, prompts.size() * s.num_layers);
+    EXPECT_EQ(cs.verify_mismatches, 0u);
+    EXPECT_GE(cs.canaries, 1u);
+    EXPECT_GE(ps.canaries, 1u);
+    EXPECT_EQ(cs.canary_failures + ps.canary_failures, 0u);
+    if (c.mode == KvTransferMode::kPull && c.prefill_bt == c.decode_bt) {
+        // One READ per request: one strided descriptor per run of adjacent blocks (every layer
+        // in it), however many ranks either worker has.
+        EXPECT_EQ(cs.transfers, prompts.size());
+        EXPECT_LE(cs.max_descriptors, 3u);
+    }
+}
+std::vector<Case> MlaCases() {
+    std::vector<Case> out;
+    for (const std::string b : {"shm", "tcp"}) {
+        std::vector<std::pair<int, int>> tps = {{1, 1}, {1, 2}, {2, 1}, {2, 2}};
+        if (b == "tcp") tps = {{1, 2}, {2, 1}};
+        for (auto [p, d] : tps) {
+            for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) {
+                out.push_back({b, p, m, d});
+            }
+        }
+    }
+    // Block sizes differ too (seed 004 runs 128 on the decoder).
+    for (auto m : {KvTransferMode::kPull, KvTransferMode::kPush}) {
+        out.push_back({"shm", 1, m, 2, 16, 128});
+        out.push_back({"shm", 2, m, 1, 32, 8});
+    }
+    return out;
+}
+INSTANTIATE_TEST_SUITE_P(Protocols, DisaggMla, ::testing::ValuesIn(MlaCases()), CaseName);
+
+// A GQA worker and an MLA worker never pair: the hello names the attention kind of each.
+TEST_F(Disagg, AnMlaAndAGqaWorkerAreRefusedAtTheHandshakeNamingTheAttention) {
+    Answers pa, da;
+    Worker prefill = MakeWorker("prefill-x", "shm", mla_->Load(1));
+    Worker decode = MakeWorker("decode-x", "shm", Model(1));
+    auto psp = Greedy(1);
+    auto kvp = std::make_shared<KvTransferParams>();
+    kvp->do_remote_decode = true;
+    const std::vector<int32_t> prompt = Prompt(20, 2);
+    FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "x", prompt, psp, kvp));
+    ASSERT_TRUE(pa.Wait({"x"}));
+    ASSERT_TRUE(pa.Get("x").kv);
+    FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "x", prompt, Greedy(2), pa.Get("x").kv));
+    ASSERT_TRUE(da.Wait({"x"}));
+    const Answer a = da.Get("x");
+    EXPECT_EQ(a.finish, FinishReason::kError);
+    EXPECT_THAT(a.error.message(),
+                ::testing::HasSubstr("attention differs (this worker gqa, 'prefill-x' mla)"));
+}
 
 // What lands in the decode worker's blocks is, byte for byte, the head slices of the prefill
 // worker's cache: for every prompt block, layer, K and V and global kv head, the decode rank that
