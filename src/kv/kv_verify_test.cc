@@ -183,6 +183,57 @@ TEST(KvVerify, ModesAndTheSample) {
     EXPECT_EQ(UnitName(UnitOf(3, 1, 1)), "layer 3 latent");  // a latent cache: one unit a layer
 }
 
+// A latent (MLA) cache: one tensor a layer, one unit a layer. Sums agree across block sizes, a
+// changed byte is found in its layer's unit, and a canary row that came from the next layer (a
+// layer mapping off by one) is named with the row it holds.
+TEST(KvVerify, ALatentCacheChecksPerLayer) {
+    auto latent = [](int layers, int blocks, int bt) {
+        KvLayout l = Layout(layers, 1, 0, blocks, bt, 24);
+        l.spec.latent = true;
+        return l;
+    };
+    const int layers = 3, tokens = 45;
+    Side sender, receiver;
+    std::mt19937 g(7);
+    for (auto [side, bt, blocks] : {std::tuple{&sender, 16, 20}, {&receiver, 8, 64}}) {
+        side->layouts.push_back(latent(layers, blocks, bt));
+        side->mem.emplace_back(side->layouts.back().spec.TotalBytes());
+        for (auto& b : side->mem.back()) b = static_cast<std::byte>(g());
+    }
+    EXPECT_EQ(sender.layouts[0].spec.TotalBytes(), 20u * 16 * 24 * 2 * layers);  // no V plane
+    auto st = Shuffled(3, 20, 3), rt = Shuffled(6, 64, 4);
+    Read(sender, st, &receiver, rt, 0, tokens);
+    std::vector<int> units(UnitCount(layers, 1, 1));
+    std::iota(units.begin(), units.end(), 0);
+    auto theirs = KvUnitSums(sender.Views(), st, 0, tokens, units, 1);
+    auto ours = KvUnitSums(receiver.Views(), rt, 0, tokens, units, 1);
+    ASSERT_TRUE(theirs.ok() && ours.ok()) << theirs.status().ToString();
+    EXPECT_EQ(*ours, *theirs);
+    const KvLayout& rl = receiver.layouts[0];
+    receiver.mem[0][rl.Offset(2, false, rt[30 / 8], 0, 30 % 8) + 3] ^= std::byte{4};
+    ours = KvUnitSums(receiver.Views(), rt, 0, tokens, units, 1);
+    auto bad = FirstMismatch(*ours, *theirs);
+    ASSERT_TRUE(bad.has_value());
+    EXPECT_EQ(UnitName(UnitOf(units[*bad], 1, 1)), "layer 2 latent");
+
+    // The canary: right through 16 -> 8, then layer 0's token 5 row replaced by layer 1's.
+    KvLayout cs = latent(layers, 0, 16), cr = latent(layers, 0, 8);
+    cs.spec = CanarySpec(cs.spec);
+    cr.spec = CanarySpec(cr.spec);
+    Side cs_side{{cs}, {std::vector<std::byte>(cs.spec.TotalBytes())}};
+    Side cr_side{{cr}, {std::vector<std::byte>(cr.spec.TotalBytes())}};
+    FillCanary(cs, cs_side.mem[0]);
+    const auto ct = CanaryTable(cr.spec);
+    Read(cs_side, CanaryTable(cs.spec), &cr_side, ct, 0, kCanaryTokens);
+    FERRY_EXPECT_OK(CheckCanary(cr, cr_side.mem[0], 1));
+    std::memcpy(cr_side.mem[0].data() + cr.Offset(0, false, ct[0], 0, 5),
+                cr_side.mem[0].data() + cr.Offset(1, false, ct[0], 0, 5), cr.RowBytes());
+    EXPECT_THAT(CheckCanary(cr, cr_side.mem[0], 1),
+                StatusHas(Code::kDataLoss,
+                          "layer 0 latent token 5 arrived wrong: it holds the "
+                          "row of layer 1 latent token 5"));
+}
+
 // Every rank's canary, read through the planner into the receiver's canary-shaped scratch.
 std::vector<Status> ReadCanaries(int layers, int heads, int stp, int sbt, int rtp, int rbt,
                                  int fault_heads = 0) {
