@@ -85,6 +85,27 @@ void Append(std::vector<float>* dst, const std::vector<float>& src) {
     dst->insert(dst->end(), src.begin(), src.end());
 }
 
+// A layer's MLP and its two norms, as every architecture here has them.
+struct MlpTensors {
+    const Weights& gate;
+    const Weights& up;
+    const Weights& down;
+    const std::vector<float>& attn_norm;
+    const std::vector<float>& ffn_norm;
+};
+
+// Rank r's slice of them: its rows of gate and up (one product), its columns of down; the norms
+// whole.
+template <class Rank, class Layer>
+void SliceMlp(int r, const MlpTensors& t, Rank* rk, Layer* layer) {
+    const uint64_t f0 = uint64_t(r) * rk->ffn, f1 = f0 + rk->ffn;
+    layer->wgu = RowsOf(t.gate, f0, f1);
+    AppendRows(&layer->wgu, RowsOf(t.up, f0, f1));
+    layer->wdown = ColsOf(t.down, f0, f1);
+    Append(&rk->attn_norm, t.attn_norm);
+    Append(&rk->ffn_norm, t.ffn_norm);
+}
+
 void RmsNorm(const float* x, const float* w, int dim, float eps, float* out) {
     double ss = 0;
     for (int i = 0; i < dim; ++i) ss += double(x[i]) * x[i];
@@ -643,16 +664,11 @@ Status Model::LoadWeights(const GgufFile& f) {
             const uint64_t q0 = uint64_t(r) * rk.q_heads * hd, q1 = q0 + rk.q_heads * hd;
             const uint64_t k0 = uint64_t(kv::RankHeadBegin(r, tp_, c.num_kv_heads)) * hd;
             const uint64_t k1 = k0 + uint64_t(rk.kv_heads) * hd;
-            const uint64_t f0 = uint64_t(r) * rk.ffn, f1 = f0 + rk.ffn;
             L.wqkv = RowsOf(wq, q0, q1);
             AppendRows(&L.wqkv, RowsOf(wk, k0, k1));
             AppendRows(&L.wqkv, RowsOf(wv, k0, k1));
             L.wo = ColsOf(wo, q0, q1);
-            L.wgu = RowsOf(wg, f0, f1);
-            AppendRows(&L.wgu, RowsOf(wu, f0, f1));
-            L.wdown = ColsOf(wd, f0, f1);
-            Append(&rk.attn_norm, an);
-            Append(&rk.ffn_norm, fn);
+            SliceMlp(r, {wg, wu, wd, an, fn}, &rk, &L);
         }
     }
     return Status::Ok();
@@ -697,7 +713,6 @@ Status Model::LoadMlaLayer(const GgufFile& f, int l) {
         Rank& rk = *ranks_[r];
         Layer& L = rk.layers[l];
         const uint64_t h0 = uint64_t(r) * rk.q_heads, h1 = h0 + rk.q_heads;
-        const uint64_t f0 = uint64_t(r) * rk.ffn, f1 = f0 + rk.ffn;
         if (ql > 0) {
             L.wqkv = RowsOf(wqa, 0, ql);
             L.wqb = RowsOf(wqb, h0 * qk, h1 * qk);
@@ -710,11 +725,7 @@ Status Model::LoadMlaLayer(const GgufFile& f, int l) {
         L.wkb.assign(wkb.begin() + h0 * lat * nope, wkb.begin() + h1 * lat * nope);
         L.wvb.assign(wvb.begin() + h0 * vd * lat, wvb.begin() + h1 * vd * lat);
         L.wo = ColsOf(wo, h0 * vd, h1 * vd);
-        L.wgu = RowsOf(wg, f0, f1);
-        AppendRows(&L.wgu, RowsOf(wu, f0, f1));
-        L.wdown = ColsOf(wd, f0, f1);
-        Append(&rk.attn_norm, an);
-        Append(&rk.ffn_norm, fn);
+        SliceMlp(r, {wg, wu, wd, an, fn}, &rk, &L);
     }
     return Status::Ok();
 }

@@ -737,7 +737,14 @@ TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
     auto no_address = reg({"nowhere", "prefill", "tiny", 1, "", "", 0});
     auto m = Membership::Start(
         {.directory = dir, .model = "tiny", .poll = std::chrono::milliseconds(50)}, router);
-    ASSERT_TRUE(Until([&] { return router->members(Role::kDecode) == 2; }));
+    // Every record seen: records come as store events, one at a time, so the two decode workers
+    // can be in before the prefill worker's record or the ignored ones are read.
+    ASSERT_TRUE(Until([&] {
+        MembershipStats s = m->Stats();
+        return s.joined == 2 && s.records_ignored.size() == 3 &&
+               router->Agent(Role::kPrefill, 0).has_value();  // set just after it joins
+    }));
+    EXPECT_EQ(router->members(Role::kDecode), 2u);
     EXPECT_EQ(router->members(Role::kPrefill), 1u);
     ASSERT_TRUE(Until([&] {
         auto ws = router->Workers(Role::kDecode);
