@@ -553,6 +553,31 @@ TEST_P(DisaggMla, OneLatentCopyMovesPerRequestWhateverTheTp) {
         EXPECT_LE(cs.max_descriptors, 3u);
     }
 }
+// Seeded sampling over MLA: the decoder continues the colocated random stream from the latent.
+TEST_P(DisaggMla, SeededSamplingGivesTheColocatedTokens) {
+    const Case c = GetParam();
+    std::vector<std::pair<std::string, std::vector<int32_t>>> prompts;
+    for (int i = 0; i < 4; ++i) {
+        prompts.push_back({fmt::format("ms{}", i), Prompt(10 + 40 * i, 20 + i)});
+    }
+    model::SamplingParams sp;
+    sp.temperature = 0.9f;
+    sp.top_p = 0.95f;
+    sp.seed = 4321;
+    sp.ignore_eos = true;
+    sp.max_tokens = 12;
+    auto want = Colocated(prompts, sp, c.DecodeTp(), mla_);
+    Worker prefill =
+        MakeWorker("prefill-ms", c.backend, mla_->Load(c.tp), {.block_tokens = c.prefill_bt});
+    Worker decode =
+        MakeWorker("decode-ms", c.backend, mla_->Load(c.DecodeTp()), {.block_tokens = c.decode_bt});
+    auto got = RunDisaggregated(prefill, decode, prompts, sp);
+    for (const auto& [id, p] : prompts) {
+        EXPECT_EQ(got[id].finish, FinishReason::kLength) << id << ": " << got[id].error.ToString();
+        EXPECT_EQ(got[id].tokens, want[id].tokens) << id;
+    }
+    EXPECT_EQ(decode.engine->Stats().prompt_tokens, 0u);
+}
 std::vector<Case> MlaCases() {
     std::vector<Case> out;
     for (const std::string b : {"shm", "tcp"}) {

@@ -282,6 +282,65 @@ TEST_F(PdProcess, SeedFourDeploymentDecodeTp2PrefillTp1BlockSize128EqualsColocat
               0);
 }
 
+// MLA between processes: a TP-1 prefill worker and a TP-2 decode worker of an MLA model (each
+// with one latent cache), pull and push through the proxy, then decode-first; every answer equals
+// a colocated TP-2 worker's, the decoder computes no prompt token, every request's latent is
+// checked on arrival (`--kv-verify all`: one unit a layer) and one copy moves per request.
+TEST_F(PdProcess, MlaPullPushAndDecodeFirstEqualColocated) {
+    testing::TinyModelFile mla("pd-process-mla", testing::TinyMlaModelSpec(4096), 23);
+    auto on_mla = [&](std::vector<std::string> a) {
+        *(std::find(a.begin(), a.end(), "--model") + 1) = mla.path();
+        return a;
+    };
+    testing::SecretFile secret("pd-mla");
+    const std::vector<std::string> p = {"--secret-file", secret.path()};
+    const std::vector<std::string> d = {
+        "--secret-file", secret.path(), "--kv-verify", "all", "--remote-prefill-min-tokens", "64"};
+    auto colocated = StartOrDie(on_mla(WorkerArgs("colocated", "", 2)));
+    auto prefill = StartOrDie(on_mla(WorkerArgs("prefill", "shm", 1, p)));
+    auto decode = StartOrDie(on_mla(WorkerArgs("decode", "shm", 2, d)));
+    ASSERT_TRUE(colocated && prefill && decode);
+    const std::string pe = fmt::format("127.0.0.1:{}", prefill->port());
+    const std::string de = fmt::format("127.0.0.1:{}", decode->port());
+    auto pull = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
+                            "--secret-file", secret.path()});
+    auto push = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
+                            "--secret-file", secret.path(), "--kv-transfer", "push"});
+    ASSERT_TRUE(pull && push);
+    const auto prompts = Prompts();
+    // Different prompts per way in, so that the decoder's prefix cache helps none of them.
+    std::vector<std::vector<Json>> bodies(3);
+    int64_t long_tokens = 0;
+    for (size_t i = 0, k = 0; i < prompts.size() && k < 3 * 8; ++i) {
+        if (prompts[i].size() < 64) continue;  // decode-first prefills only these remotely
+        bodies[k % 3].push_back(CompletionBody(prompts[i], 6, i % 2 == 0));
+        long_tokens += static_cast<int64_t>(prompts[i].size());
+        ++k;
+    }
+    ASSERT_EQ(bodies[2].size(), 8u);
+    ExpectSameTokens(SendAll(pull->port(), bodies[0]), SendAll(colocated->port(), bodies[0]));
+    ExpectSameTokens(SendAll(push->port(), bodies[1]), SendAll(colocated->port(), bodies[1]));
+    http::ClientRequest add =
+        Post(decode->port(), Json{{"endpoints", {"http://" + pe}}}, "/add_remote_prefill_eps");
+    add.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+    auto added = http::Fetch(add);
+    ASSERT_TRUE(added.ok() && added->status == 200) << (added.ok() ? added->body : "");
+    ExpectSameTokens(SendAll(decode->port(), bodies[2]), SendAll(colocated->port(), bodies[2]));
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_EQ(decode->Metric("ferry_kv_external_tokens_total"), double(long_tokens));
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_verified_total"), 24);
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_verify_mismatches_total"), 0);
+    // One latent row per token and layer, [latent | rope] f32, once: not once per decode rank.
+    const model::RandomModelSpec spec = testing::TinyMlaModelSpec(4096);
+    const double row = double(spec.num_layers) * (spec.kv_lora_rank + spec.qk_rope_dim) * 4;
+    const double moved = std::max(0.0, decode->Metric("ferry_kv_connector_bytes_read_total")) +
+                         std::max(0.0, prefill->Metric("ferry_kv_connector_bytes_written_total"));
+    EXPECT_GE(moved, double(long_tokens) * row);
+    EXPECT_LT(moved, double(long_tokens + 16 * 24) * row);
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+}
+
 // One request id from the client (or the proxy) through the proxy and both workers: the id a
 // client gives in X-Request-Id comes back in the header and names the request ("cmpl-" + it) on
 // the prefill worker (its hold) and the decode worker (the answer); an id still in use gets a
