@@ -129,7 +129,14 @@ std::unique_ptr<Membership> Membership::Start(MembershipConfig config,
                                                       r->SetKvInSync(worker, in_sync);
                                               });
     }
-    if (m->config_.directory) m->Sync(m->config_.directory->List());
+    if (m->config_.directory) {
+        // The count first, then the listing: a record that arrives in between bumps the count
+        // past it, so the loop syncs again (read after the listing, that record waited for the
+        // next change in the store, seen under a loaded sanitizer run).
+        m->synced_changes_ =
+            m->config_.directory->WaitForChange(~uint64_t{0}, std::chrono::milliseconds(0));
+        m->Sync(m->config_.directory->List());
+    }
     m->thread_ = std::thread([p = m.get()] { p->Loop(); });
     return m;
 }
@@ -154,7 +161,7 @@ KvFollowerStats Membership::KvStats() const {
 
 void Membership::Loop() {
     const std::shared_ptr<const WorkerDirectory>& dir = config_.directory;
-    uint64_t seen = dir ? dir->WaitForChange(~uint64_t{0}, std::chrono::milliseconds(0)) : 0;
+    uint64_t seen = synced_changes_;
     Clock::time_point next_poll = Clock::now();
     for (;;) {
         {

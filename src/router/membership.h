@@ -91,6 +91,9 @@ class Membership {
     std::shared_ptr<Router> router_;
     std::unique_ptr<http::Client> client_;
     std::thread thread_;
+    // The directory's change count read before the first listing was synced: a change after it
+    // (a record that came in while the listing was read) is synced by the loop, not missed.
+    uint64_t synced_changes_ = 0;
     mutable std::mutex mu_;
     std::condition_variable cv_;
     bool stop_ = false;
