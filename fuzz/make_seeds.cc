@@ -102,7 +102,16 @@ int main(int argc, char** argv) {
         namespace msg = kv::msg;
         const std::string nonce(32, 'a'), prompt(64, 'b');
         msg::Hello hello;
-        hello.compat = {msg::kProtocolVersion, "fuzz", 2, 2, 8, "f32", 16, "HND", 1};
+        hello.compat = {.protocol = msg::kProtocolVersion,
+                        .model = "fuzz",
+                        .attention = "gqa",
+                        .layers = 2,
+                        .kv_heads = 2,
+                        .head_dim = 8,
+                        .dtype = "f32",
+                        .block_tokens = 16,
+                        .layout = "HND",
+                        .tp = 1};
         hello.ranks = {{1, 32, 2}};
         hello.addr = "127.0.0.1:1";
         msg::Hello ack = hello;
