@@ -244,6 +244,34 @@ TEST(PeerMessages, LongStringsAreRefused) {
     EXPECT_THAT(r.status().message(), HasSubstr("field 'lid' is longer than"));
 }
 
+// The attention kind: round trips, defaults to gqa when a hello omits it (hellos before MLA),
+// is refused when longer than a kind can be, and differs before the model does (an MLA worker
+// paired with a GQA one is told that, not that their weights differ).
+TEST(PeerMessages, TheAttentionKindRoundTripsDefaultsAndDiffersFirst) {
+    Hello h = SomeHello(false);
+    h.compat.attention = "mla";
+    auto r = Decode(Encode(h));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(std::get<Hello>(*r).compat.attention, "mla");
+    Json j = Json::parse(Encode(h));
+    j["compat"].erase("attention");
+    r = Decode(j.dump());
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(std::get<Hello>(*r).compat.attention, "gqa");
+    j["compat"]["attention"] = std::string(17, 'a');
+    r = Decode(j.dump());
+    ASSERT_FALSE(r.ok());
+    EXPECT_THAT(r.status().message(), HasSubstr("attention"));
+    Compat a = SomeHello(false).compat, b = a;
+    b.attention = "mla";
+    b.model = "other";
+    auto d = FirstDifference(a, b);
+    ASSERT_TRUE(d);
+    EXPECT_EQ(d->field, "attention");
+    EXPECT_EQ(d->ours, "gqa");
+    EXPECT_EQ(d->theirs, "mla");
+}
+
 TEST(PeerMessages, InvalidUtf8InAnErrorIsReplacedNotThrown) {
     std::string wire = Encode(PushEnd{PushEnd::Kind::kFailed, "x", "l", std::nullopt, "a\xff"});
     auto r = Decode(wire);
