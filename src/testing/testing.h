@@ -24,6 +24,15 @@
 
 namespace ferry::testing {
 
+// Builds under ASan or TSan run every step several times slower. There, matrices whose cases
+// share one code path (TP pairs, tokenizer families, transports of one protocol) run a
+// representative subset that still takes every branch; release builds run them all.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 MATCHER_P(StatusIs, code, "has status code " + std::string(::ferry::CodeName(code))) {
     const auto& s = [&]() -> const ::ferry::Status& {
         if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, ::ferry::Status>) {
