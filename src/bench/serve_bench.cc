@@ -17,6 +17,7 @@
 #include <random>
 #include <sstream>
 
+#include "core/base64.h"
 #include "core/host_port.h"
 #include "core/utf8.h"
 #include "discovery/http_json.h"
@@ -374,8 +375,7 @@ std::string StreamingRun::RequestBody(const BenchPrompt& p, size_t i) const {
                     RandomPng(o_.mm_width, o_.mm_height, o_.seed * 1000003 + i * 31 + k);
                 content.push_back(
                     {{"type", "image_url"},
-                     {"image_url",
-                      {{"url", "data:image/png;base64," + discovery::Base64Encode(png)}}}});
+                     {"image_url", {{"url", "data:image/png;base64," + Base64Encode(png)}}}});
             }
         } else {
             content = p.text;

@@ -502,7 +502,7 @@ class StoreServer::Impl {
     Json Put(const Json& b) {
         std::string key = KeyField(b);
         std::string b64 = StringField(b, "value", config_.max_value_bytes * 4 / 3 + 4);
-        Result<std::string> value = discovery::Base64Decode(b64);
+        Result<std::string> value = Base64Decode(b64);
         if (!value.ok()) {
             throw HttpError{400, "field 'value': " + value.status().message()};
         }
@@ -544,7 +544,7 @@ class StoreServer::Impl {
 
     static Json EntryJson(const std::string& key, const Entry& e) {
         return Json{{"key", key},
-                    {"value", discovery::Base64Encode(e.value)},
+                    {"value", Base64Encode(e.value)},
                     {"lease", e.lease},
                     {"revision", e.revision}};
     }
@@ -614,7 +614,7 @@ class StoreServer::Impl {
                 Json j{{"type", e.type == StoreEvent::Type::kPut ? "put" : "delete"},
                        {"key", e.key},
                        {"revision", e.revision}};
-                if (e.type == StoreEvent::Type::kPut) j["value"] = discovery::Base64Encode(e.value);
+                if (e.type == StoreEvent::Type::kPut) j["value"] = Base64Encode(e.value);
                 events.push_back(std::move(j));
             }
         }

@@ -1,4 +1,4 @@
-// HTTP+JSON plumbing shared by the discovery stores: base64, the Ferry-HMAC request signature,
+// HTTP+JSON plumbing shared by the discovery stores: the Ferry-HMAC request signature,
 // and a client call with deadline, retries and error mapping.
 #pragma once
 
@@ -9,15 +9,13 @@
 #include <string>
 #include <string_view>
 
+#include "core/base64.h"
 #include "core/host_port.h"
 #include "ferry/status.h"
 
 namespace ferry::discovery {
 
 using Json = nlohmann::json;
-
-std::string Base64Encode(std::string_view in);
-Result<std::string> Base64Decode(std::string_view in);
 
 // `Authorization: Ferry-HMAC t=<unix ms>,n=<hex nonce>,m=<hex HMAC-SHA256>` over
 // "ferry-store-v1\n<method>\n<path>\n<t>\n<n>\n<body>".
