@@ -3,10 +3,20 @@
 // Run: build/fuzz/fuzz/make_seeds fuzz/corpus
 #include <fmt/core.h>
 
+// clang-format off: jpeglib.h needs stdio's FILE and size_t declared first.
+#include <jpeglib.h>
+
+#include <cstdio>
+// clang-format on
+#include <png.h>
+
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "kv/kv_transfer_params.h"
 #include "kv/peer_messages.h"
@@ -25,6 +35,53 @@ namespace {
 void Put(const std::string& dir, const std::string& name, const std::string& bytes) {
     std::filesystem::create_directories(dir);
     std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+}
+
+// An image of w x h pixels with `channels` samples each, as a PNG (libpng's writer).
+std::string SeedPng(int w, int h, uint32_t format, int channels) {
+    std::vector<uint8_t> px(size_t(w) * h * channels);
+    for (size_t i = 0; i < px.size(); ++i) px[i] = uint8_t(i * 7);
+    png_image img;
+    std::memset(&img, 0, sizeof(img));
+    img.version = PNG_IMAGE_VERSION;
+    img.width = w;
+    img.height = h;
+    img.format = format;
+    png_alloc_size_t size = 0;
+    png_image_write_get_memory_size(img, size, 0, px.data(), 0, nullptr);
+    std::string out(size, '\0');
+    png_image_write_to_memory(&img, out.data(), &size, 0, px.data(), 0, nullptr);
+    out.resize(size);
+    return out;
+}
+
+// The same as a JPEG (libjpeg's encoder), colour or grey, baseline or progressive.
+std::string SeedJpeg(int w, int h, int components, bool progressive) {
+    std::vector<uint8_t> px(size_t(w) * h * components);
+    for (size_t i = 0; i < px.size(); ++i) px[i] = uint8_t(i * 3);
+    jpeg_compress_struct c;
+    jpeg_error_mgr err;
+    c.err = jpeg_std_error(&err);
+    jpeg_create_compress(&c);
+    unsigned char* buf = nullptr;
+    unsigned long size = 0;
+    jpeg_mem_dest(&c, &buf, &size);
+    c.image_width = w;
+    c.image_height = h;
+    c.input_components = components;
+    c.in_color_space = components == 1 ? JCS_GRAYSCALE : JCS_RGB;
+    jpeg_set_defaults(&c);
+    if (progressive) jpeg_simple_progression(&c);
+    jpeg_start_compress(&c, TRUE);
+    while (c.next_scanline < c.image_height) {
+        JSAMPROW row = px.data() + size_t(c.next_scanline) * w * components;
+        jpeg_write_scanlines(&c, &row, 1);
+    }
+    jpeg_finish_compress(&c);
+    jpeg_destroy_compress(&c);
+    std::string out(reinterpret_cast<char*>(buf), size);
+    std::free(buf);
+    return out;
 }
 
 }  // namespace
@@ -181,5 +238,15 @@ int main(int argc, char** argv) {
         Put(dir, "address", std::string(1, 11) + ucx::FormatAddress("worker-address", 0x1234));
     }
 #endif
+    // image: PNGs of each pixel format, JPEGs baseline and progressive, one cut short.
+    Put(root + "/image", "rgb.png", SeedPng(8, 6, PNG_FORMAT_RGB, 3));
+    Put(root + "/image", "rgba.png", SeedPng(5, 7, PNG_FORMAT_RGBA, 4));
+    Put(root + "/image", "grey.png", SeedPng(9, 4, PNG_FORMAT_GRAY, 1));
+    Put(root + "/image", "grey16.png", SeedPng(4, 4, PNG_FORMAT_LINEAR_Y, 2));
+    Put(root + "/image", "rgb.jpg", SeedJpeg(16, 16, 3, false));
+    Put(root + "/image", "progressive.jpg", SeedJpeg(16, 8, 3, true));
+    Put(root + "/image", "grey.jpg", SeedJpeg(8, 8, 1, false));
+    std::string cut = SeedJpeg(16, 16, 3, false);
+    Put(root + "/image", "truncated.jpg", cut.substr(0, cut.size() * 2 / 3));
     return 0;
 }

@@ -17,9 +17,35 @@ bool Fail(PromptError* error, std::string message, std::string param) {
     return false;
 }
 
+// An image_url part as OpenAI's API defines it: {"type": "image_url", "image_url": {"url": ...,
+// "detail": "auto" | "low" | "high"}}.
+bool ImageUrlPart(const Json& part, const std::string& at, ImagePart* out, PromptError* error) {
+    if (!part.contains("image_url") || !part["image_url"].is_object()) {
+        return Fail(error, at + ": an image_url part needs an object 'image_url' with a 'url'",
+                    at + ".image_url");
+    }
+    const Json& iu = part["image_url"];
+    if (!iu.contains("url") || !iu["url"].is_string() ||
+        iu["url"].get_ref<const std::string&>().empty()) {
+        return Fail(error, at + ".image_url.url must be a non-empty string", at + ".image_url.url");
+    }
+    if (iu.contains("detail") && !iu["detail"].is_null()) {
+        const Json& d = iu["detail"];
+        if (!d.is_string() || (d != "auto" && d != "low" && d != "high")) {
+            return Fail(error, at + ".image_url.detail must be \"auto\", \"low\" or \"high\"",
+                        at + ".image_url.detail");
+        }
+        out->detail = d.get<std::string>();
+    }
+    out->url = iu["url"].get<std::string>();
+    out->param = at + ".image_url";
+    return true;
+}
+
 }  // namespace
 
-bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* error) {
+bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* error,
+                  std::vector<ImagePart>* images) {
     if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty()) {
         return Fail(error, "'messages' must be a non-empty array", "messages");
     }
@@ -35,22 +61,36 @@ bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* 
         if (c.is_string()) {
             cm.content = c.get<std::string>();
         } else if (c.is_array()) {
-            for (const Json& part : c) {
+            for (size_t j = 0; j < c.size(); ++j) {
+                const Json& part = c[j];
+                const std::string at = fmt::format("{}.content[{}]", where, j);
                 if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
-                    return Fail(error, where + ".content parts must be objects with a 'type'",
-                                where + ".content");
+                    return Fail(error, at + " must be an object with a string 'type'", at);
                 }
                 std::string type = part["type"].get<std::string>();
+                if (type == "image_url") {
+                    ImagePart image;
+                    if (!ImageUrlPart(part, at, &image, error)) return false;
+                    if (images == nullptr) {
+                        return Fail(error,
+                                    at + ": this model takes no images (it has no vision "
+                                         "encoder); send text parts only",
+                                    at);
+                    }
+                    image.message = i;
+                    image.offset = cm.content.size();
+                    images->push_back(std::move(image));
+                    continue;
+                }
                 if (type != "text") {
                     return Fail(error,
-                                fmt::format("{}.content: part type '{}' is not supported by "
-                                            "this worker (text only)",
-                                            where, type),
-                                where + ".content");
+                                fmt::format("{}: part type '{}' is not supported (text or "
+                                            "image_url)",
+                                            at, type.substr(0, 64)),
+                                at);
                 }
                 if (!part.contains("text") || !part["text"].is_string()) {
-                    return Fail(error, where + ".content: a text part needs a string 'text'",
-                                where + ".content");
+                    return Fail(error, at + ": a text part needs a string 'text'", at);
                 }
                 cm.content += part["text"].get<std::string>();
             }

@@ -58,12 +58,61 @@ TEST(PromptTokens, ABodyTheWorkerRefusesNamesItsField) {
               "prompt: 'prompt' must be a string or an array of token ids");
     EXPECT_EQ(refused(Json{{"messages", Json::array()}}, true),
               "messages: 'messages' must be a non-empty array");
-    EXPECT_EQ(
-        refused(Json{{"messages", {{{"role", "user"}, {"content", {{{"type", "image_url"}}}}}}}},
-                true),
-        "messages[0].content: messages[0].content: part type 'image_url' is not supported by "
-        "this worker (text only)");
+    auto user = [](Json parts) {
+        return Json{{"messages", {{{"role", "user"}, {"content", parts}}}}};
+    };
+    EXPECT_EQ(refused(user({{{"type", "audio"}}}), true),
+              "messages[0].content[0]: messages[0].content[0]: part type 'audio' is not "
+              "supported (text or image_url)");
+    EXPECT_EQ(refused(user({{{"type", "text"}, {"text", 3}}}), true),
+              "messages[0].content[0]: messages[0].content[0]: a text part needs a string 'text'");
+    EXPECT_EQ(refused(user({{{"type", "image_url"}}}), true),
+              "messages[0].content[0].image_url: messages[0].content[0]: an image_url part needs "
+              "an object 'image_url' with a 'url'");
+    EXPECT_EQ(refused(user({{{"type", "text"}, {"text", "a"}},
+                            {{"type", "image_url"}, {"image_url", {{"url", ""}}}}}),
+                      true),
+              "messages[0].content[1].image_url.url: messages[0].content[1].image_url.url must "
+              "be a non-empty string");
+    EXPECT_EQ(refused(user({{{"type", "image_url"},
+                             {"image_url", {{"url", "data:x"}, {"detail", "ultra"}}}}}),
+                      true),
+              "messages[0].content[0].image_url.detail: messages[0].content[0].image_url.detail "
+              "must be \"auto\", \"low\" or \"high\"");
+    // A well-formed image to a model without a vision encoder.
+    EXPECT_EQ(refused(user({{{"type", "image_url"}, {"image_url", {{"url", "data:x"}}}}}), true),
+              "messages[0].content[0]: messages[0].content[0]: this model takes no images (it "
+              "has no vision encoder); send text parts only");
     EXPECT_TRUE(got.empty());
+}
+
+// Image parts are collected with the message they belong to and where in its text they stood.
+TEST(ChatMessages, ImagePartsAreCollectedInOrderWithTheirPlace) {
+    const Json body = {
+        {"messages",
+         {{{"role", "system"}, {"content", "look"}},
+          {{"role", "user"},
+           {"content",
+            {{{"type", "text"}, {"text", "first "}},
+             {{"type", "image_url"}, {"image_url", {{"url", "data:a"}, {"detail", "low"}}}},
+             {{"type", "text"}, {"text", "then"}},
+             {{"type", "image_url"},
+              {"image_url", {{"url", "file:///b.png"}, {"detail", nullptr}}}}}}}}}};
+    std::vector<ChatMessage> msgs;
+    std::vector<ImagePart> images;
+    PromptError e;
+    ASSERT_TRUE(ChatMessages(body, &msgs, &e, &images)) << e.message;
+    ASSERT_EQ(msgs.size(), 2u);
+    EXPECT_EQ(msgs[1].content, "first then");
+    ASSERT_EQ(images.size(), 2u);
+    EXPECT_EQ(images[0].message, 1u);
+    EXPECT_EQ(images[0].offset, 6u);
+    EXPECT_EQ(images[0].url, "data:a");
+    EXPECT_EQ(images[0].detail, "low");
+    EXPECT_EQ(images[0].param, "messages[1].content[1].image_url");
+    EXPECT_EQ(images[1].offset, 10u);
+    EXPECT_EQ(images[1].url, "file:///b.png");
+    EXPECT_EQ(images[1].detail, "auto");
 }
 
 }  // namespace

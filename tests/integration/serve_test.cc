@@ -195,7 +195,12 @@ TEST_F(ServeTest, BadRequestsGet400WithAnOpenAiErrorAndTheServerKeepsServing) {
         {"/v1/chat/completions", R"({"messages":[]})", "'messages' must be a non-empty array"},
         {"/v1/chat/completions",
          R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})",
-         "part type 'image_url'"},
+         "an image_url part needs an object 'image_url' with a 'url'"},
+        // A text-only model names the image part it cannot take.
+        {"/v1/chat/completions",
+         R"({"messages":[{"role":"user","content":[{"type":"text","text":"see"},)"
+         R"({"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}}]}]})",
+         "messages[0].content[1]: this model takes no images (it has no vision encoder)"},
         {"/v1/chat/completions", R"({"messages":[{"role":"robot","content":"x"}]})",
          "role 'robot'"},
         // Disaggregation: malformed params name the field; well-formed ones on a colocated
