@@ -280,10 +280,13 @@ void JpegProgress(j_common_ptr c) {
     }
 }
 
-// Returns an empty string on success, else what went wrong. No object with a destructor lives
-// in this frame: libjpeg's errors longjmp back to the setjmp below.
-std::string DecodeJpegInto(const uint8_t* data, size_t size, const ImageLimits& limits,
-                           Image* out) {
+enum class JpegOutcome { kOk, kFailed, kTooManyPixels };
+
+// kFailed with what went wrong in `why` (JMSG_LENGTH_MAX bytes); kTooManyPixels with the header's
+// size in out->width and out->height. Nothing with a destructor is made in this frame: libjpeg's
+// errors longjmp back to the setjmp below.
+JpegOutcome DecodeJpegInto(const uint8_t* data, size_t size, const ImageLimits& limits, Image* out,
+                           char* why) {
     jpeg_decompress_struct cinfo;
     JpegErrors errors;
     jpeg_progress_mgr progress;
@@ -294,7 +297,9 @@ std::string DecodeJpegInto(const uint8_t* data, size_t size, const ImageLimits& 
     progress.progress_monitor = JpegProgress;
     if (setjmp(errors.jump) != 0) {
         jpeg_destroy_decompress(&cinfo);
-        return errors.message[0] != '\0' ? errors.message : "unknown libjpeg error";
+        std::snprintf(why, JMSG_LENGTH_MAX, "%s",
+                      errors.message[0] != '\0' ? errors.message : "unknown libjpeg error");
+        return JpegOutcome::kFailed;
     }
     jpeg_create_decompress(&cinfo);
     cinfo.progress = &progress;
@@ -305,14 +310,16 @@ std::string DecodeJpegInto(const uint8_t* data, size_t size, const ImageLimits& 
     jpeg_mem_src(&cinfo, data, static_cast<unsigned long>(size));
     jpeg_read_header(&cinfo, TRUE);
     if (uint64_t(cinfo.image_width) * cinfo.image_height > limits.max_pixels) {
-        std::snprintf(errors.message, sizeof(errors.message), "PIXELS %u %u", cinfo.image_width,
-                      cinfo.image_height);
+        out->width = static_cast<int>(cinfo.image_width);
+        out->height = static_cast<int>(cinfo.image_height);
         jpeg_destroy_decompress(&cinfo);
-        return errors.message;
+        return JpegOutcome::kTooManyPixels;
     }
     if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
         jpeg_destroy_decompress(&cinfo);
-        return "a CMYK JPEG (only greyscale and colour JPEGs are read)";
+        std::snprintf(why, JMSG_LENGTH_MAX,
+                      "a CMYK JPEG (only greyscale and colour JPEGs are read)");
+        return JpegOutcome::kFailed;
     }
     cinfo.out_color_space = JCS_RGB;
     jpeg_start_decompress(&cinfo);
@@ -325,19 +332,22 @@ std::string DecodeJpegInto(const uint8_t* data, size_t size, const ImageLimits& 
     }
     jpeg_finish_decompress(&cinfo);
     jpeg_destroy_decompress(&cinfo);
-    return {};
+    return JpegOutcome::kOk;
 }
 
 Status DecodeJpeg(std::string_view encoded, const ImageLimits& limits, Image* out) {
-    std::string why = DecodeJpegInto(reinterpret_cast<const uint8_t*>(encoded.data()),
-                                     encoded.size(), limits, out);
-    if (why.empty()) return Status::Ok();
-    out->rgb.clear();
-    unsigned w = 0, h = 0;
-    if (std::sscanf(why.c_str(), "PIXELS %u %u", &w, &h) == 2) {
-        return TooManyPixels(w, h, limits.max_pixels);
+    char why[JMSG_LENGTH_MAX] = "";
+    switch (DecodeJpegInto(reinterpret_cast<const uint8_t*>(encoded.data()), encoded.size(), limits,
+                           out, why)) {
+        case JpegOutcome::kOk:
+            return Status::Ok();
+        case JpegOutcome::kTooManyPixels:
+            return TooManyPixels(uint64_t(out->width), uint64_t(out->height), limits.max_pixels);
+        case JpegOutcome::kFailed:
+            break;
     }
-    return InvalidArgumentError("the JPEG is not readable: " + why);
+    out->rgb.clear();
+    return InvalidArgumentError(std::string("the JPEG is not readable: ") + why);
 }
 
 }  // namespace
