@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -404,6 +405,19 @@ Result<double> GgufFile::GetFloat(std::string_view key) const {
         return *d;
     }
     return InvalidArgumentError(path_ + ": '" + std::string(key) + "' is not a float");
+}
+
+std::string GgufFile::TensorSample() const {
+    std::string id;
+    for (const GgufTensor& t : tensors_) {
+        id +=
+            fmt::format("|{}:{}:{}:{}:", t.name, static_cast<uint32_t>(t.type), t.offset, t.bytes);
+        for (uint64_t d : t.dims) id += fmt::format("{},", d);
+        size_t n = std::min<uint64_t>(t.bytes, 64);
+        id.append(reinterpret_cast<const char*>(t.data), n);
+        id.append(reinterpret_cast<const char*>(t.data + t.bytes - n), n);
+    }
+    return id;
 }
 
 Result<std::vector<std::string>> GgufFile::GetStringArray(std::string_view key) const {

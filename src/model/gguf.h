@@ -77,6 +77,10 @@ class GgufFile {
     Result<uint64_t> GetUint(std::string_view key) const;  // any unsigned or non-negative int
     Result<double> GetFloat(std::string_view key) const;   // float32/float64
     Result<std::vector<std::string>> GetStringArray(std::string_view key) const;
+    // Every tensor's name, type, offset, size and dims with the first and last 64 bytes of its
+    // data: with a file's shape keys, enough to tell two random-weight files of one shape apart
+    // (the model fingerprints) without reading gigabytes.
+    std::string TensorSample() const;
 
   private:
     GgufFile() = default;

@@ -1,6 +1,7 @@
 #include "model/kernels.h"
 
 #include <cblas.h>
+#include <fmt/core.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,6 +17,57 @@
 namespace ferry::model {
 
 // --- Weights ------------------------------------------------------------------------------------
+
+Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
+                                     std::vector<uint64_t> dims) {
+    const GgufTensor* t = f.FindTensor(name);
+    if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
+    if (t->dims != dims) {
+        auto show = [](const std::vector<uint64_t>& d) {
+            std::string s;
+            for (uint64_t v : d) s += (s.empty() ? "" : ", ") + std::to_string(v);
+            return "[" + s + "]";
+        };
+        return InvalidArgumentError(fmt::format("{}: tensor {} has dims {}, expected {}", f.path(),
+                                                name, show(t->dims), show(dims)));
+    }
+    std::vector<float> out(t->elements());
+    switch (t->type) {
+        case TensorType::kF32:
+            std::memcpy(out.data(), t->data, out.size() * 4);
+            break;
+        case TensorType::kF16:
+            for (size_t i = 0; i < out.size(); ++i) {
+                uint16_t h;
+                std::memcpy(&h, t->data + 2 * i, 2);
+                out[i] = F16ToFloat(h);
+            }
+            break;
+        case TensorType::kBF16:
+            for (size_t i = 0; i < out.size(); ++i) {
+                uint16_t h;
+                std::memcpy(&h, t->data + 2 * i, 2);
+                out[i] = Bf16ToFloat(h);
+            }
+            break;
+    }
+    return out;
+}
+
+Result<Weights> TensorWeights(const GgufFile& f, const std::string& name,
+                              std::vector<uint64_t> dims) {
+    const GgufTensor* t = f.FindTensor(name);
+    if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
+    if (t->dims != dims) {
+        FERRY_RETURN_IF_ERROR(TensorF32(f, name, dims).status());  // names both shapes
+    }
+    Weights w;
+    w.type = t->type;
+    w.cols = static_cast<int64_t>(dims[0]);
+    w.rows = static_cast<int64_t>(dims[1]);
+    w.bytes.assign(t->data, t->data + t->bytes);
+    return w;
+}
 
 Weights RowsOf(const Weights& w, int64_t r0, int64_t r1) {
     Weights out;

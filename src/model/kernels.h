@@ -39,6 +39,14 @@ struct Weights {
     size_t size_bytes() const { return bytes.size(); }
 };
 
+// Tensor `name` of `f`, which must have ggml dims `dims` (dims[0] varies fastest): widened to
+// f32, or (2-D, dims {cols, rows}) as Weights in its own type (f16 and bf16 stay 16-bit).
+// InvalidArgument naming the file and the tensor if it is missing or of other dims.
+Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
+                                     std::vector<uint64_t> dims);
+Result<Weights> TensorWeights(const GgufFile& f, const std::string& name,
+                              std::vector<uint64_t> dims);
+
 // Rows [r0, r1) / columns [c0, c1) of `w`, in its type.
 Weights RowsOf(const Weights& w, int64_t r0, int64_t r1);
 Weights ColsOf(const Weights& w, int64_t c0, int64_t c1);

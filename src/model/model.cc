@@ -29,58 +29,6 @@ namespace {
 
 Result<uint64_t> Key(const GgufFile& f, const std::string& key) { return f.GetUint(key); }
 
-Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
-                                     std::vector<uint64_t> dims) {
-    const GgufTensor* t = f.FindTensor(name);
-    if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
-    if (t->dims != dims) {
-        auto show = [](const std::vector<uint64_t>& d) {
-            std::string s;
-            for (uint64_t v : d) s += (s.empty() ? "" : ", ") + std::to_string(v);
-            return "[" + s + "]";
-        };
-        return InvalidArgumentError(fmt::format("{}: tensor {} has dims {}, expected {}", f.path(),
-                                                name, show(t->dims), show(dims)));
-    }
-    std::vector<float> out(t->elements());
-    switch (t->type) {
-        case TensorType::kF32:
-            std::memcpy(out.data(), t->data, out.size() * 4);
-            break;
-        case TensorType::kF16:
-            for (size_t i = 0; i < out.size(); ++i) {
-                uint16_t h;
-                std::memcpy(&h, t->data + 2 * i, 2);
-                out[i] = F16ToFloat(h);
-            }
-            break;
-        case TensorType::kBF16:
-            for (size_t i = 0; i < out.size(); ++i) {
-                uint16_t h;
-                std::memcpy(&h, t->data + 2 * i, 2);
-                out[i] = Bf16ToFloat(h);
-            }
-            break;
-    }
-    return out;
-}
-
-// A 2-D weight tensor (ggml dims {cols, rows}) in its own type: f16 and bf16 stay 16-bit.
-Result<Weights> TensorWeights(const GgufFile& f, const std::string& name,
-                              std::vector<uint64_t> dims) {
-    const GgufTensor* t = f.FindTensor(name);
-    if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
-    if (t->dims != dims) {
-        FERRY_RETURN_IF_ERROR(TensorF32(f, name, dims).status());  // names both shapes
-    }
-    Weights w;
-    w.type = t->type;
-    w.cols = static_cast<int64_t>(dims[0]);
-    w.rows = static_cast<int64_t>(dims[1]);
-    w.bytes.assign(t->data, t->data + t->bytes);
-    return w;
-}
-
 void Append(std::vector<float>* dst, const std::vector<float>& src) {
     dst->insert(dst->end(), src.begin(), src.end());
 }
@@ -458,14 +406,7 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
             id += fmt::format(" mla {} {} {} {} {}", c.q_lora_rank, c.kv_lora_rank, c.qk_nope_dim,
                               c.qk_rope_dim, c.v_head_dim);
         }
-        for (const GgufTensor& t : file->tensors()) {
-            id += fmt::format("|{}:{}:{}:{}:", t.name, static_cast<uint32_t>(t.type), t.offset,
-                              t.bytes);
-            for (uint64_t d : t.dims) id += fmt::format("{},", d);
-            size_t n = std::min<uint64_t>(t.bytes, 64);
-            id.append(reinterpret_cast<const char*>(t.data), n);
-            id.append(reinterpret_cast<const char*>(t.data + t.bytes - n), n);
-        }
+        id += file->TensorSample();
         Digest d = HmacSha256("ferry model fingerprint", id);
         m->fingerprint_ = HexEncode(d.data(), 16);
     }

@@ -7,6 +7,7 @@
 #include "core/half.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#include "model/vision.h"
 
 namespace ferry::model {
 
@@ -242,6 +243,99 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
         uint64_t n = 1;
         for (uint64_t d : t.dims) n *= d;
         std::vector<float> v(n);
+        Rng rng(NameSeed(seed, t.name));
+        for (float& x : v) x = t.center + rng.Uniform(t.amplitude);
+        FERRY_RETURN_IF_ERROR(w.AddTensor(t.name, t.dims, t.type, Encode(v, t.type)));
+    }
+    return w.Write(path);
+}
+
+Result<RandomVisionSpec> PresetVisionSpec(std::string_view preset) {
+    RandomVisionSpec s;
+    if (preset == "tiny-vl") return s;
+    if (preset == "small-vl") {
+        s.name = "ferry-small-vl";
+        s.image_size = 224;
+        s.patch_size = 14;
+        s.dim = 384;
+        s.num_heads = 6;
+        s.ffn_dim = 1536;
+        s.num_layers = 7;
+        s.proj_hidden = 768;
+        s.out_dim = 768;
+        return s;
+    }
+    return NotFoundError(fmt::format("unknown vision preset '{}' (tiny-vl, small-vl)", preset));
+}
+
+Status WriteRandomMmproj(const RandomVisionSpec& spec, uint64_t seed, const std::string& path) {
+    if (spec.image_size <= 0 || spec.patch_size <= 0 || spec.image_size % spec.patch_size ||
+        spec.dim <= 0 || spec.num_heads <= 0 || spec.dim % spec.num_heads || spec.ffn_dim <= 0 ||
+        spec.num_layers < 2 || spec.proj_hidden <= 0 || spec.out_dim <= 0) {
+        return InvalidArgumentError("random vision projector: inconsistent dimensions");
+    }
+    GgufWriter w;
+    // The keys llama.cpp's clip loader reads for a LLaVA-style projector (tools/mtmd/clip.cpp).
+    w.SetString("general.architecture", "clip");
+    w.SetString("general.name", spec.name);
+    w.SetUint32("general.file_type", 0);  // all f32
+    w.SetBool("clip.has_vision_encoder", true);
+    w.SetBool("clip.has_text_encoder", false);
+    w.SetBool("clip.has_llava_projector", true);
+    w.SetString("clip.projector_type", "mlp");
+    w.SetUint32("clip.vision.image_size", spec.image_size);
+    w.SetUint32("clip.vision.patch_size", spec.patch_size);
+    w.SetUint32("clip.vision.embedding_length", spec.dim);
+    w.SetUint32("clip.vision.feed_forward_length", spec.ffn_dim);
+    w.SetUint32("clip.vision.projection_dim", spec.out_dim);
+    w.SetUint32("clip.vision.attention.head_count", spec.num_heads);
+    w.SetFloat32("clip.vision.attention.layer_norm_epsilon", 1e-5f);
+    w.SetUint32("clip.vision.block_count", spec.num_layers);
+    // OpenAI CLIP's normalization, as LLaVA 1.5's processor has it.
+    w.SetFloat32Array("clip.vision.image_mean", {0.48145466f, 0.4578275f, 0.40821073f});
+    w.SetFloat32Array("clip.vision.image_std", {0.26862954f, 0.26130258f, 0.27577711f});
+    w.SetBool("clip.use_gelu", false);
+
+    const uint64_t d = spec.dim, p = spec.patch_size, f = spec.ffn_dim;
+    const uint64_t n =
+        uint64_t(spec.image_size / spec.patch_size) * (spec.image_size / spec.patch_size);
+    const float s3 = std::sqrt(3.0f);
+    auto fan = [&](uint64_t in) { return s3 / std::sqrt(static_cast<float>(in)); };
+    std::vector<RandomTensor> ts;
+    auto add = [&](const std::string& name, std::vector<uint64_t> dims, float amplitude,
+                   float center) {
+        ts.push_back({name, std::move(dims), TensorType::kF32, amplitude, center});
+    };
+    add("v.patch_embd.weight", {p, p, 3, d}, fan(3 * p * p), 0);
+    add("v.patch_embd.bias", {d}, 0.02f, 0);
+    add("v.position_embd.weight", {d, n}, 0.5f, 0);
+    add("v.pre_ln.weight", {d}, 0.1f, 1.0f);
+    add("v.pre_ln.bias", {d}, 0.02f, 0);
+    for (int l = 0; l < spec.num_layers; ++l) {
+        std::string b = fmt::format("v.blk.{}.", l);
+        add(b + "ln1.weight", {d}, 0.1f, 1.0f);
+        add(b + "ln1.bias", {d}, 0.02f, 0);
+        for (const char* m : {"attn_q", "attn_k", "attn_v", "attn_out"}) {
+            add(b + m + ".weight", {d, d}, fan(d), 0);
+            add(b + m + ".bias", {d}, 0.02f, 0);
+        }
+        add(b + "ln2.weight", {d}, 0.1f, 1.0f);
+        add(b + "ln2.bias", {d}, 0.02f, 0);
+        add(b + "ffn_up.weight", {d, f}, fan(d), 0);
+        add(b + "ffn_up.bias", {f}, 0.02f, 0);
+        add(b + "ffn_down.weight", {f, d}, fan(f), 0);
+        add(b + "ffn_down.bias", {d}, 0.02f, 0);
+    }
+    const uint64_t h = spec.proj_hidden, o = spec.out_dim;
+    add("mm.0.weight", {d, h}, fan(d), 0);
+    add("mm.0.bias", {h}, 0.02f, 0);
+    // Rows of about unit variance, as the language model's token embeddings are.
+    add("mm.2.weight", {h, o}, 2 * fan(h), 0);
+    add("mm.2.bias", {o}, 0.02f, 0);
+    for (const RandomTensor& t : ts) {
+        uint64_t count = 1;
+        for (uint64_t x : t.dims) count *= x;
+        std::vector<float> v(count);
         Rng rng(NameSeed(seed, t.name));
         for (float& x : v) x = t.center + rng.Uniform(t.amplitude);
         FERRY_RETURN_IF_ERROR(w.AddTensor(t.name, t.dims, t.type, Encode(v, t.type)));
