@@ -47,7 +47,17 @@ BlockHash RootBlockHash(std::string_view seed) {
     return Sha256(cbor);
 }
 
-BlockHash HashBlockTokens(const BlockHash& parent, std::span<const int32_t> tokens) {
+std::vector<std::string_view> MmExtraKeys(std::span<const MmSpan> mm, int64_t start, int64_t end) {
+    std::vector<std::string_view> out;
+    for (const MmSpan& m : mm) {
+        if (m.offset >= end) break;
+        if (m.offset + m.length > start) out.push_back(m.hash);
+    }
+    return out;
+}
+
+BlockHash HashBlockTokens(const BlockHash& parent, std::span<const int32_t> tokens,
+                          std::span<const std::string_view> extra_keys) {
     std::string cbor;
     cbor.reserve(40 + tokens.size() * 3);
     AppendHead(&cbor, 4, 3);  // [parent, tokens, extra keys]
@@ -55,19 +65,28 @@ BlockHash HashBlockTokens(const BlockHash& parent, std::span<const int32_t> toke
     cbor.append(reinterpret_cast<const char*>(parent.data()), parent.size());
     AppendHead(&cbor, 4, tokens.size());
     for (int32_t t : tokens) AppendInt(&cbor, t);
-    cbor.push_back(static_cast<char>(0xf6));  // null: no extra keys
+    if (extra_keys.empty()) {
+        cbor.push_back(static_cast<char>(0xf6));  // null: no extra keys
+    } else {
+        AppendHead(&cbor, 4, extra_keys.size());
+        for (std::string_view k : extra_keys) {
+            AppendHead(&cbor, 3, k.size());  // text string
+            cbor.append(k);
+        }
+    }
     return Sha256(cbor);
 }
 
 std::vector<BlockHash> HashFullBlocks(const BlockHash& root, std::span<const int32_t> tokens,
-                                      int block_size) {
+                                      int block_size, std::span<const MmSpan> mm) {
     std::vector<BlockHash> out;
     if (block_size <= 0) return out;
     const size_t bs = static_cast<size_t>(block_size);
     out.reserve(tokens.size() / bs);
     BlockHash parent = root;
     for (size_t i = 0; i + bs <= tokens.size(); i += bs) {
-        parent = HashBlockTokens(parent, tokens.subspan(i, bs));
+        const auto extra = MmExtraKeys(mm, static_cast<int64_t>(i), static_cast<int64_t>(i + bs));
+        parent = HashBlockTokens(parent, tokens.subspan(i, bs), extra);
         out.push_back(parent);
     }
     return out;

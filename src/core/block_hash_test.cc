@@ -15,6 +15,33 @@ namespace {
 
 std::string Hex(const BlockHash& h) { return HexEncode(h.data(), h.size()); }
 
+// vLLM's multimodal extra keys (_gen_mm_extra_hash_keys: the identifiers of the inputs that
+// overlap the block), computed as above with extra keys ("ab" * 32,) and ("ab" * 32, "cd" * 32).
+TEST(BlockHash, CarriesTheMultimodalInputsOfABlockAsVllmsExtraKeys) {
+    const BlockHash root = RootBlockHash("0");
+    std::vector<int32_t> prompt(48);
+    for (int i = 0; i < 16; ++i) {
+        prompt[i] = i;
+        prompt[16 + i] = 100 + i;
+        prompt[32 + i] = 200 + i;
+    }
+    std::string ha, hb;
+    for (int i = 0; i < 32; ++i) ha += "ab", hb += "cd";
+    // Image a on tokens 20..35 (blocks 1 and 2), image b on 40..44 (block 2).
+    const std::vector<MmSpan> mm = {{20, 16, ha}, {40, 5, hb}};
+    EXPECT_TRUE(MmExtraKeys(mm, 0, 16).empty());
+    EXPECT_EQ(MmExtraKeys(mm, 16, 32), std::vector<std::string_view>({ha}));
+    EXPECT_EQ(MmExtraKeys(mm, 32, 48), std::vector<std::string_view>({ha, hb}));
+    EXPECT_TRUE(MmExtraKeys(mm, 48, 64).empty());
+    const auto all = HashFullBlocks(root, prompt, 16, mm);
+    ASSERT_EQ(all.size(), 3u);
+    EXPECT_EQ(Hex(all[0]), "d830de3d42c00f25a2949b5d12d98642664a44872c1614c5b0147556276afc9c");
+    EXPECT_EQ(Hex(all[1]), "b7ba220a98c421574607d66aba72563b2e7c09b24ecd9c1dc1c394849cf08a5f");
+    EXPECT_EQ(Hex(all[2]), "c7d740944fce392fff2c44eea1181545a4e44a011b64c21f1a40fb16143b6368");
+    // Without them the blocks after the first hash as plain text.
+    EXPECT_NE(HashFullBlocks(root, prompt, 16)[1], all[1]);
+}
+
 TEST(BlockHash, EqualsVllmsSha256CborChain) {
     const BlockHash root = RootBlockHash("0");
     EXPECT_EQ(Hex(root), "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e");

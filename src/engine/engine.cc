@@ -83,9 +83,16 @@ struct Engine::Sequence {
     // Its KV came from a peer that did not confirm it is this prompt's: it serves this request
     // and never enters the prefix cache (no other request may read it).
     bool no_cache = false;
+    // The prompt's multimodal inputs, as the prefix cache's extra keys and the model's inputs.
+    std::vector<MmSpan> mm_spans;
+    std::vector<model::InputEmbeds> embeds;
 
     Sequence(Request r, uint64_t seed) : req(std::move(r)), sampler(req.sampling, seed) {
         tokens = req.prompt;
+        for (const MmInput& m : req.mm) {
+            mm_spans.push_back({m.offset, m.length, m.hash});
+            embeds.push_back({m.offset, m.length, m.embeds->data()});
+        }
         prompt_len = static_cast<int>(tokens.size());
         for (const std::string& s : req.sampling.stop) max_stop = std::max(max_stop, s.size());
     }
@@ -205,6 +212,28 @@ Status Engine::Submit(Request request) {
             return InvalidArgumentError(fmt::format(
                 "prompt token id {} is outside the vocabulary (0..{})", t, mc.vocab_size - 1));
         }
+    }
+    int64_t mm_end = 0;
+    for (size_t i = 0; i < request.mm.size(); ++i) {
+        const MmInput& m = request.mm[i];
+        if (m.length <= 0 || m.offset < mm_end ||
+            int64_t(m.offset) + m.length > int64_t(request.prompt.size()) || m.hash.empty() ||
+            !m.embeds || m.embeds->size() != size_t(m.length) * mc.dim) {
+            return InvalidArgumentError(fmt::format(
+                "multimodal input {} (tokens {}..{} of a {}-token prompt, {} embedding values "
+                "for width {}) does not fit the prompt, overlaps the one before it, or has no "
+                "hash",
+                i, m.offset, int64_t(m.offset) + m.length, request.prompt.size(),
+                m.embeds ? m.embeds->size() : 0, mc.dim));
+        }
+        mm_end = int64_t(m.offset) + m.length;
+    }
+    if (!request.mm.empty() && request.kv_transfer) {
+        // The connectors bind a transfer to the prompt's token ids, which do not tell one
+        // image from another yet.
+        return InvalidArgumentError(
+            "kv_transfer_params: prompts with images are not served disaggregated yet; send "
+            "them to a colocated worker");
     }
     const int64_t want = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
     if (want > config_.max_model_len) {
@@ -380,8 +409,8 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
         // Start from the longest cached prefix; at least the last token is computed, to have
         // its logits. Waiting sequences hold no blocks: on failure the prefix goes back.
         std::vector<BlockHash> hashes;
-        s->blocks =
-            pool_->AcquireCachedPrefix(std::span(s->tokens).first(len - 1), SIZE_MAX, &hashes);
+        s->blocks = pool_->AcquireCachedPrefix(std::span(s->tokens).first(len - 1), SIZE_MAX,
+                                               &hashes, s->mm_spans);
         s->hashes = std::move(hashes);
         s->num_computed = static_cast<int>(s->blocks.size()) * bt;
         const int external = remote_kv
@@ -466,6 +495,7 @@ bool Engine::StepBatch() {
         c.start_pos = s->num_computed;
         c.block_table = s->blocks;
         c.want_logits = s->num_computed + n == static_cast<int>(s->tokens.size());
+        c.embeds = s->embeds;
         num_logits += c.want_logits;
         chunks.push_back(c);
     }
@@ -524,7 +554,9 @@ void Engine::CommitFullBlocks(Sequence* s) {
         size_t b = s->hashes.size();
         const BlockHash parent = b == 0 ? pool_->root() : s->hashes.back();
         auto toks = std::span(s->tokens).subspan(b * bt, bt);
-        const BlockHash h = HashBlockTokens(parent, toks);
+        const int64_t start = int64_t(b) * bt;
+        const BlockHash h =
+            HashBlockTokens(parent, toks, MmExtraKeys(s->mm_spans, start, start + bt));
         pool_->Cache(s->blocks[b], h, parent, toks);
         s->hashes.push_back(h);
     }

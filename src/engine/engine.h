@@ -81,9 +81,22 @@ struct RequestOutput {
 };
 using OutputCallback = std::function<void(const RequestOutput&)>;
 
+// A multimodal input of a prompt (an image): `length` placeholder tokens from `offset` whose
+// inputs are `embeds` ([length][model dim], the encoder's projected output) instead of the
+// tokens' embedding rows. `hash` (its mm_hash, hex) keys the prefix cache's blocks that overlap
+// it, so that another image behind the same placeholder tokens never hits them.
+struct MmInput {
+    int offset = 0;
+    int length = 0;
+    std::string hash;
+    std::shared_ptr<const std::vector<float>> embeds;
+};
+
 struct Request {
     std::string id;
     std::vector<int32_t> prompt;
+    // Sorted by offset, not overlapping, inside the prompt.
+    std::vector<MmInput> mm;
     model::SamplingParams sampling;
     OutputCallback on_output;
     // Disaggregation (needs a connector): the request's kv_transfer_params as the connector

@@ -311,6 +311,132 @@ TEST_F(EngineTest, SubmitRefusesBadRequests) {
     e->RunUntilIdle();
 }
 
+// The token embedding rows of `tokens` (from the file, as the model reads them).
+std::shared_ptr<const std::vector<float>> EmbeddingRows(const std::string& path,
+                                                        std::span<const int32_t> tokens) {
+    auto f = std::move(model::GgufFile::Open(path)).value();
+    const int dim = model::ModelConfig::FromGguf(*f)->dim;
+    const int vocab = model::ModelConfig::FromGguf(*f)->vocab_size;
+    auto table =
+        std::move(model::TensorF32(*f, "token_embd.weight", {uint64_t(dim), uint64_t(vocab)}))
+            .value();
+    auto rows = std::make_shared<std::vector<float>>();
+    for (int32_t t : tokens) {
+        rows->insert(rows->end(), table.begin() + size_t(t) * dim,
+                     table.begin() + size_t(t + 1) * dim);
+    }
+    return rows;
+}
+
+// A request whose prompt has `mm` inputs.
+Request MmRequest(const std::string& id, std::vector<int32_t> prompt, std::vector<MmInput> mm,
+                  int max_tokens, std::map<std::string, Collected>* out) {
+    Request r;
+    r.id = id;
+    r.prompt = std::move(prompt);
+    r.mm = std::move(mm);
+    r.sampling.temperature = 0;
+    r.sampling.ignore_eos = true;
+    r.sampling.max_tokens = max_tokens;
+    r.sampling.logprobs = 0;
+    (*out)[id];
+    r.on_output = [out, id](const RequestOutput& o) {
+        Collected& c = (*out)[id];
+        c.tokens.insert(c.tokens.end(), o.tokens.begin(), o.tokens.end());
+        c.logprobs.insert(c.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+        c.finish = o.finish;
+        c.cached_tokens = o.cached_tokens;
+    };
+    return r;
+}
+
+TEST_F(EngineTest, InputEmbeddingsStandInForTheirPlaceholderTokens) {
+    // Embeddings equal to the tokens' own rows behind placeholder tokens (id 0) give exactly
+    // the plain prompt's output, whole or with the image split over prefill chunks: the rows
+    // are used at their positions and nowhere else.
+    const auto prompt = Prompt(70, 3);
+    auto holes = prompt;
+    std::fill(holes.begin() + 13, holes.begin() + 37, 0);
+    std::fill(holes.begin() + 40, holes.begin() + 48, 0);
+    std::vector<MmInput> mm = {
+        {13, 24, std::string(64, 'a'), EmbeddingRows(path_, std::span(prompt).subspan(13, 24))},
+        {40, 8, std::string(64, 'b'), EmbeddingRows(path_, std::span(prompt).subspan(40, 8))}};
+    auto plain_engine = Make(Config());
+    auto want = Run(plain_engine.get(), {{"p", prompt}}, 12)["p"];
+    ASSERT_EQ(want.tokens.size(), 12u);
+    for (int chunk : {512, 16, 5}) {
+        auto c = Config();
+        c.max_batched_tokens = chunk;
+        auto e = Make(c);
+        std::map<std::string, Collected> got;
+        FERRY_ASSERT_OK(e->Submit(MmRequest("m", holes, mm, 12, &got)));
+        e->RunUntilIdle();
+        EXPECT_EQ(got["m"].tokens, want.tokens) << "chunk " << chunk;
+        EXPECT_EQ(got["m"].finish, FinishReason::kLength);
+    }
+    // Without the embeddings the placeholders are just tokens: another answer.
+    auto e = Make(Config());
+    auto bare = Run(e.get(), {{"h", holes}}, 12)["h"];
+    EXPECT_NE(bare.tokens, want.tokens);
+}
+
+TEST_F(EngineTest, ThePrefixCacheKeysImageBlocksOnTheImageHash) {
+    // Two images behind the same placeholder tokens: the second finds only the blocks before
+    // the image in the cache; the first again finds everything but the last block, and both
+    // answer as they did from an empty cache.
+    auto prompt = Prompt(64, 5);
+    std::fill(prompt.begin() + 20, prompt.begin() + 36, 0);  // blocks 2..4 of 8 tokens
+    auto image = [&](int salt) { return EmbeddingRows(path_, Prompt(16, salt)); };
+    const MmInput x{20, 16, std::string(64, '1'), image(40)};
+    const MmInput y{20, 16, std::string(64, '2'), image(41)};
+    std::map<std::string, Collected> cold;
+    for (const auto& [id, m] : {std::pair{"x", x}, {"y", y}}) {
+        auto e = Make(Config());
+        FERRY_ASSERT_OK(e->Submit(MmRequest(id, prompt, {m}, 10, &cold)));
+        e->RunUntilIdle();
+    }
+    ASSERT_NE(cold["x"].logprobs, cold["y"].logprobs);
+
+    auto warm = Make(Config());
+    std::map<std::string, Collected> got;
+    for (const auto& [id, m] : {std::pair{"x1", x}, {"y1", y}, {"x2", x}, {"y2", y}}) {
+        FERRY_ASSERT_OK(warm->Submit(MmRequest(id, prompt, {m}, 10, &got)));
+        warm->RunUntilIdle();
+    }
+    EXPECT_EQ(got["x1"].cached_tokens, 0);
+    EXPECT_EQ(got["y1"].cached_tokens, 16);  // blocks 0 and 1 hold no image
+    EXPECT_EQ(got["x2"].cached_tokens, 56);
+    EXPECT_EQ(got["y2"].cached_tokens, 56);
+    for (const char* id : {"x1", "x2"}) EXPECT_EQ(got[id].tokens, cold["x"].tokens) << id;
+    for (const char* id : {"y1", "y2"}) EXPECT_EQ(got[id].tokens, cold["y"].tokens) << id;
+    // A text prompt of the same token ids shares nothing past the image's start either.
+    auto text = Run(warm.get(), {{"t", prompt}}, 4)["t"];
+    EXPECT_EQ(text.cached_tokens, 16);
+}
+
+TEST_F(EngineTest, SubmitRefusesMultimodalInputsThatDoNotFit) {
+    auto e = Make(Config());
+    const auto prompt = Prompt(40, 1);
+    const std::string h(64, 'c');
+    std::map<std::string, Collected> out;
+    auto refused = [&](std::vector<MmInput> mm) {
+        return e->Submit(MmRequest("bad", prompt, std::move(mm), 4, &out));
+    };
+    const int dim = model1_->config().dim;
+    auto fit = [&](int n) { return std::make_shared<std::vector<float>>(size_t(n) * dim, 0.f); };
+    EXPECT_THAT(refused({{30, 20, h, fit(20)}}), StatusHas(Code::kInvalidArgument, "does not fit"));
+    EXPECT_THAT(refused({{5, 10, h, fit(10)}, {10, 4, h, fit(4)}}),
+                StatusHas(Code::kInvalidArgument, "multimodal input 1"));
+    EXPECT_THAT(refused({{5, 10, h, fit(9)}}),
+                StatusHas(Code::kInvalidArgument, "576 embedding values for width 64"));
+    EXPECT_THAT(refused({{5, 10, "", fit(10)}}), StatusHas(Code::kInvalidArgument, "no hash"));
+    EXPECT_THAT(refused({{5, 0, h, fit(0)}}), StatusHas(Code::kInvalidArgument, "input 0"));
+    EXPECT_THAT(refused({{5, 10, h, nullptr}}), StatusHas(Code::kInvalidArgument, "input 0"));
+    FERRY_EXPECT_OK(e->Submit(MmRequest("ok", prompt, {{5, 10, h, fit(10)}}, 4, &out)));
+    e->RunUntilIdle();
+    EXPECT_EQ(out["ok"].finish, FinishReason::kLength);
+}
+
 TEST_F(EngineTest, AbortFreesBlocksAndEndsTheStream) {
     auto e = Make(Config());
     Collected c;

@@ -20,7 +20,8 @@ KvBlockPool::KvBlockPool(int num_blocks, int block_tokens, bool prefix_caching, 
 
 std::vector<BlockId> KvBlockPool::AcquireCachedPrefix(std::span<const int32_t> tokens,
                                                       size_t max_blocks,
-                                                      std::vector<BlockHash>* hashes) {
+                                                      std::vector<BlockHash>* hashes,
+                                                      std::span<const MmSpan> mm) {
     std::vector<BlockId> out;
     hashes->clear();
     if (!prefix_caching_) return out;
@@ -28,7 +29,9 @@ std::vector<BlockId> KvBlockPool::AcquireCachedPrefix(std::span<const int32_t> t
     size_t full = std::min(tokens.size() / block_tokens_, max_blocks);
     for (size_t i = 0; i < full; ++i) {
         auto chunk = tokens.subspan(i * block_tokens_, block_tokens_);
-        const BlockHash h = HashBlockTokens(parent, chunk);
+        const int64_t start = static_cast<int64_t>(i) * block_tokens_;
+        const BlockHash h =
+            HashBlockTokens(parent, chunk, MmExtraKeys(mm, start, start + block_tokens_));
         auto it = by_hash_.find(h);
         if (it == by_hash_.end()) break;
         Block& b = blocks_[it->second];

@@ -48,9 +48,10 @@ class KvBlockPool {
 
     // Takes a reference on the longest run of cached blocks that hold the full blocks of
     // `tokens`, at most `max_blocks` of them; returns them in order and fills `hashes` with their
-    // hashes.
+    // hashes. `mm`: the multimodal inputs of the prompt (their hashes are the blocks' extra keys).
     std::vector<BlockId> AcquireCachedPrefix(std::span<const int32_t> tokens, size_t max_blocks,
-                                             std::vector<BlockHash>* hashes);
+                                             std::vector<BlockHash>* hashes,
+                                             std::span<const MmSpan> mm = {});
     // `n` fresh blocks (each with one reference), evicting cached ones as needed;
     // ResourceExhausted (and nothing taken) if fewer than `n` are free.
     Result<std::vector<BlockId>> Allocate(int n);

@@ -723,6 +723,12 @@ Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* co
                     fmt::format("forward: block id {} out of range", ch.block_table[i]));
             }
         }
+        for (const InputEmbeds& e : ch.embeds) {
+            if (e.count < 0 || e.pos < 0 || (e.count > 0 && e.rows == nullptr)) {
+                return InvalidArgumentError(fmt::format(
+                    "forward: input embeddings at {} for {} tokens are malformed", e.pos, e.count));
+            }
+        }
         for (int32_t t : ch.tokens) {
             if (t < 0 || t >= c.vocab_size) {
                 return InvalidArgumentError(
@@ -742,6 +748,14 @@ Status Model::Forward(std::span<const SeqChunk> batch, std::span<kv::KvCache* co
         for (size_t i = 0; i < ch.tokens.size(); ++i, ++row) {
             WidenRow(embedding_, ch.tokens[i], &x_[size_t(row) * c.dim]);
             positions_[row] = ch.start_pos + static_cast<int>(i);
+        }
+        const int end = ch.start_pos + static_cast<int>(ch.tokens.size());
+        for (const InputEmbeds& e : ch.embeds) {
+            const int lo = std::max(e.pos, ch.start_pos), hi = std::min(e.pos + e.count, end);
+            for (int p = lo; p < hi; ++p) {
+                std::copy_n(e.rows + size_t(p - e.pos) * c.dim, c.dim,
+                            &x_[size_t(row - (end - p)) * c.dim]);
+            }
         }
         if (ch.want_logits) logit_rows_.push_back(row - 1);
     }

@@ -82,6 +82,15 @@ struct ModelOptions {
     int tp = 1;  // tensor-parallel ranks (threads)
 };
 
+// Input embeddings that stand in for `count` tokens from prompt position `pos` (an image's
+// placeholder tokens: its encoder output, already projected to the model's width): rows
+// [count][dim] of floats the caller keeps alive for the call.
+struct InputEmbeds {
+    int pos = 0;
+    int count = 0;
+    const float* rows = nullptr;
+};
+
 // One sequence's share of a forward pass: `num_tokens` new tokens at positions
 // [start_pos, start_pos + num_tokens); the KV of positions [0, start_pos) is already in the
 // blocks of `block_table`, which must cover start_pos + num_tokens tokens.
@@ -90,6 +99,9 @@ struct SeqChunk {
     int start_pos = 0;
     std::span<const kv::BlockId> block_table;
     bool want_logits = false;  // logits of the chunk's last token
+    // Runs of positions whose input is given as embeddings instead of the tokens' rows; the
+    // part of each run inside this chunk's positions is used, the rest ignored.
+    std::span<const InputEmbeds> embeds;
 };
 
 // The BLAS threads a model's matrix products use now (openblas_get_num_threads); Load sets
