@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "kv/agent_connector.h"
 #include "kv/connector_registry.h"
 #include "model/model.h"
+#include "model/vision.h"
 #include "serve/openai_server.h"
 #include "serve/worker.h"
 
@@ -57,8 +59,14 @@ void AddModelCommand(CLI::App& app, int* rc) {
     static uint64_t seed = 1;
     init->add_option("--preset", preset,
                      "tiny (4 layers, dim 256) or small (12 layers, dim 768); tiny-mla and "
-                     "small-mla: the same with multi-head latent attention (deepseek2)")
-        ->check(CLI::IsMember({"tiny", "small", "tiny-mla", "small-mla"}));
+                     "small-mla: the same with multi-head latent attention (deepseek2); tiny-vl "
+                     "and small-vl: tiny and small with a vision encoder (an mmproj file, "
+                     "--mmproj-out)")
+        ->check(CLI::IsMember({"tiny", "small", "tiny-mla", "small-mla", "tiny-vl", "small-vl"}));
+    static std::string mmproj_out;
+    init->add_option("--mmproj-out", mmproj_out,
+                     "tiny-vl and small-vl: where the vision projector goes (llama.cpp's mmproj "
+                     "GGUF; default: --out with -mmproj before .gguf)");
     init->add_option("--seed", seed, "weights seed");
     init->add_option("--out", out, "output .gguf file")->required();
     init->add_option("--dtype", dtype, "weight type: f32, f16 or bf16")
@@ -69,7 +77,8 @@ void AddModelCommand(CLI::App& app, int* rc) {
                      "tests/data/tokenizers/ggml-vocab-falcon.gguf) instead of the byte one")
         ->check(CLI::ExistingFile);
     init->callback([rc] {
-        auto spec = model::PresetSpec(preset);
+        const bool vl = preset.ends_with("-vl");
+        auto spec = model::PresetSpec(vl ? preset.substr(0, preset.size() - 3) : preset);
         spec->vocab_file = vocab;
         spec->dtype = dtype == "f16"    ? model::TensorType::kF16
                       : dtype == "bf16" ? model::TensorType::kBF16
@@ -82,6 +91,22 @@ void AddModelCommand(CLI::App& app, int* rc) {
         }
         fmt::print("wrote {} ({} preset, seed {}, {} weights, {})\n", out, preset, seed, dtype,
                    vocab.empty() ? "byte vocabulary" : "vocabulary of " + vocab);
+        if (!vl) return;
+        std::string proj = mmproj_out;
+        if (proj.empty()) {
+            proj = out.ends_with(".gguf") ? out.substr(0, out.size() - 5) : out;
+            proj += "-mmproj.gguf";
+        }
+        model::RandomVisionSpec vs = *model::PresetVisionSpec(preset);
+        st = model::WriteRandomMmproj(vs, seed, proj);
+        if (!st.ok()) {
+            fmt::print(stderr, "ferry model init: {}\n", st.ToString());
+            *rc = 1;
+            return;
+        }
+        fmt::print("wrote {} (vision encoder: {} tokens an image, {}x{} pixels)\n", proj,
+                   (vs.image_size / vs.patch_size) * (vs.image_size / vs.patch_size), vs.image_size,
+                   vs.image_size);
     });
 
     CLI::App* info = model->add_subcommand("info", "Print a GGUF model's configuration");
@@ -178,6 +203,37 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ->capture_default_str();
     serve->add_option("--max-model-len", ec.max_model_len, "context limit (0: the model's)")
         ->check(CLI::Range(0, 1 << 24));
+    // Images (docs/inference.md).
+    static std::string mmproj, limit_mm;
+    static uint64_t encoder_cache_mib = 256;
+    serve->add_option("--mmproj", mmproj,
+                      "the vision encoder (llama.cpp's mmproj GGUF, projector mlp): chat "
+                      "requests may then carry image_url parts");
+    serve->add_option("--limit-mm-per-prompt", limit_mm,
+                      "images one request may carry, as vLLM: '{\"image\": N}' (default 8)");
+    serve
+        ->add_option("--max-image-bytes", sc.media.limits.max_encoded_bytes,
+                     "bytes of one encoded image (a file or a data: URL's payload)")
+        ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32))
+        ->capture_default_str();
+    serve
+        ->add_option("--max-image-pixels", sc.media.limits.max_pixels,
+                     "width x height of one decoded image, checked before decoding")
+        ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32))
+        ->capture_default_str();
+    serve->add_option("--allowed-local-media-path", sc.media.allowed_local_media_path,
+                      "file:// image URLs are read only from under this directory (default: "
+                      "none are)");
+    serve
+        ->add_option("--encoder-cache-mib", encoder_cache_mib,
+                     "image embeddings kept by mm_hash, least recently used out (0: none)")
+        ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 20))
+        ->capture_default_str();
+    serve
+        ->add_option("--max-pending-image-requests", sc.max_pending_image_requests,
+                     "requests with images waiting for the encoder; more get 503")
+        ->check(CLI::Range(1, 1 << 20))
+        ->capture_default_str();
     serve
         ->add_option("--chat-template", chat_template,
                      "chatml, llama3 or llama2 (default: from the model file)")
@@ -311,6 +367,23 @@ void AddServeCommand(CLI::App& app, int* rc) {
         if (!chat_template.empty()) {
             m->mutable_tokenizer().set_chat_template(*model::ParseChatTemplate(chat_template));
         }
+        if (!limit_mm.empty()) {
+            const nlohmann::json j = nlohmann::json::parse(limit_mm, nullptr, false);
+            if (!j.is_object() || !j.contains("image") || !j["image"].is_number_integer() ||
+                j["image"].get<int64_t>() < 0 || j["image"].get<int64_t>() > 1024 ||
+                j.size() != 1) {
+                return fail(InvalidArgumentError(fmt::format(
+                    "--limit-mm-per-prompt: '{}' is not {{\"image\": N}} with N in 0..1024",
+                    limit_mm)));
+            }
+            sc.media.limits.max_images = j["image"].get<int>();
+        }
+        if (!mmproj.empty()) {
+            auto v = model::VisionEncoder::Load(mmproj);
+            if (!v.ok()) return fail(v.status().WithContext("--mmproj"));
+            sc.vision = std::move(v).value();
+        }
+        sc.encoder_cache_bytes = encoder_cache_mib << 20;
         ec.kv_dtype = *kv::ParseKvDtype(kv_dtype);
         ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
         ec.chunked_prefill = !no_chunked;
@@ -383,6 +456,13 @@ void AddServeCommand(CLI::App& app, int* rc) {
             "{} tokens ({}), max model len {}\n",
             server->model_name(), c.ParamCount() / 1e6, c.num_layers, tp, got.num_blocks,
             got.block_tokens, kv_dtype, got.max_model_len);
+        if (sc.vision) {
+            const model::VisionConfig& v = sc.vision->config();
+            fmt::print(
+                "ferry serve: vision encoder {} ({}x{} pixels, {} tokens an image), "
+                "encoder cache {} MiB\n",
+                mmproj, v.image_size, v.image_size, v.tokens_per_image(), encoder_cache_mib);
+        }
         if (agent) {
             fmt::print("ferry serve: role {}, kv agent {} at {}\n", role, agent->name(),
                        agent->ListenAddress());

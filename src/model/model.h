@@ -101,7 +101,7 @@ struct SeqChunk {
     bool want_logits = false;  // logits of the chunk's last token
     // Runs of positions whose input is given as embeddings instead of the tokens' rows; the
     // part of each run inside this chunk's positions is used, the rest ignored.
-    std::span<const InputEmbeds> embeds;
+    std::span<const InputEmbeds> embeds = {};
 };
 
 // The BLAS threads a model's matrix products use now (openblas_get_num_threads); Load sets

@@ -58,8 +58,18 @@ bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* 
         ChatMessage cm;
         cm.role = m["role"].get<std::string>();
         const Json& c = m.contains("content") ? m["content"] : Json();
+        // With images, the marker in text would be taken for one.
+        auto marker_free = [&](const std::string& text, const std::string& at) {
+            if (images == nullptr || text.find(kImageMarker) == std::string::npos) return true;
+            return Fail(error,
+                        fmt::format("{} contains '{}', which marks an image's place; send "
+                                    "images as image_url parts",
+                                    at, kImageMarker),
+                        at);
+        };
         if (c.is_string()) {
             cm.content = c.get<std::string>();
+            if (!marker_free(cm.content, where + ".content")) return false;
         } else if (c.is_array()) {
             for (size_t j = 0; j < c.size(); ++j) {
                 const Json& part = c[j];
@@ -80,6 +90,7 @@ bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* 
                     image.message = i;
                     image.offset = cm.content.size();
                     images->push_back(std::move(image));
+                    cm.content += kImageMarker;
                     continue;
                 }
                 if (type != "text") {
@@ -92,7 +103,9 @@ bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* 
                 if (!part.contains("text") || !part["text"].is_string()) {
                     return Fail(error, at + ": a text part needs a string 'text'", at);
                 }
-                cm.content += part["text"].get<std::string>();
+                const std::string& text = part["text"].get_ref<const std::string&>();
+                if (!marker_free(text, at + ".text")) return false;
+                cm.content += text;
             }
         } else if (!c.is_null()) {
             return Fail(error, where + ".content must be a string or an array of parts",
@@ -103,15 +116,50 @@ bool ChatMessages(const Json& body, std::vector<ChatMessage>* out, PromptError* 
     return true;
 }
 
+int32_t ImagePlaceholder(const Tokenizer& tk) {
+    for (int32_t id = 0; id < tk.vocab_size(); ++id) {
+        if (tk.token_text(id) == "<image>") return id;
+    }
+    return tk.eos_id() >= 0 ? tk.eos_id() : 0;
+}
+
 bool PromptTokens(const Json& body, bool chat, const Tokenizer& tk, std::vector<int32_t>* out,
-                  PromptError* error) {
+                  PromptError* error, const ImageTokens* image_tokens,
+                  std::vector<ImagePart>* images) {
     out->clear();
     if (chat) {
         std::vector<ChatMessage> msgs;
-        if (!ChatMessages(body, &msgs, error)) return false;
+        std::vector<ImagePart> parts;
+        if (!ChatMessages(body, &msgs, error, image_tokens ? &parts : nullptr)) return false;
         auto text = tk.ApplyChatTemplate(msgs, true);
         if (!text.ok()) return Fail(error, text.status().message(), "messages");
-        *out = tk.Encode(*text, false);
+        if (!image_tokens) {
+            *out = tk.Encode(*text, false);
+            return true;
+        }
+        // Each piece between markers alone, the image's placeholders between them.
+        std::string_view rest = *text;
+        size_t n = 0;
+        for (size_t at; (at = rest.find(kImageMarker)) != std::string_view::npos;) {
+            if (n == parts.size()) break;
+            const std::vector<int32_t> piece = tk.Encode(rest.substr(0, at), false);
+            out->insert(out->end(), piece.begin(), piece.end());
+            parts[n++].token_offset = out->size();
+            out->insert(out->end(), size_t(image_tokens->tokens_per_image),
+                        image_tokens->placeholder);
+            rest.remove_prefix(at + kImageMarker.size());
+        }
+        if (n != parts.size() || rest.find(kImageMarker) != std::string_view::npos) {
+            out->clear();
+            return Fail(error,
+                        fmt::format("the chat template kept {} of the request's {} images (an "
+                                    "image in a message it leaves out?)",
+                                    n, parts.size()),
+                        "messages");
+        }
+        const std::vector<int32_t> piece = tk.Encode(rest, false);
+        out->insert(out->end(), piece.begin(), piece.end());
+        if (images) *images = std::move(parts);
         return true;
     }
     if (!body.contains("prompt") || body["prompt"].is_null()) {

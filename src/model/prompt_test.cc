@@ -103,16 +103,74 @@ TEST(ChatMessages, ImagePartsAreCollectedInOrderWithTheirPlace) {
     PromptError e;
     ASSERT_TRUE(ChatMessages(body, &msgs, &e, &images)) << e.message;
     ASSERT_EQ(msgs.size(), 2u);
-    EXPECT_EQ(msgs[1].content, "first then");
+    EXPECT_EQ(msgs[1].content, "first <__media__>then<__media__>");
     ASSERT_EQ(images.size(), 2u);
     EXPECT_EQ(images[0].message, 1u);
     EXPECT_EQ(images[0].offset, 6u);
     EXPECT_EQ(images[0].url, "data:a");
     EXPECT_EQ(images[0].detail, "low");
     EXPECT_EQ(images[0].param, "messages[1].content[1].image_url");
-    EXPECT_EQ(images[1].offset, 10u);
+    EXPECT_EQ(images[1].offset, 21u);
     EXPECT_EQ(images[1].url, "file:///b.png");
     EXPECT_EQ(images[1].detail, "auto");
+}
+
+TEST(PromptTokens, ImagesBecomePlaceholderTokensWhereTheTemplatePutsThem) {
+    auto tk = PresetTokenizer();
+    auto image = [](std::string url) {
+        return Json{{"type", "image_url"}, {"image_url", {{"url", std::move(url)}}}};
+    };
+    const Json body = {{"messages",
+                        {{{"role", "system"}, {"content", "be brief"}},
+                         {{"role", "user"},
+                          {"content",
+                           {{{"type", "text"}, {"text", "see "}},
+                            image("data:a"),
+                            {{"type", "text"}, {"text", " and "}},
+                            image("data:b")}}}}}};
+    const ImageTokens it{.tokens_per_image = 5, .placeholder = ImagePlaceholder(*tk)};
+    EXPECT_EQ(it.placeholder, tk->eos_id());  // the byte vocabulary has no <image>
+    std::vector<int32_t> got;
+    std::vector<ImagePart> images;
+    PromptError e;
+    ASSERT_TRUE(PromptTokens(body, true, *tk, &got, &e, &it, &images)) << e.message;
+    // The rendered prompt split at the markers, each piece encoded alone.
+    const std::string text =
+        tk->ApplyChatTemplate(std::vector<ChatMessage>{{"system", "be brief"},
+                                                       {"user", "see <__media__> and <__media__>"}},
+                              true)
+            .value();
+    const size_t m0 = text.find("<__media__>"), m1 = text.find("<__media__>", m0 + 1);
+    std::vector<int32_t> want = tk->Encode(text.substr(0, m0), false);
+    const size_t at0 = want.size();
+    want.insert(want.end(), 5, it.placeholder);
+    auto mid = tk->Encode(text.substr(m0 + 11, m1 - m0 - 11), false);
+    want.insert(want.end(), mid.begin(), mid.end());
+    const size_t at1 = want.size();
+    want.insert(want.end(), 5, it.placeholder);
+    auto tail = tk->Encode(text.substr(m1 + 11), false);
+    want.insert(want.end(), tail.begin(), tail.end());
+    EXPECT_EQ(got, want);
+    ASSERT_EQ(images.size(), 2u);
+    EXPECT_EQ(images[0].token_offset, at0);
+    EXPECT_EQ(images[1].token_offset, at1);
+    EXPECT_EQ(images[1].url, "data:b");
+
+    // The marker typed as text cannot pose as an image, in a string or a part.
+    Json typed = body;
+    typed["messages"][0]["content"] = "a <__media__> b";
+    EXPECT_FALSE(PromptTokens(typed, true, *tk, &got, &e, &it, &images));
+    EXPECT_EQ(e.param, "messages[0].content");
+    EXPECT_THAT(e.message, ::testing::HasSubstr("contains '<__media__>', which marks an image"));
+    typed = body;
+    typed["messages"][1]["content"][2]["text"] = "<__media__>";
+    EXPECT_FALSE(PromptTokens(typed, true, *tk, &got, &e, &it, &images));
+    EXPECT_EQ(e.param, "messages[1].content[2].text");
+    // Without a vision encoder the marker is only text, and image parts are refused.
+    EXPECT_FALSE(PromptTokens(body, true, *tk, &got, &e));
+    EXPECT_THAT(e.message, ::testing::HasSubstr("this model takes no images"));
+    typed["messages"][1]["content"] = "<__media__>";
+    ASSERT_TRUE(PromptTokens(typed, true, *tk, &got, &e)) << e.message;
 }
 
 }  // namespace

@@ -86,6 +86,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     er.prompt = pr.prompt;
     er.sampling = pr.sampling;
     er.kv_transfer = pr.kv_transfer;
+    er.mm = std::move(pr.mm);  // before `pr` is copied into the callback
     // A request whose KV comes from elsewhere can fail before its first token for reasons
     // with their own status (a refused claim 409, an unreachable peer 503): its stream starts
     // with the first output, so that such an error is an HTTP status, not a 200 with an error

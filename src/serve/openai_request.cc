@@ -102,7 +102,8 @@ void CheckModel(Fields* f, const std::string& model_name) {
 
 // Fills `out` from a /v1/completions or /v1/chat/completions body.
 void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
-                  const std::string& model_name, ParsedRequest* out, Fields* f) {
+                  const std::string& model_name, ParsedRequest* out, Fields* f,
+                  const model::ImageTokens* image_tokens) {
     out->chat = chat;
     CheckModel(f, model_name);
     model::SamplingParams& sp = out->sampling;
@@ -195,7 +196,7 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
 
     // The prompt.
     model::PromptError pe;
-    if (!model::PromptTokens(body, chat, tk, &out->prompt, &pe)) {
+    if (!model::PromptTokens(body, chat, tk, &out->prompt, &pe, image_tokens, &out->images)) {
         return f->Fail(std::move(pe.message), std::move(pe.param));
     }
     if (max_tokens < 0) max_tokens = 16;  // chat without a limit: set below from the context
@@ -228,11 +229,11 @@ bool ParseBody(std::string_view text, Json* body, BadRequest* error) {
 
 bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer& tk,
                         const std::string& model_name, int max_model_len, ParsedRequest* out,
-                        BadRequest* error) {
+                        BadRequest* error, const model::ImageTokens* image_tokens) {
     Json body;
     if (!ParseBody(text, &body, error)) return false;
     Fields fields(body);
-    ParseRequest(body, chat, tk, model_name, out, &fields);
+    ParseRequest(body, chat, tk, model_name, out, &fields, image_tokens);
     if (fields.ok() && body.contains("kv_transfer_params") &&
         !body["kv_transfer_params"].is_null()) {
         const Json& kv = body["kv_transfer_params"];

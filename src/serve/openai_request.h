@@ -11,7 +11,9 @@
 
 #include "core/json_depth.h"
 #include "core/request_id.h"
+#include "engine/engine.h"
 #include "kv/connector.h"
+#include "model/prompt.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 
@@ -37,16 +39,22 @@ struct ParsedRequest {
     // kv_transfer.
     nlohmann::json kv_transfer_params;
     std::shared_ptr<kv::ConnectorParams> kv_transfer;
+    // A chat's images (with a vision encoder: ParseOpenAiRequest's image_tokens), in prompt
+    // order, their placeholder tokens in `prompt`; the server reads and encodes them into `mm`.
+    std::vector<model::ImagePart> images;
+    std::vector<engine::MmInput> mm;
 };
 
 // Nesting deeper than this is refused before any JSON tree is built (JsonDepthWithin).
 inline constexpr size_t kMaxJsonDepth = 64;
 
 // Parses `body`; false with `error` filled for anything malformed. Chat requests without a token
-// limit get what is left of `max_model_len` after the prompt.
+// limit get what is left of `max_model_len` after the prompt. With `image_tokens` (a worker
+// with a vision encoder) a chat's image parts become placeholder tokens and out->images;
+// without, they are refused by name.
 bool ParseOpenAiRequest(std::string_view body, bool chat, const model::Tokenizer& tokenizer,
                         const std::string& model_name, int max_model_len, ParsedRequest* out,
-                        BadRequest* error);
+                        BadRequest* error, const model::ImageTokens* image_tokens = nullptr);
 
 // POST /tokenize, as vLLM's server defines it: {"prompt": text} (TokenizeCompletionRequest;
 // add_special_tokens defaults to true) or {"messages": [...]} (TokenizeChatRequest, rendered with

@@ -141,7 +141,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
     ParsedRequest pr;
     BadRequest bad;
     if (!ParseOpenAiRequest(ex->request().body, chat, tk, model_name, engine->max_model_len(), &pr,
-                            &bad)) {
+                            &bad, config.vision ? &image_tokens : nullptr)) {
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400, bad, x && ValidRequestId(*x) ? *x : ""));
     }
@@ -174,6 +174,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
         pr.stream = false;
     }
+    if (!pr.images.empty()) return ServeImages(ex, chat, std::move(pr));
     if (!pr.kv_transfer && config.kv_agent_info &&
         static_cast<int>(pr.prompt.size()) >= config.remote_prefill_min_tokens) {
         const std::string base = RequestIdOr(ex->request().Find("X-Request-Id"));
@@ -218,6 +219,28 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     for (const http::Endpoint& ep : config.remote_prefill) {
         impl->remote_prefill->AddWorker(router::Role::kPrefill, ep);
     }
+    if (config.vision) {
+        const model::VisionConfig& vc = config.vision->config();
+        const int dim = impl->engine->model().config().dim;
+        if (vc.out_dim != dim) {
+            return InvalidArgumentError(fmt::format(
+                "serve: the vision encoder projects to width {}, the model's embeddings are {} "
+                "wide (a projector for another model?)",
+                vc.out_dim, dim));
+        }
+        if (vc.tokens_per_image() >= impl->engine->max_model_len()) {
+            return InvalidArgumentError(
+                fmt::format("serve: an image takes {} tokens, the context only {}",
+                            vc.tokens_per_image(), impl->engine->max_model_len()));
+        }
+        if (config.max_pending_image_requests < 1) {
+            return InvalidArgumentError("serve: max pending image requests must be at least 1");
+        }
+        impl->image_tokens = {vc.tokens_per_image(),
+                              model::ImagePlaceholder(impl->engine->model().tokenizer())};
+        impl->encoder_cache = std::make_unique<media::EncoderCache>(config.encoder_cache_bytes);
+        impl->media_queue = std::make_unique<MediaQueue>(size_t(config.max_pending_image_requests));
+    }
     impl->client = http::Client::Create(1);
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     impl->http_ready = impl->http.get();
@@ -232,6 +255,8 @@ const std::string& OpenAiServer::model_name() const { return impl_->model_name; 
 
 void OpenAiServer::Stop() {
     if (impl_->stopping.exchange(true)) return;
+    // Requests still waiting for the encoder get 503 (their jobs see `stopping`).
+    if (impl_->media_queue) impl_->media_queue->Stop();
     impl_->http->Stop();
     impl_->client.reset();
     std::lock_guard lock(impl_->stop_mu);

@@ -21,6 +21,8 @@
 #include "engine/engine.h"
 #include "ferry/status.h"
 #include "http/http.h"
+#include "media/image.h"
+#include "model/vision.h"
 #include "router/router.h"
 
 namespace ferry::serve {
@@ -62,6 +64,15 @@ struct ServerConfig {
     // are taken from anyone (vLLM's behaviour) and /add_remote_prefill_eps is refused (403):
     // docs/security.md.
     std::string router_token;
+    // Images in chat requests (docs/inference.md): the vision encoder that turns each into
+    // embedding rows of the model's width (null: image parts are refused by name), how image
+    // URLs are read and how large an image or how many a request may have, how many requests
+    // with images may wait for the encoder (more get 503), and the encoder cache's capacity
+    // (embeddings by mm_hash: a repeated image is not encoded again).
+    std::shared_ptr<model::VisionEncoder> vision;
+    media::MediaOptions media;
+    int max_pending_image_requests = 64;
+    uint64_t encoder_cache_bytes = 256ull << 20;
 };
 
 class OpenAiServer {

@@ -26,6 +26,7 @@
 #include "core/log.h"
 #include "core/prometheus.h"
 #include "http/http.h"
+#include "media/encoder_cache.h"
 #include "router/protocol.h"
 #include "router/router.h"
 #include "serve/openai_request.h"
@@ -112,6 +113,66 @@ struct Metrics {
     }
 };
 
+// Requests with images wait here for their decoding and encoding, off the I/O threads: one
+// thread (the encoder runs one image at a time), a bounded queue.
+class MediaQueue {
+  public:
+    explicit MediaQueue(size_t capacity) : capacity_(capacity) {}
+    ~MediaQueue() { Stop(); }
+    // False if the queue is full or stopped (the job is not run).
+    bool Post(std::function<void()> job) {
+        std::lock_guard lock(mu_);
+        if (stopped_ || jobs_.size() >= capacity_) return false;
+        jobs_.push_back(std::move(job));
+        if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+        cv_.notify_one();
+        return true;
+    }
+    // Runs what was queued, then joins the thread; later posts are refused.
+    void Stop() {
+        {
+            std::lock_guard lock(mu_);
+            stopped_ = true;
+            cv_.notify_one();
+        }
+        if (thread_.joinable()) thread_.join();
+    }
+    size_t Waiting() {
+        std::lock_guard lock(mu_);
+        return jobs_.size();
+    }
+
+  private:
+    void Run() {
+        std::unique_lock lock(mu_);
+        for (;;) {
+            cv_.wait(lock, [&] { return stopped_ || !jobs_.empty(); });
+            if (jobs_.empty()) return;
+            std::function<void()> job = std::move(jobs_.front());
+            jobs_.pop_front();
+            lock.unlock();
+            job();
+            lock.lock();
+        }
+    }
+    const size_t capacity_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<std::function<void()>> jobs_;
+    bool stopped_ = false;
+    std::thread thread_;
+};
+
+// What the image path counts (/metrics).
+struct ImageMetrics {
+    std::atomic<uint64_t> images{0};         // decoded
+    std::atomic<uint64_t> encoded{0};        // run through the encoder
+    std::atomic<uint64_t> refused{0};        // requests refused for an image
+    std::atomic<uint64_t> busy{0};           // requests refused: the queue was full
+    std::atomic<uint64_t> encode_micros{0};  // in the encoder
+    std::atomic<uint64_t> decode_micros{0};  // reading and decoding
+};
+
 // One request's state between the engine's step thread and the connection.
 struct Pending {
     std::mutex mu;
@@ -175,6 +236,17 @@ struct OpenAiServer::Impl {
     // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
     std::shared_ptr<router::Router> remote_prefill;  // made in Start, with the agent lookup
     std::unique_ptr<http::Client> client;            // for the prefill workers
+
+    // Images (with config.vision).
+    model::ImageTokens image_tokens;
+    std::unique_ptr<media::EncoderCache> encoder_cache;
+    std::unique_ptr<MediaQueue> media_queue;
+    ImageMetrics image_metrics;
+    // Reads, decodes and encodes a parsed request's images on the media queue, then dispatches
+    // it; a bad image gets a 400 naming its part.
+    void ServeImages(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
+    // The embeddings of pr->images into pr->mm; an error names the image's part.
+    Status EncodeImages(ParsedRequest* pr, BadRequest* bad);
 
     std::vector<http::Route> Routes();
     // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body

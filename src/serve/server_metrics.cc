@@ -61,6 +61,35 @@ std::string OpenAiServer::Impl::RenderMetrics() {
              "Prefix cache hits, in terms of number of cached tokens.",
              double(s.prefix_hit_tokens));
     }
+    if (encoder_cache) {
+        const media::EncoderCacheStats ec = encoder_cache->Stats();
+        const ImageMetrics& im = image_metrics;
+        counter("ferry_mm_images_total", "Images read and decoded.", double(im.images.load()));
+        counter("ferry_mm_images_encoded_total", "Images run through the vision encoder.",
+                double(im.encoded.load()));
+        counter("ferry_mm_requests_refused_total", "Requests refused for one of their images.",
+                double(im.refused.load()));
+        counter("ferry_mm_requests_busy_total",
+                "Requests with images refused (503): the encoder's queue was full.",
+                double(im.busy.load()));
+        counter("ferry_mm_decode_seconds_total", "Time reading and decoding images.",
+                double(im.decode_micros.load()) / 1e6);
+        counter("ferry_mm_encode_seconds_total", "Time in the vision encoder.",
+                double(im.encode_micros.load()) / 1e6);
+        gauge("ferry_mm_requests_waiting", "Requests with images waiting for the encoder.",
+              double(media_queue->Waiting()));
+        counter("ferry_encoder_cache_hits_total", "Images whose embeddings the encoder cache held.",
+                double(ec.hits));
+        counter("ferry_encoder_cache_misses_total", "Images the encoder cache did not hold.",
+                double(ec.misses));
+        counter("ferry_encoder_cache_evictions_total", "Encoder cache entries evicted (LRU).",
+                double(ec.evictions));
+        gauge("ferry_encoder_cache_entries", "Images in the encoder cache.", double(ec.entries));
+        gauge("ferry_encoder_cache_bytes", "Bytes of embeddings in the encoder cache.",
+              double(ec.bytes));
+        gauge("ferry_encoder_cache_capacity_bytes", "The encoder cache's capacity.",
+              double(ec.capacity_bytes));
+    }
     if (config.extra_metrics) w.Append(config.extra_metrics());
     // Decode-first: the prefill workers this decoder routes to, as a proxy reports them.
     if (!remote_prefill->Workers(router::Role::kPrefill).empty()) {
