@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     std::string bytes((std::istreambuf_iterator<char>(in)), {});
     std::filesystem::remove(tmp);
     Put(root + "/gguf", "spm-model", bytes);
-    // requests: first byte's low bit picks chat.
+    // requests: first byte's bit 0 picks chat, bit 1 a worker that takes images.
     Put(root + "/openai_request", "completion",
         std::string(1, 0) + R"({"model":"m","prompt":"Hello","max_tokens":8,"temperature":0.7,)"
                             R"("top_p":0.9,"top_k":40,"seed":1,"stop":["\n"],"stream":true,)"
@@ -140,6 +140,11 @@ int main(int argc, char** argv) {
         std::string(1, 1) + R"({"messages":[{"role":"system","content":"Be brief."},)"
                             R"({"role":"user","content":[{"type":"text","text":"Hi"}]}],)"
                             R"("max_completion_tokens":4,"logprobs":true,"top_logprobs":2})");
+    Put(root + "/openai_request", "chat-images",
+        std::string(1, 3) + R"({"messages":[{"role":"user","content":[{"type":"text","text":)"
+                            R"("See "},{"type":"image_url","image_url":{"url":"data:image/png;)"
+                            R"(base64,iVBORw0KGgo=","detail":"low"}},{"type":"text","text":)"
+                            R"(" and "},{"type":"image_url","image_url":{"url":"file:///a.png"}}]}]})");
     // tokenizer: first byte picks the pre-tokenizer.
     Put(root + "/tokenizer", "text", std::string(1, 1) + "Hello world's 1234567  abc\n\n x");
     Put(root + "/tokenizer", "unicode",

@@ -1,4 +1,5 @@
-// Request bodies of /v1/completions and /v1/chat/completions, parsed with a real tokenizer.
+// Request bodies of /v1/completions and /v1/chat/completions, parsed with a real tokenizer; the
+// first byte's bit 0 picks chat, bit 1 a worker that takes images (4 placeholder tokens each).
 #include <unistd.h>
 
 #include <cstddef>
@@ -19,12 +20,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string_view body(reinterpret_cast<const char*>(data) + 1, size - 1);
     ferry::serve::ParsedRequest out;
     ferry::serve::BadRequest error;
+    const ferry::model::ImageTokens images{4, 1};
     bool ok = ferry::serve::ParseOpenAiRequest(body, data[0] & 1, TestTokenizer(), "m", 4096, &out,
-                                               &error);
+                                               &error, (data[0] & 2) ? &images : nullptr);
     if (ok) {
         if (out.prompt.empty()) std::abort();  // an accepted request always has a prompt
         for (int32_t t : out.prompt) {
             if (t < 0 || t >= TestTokenizer().vocab_size()) std::abort();
+        }
+        // Every image's placeholders lie inside the prompt, in order, without overlap.
+        size_t end = 0;
+        for (const auto& im : out.images) {
+            if (im.token_offset < end || im.token_offset + 4 > out.prompt.size()) std::abort();
+            for (size_t i = 0; i < 4; ++i) {
+                if (out.prompt[im.token_offset + i] != 1) std::abort();
+            }
+            end = im.token_offset + 4;
         }
     } else if (error.message.empty()) {
         std::abort();  // every refusal says why
