@@ -141,10 +141,11 @@ int main(int argc, char** argv) {
                             R"({"role":"user","content":[{"type":"text","text":"Hi"}]}],)"
                             R"("max_completion_tokens":4,"logprobs":true,"top_logprobs":2})");
     Put(root + "/openai_request", "chat-images",
-        std::string(1, 3) + R"({"messages":[{"role":"user","content":[{"type":"text","text":)"
-                            R"("See "},{"type":"image_url","image_url":{"url":"data:image/png;)"
-                            R"(base64,iVBORw0KGgo=","detail":"low"}},{"type":"text","text":)"
-                            R"(" and "},{"type":"image_url","image_url":{"url":"file:///a.png"}}]}]})");
+        std::string(1, 3) +
+            R"({"messages":[{"role":"user","content":[{"type":"text","text":)"
+            R"("See "},{"type":"image_url","image_url":{"url":"data:image/png;)"
+            R"(base64,iVBORw0KGgo=","detail":"low"}},{"type":"text","text":)"
+            R"(" and "},{"type":"image_url","image_url":{"url":"file:///a.png"}}]}]})");
     // tokenizer: first byte picks the pre-tokenizer.
     Put(root + "/tokenizer", "text", std::string(1, 1) + "Hello world's 1234567  abc\n\n x");
     Put(root + "/tokenizer", "unicode",

@@ -228,13 +228,6 @@ Status Engine::Submit(Request request) {
         }
         mm_end = int64_t(m.offset) + m.length;
     }
-    if (!request.mm.empty() && request.kv_transfer) {
-        // The connectors bind a transfer to the prompt's token ids, which do not tell one
-        // image from another yet.
-        return InvalidArgumentError(
-            "kv_transfer_params: prompts with images are not served disaggregated yet; send "
-            "them to a colocated worker");
-    }
     const int64_t want = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
     if (want > config_.max_model_len) {
         return InvalidArgumentError(fmt::format(
@@ -742,7 +735,7 @@ void Engine::DeliverFinals() {
 }
 
 kv::ConnectorRequest Engine::Conn(const Sequence* s) const {
-    return {s->req.id, std::span(s->tokens).first(s->prompt_len), *s->req.kv_transfer};
+    return {s->req.id, std::span(s->tokens).first(s->prompt_len), *s->req.kv_transfer, s->mm_spans};
 }
 
 void Engine::PublishStats() {

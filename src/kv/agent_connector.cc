@@ -256,7 +256,7 @@ void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const Bloc
     ld.num_computed = num_computed;
     ld.num_external = num_external;
     ld.prompt_len = static_cast<int>(r.prompt.size());
-    ld.prompt_digest = PromptDigest(r.prompt);
+    ld.prompt_digest = PromptDigest(r.prompt, r.mm);
     ld.started = SteadyClock::now();
     ld.deadline = ld.started + m.cfg.handshake_timeout + m.cfg.transfer_timeout;
     if (!m.bound) {

@@ -58,11 +58,16 @@ inline std::string Esc(std::string_view s) {
     return out;
 }
 
-// The prompt's identity in messages: SHA-256 over its token ids (int32, little-endian), hex.
-// Cryptographic, so that no other prompt can pass for it.
-inline std::string PromptDigest(std::span<const int32_t> prompt) {
-    Digest d = Sha256(std::string_view(reinterpret_cast<const char*>(prompt.data()),
-                                       prompt.size() * sizeof(int32_t)));
+// The prompt's identity in messages: SHA-256 over its token ids (int32, little-endian) and, for
+// a prompt with images, each image's place and mm_hash (its placeholder tokens are the same
+// for every image), hex. Cryptographic, so that no other prompt can pass for it.
+inline std::string PromptDigest(std::span<const int32_t> prompt, std::span<const MmSpan> mm = {}) {
+    std::string bytes(reinterpret_cast<const char*>(prompt.data()),
+                      prompt.size() * sizeof(int32_t));
+    for (const MmSpan& m : mm) {
+        bytes += fmt::format("|mm {} {} {}", m.offset, m.length, m.hash);
+    }
+    Digest d = Sha256(bytes);
     return HexEncode(d.data(), d.size());
 }
 

@@ -232,7 +232,7 @@ FinishAction AgentKvConnector::Impl::HoldForReader(const ConnectorRequest& r,
     }
     Hold& h = holds[r.id];
     h.nonce = RandomId128();
-    h.prompt_digest = PromptDigest(r.prompt);
+    h.prompt_digest = PromptDigest(r.prompt, r.mm);
     h.blocks.assign(blocks.begin(), blocks.begin() + nblocks);
     h.requester = p.requester;
     h.first = first;

@@ -187,7 +187,7 @@ bool AgentKvConnector::Impl::PushReadyToSchedule(const ConnectorRequest& r,
     if (it != m.pushes.end()) return it->second.state != Push::State::kBootstrapping;
     Push& ps = m.pushes[r.id];
     ps.xid = p.transfer_id;
-    ps.prompt_digest = PromptDigest(r.prompt);
+    ps.prompt_digest = PromptDigest(r.prompt, r.mm);
     ps.prompt_len = static_cast<int>(r.prompt.size());
     ps.deadline = SteadyClock::now() + m.cfg.bootstrap_timeout;
     auto fail = [&](Status st) {

@@ -70,6 +70,8 @@ struct ConnectorRequest {
     const std::string& id;
     std::span<const int32_t> prompt;
     const ConnectorParams& params;  // what this connector's ParseParams made
+    // The prompt's images (their mm_hashes): part of its identity, as its token ids are.
+    std::span<const MmSpan> mm = {};
 };
 
 // One sequence's share of a forward pass, for the worker side.

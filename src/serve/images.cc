@@ -63,14 +63,6 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
                                 "messages", "too_many_images"},
                                rid));
     }
-    if (pr.kv_transfer) {
-        ++image_metrics.refused;
-        return ex->Reply(Error(400,
-                               {"kv_transfer_params: prompts with images are not served "
-                                "disaggregated yet; send them to a colocated worker",
-                                "kv_transfer_params", ""},
-                               rid));
-    }
     auto job = [this, ex, chat, rid, pr = std::move(pr)]() mutable {
         if (stopping) {
             return ex->Reply(Error(503, {"the server is stopping", "", ""}, rid));
@@ -80,7 +72,7 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
             ++image_metrics.refused;
             return ex->Reply(Error(400, bad, rid));
         }
-        Dispatch(ex, chat, std::move(pr));
+        Route(ex, chat, std::move(pr));
     };
     if (!media_queue->Post(std::move(job))) {
         ++image_metrics.busy;

@@ -175,7 +175,14 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         pr.stream = false;
     }
     if (!pr.images.empty()) return ServeImages(ex, chat, std::move(pr));
-    if (!pr.kv_transfer && config.kv_agent_info &&
+    Route(ex, chat, std::move(pr));
+}
+
+void OpenAiServer::Impl::Route(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                               ParsedRequest pr) {
+    // Decode-first sends the prompt as token ids, which cannot carry images: those prompts
+    // are prefilled here.
+    if (!pr.kv_transfer && pr.mm.empty() && config.kv_agent_info &&
         static_cast<int>(pr.prompt.size()) >= config.remote_prefill_min_tokens) {
         const std::string base = RequestIdOr(ex->request().Find("X-Request-Id"));
         Result<router::Ticket> t =

@@ -253,6 +253,8 @@ struct OpenAiServer::Impl {
     // names it ("request_id") and the X-Request-Id header carries it.
     http::Reply Error(int status, const BadRequest& e, const std::string& request_id = "");
     void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
+    // A parsed request (its images encoded) to a remote prefill worker (decode-first) or here.
+    void Route(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
     // Submits a parsed request and streams or returns its answer; the engine request id.
     // `retry`, if given, sees an error that ends the request before anything was sent to the
     // client and may take the request over (true: nothing is answered here).

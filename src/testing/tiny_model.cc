@@ -32,6 +32,32 @@ model::RandomModelSpec TinyMlaModelSpec(int context_length) {
     return s;
 }
 
+model::RandomVisionSpec TinyVisionSpec() {
+    model::RandomVisionSpec v;
+    v.name = "ferry-test-tiny-vl";
+    v.image_size = 32;
+    v.patch_size = 8;
+    v.dim = 32;
+    v.num_heads = 2;
+    v.ffn_dim = 64;
+    v.num_layers = 3;
+    v.proj_hidden = 64;
+    v.out_dim = TinyModelSpec().dim;
+    return v;
+}
+
+std::string WriteTinyMmproj(const std::string& tag, uint64_t seed) {
+    const std::string path = (std::filesystem::temp_directory_path() /
+                              (tag + "-" + std::to_string(getpid()) + "-mmproj.gguf"))
+                                 .string();
+    Status st = model::WriteRandomMmproj(TinyVisionSpec(), seed, path);
+    if (!st.ok()) {
+        std::fprintf(stderr, "WriteTinyMmproj %s: %s\n", path.c_str(), st.ToString().c_str());
+        std::abort();
+    }
+    return path;
+}
+
 TinyModelFile::TinyModelFile(const std::string& tag, const model::RandomModelSpec& spec,
                              uint64_t seed)
     : path_((std::filesystem::temp_directory_path() /

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "model/model.h"
+#include "model/vision.h"
 
 namespace ferry::testing {
 
@@ -13,6 +14,12 @@ namespace ferry::testing {
 model::RandomModelSpec TinyModelSpec(int context_length = 2048);
 // Its MLA twin (architecture deepseek2): latent 32 + RoPE 8 per token and layer, 4 heads.
 model::RandomModelSpec TinyMlaModelSpec(int context_length = 2048);
+
+// A vision projector (mmproj) into TinyModelSpec's width: 32x32 pixels in 8-pixel patches (16
+// tokens an image), a 32-wide 2-head ViT of 2 running layers.
+model::RandomVisionSpec TinyVisionSpec();
+// Writes it from `seed` to a file unique to this process and `tag`; aborts if that fails.
+std::string WriteTinyMmproj(const std::string& tag, uint64_t seed);
 
 class TinyModelFile {
   public:

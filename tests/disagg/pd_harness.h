@@ -79,7 +79,15 @@ inline std::vector<int32_t> TokensOf(const std::string& body, bool stream) {
     std::vector<int32_t> out;
     auto take = [&](const Json& choice) {
         if (!choice.contains("logprobs") || !choice["logprobs"].is_object()) return;
-        for (const Json& t : choice["logprobs"]["tokens"]) {
+        const Json& lp = choice["logprobs"];
+        if (lp.contains("content") && lp["content"].is_array()) {  // chat
+            for (const Json& t : lp["content"]) {
+                std::string s = t["token"].get<std::string>();
+                out.push_back(std::stoi(s.substr(s.find(':') + 1)));
+            }
+            return;
+        }
+        for (const Json& t : lp["tokens"]) {
             std::string s = t.get<std::string>();
             out.push_back(std::stoi(s.substr(s.find(':') + 1)));
         }
@@ -111,7 +119,8 @@ inline http::ClientRequest Post(int port, const Json& body,
     return r;
 }
 
-// Sends every body at once (at most `parallel` in flight) and collects the answers.
+// Sends every body at once (at most `parallel` in flight) and collects the answers; a body with
+// "messages" goes to /v1/chat/completions.
 inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int parallel = 16) {
     auto client = http::Client::Create(2);
     std::vector<Answer> out(bodies.size());
@@ -141,7 +150,9 @@ inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, in
                 launch();
                 cv.notify_all();
             };
-            client->Call(Post(port, bodies[i]), std::move(cb));
+            const char* path =
+                bodies[i].contains("messages") ? "/v1/chat/completions" : "/v1/completions";
+            client->Call(Post(port, bodies[i], path), std::move(cb));
         }
     };
     std::unique_lock lock(mu);

@@ -22,6 +22,7 @@
 #include "disagg/pd_harness.h"
 #include "ferry/discovery.h"
 #include "http/http.h"
+#include "testing/images.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
 #include "testing/worker_process.h"
@@ -706,6 +707,103 @@ TEST_P(PdFailure, ADecodeWorkerKilledLeavesNothingHeldOnThePrefillWorker) {
 
 INSTANTIATE_TEST_SUITE_P(Protocols, PdFailure, ::testing::Values("pull", "push"),
                          [](const auto& i) { return i.param; });
+
+// Chat requests with images through pull and push (ferry proxy) equal a colocated worker's
+// answers token for token; the decoder computes none of the images (their KV comes from the
+// prefill worker, verified), and a decode request cannot claim KV held for another image behind
+// the same placeholder tokens: the transfer is bound to the prompt's images, not only its ids.
+TEST_F(PdProcess, ImagesPullAndPushEqualColocatedAndKvIsBoundToThePixels) {
+    const std::string mmproj = testing::WriteTinyMmproj("pd-images", 31);
+    testing::SecretFile secret("pd-images");
+    auto with_images = [&](std::vector<std::string> a) {
+        a.insert(a.end(), {"--mmproj", mmproj});
+        return a;
+    };
+    auto colocated = StartOrDie(with_images(WorkerArgs("colocated", "", 1)));
+    auto prefill =
+        StartOrDie(with_images(WorkerArgs("prefill", "shm", 1, {"--secret-file", secret.path()})));
+    auto decode = StartOrDie(with_images(
+        WorkerArgs("decode", "shm", 1, {"--secret-file", secret.path(), "--kv-verify", "all"})));
+    ASSERT_TRUE(colocated && prefill && decode);
+    const std::string pe = fmt::format("127.0.0.1:{}", prefill->port());
+    const std::string de = fmt::format("127.0.0.1:{}", decode->port());
+    auto pull = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
+                            "--secret-file", secret.path()});
+    auto push = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
+                            "--secret-file", secret.path(), "--kv-transfer", "push"});
+    ASSERT_TRUE(pull && push);
+    // 1 to 3 images a request from a pool of 5 (repeats across requests), sizes that pad both
+    // ways, text of several lengths around them.
+    std::vector<std::string> pool;
+    for (int i = 0; i < 5; ++i)
+        pool.push_back(testing::RandomPngUrl(20 + 9 * i, 41 - 5 * i, 50 + i));
+    auto body = [&](int k) {
+        Json content = Json::array();
+        const int images = 1 + k % 3;
+        for (int j = 0; j < images; ++j) {
+            content.push_back(
+                {{"type", "text"}, {"text", std::string(3 + (k * 7 + j * 13) % 40, 'a' + k % 26)}});
+            content.push_back(
+                {{"type", "image_url"}, {"image_url", {{"url", pool[(k + 2 * j) % 5]}}}});
+        }
+        content.push_back(
+            {{"type", "text"}, {"text", fmt::format("request {}: what is shown?", k)}});
+        return Json{{"messages", {{{"role", "user"}, {"content", content}}}},
+                    {"max_tokens", 6},
+                    {"temperature", 0},
+                    {"ignore_eos", true},
+                    {"logprobs", true},
+                    {"return_tokens_as_token_ids", true},
+                    {"stream", k % 2 == 1}};
+    };
+    const int n = testing::kSanitized ? 6 : 16;
+    std::vector<Json> via_pull, via_push;
+    for (int k = 0; k < n; ++k) (k < n / 2 ? via_pull : via_push).push_back(body(k));
+    ExpectSameTokens(SendAll(pull->port(), via_pull), SendAll(colocated->port(), via_pull), "pull");
+    ExpectSameTokens(SendAll(push->port(), via_push), SendAll(colocated->port(), via_push), "push");
+    // The decoder computed each prompt's last token only; every image's KV arrived, verified.
+    EXPECT_LE(decode->Metric("ferry_prompt_tokens_total"), double(n));
+    EXPECT_GT(decode->Metric("ferry_kv_external_tokens_total"), double(n * 16));
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_verify_mismatches_total"), 0);
+
+    // A hold for image A claimed by a decode request for image B of the same size (the same
+    // token ids): refused, never B's answer computed on A's KV.
+    Json a = body(100), b = body(100);
+    const std::string other = testing::RandomPngUrl(20, 41, 999);  // pool[0]'s size
+    a["messages"][0]["content"] =
+        Json::array({{{"type", "text"}, {"text", "look: "}},
+                     {{"type", "image_url"}, {"image_url", {{"url", pool[0]}}}}});
+    b["messages"][0]["content"] = a["messages"][0]["content"];
+    b["messages"][0]["content"][1]["image_url"]["url"] = other;
+    a["stream"] = b["stream"] = false;
+    a["kv_transfer_params"] = {{"do_remote_decode", true}};
+    http::ClientRequest held = Post(prefill->port(), a, "/v1/chat/completions");
+    held.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+    auto h = http::Fetch(held);
+    ASSERT_TRUE(h.ok() && h->status == 200) << (h.ok() ? h->body : h.status().ToString());
+    b["kv_transfer_params"] = Json::parse(h->body)["kv_transfer_params"];
+    http::ClientRequest claim = Post(decode->port(), b, "/v1/chat/completions");
+    claim.headers = held.headers;
+    auto c = http::Fetch(claim);
+    ASSERT_TRUE(c.ok());
+    EXPECT_EQ(c->status, 409) << c->body;
+    EXPECT_NE(c->body.find("held KV for another prompt"), std::string::npos) << c->body;
+    // The control: the same image claims a fresh hold and gets the colocated answer.
+    auto h2 = http::Fetch(held);
+    ASSERT_TRUE(h2.ok() && h2->status == 200) << (h2.ok() ? h2->body : h2.status().ToString());
+    Json a2 = a;
+    a2["kv_transfer_params"] = Json::parse(h2->body)["kv_transfer_params"];
+    http::ClientRequest same = Post(decode->port(), a2, "/v1/chat/completions");
+    same.headers = held.headers;
+    auto s2 = http::Fetch(same);
+    ASSERT_TRUE(s2.ok());
+    EXPECT_EQ(s2->status, 200) << s2->body;
+    a.erase("kv_transfer_params");
+    EXPECT_EQ(TokensOf(s2->body, false), SendAll(colocated->port(), {a})[0].tokens);
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    std::remove(mmproj.c_str());
+}
 
 }  // namespace
 }  // namespace ferry

@@ -30,20 +30,6 @@ namespace {
 using Json = nlohmann::json;
 using ::testing::HasSubstr;
 
-model::RandomVisionSpec TestVision() {
-    model::RandomVisionSpec v;
-    v.name = "image-serve-test";
-    v.image_size = 32;
-    v.patch_size = 8;  // 16 tokens an image
-    v.dim = 32;
-    v.num_heads = 2;
-    v.ffn_dim = 64;
-    v.num_layers = 3;
-    v.proj_hidden = 64;
-    v.out_dim = 64;  // the tiny test model's width
-    return v;
-}
-
 class ImageServeTest : public ::testing::Test {
   protected:
     static void SetUpTestSuite() {
@@ -55,7 +41,7 @@ class ImageServeTest : public ::testing::Test {
         model::RandomModelSpec s = testing::TinyModelSpec(2048);
         s.name = "image-serve-test";
         ASSERT_TRUE(model::WriteRandomModel(s, 5, model_).ok());
-        ASSERT_TRUE(model::WriteRandomMmproj(TestVision(), 6, mmproj_).ok());
+        ASSERT_TRUE(model::WriteRandomMmproj(testing::TinyVisionSpec(), 6, mmproj_).ok());
         std::string line;
         auto child = testing::ChildProcess::Start(
             {FERRY_BIN, "serve", "--model", model_, "--mmproj", mmproj_, "--port", "0",
