@@ -177,6 +177,11 @@ void AddServeBenchCommands(CLI::App& bench, int* rc) {
     sb->add_option("--random-mm-images", o.mm_images, "random-mm: images per request")
         ->check(CLI::Range(1, 64));
     sb->add_option("--random-mm-size", mm_size, "random-mm: image size WxH");
+    sb->add_option("--random-mm-distinct", o.mm_distinct,
+                   "random-mm: draw the images from a pool of this many, in turn (repeats hit "
+                   "the encoder cache; 0: every image distinct)")
+        ->check(CLI::Range(0, 1 << 20))
+        ->capture_default_str();
     sb->add_option("--prefix-repetition-prefix-len", o.prefix_repetition_prefix_len,
                    "prefix_repetition: tokens of each shared prefix")
         ->check(CLI::Range(0, 1 << 24))

@@ -371,8 +371,10 @@ std::string StreamingRun::RequestBody(const BenchPrompt& p, size_t i) const {
         if (p.images > 0) {
             content = Json::array({{{"type", "text"}, {"text", p.text}}});
             for (int k = 0; k < p.images; ++k) {
+                const uint64_t n = i * uint64_t(p.images) + k;
                 std::string png =
-                    RandomPng(o_.mm_width, o_.mm_height, o_.seed * 1000003 + i * 31 + k);
+                    RandomPng(o_.mm_width, o_.mm_height,
+                              o_.seed * 1000003 + (o_.mm_distinct > 0 ? n % o_.mm_distinct : n));
                 content.push_back(
                     {{"type", "image_url"},
                      {"image_url", {{"url", "data:image/png;base64," + Base64Encode(png)}}}});

@@ -32,6 +32,7 @@ struct ServeBenchOptions {
     int random_prefix_len = 0;        // tokens shared by every prompt, before the random part
     int mm_images = 1;                // random-mm: images per request
     int mm_width = 64, mm_height = 64;
+    int mm_distinct = 0;  // random-mm: images drawn from a pool of this many (0: all distinct)
     int sharegpt_output_len = 0;  // > 0: overrides the dataset's output lengths
     // prefix_repetition (vLLM's dataset of that name): num_prefixes random prefixes, each
     // shared by num_prompts / num_prefixes prompts that add a random suffix; shuffled.

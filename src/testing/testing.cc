@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -20,21 +21,39 @@
 namespace ferry::testing {
 
 namespace {
+inline uint64_t PatternWord(uint64_t seed, uint64_t w) {
+    uint64_t x = w * 0x9E3779B97F4A7C15ull ^ seed * 0xC2B2AE3D27D4EB4Full;
+    return x ^ (x >> 29);
+}
 inline uint8_t PatternByte(uint64_t seed, uint64_t i) {
-    uint64_t x = (i >> 3) * 0x9E3779B97F4A7C15ull ^ seed * 0xC2B2AE3D27D4EB4Full;
-    x ^= x >> 29;
-    return static_cast<uint8_t>(x >> (8 * (i & 7)));
+    return static_cast<uint8_t>(PatternWord(seed, i >> 3) >> (8 * (i & 7)));
 }
 }  // namespace
 
+// A word at a time (the pattern is a function of the 8-byte word and the byte in it, stored
+// little-endian): 128 MiB of it is filled and checked in a fraction of a second even under the
+// sanitizers, where a byte loop took most of a conformance test's time.
+static_assert(std::endian::native == std::endian::little);
+
 void FillPattern(void* p, size_t len, uint64_t seed) {
     auto* b = static_cast<uint8_t*>(p);
-    for (size_t i = 0; i < len; ++i) b[i] = PatternByte(seed, i);
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const uint64_t x = PatternWord(seed, i >> 3);
+        std::memcpy(b + i, &x, 8);
+    }
+    for (; i < len; ++i) b[i] = PatternByte(seed, i);
 }
 
 int64_t FirstMismatch(const void* p, size_t len, uint64_t seed) {
     const auto* b = static_cast<const uint8_t*>(p);
-    for (size_t i = 0; i < len; ++i) {
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t x;
+        std::memcpy(&x, b + i, 8);
+        if (x != PatternWord(seed, i >> 3)) break;
+    }
+    for (; i < len; ++i) {
         if (b[i] != PatternByte(seed, i)) return static_cast<int64_t>(i);
     }
     return -1;

@@ -756,7 +756,7 @@ TEST_F(PdProcess, ImagesPullAndPushEqualColocatedAndKvIsBoundToThePixels) {
                     {"return_tokens_as_token_ids", true},
                     {"stream", k % 2 == 1}};
     };
-    const int n = testing::kSanitized ? 6 : 16;
+    const int n = testing::kSanitized ? 4 : 16;
     std::vector<Json> via_pull, via_push;
     for (int k = 0; k < n; ++k) (k < n / 2 ? via_pull : via_push).push_back(body(k));
     ExpectSameTokens(SendAll(pull->port(), via_pull), SendAll(colocated->port(), via_pull), "pull");
