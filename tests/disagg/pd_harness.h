@@ -226,6 +226,24 @@ class PdProcess : public ::testing::Test {
         a.insert(a.end(), extra.begin(), extra.end());
         return a;
     }
+    // ferry proxy over `prefill` and `decode` (with the deployment's secret), pull and push.
+    static std::pair<std::unique_ptr<ServerProcess>, std::unique_ptr<ServerProcess>>
+    PullAndPushProxies(const ServerProcess& prefill, const ServerProcess& decode,
+                       const std::string& secret_path) {
+        const std::vector<std::string> common = {"proxy",
+                                                 "--prefill",
+                                                 fmt::format("127.0.0.1:{}", prefill.port()),
+                                                 "--decode",
+                                                 fmt::format("127.0.0.1:{}", decode.port()),
+                                                 "--port",
+                                                 "0",
+                                                 "--no-store",
+                                                 "--secret-file",
+                                                 secret_path};
+        std::vector<std::string> push = common;
+        push.insert(push.end(), {"--kv-transfer", "push"});
+        return {StartOrDie(common), StartOrDie(push)};
+    }
     // The colocated answers of Prompts() (computed once per TP and sampling).
     static const std::vector<Answer>& Reference(int tp) {
         static std::map<int, std::vector<Answer>> cache;

@@ -302,11 +302,7 @@ TEST_F(PdProcess, MlaPullPushAndDecodeFirstEqualColocated) {
     auto decode = StartOrDie(on_mla(WorkerArgs("decode", "shm", 2, d)));
     ASSERT_TRUE(colocated && prefill && decode);
     const std::string pe = fmt::format("127.0.0.1:{}", prefill->port());
-    const std::string de = fmt::format("127.0.0.1:{}", decode->port());
-    auto pull = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
-                            "--secret-file", secret.path()});
-    auto push = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
-                            "--secret-file", secret.path(), "--kv-transfer", "push"});
+    auto [pull, push] = PullAndPushProxies(*prefill, *decode, secret.path());
     ASSERT_TRUE(pull && push);
     // Different prompts per way in, so that the decoder's prefix cache helps none of them; only
     // prompts decode-first prefills remotely (64 tokens or more), a third for each way.
@@ -725,12 +721,7 @@ TEST_F(PdProcess, ImagesPullAndPushEqualColocatedAndKvIsBoundToThePixels) {
     auto decode = StartOrDie(with_images(
         WorkerArgs("decode", "shm", 1, {"--secret-file", secret.path(), "--kv-verify", "all"})));
     ASSERT_TRUE(colocated && prefill && decode);
-    const std::string pe = fmt::format("127.0.0.1:{}", prefill->port());
-    const std::string de = fmt::format("127.0.0.1:{}", decode->port());
-    auto pull = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
-                            "--secret-file", secret.path()});
-    auto push = StartOrDie({"proxy", "--prefill", pe, "--decode", de, "--port", "0", "--no-store",
-                            "--secret-file", secret.path(), "--kv-transfer", "push"});
+    auto [pull, push] = PullAndPushProxies(*prefill, *decode, secret.path());
     ASSERT_TRUE(pull && push);
     // 1 to 3 images a request from a pool of 5 (repeats across requests), sizes that pad both
     // ways, text of several lengths around them.
