@@ -256,8 +256,9 @@ void AddServeCommand(CLI::App& app, int* rc) {
     serve
         ->add_option("--role", role,
                      "colocated (prefill and decode here), prefill or decode (KV moves to or "
-                     "from other workers through the transfer engine)")
-        ->check(CLI::IsMember({"colocated", "prefill", "decode"}))
+                     "from other workers through the transfer engine), or encode (the vision "
+                     "encoder alone: needs --mmproj and --ec-connector)")
+        ->check(CLI::IsMember({"colocated", "prefill", "decode", "encode"}))
         ->capture_default_str();
     serve
         ->add_option("--kv-transfer", kv_transfer,
@@ -327,6 +328,43 @@ void AddServeCommand(CLI::App& app, int* rc) {
                      "no cap)")
         ->check(CLI::Range(0, 1 << 24))
         ->capture_default_str();
+    static std::string ec_connector, ec_dir, ec_load_failure = "encode";
+    static uint64_t ec_buffer_mib = 256;
+    static int64_t ec_lease_ms = 30000, ec_timeout_ms = 5000;
+    serve
+        ->add_option("--ec-connector", ec_connector,
+                     "EPD: how image embeddings move from encode workers: transfer (pulled by "
+                     "mm_hash from the encode worker's agent in one round trip) or disk "
+                     "(--ec-dir, vLLM's ECExampleConnector layout)")
+        ->check(CLI::IsMember({"transfer", "disk"}));
+    serve->add_option("--ec-dir", ec_dir, "--ec-connector disk: the shared directory");
+    serve
+        ->add_option("--ec-load-failure", ec_load_failure,
+                     "when embeddings an encode worker should hold cannot be loaded: encode "
+                     "here, or fail the request (503)")
+        ->check(CLI::IsMember({"encode", "fail"}))
+        ->capture_default_str();
+    serve
+        ->add_option("--ec-buffer-mib", ec_buffer_mib,
+                     "--role encode with transfer: memory for published embeddings")
+        ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20))
+        ->capture_default_str();
+    serve
+        ->add_option("--ec-lease-ms", ec_lease_ms,
+                     "--role encode with transfer: how long published embeddings are kept for "
+                     "a consumer that has not pulled them")
+        ->check(CLI::Range(int64_t{100}, int64_t{3600000}))
+        ->capture_default_str();
+    serve
+        ->add_option("--ec-transfer-timeout-ms", ec_timeout_ms,
+                     "transfer: give up on a pull (then --ec-load-failure) after this long")
+        ->check(CLI::Range(int64_t{10}, int64_t{600000}))
+        ->capture_default_str();
+    static std::vector<std::string> encoder_urls;
+    serve->add_option("--encoder-urls", encoder_urls,
+                      "EPD without a router step (SGLang's): encode workers (HOST:PORT or URL) "
+                      "this worker sends its requests with images to, then loads their "
+                      "embeddings (needs --ec-connector)");
     static std::vector<std::string> remote_prefill;
     serve->add_option("--remote-prefill", remote_prefill,
                       "decode-first: prefill workers (HOST:PORT) that prefill prompts for this "
@@ -398,7 +436,22 @@ void AddServeCommand(CLI::App& app, int* rc) {
             if (!ep.ok()) return fail(ep.status().WithContext("--remote-prefill"));
             sc.remote_prefill.push_back(*ep);
         }
-        if (wc.role != serve::WorkerRole::kColocated) {
+        for (const std::string& u : encoder_urls) {
+            auto ep = http::ParseEndpoint(u);
+            if (!ep.ok()) return fail(ep.status().WithContext("--encoder-urls"));
+            sc.encoder_urls.push_back(*ep);
+        }
+        if (!encoder_urls.empty() && (ec_connector.empty() || role == "encode")) {
+            return fail(InvalidArgumentError(
+                "--encoder-urls needs --ec-connector and a role other than encode"));
+        }
+        wc.ec.kind = ec_connector;
+        wc.ec.dir = ec_dir;
+        wc.ec.buffer_bytes = ec_buffer_mib << 20;
+        wc.ec.lease = std::chrono::milliseconds(ec_lease_ms);
+        wc.ec.pull_timeout = std::chrono::milliseconds(ec_timeout_ms);
+        sc.ec_load_failure = *serve::ParseEcLoadFailure(ec_load_failure);
+        if (wc.role != serve::WorkerRole::kColocated || ec_connector == "transfer") {
             wc.agent.name = agent_name;
             auto listen = http::ParseListenAddress(agent_listen);
             if (!listen.ok()) return fail(listen.status().WithContext("--agent-listen"));

@@ -21,7 +21,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         "proxy",
         "Serve the OpenAI API in front of prefill and decode workers (pull: vLLM's NixlConnector "
         "protocol; push: layer-wise), and the discovery store the workers' agents register in");
-    static std::vector<std::string> prefill, decode;
+    static std::vector<std::string> prefill, decode, encode;
     static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0",
                        policy = "round-robin", prefill_policy, decode_policy, model;
     static int64_t load_poll_ms = 250;
@@ -37,6 +37,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     px->add_option("--decode", decode,
                    "decode workers' OpenAI servers (HOST:PORT or URL), beside those registered "
                    "in the store");
+    px->add_option("--encode", encode,
+                   "encode workers' OpenAI servers (HOST:PORT or URL; `ferry serve --role "
+                   "encode`): chat requests with images go to one of them first (EPD)");
     px->add_option("--host", host, "address to listen on")->capture_default_str();
     px->add_option("--port", port, "port (0: any free port, printed)")
         ->check(CLI::Range(0, 65535))
@@ -133,7 +136,8 @@ void AddProxyCommand(CLI::App& app, int* rc) {
             if (!tk.ok()) return fail(tk.status().WithContext("--tokenizer " + tokenizer));
             pc.tokenizer = std::move(tk).value();
         }
-        for (const auto& [list, dst] : {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}}) {
+        for (const auto& [list, dst] :
+             {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}, {&encode, &pc.encode}}) {
             for (const std::string& u : *list) {
                 auto ep = http::ParseEndpoint(u);
                 if (!ep.ok()) return fail(ep.status());
@@ -163,8 +167,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.store_secret = secret;
         auto proxy = serve::Proxy::Start(std::move(pc));
         if (!proxy.ok()) return fail(proxy.status());
-        fmt::print("ferry proxy: {} prefill, {} decode workers given{}, {} protocol\n",
-                   prefill.size(), decode.size(),
+        fmt::print("ferry proxy: {}{} prefill, {} decode workers given{}, {} protocol\n",
+                   encode.empty() ? "" : fmt::format("{} encode, ", encode.size()), prefill.size(),
+                   decode.size(),
                    embedded || !store.empty() ? " (and those registered in the store)" : "", mode);
         fmt::print("ferry proxy: listening on http://{}:{}\n", host, (*proxy)->port());
         std::fflush(stdout);

@@ -100,8 +100,8 @@ Driver::Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client
     : config_(std::move(config)), router_(std::move(router)), client_(client) {}
 
 DriverStats Driver::Stats() const {
-    return {requests_.load(),    succeeded_.load(), failed_.load(),
-            client_gone_.load(), in_flight_.load(), prefill_skipped_.load()};
+    return {requests_.load(),  succeeded_.load(),       failed_.load(),  client_gone_.load(),
+            in_flight_.load(), prefill_skipped_.load(), encoded_.load(), encode_failed_.load()};
 }
 
 http::ClientRequest Driver::ToWorker(const http::Endpoint& ep, const std::string& path,
@@ -298,6 +298,51 @@ void Driver::Push(const std::shared_ptr<Flow>& f) {
                      std::move(got_agent)));
 }
 
+void Driver::Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
+                    std::function<void()> next) {
+    Json eb = PrefillBody(f->body);
+    auto self = shared_from_this();
+    f->Add(client_->CallWhole(
+        ToWorker(ep, f->path, eb, f->request_id),
+        [self, f, ep, next = std::move(next)](Result<http::ClientReply> r) {
+            if (!r.ok() && r.status().code() == Code::kCancelled) return;
+            {
+                std::lock_guard lock(f->mu);
+                if (f->cancelled) return;
+            }
+            if (r.ok() && r->status == 400) {
+                // The images themselves are bad: every worker would say so.
+                if (!f->Claim()) return;
+                f->CancelAll();
+                self->Finish(f, false);
+                return f->ex->Reply({r->status,
+                                     "application/json",
+                                     std::move(r->body),
+                                     {{"X-Request-Id", f->request_id}}});
+            }
+            Json answer =
+                r.ok() && r->status == 200 ? Json::parse(r->body, nullptr, false) : Json();
+            if (answer.is_object()) {
+                // The disk connector's answer names nothing: the consumers look in the
+                // shared directory.
+                ++self->encoded_;
+                if (answer.contains("ec_transfer_params") &&
+                    answer["ec_transfer_params"].is_object()) {
+                    std::lock_guard lock(f->mu);
+                    f->body["ec_transfer_params"] = answer["ec_transfer_params"];
+                }
+            } else {
+                ++self->encode_failed_;
+                FERRY_LOG(kWarn,
+                          "proxy: request {}: encode worker {}:{}: {}; the workers encode its "
+                          "images themselves",
+                          f->request_id, ep.host, ep.port,
+                          !r.ok() ? r.status().message() : fmt::format("answered {}", r->status));
+            }
+            next();
+        }));
+}
+
 void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string& path) {
     ++requests_;
     const std::string& text = ex->request().body;
@@ -311,6 +356,10 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     if (body.contains("kv_transfer_params")) {
         return ex->Reply(
             ErrorReply(400, "kv_transfer_params are the proxy's to set, not the client's"));
+    }
+    if (body.contains("ec_transfer_params")) {
+        return ex->Reply(
+            ErrorReply(400, "ec_transfer_params are the proxy's to set, not the client's"));
     }
     auto f = std::make_shared<Flow>();
     f->ex = ex;
@@ -355,9 +404,11 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     Result<Ticket> d = router_->Route(Role::kDecode, rr);
     if (!d.ok()) return ex->Reply(ErrorReply(503, d.status().message(), f->request_id));
     const size_t held = d->prefix_blocks() * size_t(std::max(0, router_->block_size()));
-    const bool skip_prefill = config_.pd_min_uncached_tokens > 0 && f->prompt_tokens > 0 &&
-                              held > 0 &&
-                              f->prompt_tokens < held + size_t(config_.pd_min_uncached_tokens);
+    // E+PD: encode workers and no prefill worker; the decode workers serve whole requests.
+    const bool no_prefill = !config_.encode.empty() && router_->members(Role::kPrefill) == 0;
+    const bool skip_prefill =
+        no_prefill || (config_.pd_min_uncached_tokens > 0 && f->prompt_tokens > 0 && held > 0 &&
+                       f->prompt_tokens < held + size_t(config_.pd_min_uncached_tokens));
     if (!skip_prefill) {
         Result<Ticket> p = router_->Route(Role::kPrefill, rr);
         if (!p.ok()) return ex->Reply(ErrorReply(503, p.status().message(), f->request_id));
@@ -368,13 +419,13 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     }
     f->decode_ep = d->endpoint();
     f->decode = std::move(*d);
-    if (skip_prefill) {
+    if (skip_prefill && !no_prefill) {
         ++prefill_skipped_;
         FERRY_LOG(kInfo,
                   "proxy: request {}: decode {}:{} holds {} of its {} prompt tokens: no "
                   "prefill worker",
                   f->request_id, f->decode_ep.host, f->decode_ep.port, held, f->prompt_tokens);
-    } else {
+    } else if (!skip_prefill) {
         FERRY_LOG(kInfo, "proxy: request {}: prefill {}:{}, decode {}:{} ({})", f->request_id,
                   f->prefill_ep.host, f->prefill_ep.port, f->decode_ep.host, f->decode_ep.port,
                   ProtocolName(config_.protocol));
@@ -392,13 +443,19 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
         self->Finish(f, false);
         f->CancelAll();  // the workers see their connections close and abort
     });
-    if (skip_prefill) {
-        Decode(f, f->body);  // as the client sent it: the decode worker prefills the rest
-    } else if (config_.protocol == Protocol::kPush) {
-        Push(f);
-    } else {
-        Pull(f);
-    }
+    auto go = [self, f, skip_prefill] {
+        if (skip_prefill) {
+            self->Decode(f, f->body);  // as the client sent it: the decode worker prefills the rest
+        } else if (self->config_.protocol == Protocol::kPush) {
+            self->Push(f);
+        } else {
+            self->Pull(f);
+        }
+    };
+    std::vector<std::string_view> urls;
+    if (!config_.encode.empty() && path == "/v1/chat/completions") urls = ImageUrls(f->body);
+    if (urls.empty()) return go();
+    Encode(f, config_.encode[PickEncoder(urls, config_.encode)], std::move(go));
 }
 
 }  // namespace ferry::router

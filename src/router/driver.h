@@ -21,6 +21,14 @@
 // router/kv_index.h), the prefill worker is skipped and the request goes to the decode worker as
 // the client sent it: it prefills the short rest itself, as a colocated worker would.
 //
+// EPD (vLLM's disagg_epd_proxy.py): with encode workers, a chat request with image parts first
+// goes to one of them as a prefill request would (max_tokens 1, not streamed), chosen by a
+// rendezvous hash of its images' URLs so that a repeated image meets the encode worker that
+// already holds it; the ec_transfer_params of its answer go with the request to the prefill and
+// decode workers, which pull the embeddings instead of encoding. An encode worker that fails
+// (other than refusing the images, a 400 relayed as it came) only costs the encoding: the
+// request goes on without the params and the workers encode for themselves.
+//
 // Event-driven: no thread waits on a worker. A client that leaves cancels its worker calls (the
 // workers then abort and free their blocks). Every request carries one id (the client's valid
 // X-Request-Id, else 128 random bits) to every worker as X-Request-Id, and every error names it.
@@ -54,11 +62,17 @@ struct DriverConfig {
     // cache-aware routing and the P/D decision see them. Null: only prompts given as token ids
     // are scored. Used only once a followed worker has stated its block hashes.
     std::shared_ptr<const model::Tokenizer> tokenizer = {};
+    // Encode workers (EPD); none: images go to the prefill and decode workers as they came.
+    // With encode workers and no prefill worker (vLLM's 1e1pd), requests go to the decode
+    // workers whole.
+    std::vector<http::Endpoint> encode = {};
 };
 
 struct DriverStats {
     uint64_t requests = 0, succeeded = 0, failed = 0, client_gone = 0, in_flight = 0;
     uint64_t prefill_skipped = 0;  // the decode worker held (nearly) the whole prompt
+    uint64_t encoded = 0;          // requests whose images an encode worker took
+    uint64_t encode_failed = 0;    // ... that failed there (the workers encoded themselves)
 };
 
 class Driver : public std::enable_shared_from_this<Driver> {
@@ -90,12 +104,16 @@ class Driver : public std::enable_shared_from_this<Driver> {
                  std::function<void(http::ClientReply)> on_ok);
     void Pull(const std::shared_ptr<Flow>& f);
     void Push(const std::shared_ptr<Flow>& f);
+    // EPD: sends the request to `ep` (an encode worker), puts the ec_transfer_params of its
+    // answer into the flow's body, then `next`.
+    void Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
+                std::function<void()> next);
 
     DriverConfig config_;
     std::shared_ptr<Router> router_;
     http::Client* client_;
     std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0},
-        prefill_skipped_{0};
+        prefill_skipped_{0}, encoded_{0}, encode_failed_{0};
 };
 
 }  // namespace ferry::router

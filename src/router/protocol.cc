@@ -2,6 +2,8 @@
 
 #include <fmt/core.h>
 
+#include "core/crypto.h"
+
 namespace ferry::router {
 
 namespace {
@@ -34,6 +36,43 @@ Json PrefillBody(Json body) {
     body.erase("min_tokens");
     body.erase("min_completion_tokens");
     return body;
+}
+
+std::vector<std::string_view> ImageUrls(const Json& body) {
+    std::vector<std::string_view> urls;
+    if (!body.is_object() || !body.contains("messages") || !body["messages"].is_array()) {
+        return urls;
+    }
+    for (const Json& m : body["messages"]) {
+        if (!m.is_object() || !m.contains("content") || !m["content"].is_array()) continue;
+        for (const Json& part : m["content"]) {
+            if (!part.is_object() || !part.contains("type") || part["type"] != "image_url") {
+                continue;
+            }
+            if (!part.contains("image_url") || !part["image_url"].is_object()) continue;
+            const Json& iu = part["image_url"];
+            if (iu.contains("url") && iu["url"].is_string()) {
+                urls.push_back(iu["url"].get_ref<const std::string&>());
+            }
+        }
+    }
+    return urls;
+}
+
+size_t PickEncoder(const std::vector<std::string_view>& urls,
+                   const std::vector<http::Endpoint>& encoders) {
+    std::string key;
+    for (std::string_view u : urls) key.append(HexEncode(Sha256(u).data(), 8));
+    size_t best = 0;
+    Digest best_score{};
+    for (size_t i = 0; i < encoders.size(); ++i) {
+        const Digest d = Sha256(fmt::format("{}|{}:{}", key, encoders[i].host, encoders[i].port));
+        if (i == 0 || d > best_score) {
+            best = i;
+            best_score = d;
+        }
+    }
+    return best;
 }
 
 Json PullPrefillParams() {

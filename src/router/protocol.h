@@ -9,6 +9,8 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "ferry/status.h"
 #include "http/http.h"
@@ -31,6 +33,14 @@ http::Reply ErrorReply(int status, const std::string& message, const std::string
 
 // The client's request as vLLM's proxies send it to a prefill worker: one token, not streamed.
 nlohmann::json PrefillBody(nlohmann::json body);
+
+// EPD: the image URLs of a chat body's messages, in order (views into `body`).
+std::vector<std::string_view> ImageUrls(const nlohmann::json& body);
+// EPD: the encode worker for a request's images (their URLs): the highest rendezvous hash, so
+// the same images meet the same worker (and its encoder cache) while the set of workers stays.
+// `encoders` is not empty.
+size_t PickEncoder(const std::vector<std::string_view>& urls,
+                   const std::vector<http::Endpoint>& encoders);
 
 // kv_transfer_params of a pull prefill request (vLLM's: the prefill worker fills them in).
 nlohmann::json PullPrefillParams();

@@ -34,6 +34,30 @@ Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad) {
         image_metrics.decode_micros += MicrosSince(t0);
         std::string hash = image->HashHex();
         media::Embeddings e = encoder_cache->Find(hash);
+        const size_t floats =
+            size_t(image_tokens.tokens_per_image) * size_t(config.vision->config().out_dim);
+        if (!e && config.ec_connector && !config.encode_only) {
+            // EPD: an encode worker computed it (or the shared directory holds it).
+            Result<media::Embeddings> got =
+                config.ec_connector->Load(hash, floats, pr->ec_source.get());
+            if (got.ok()) {
+                e = std::move(*got);
+                encoder_cache->Insert(hash, e);
+            } else if (got.status().code() != Code::kNotFound || pr->ec_source ||
+                       config.ec_connector->kind() == "disk") {
+                // Expected there and not found, or the producer failed.
+                if (config.ec_load_failure == EcLoadFailure::kFail) {
+                    *bad = {fmt::format("{}: its embeddings could not be loaded "
+                                        "(--ec-load-failure fail): {}",
+                                        part.param, got.status().message()),
+                            part.param, "ec_load_failed"};
+                    return UnavailableError(got.status().message());  // 503
+                }
+                FERRY_LOG(kInfo, "images: {}: encoding here: {}", part.param,
+                          got.status().message());
+                ++image_metrics.ec_fallbacks;
+            }
+        }
         if (!e) {
             const Clock::time_point t1 = Clock::now();
             e = std::make_shared<const std::vector<float>>(
@@ -41,6 +65,16 @@ Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad) {
             image_metrics.encode_micros += MicrosSince(t1);
             ++image_metrics.encoded;
             encoder_cache->Insert(hash, e);
+        }
+        if (config.encode_only) {
+            // The encode role: published for the consumers the router sends this request to.
+            Status saved = config.ec_connector->Save(hash, *e);
+            if (!saved.ok()) {
+                *bad = {fmt::format("{}: {}", part.param, saved.message()), part.param,
+                        "encoder_busy"};
+                return saved.code() == Code::kInvalidArgument ? InternalError(saved.message())
+                                                              : saved;
+            }
         }
         pr->mm.push_back({static_cast<int>(part.token_offset), image_tokens.tokens_per_image,
                           std::move(hash), std::move(e)});
@@ -63,15 +97,72 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
                                 "messages", "too_many_images"},
                                rid));
     }
+    if (!config.encoder_urls.empty() && !pr.ec_source && config.ec_connector &&
+        !config.encode_only) {
+        return CallEncoder(ex, chat, std::move(pr), rid);
+    }
+    EnqueueImages(ex, chat, std::move(pr), rid);
+}
+
+void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                                     ParsedRequest pr, const std::string& rid) {
+    // SGLang's --encoder-urls: this worker asks an encode worker itself (no router step), as
+    // the router would: the client's body, one token, not streamed, under the request's id.
+    nlohmann::json body = nlohmann::json::parse(ex->request().body, nullptr, false);
+    const std::vector<std::string_view> urls = router::ImageUrls(body);
+    const http::Endpoint ep = config.encoder_urls[router::PickEncoder(urls, config.encoder_urls)];
+    body = router::PrefillBody(std::move(body));
+    body.erase("kv_transfer_params");
+    body.erase("ec_transfer_params");
+    http::ClientRequest req;
+    req.method = "POST";
+    req.host = ep.host;
+    req.port = ep.port;
+    req.target = "/v1/chat/completions";
+    req.body = Dump(body);
+    req.timeout = config.encoder_timeout;
+    req.headers.push_back({"X-Request-Id", rid.empty() ? RandomId128() : rid});
+    router::Authorize(&req, config.router_token);
+    auto shared = std::make_shared<ParsedRequest>(std::move(pr));
+    client->CallWhole(
+        std::move(req), [this, ex, chat, rid, ep, shared](Result<http::ClientReply> r) {
+            if (r.ok() && r->status == 400) {
+                // The images themselves are bad: the encode worker's answer names the part.
+                ++image_metrics.refused;
+                std::vector<http::Header> headers;
+                if (!rid.empty()) headers.push_back({"X-Request-Id", rid});
+                return ex->Reply({400, "application/json", std::move(r->body), std::move(headers)});
+            }
+            const nlohmann::json answer = r.ok() && r->status == 200
+                                              ? nlohmann::json::parse(r->body, nullptr, false)
+                                              : nlohmann::json();
+            if (answer.is_object()) {
+                ++image_metrics.encoder_calls;
+                if (answer.contains("ec_transfer_params")) {
+                    Result<EcSource> src = ParseEcTransferParams(answer["ec_transfer_params"]);
+                    if (src.ok()) shared->ec_source = std::make_shared<const EcSource>(*src);
+                }
+            } else {
+                ++image_metrics.encoder_call_failures;
+                FERRY_LOG(kWarn, "images: encode worker {}:{}: {}; encoding here", ep.host, ep.port,
+                          r.ok() ? fmt::format("answered {}", r->status) : r.status().message());
+            }
+            EnqueueImages(ex, chat, std::move(*shared), rid);
+        });
+}
+
+void OpenAiServer::Impl::EnqueueImages(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                                       ParsedRequest pr, const std::string& rid) {
     auto job = [this, ex, chat, rid, pr = std::move(pr)]() mutable {
         if (stopping) {
             return ex->Reply(Error(503, {"the server is stopping", "", ""}, rid));
         }
         BadRequest bad;
-        if (!EncodeImages(&pr, &bad).ok()) {
+        if (Status st = EncodeImages(&pr, &bad); !st.ok()) {
             ++image_metrics.refused;
-            return ex->Reply(Error(400, bad, rid));
+            return ex->Reply(Error(HttpStatusOf(st), bad, rid));
         }
+        if (config.encode_only) return ReplyEncoded(ex, pr, rid);
         Route(ex, chat, std::move(pr));
     };
     if (!media_queue->Post(std::move(job))) {
@@ -83,6 +174,30 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
                          "", "encoder_busy"},
                         rid));
     }
+}
+
+void OpenAiServer::Impl::ReplyEncoded(const std::shared_ptr<http::Exchange>& ex,
+                                      const ParsedRequest& pr, const std::string& rid) {
+    // As vLLM's encode instance answers the EPD proxy's max_tokens-1 call: a chat.completion
+    // (this one has no token: the language model does not run here), which carries where the
+    // embeddings wait.
+    const std::string base = rid.empty() ? RandomId128() : rid;
+    const size_t prompt = pr.prompt.size();
+    Json answer = {
+        {"id", "chatcmpl-" + base},
+        {"object", "chat.completion"},
+        {"created", UnixSeconds()},
+        {"model", model_name},
+        {"choices", Json::array({{{"index", 0},
+                                  {"message", {{"role", "assistant"}, {"content", ""}}},
+                                  {"logprobs", nullptr},
+                                  {"finish_reason", "length"}}})},
+        {"usage", {{"prompt_tokens", prompt}, {"completion_tokens", 0}, {"total_tokens", prompt}}}};
+    Json params = config.ec_connector->Params();
+    if (!params.is_null()) answer["ec_transfer_params"] = std::move(params);
+    std::vector<http::Header> headers;
+    if (!rid.empty()) headers.push_back({"X-Request-Id", rid});
+    ex->Reply({200, "application/json", Dump(answer), std::move(headers)});
 }
 
 }  // namespace ferry::serve

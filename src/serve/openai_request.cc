@@ -245,6 +245,17 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer
             out->kv_transfer_params = kv;
         }
     }
+    if (fields.ok() && body.contains("ec_transfer_params") &&
+        !body["ec_transfer_params"].is_null()) {
+        const Json& ec = body["ec_transfer_params"];
+        if (!ec.is_object()) {
+            fields.Fail(fmt::format("'ec_transfer_params' must be an object, not {}",
+                                    JsonFields::KindOf(ec)),
+                        "ec_transfer_params");
+        } else {
+            out->ec_transfer_params = ec;
+        }
+    }
     if (!fields.ok()) {
         *error = fields.error();
         return false;

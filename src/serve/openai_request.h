@@ -25,6 +25,8 @@ struct BadRequest {
     std::string code;
 };
 
+struct EcSource;  // serve/ec_connector.h
+
 struct ParsedRequest {
     bool chat = false;
     std::vector<int32_t> prompt;
@@ -39,6 +41,11 @@ struct ParsedRequest {
     // kv_transfer.
     nlohmann::json kv_transfer_params;
     std::shared_ptr<kv::ConnectorParams> kv_transfer;
+    // "ec_transfer_params" (EPD): where an encode worker keeps this request's images'
+    // embeddings (serve/ec_connector.h), as the router copied it from the encode worker's
+    // answer; null when absent.
+    nlohmann::json ec_transfer_params;
+    std::shared_ptr<const EcSource> ec_source;  // the server's reading of it
     // A chat's images (with a vision encoder: ParseOpenAiRequest's image_tokens), in prompt
     // order, their placeholder tokens in `prompt`; the server reads and encodes them into `mm`.
     std::vector<model::ImagePart> images;

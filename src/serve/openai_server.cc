@@ -170,6 +170,29 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
             return ex->Reply(*refused);
         }
     }
+    if (config.encode_only && (!chat || pr.images.empty())) {
+        const std::string* x = ex->request().Find("X-Request-Id");
+        return ex->Reply(Error(400,
+                               {"this worker has the encode role: it takes chat requests with "
+                                "images (text goes to prefill, decode or colocated workers)",
+                                chat ? "messages" : "", "no_images"},
+                               x && ValidRequestId(*x) ? *x : ""));
+    }
+    if (!pr.ec_transfer_params.is_null() && config.ec_connector && !config.encode_only &&
+        !pr.images.empty()) {
+        // Internal, as kv_transfer_params: from the router alone where there is a secret.
+        const std::string* x = ex->request().Find("X-Request-Id");
+        const std::string rid = x && ValidRequestId(*x) ? *x : "";
+        Result<EcSource> src = ParseEcTransferParams(pr.ec_transfer_params);
+        if (!src.ok()) {
+            return ex->Reply(Error(400, {src.status().message(), "ec_transfer_params", ""}, rid));
+        }
+        std::string who;
+        if (auto refused = Authenticate(ex->request(), false, &who)) {
+            return ex->Reply(*refused);
+        }
+        pr.ec_source = std::make_shared<const EcSource>(std::move(*src));
+    }
     if (pr.kv_transfer && pr.kv_transfer->prefill_only() && pr.stream) {
         // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
         pr.stream = false;

@@ -24,6 +24,7 @@
 #include "media/image.h"
 #include "model/vision.h"
 #include "router/router.h"
+#include "serve/ec_connector.h"
 
 namespace ferry::serve {
 
@@ -73,6 +74,19 @@ struct ServerConfig {
     media::MediaOptions media;
     int max_pending_image_requests = 64;
     uint64_t encoder_cache_bytes = 256ull << 20;
+    // EPD (serve/ec_connector.h): the encoder-cache connector (null: none). On an encode worker
+    // (encode_only) it publishes each image's embeddings and the server answers with where they
+    // are instead of running the language model; elsewhere it loads them (from the encode worker
+    // that ec_transfer_params names, or the shared directory) before encoding locally, or fails
+    // the request when it cannot (ec_load_failure kFail).
+    std::shared_ptr<EcConnector> ec_connector = {};
+    EcLoadFailure ec_load_failure = EcLoadFailure::kEncode;
+    bool encode_only = false;
+    // SGLang's --encoder-urls (with an ec_connector): encode workers this worker sends its
+    // image requests to itself before loading their embeddings, when the request does not
+    // already say where they are (no router step). A failed call costs only the encoding.
+    std::vector<http::Endpoint> encoder_urls = {};
+    std::chrono::milliseconds encoder_timeout{60000};
 };
 
 class OpenAiServer {

@@ -29,6 +29,7 @@
 #include "media/encoder_cache.h"
 #include "router/protocol.h"
 #include "router/router.h"
+#include "serve/ec_connector.h"
 #include "serve/openai_request.h"
 #include "serve/openai_server.h"
 
@@ -171,6 +172,9 @@ struct ImageMetrics {
     std::atomic<uint64_t> busy{0};           // requests refused: the queue was full
     std::atomic<uint64_t> encode_micros{0};  // in the encoder
     std::atomic<uint64_t> decode_micros{0};  // reading and decoding
+    std::atomic<uint64_t> ec_fallbacks{0};   // encoded here: the ec connector could not load
+    std::atomic<uint64_t> encoder_calls{0};  // --encoder-urls: requests an encode worker took
+    std::atomic<uint64_t> encoder_call_failures{0};  // ... that failed there
 };
 
 // One request's state between the engine's step thread and the connection.
@@ -245,8 +249,21 @@ struct OpenAiServer::Impl {
     // Reads, decodes and encodes a parsed request's images on the media queue, then dispatches
     // it; a bad image gets a 400 naming its part.
     void ServeImages(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
-    // The embeddings of pr->images into pr->mm; an error names the image's part.
+    // The embeddings of pr->images into pr->mm: from the encoder cache, the ec connector or
+    // the encoder; an encode worker publishes them through its connector. An error names the
+    // image's part (InvalidArgument: a bad image; otherwise the connector's).
     Status EncodeImages(ParsedRequest* pr, BadRequest* bad);
+    // --encoder-urls: asks an encode worker to publish the request's images, then
+    // EnqueueImages with where they are (or, if it failed, without: they are encoded here).
+    void CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                     const std::string& rid);
+    // Queues the request for the media thread (503 when the queue is full).
+    void EnqueueImages(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                       const std::string& rid);
+    // The encode role's answer: a chat.completion with no tokens and the ec_transfer_params
+    // that say where the embeddings wait.
+    void ReplyEncoded(const std::shared_ptr<http::Exchange>& ex, const ParsedRequest& pr,
+                      const std::string& rid);
 
     std::vector<http::Route> Routes();
     // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body

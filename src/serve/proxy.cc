@@ -46,6 +46,11 @@ struct Proxy::Impl {
         w.Counter("ferry_proxy_prefill_skipped_total",
                   "Requests sent to the decode worker alone: it held all but a few prompt tokens.",
                   double(s.prefill_skipped));
+        w.Counter("ferry_proxy_encoded_total", "Requests whose images an encode worker took (EPD).",
+                  double(s.encoded));
+        w.Counter("ferry_proxy_encode_failed_total",
+                  "Requests whose encode worker failed: the workers encoded the images.",
+                  double(s.encode_failed));
         w.Append(router->RenderMetrics());
         w.Append(membership->RenderMetrics());
         http::Server* srv = server_ready.load();
@@ -125,9 +130,11 @@ struct Proxy::Impl {
 Proxy::Proxy(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
-    if ((config.prefill.empty() || config.decode.empty()) && config.store_url.empty()) {
+    if ((config.prefill.empty() || config.decode.empty()) && config.store_url.empty() &&
+        !(config.prefill.empty() && !config.decode.empty() && !config.encode.empty())) {
         return InvalidArgumentError(
-            "proxy: at least one --prefill and one --decode worker, or a store they register in");
+            "proxy: at least one --prefill and one --decode worker (or --encode and --decode: "
+            "E+PD, the decode workers serving whole requests), or a store they register in");
     }
     auto impl = std::make_shared<Impl>();
     impl->cfg = std::move(config);
@@ -166,6 +173,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     dc.router_token = impl->cfg.router_token;
     dc.pd_min_uncached_tokens = impl->cfg.pd_min_uncached_tokens;
     dc.tokenizer = impl->cfg.tokenizer;
+    dc.encode = impl->cfg.encode;
     impl->driver = router::Driver::Create(std::move(dc), impl->router, impl->client.get());
     http::ServerConfig hc;
     hc.name = "proxy";

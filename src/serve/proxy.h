@@ -26,6 +26,8 @@ struct ProxyConfig {
     // (router/membership.h), so that a proxy with a store needs none.
     std::vector<http::Endpoint> prefill;
     std::vector<http::Endpoint> decode;
+    // Encode workers (EPD, router/driver.h): chat requests with images go to one first.
+    std::vector<http::Endpoint> encode;
     router::Protocol protocol = router::Protocol::kPull;
     // A worker call not answered by then fails the request (504).
     std::chrono::milliseconds worker_timeout{600000};

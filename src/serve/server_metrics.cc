@@ -90,6 +90,42 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         gauge("ferry_encoder_cache_capacity_bytes", "The encoder cache's capacity.",
               double(ec.capacity_bytes));
     }
+    if (config.ec_connector) {
+        // EPD (serve/ec_connector.h): the producer's published entries and leases, the
+        // consumer's loads.
+        const EcConnectorStats s = config.ec_connector->Stats();
+        counter("ferry_ec_saved_total", "Encode role: image embeddings published for consumers.",
+                double(s.saved));
+        counter("ferry_ec_save_refused_total",
+                "Encode role: requests refused (503): every slot was leased.",
+                double(s.save_refused));
+        counter("ferry_ec_leases_released_total",
+                "Encode role: leases a consumer ended after pulling.", double(s.released));
+        counter("ferry_ec_leases_lapsed_total", "Encode role: leases that ran out unpulled.",
+                double(s.lapsed));
+        gauge("ferry_ec_leased", "Encode role: entries leased to consumers now.", double(s.leased));
+        gauge("ferry_ec_entries", "Encode role: entries published now.", double(s.entries));
+        gauge("ferry_ec_slots", "Encode role: slots of the transfer buffer.", double(s.slots));
+        counter("ferry_ec_loads_total", "Image embeddings loaded from an encode worker.",
+                double(s.loads));
+        counter("ferry_ec_load_misses_total", "Images the encoder-cache connector did not have.",
+                double(s.load_misses));
+        counter("ferry_ec_load_failures_total",
+                "Loads that failed (encode worker unreachable, a bad entry, a timeout).",
+                double(s.load_failures));
+        counter("ferry_ec_load_bytes_total", "Bytes of embeddings loaded.", double(s.load_bytes));
+        counter("ferry_ec_load_seconds_total", "Time loading embeddings (pull latency).",
+                double(s.load_micros) / 1e6);
+        counter("ferry_ec_encoder_calls_total",
+                "--encoder-urls: requests whose images an encode worker took.",
+                double(image_metrics.encoder_calls.load()));
+        counter("ferry_ec_encoder_call_failures_total",
+                "--encoder-urls: calls to an encode worker that failed (encoded here).",
+                double(image_metrics.encoder_call_failures.load()));
+        counter("ferry_ec_local_encodes_total",
+                "Images encoded here because the connector could not load them.",
+                double(image_metrics.ec_fallbacks.load()));
+    }
     if (config.extra_metrics) w.Append(config.extra_metrics());
     // Decode-first: the prefill workers this decoder routes to, as a proxy reports them.
     if (!remote_prefill->Workers(router::Role::kPrefill).empty()) {

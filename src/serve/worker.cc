@@ -21,16 +21,19 @@ const char* WorkerRoleName(WorkerRole role) {
             return "prefill";
         case WorkerRole::kDecode:
             return "decode";
+        case WorkerRole::kEncode:
+            return "encode";
     }
     return "unknown";
 }
 
 Result<WorkerRole> ParseWorkerRole(std::string_view name) {
-    for (WorkerRole r : {WorkerRole::kColocated, WorkerRole::kPrefill, WorkerRole::kDecode}) {
+    for (WorkerRole r :
+         {WorkerRole::kColocated, WorkerRole::kPrefill, WorkerRole::kDecode, WorkerRole::kEncode}) {
         if (name == WorkerRoleName(r)) return r;
     }
     return InvalidArgumentError(
-        fmt::format("worker role '{}' is not one of colocated, prefill, decode", name));
+        fmt::format("worker role '{}' is not one of colocated, prefill, decode, encode", name));
 }
 
 Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
@@ -39,23 +42,48 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         return InvalidArgumentError("--remote-prefill needs --role decode");
     }
     FERRY_ASSIGN_OR_RETURN(kv::KvConnectorKind kind, kv::FindKvConnector(c.kv_connector));
+    const bool kv_role = c.role == WorkerRole::kPrefill || c.role == WorkerRole::kDecode;
+    if (c.role == WorkerRole::kEncode && (!c.server.vision || c.ec.kind.empty())) {
+        return InvalidArgumentError(
+            "--role encode needs --mmproj (the vision encoder) and --ec-connector (where the "
+            "embeddings go)");
+    }
+    if (!c.ec.kind.empty() && !c.server.vision) {
+        return InvalidArgumentError("--ec-connector needs --mmproj (it moves image embeddings)");
+    }
     std::unique_ptr<Worker> w(new Worker());
     w->role_ = c.role;
     c.connector.default_mode = c.kv_mode;
-    if (c.role == WorkerRole::kColocated) {
-        // No connector: malformed params are named the default kind's way, then refused.
-        c.server.parse_kv_params = [parse = kind.parse, cc = c.connector](
-                                       const nlohmann::json& params) { return parse(params, cc); };
-    } else {
+    if (kv_role || c.ec.kind == "transfer") {
         if (c.agent.name.empty()) {
             c.agent.name = fmt::format("ferry-{}-{}", WorkerRoleName(c.role), getpid());
         }
-        const bool by_store = !c.agent.store.empty();
-        const bool authenticated = !c.agent.secret.empty();
         c.server.router_token = RouterToken(c.agent.secret);
         auto agent = Agent::Create(c.agent);
         if (!agent.ok()) return agent.status().WithContext("agent");
         w->agent_ = std::shared_ptr<Agent>(std::move(agent).value());
+    }
+    if (!c.ec.kind.empty()) {
+        const model::VisionConfig& vc = c.server.vision->config();
+        c.ec.producer = c.role == WorkerRole::kEncode;
+        c.ec.agent = w->agent_;
+        c.ec.entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim);
+        c.ec.width = size_t(vc.out_dim);
+        c.ec.by_store = !c.agent.store.empty();
+        c.ec.allowed_agents = c.connector.allowed_agents;
+        auto ec = MakeEcConnector(c.ec);
+        if (!ec.ok()) return ec.status().WithContext("encoder-cache connector");
+        w->ec_connector_ = *ec;
+        c.server.ec_connector = w->ec_connector_;
+        c.server.encode_only = c.role == WorkerRole::kEncode;
+    }
+    if (!kv_role) {
+        // No connector: malformed params are named the default kind's way, then refused.
+        c.server.parse_kv_params = [parse = kind.parse, cc = c.connector](
+                                       const nlohmann::json& params) { return parse(params, cc); };
+    } else {
+        const bool by_store = !c.agent.store.empty();
+        const bool authenticated = !c.agent.secret.empty();
         c.connector.model_fingerprint = c.model->fingerprint();
         c.connector.model_kv_heads = c.model->config().num_kv_heads;
         c.connector.model_tp = c.model->tp();
@@ -190,6 +218,7 @@ Worker::~Worker() {
     server_.reset();
     engine_.reset();  // the engine unbinds the connector before the agent goes
     connector_.reset();
+    ec_connector_.reset();
     agent_.reset();
 }
 

@@ -5,8 +5,12 @@
 //   colocated  engine + server; refuses kv_transfer_params
 //   prefill    agent + connector + engine + server; holds (pull) or pushes its requests' KV
 //   decode     the same; loads KV from prefill workers; with remote prefill workers, decode-first
+//   encode     the vision encoder alone (EPD): publishes each image's embeddings through its
+//              encoder-cache connector and answers where they are; the language model does
+//              not run
 //
-// (An encode role, an encoder-cache connector beside the KV one, comes with the EPD issue.)
+// Any role but encode may also load embeddings through an encoder-cache connector
+// (serve/ec_connector.h; `transfer` gives a colocated worker an agent too).
 #pragma once
 
 #include <chrono>
@@ -27,9 +31,9 @@
 
 namespace ferry::serve {
 
-enum class WorkerRole { kColocated, kPrefill, kDecode };
+enum class WorkerRole { kColocated, kPrefill, kDecode, kEncode };
 const char* WorkerRoleName(WorkerRole role);
-// "colocated", "prefill" or "decode"; InvalidArgument naming the choices otherwise.
+// "colocated", "prefill", "decode" or "encode"; InvalidArgument naming the choices otherwise.
 Result<WorkerRole> ParseWorkerRole(std::string_view name);
 
 struct WorkerConfig {
@@ -53,6 +57,10 @@ struct WorkerConfig {
     // KV events in vLLM's wire format (serve/kv_events.h); an empty endpoint: none. Its block
     // size is the engine's.
     KvEventsConfig kv_events;
+    // The encoder-cache connector (EPD): its kind ("transfer", "disk"; "": none; required for
+    // role encode) and settings. The assembly sets its agent, producer side, entry shape,
+    // allowed peers (the KV connector's) and whether peers are found in the store.
+    EcConnectorConfig ec;
     // With a store (agent.store) and a server: how long the worker's record there outlives it.
     std::chrono::milliseconds registration_ttl{10000};
 };
@@ -74,7 +82,7 @@ class Worker {
     WorkerRole role() const { return role_; }
     engine::Engine& engine() { return *engine_; }
     const std::shared_ptr<engine::Engine>& shared_engine() const { return engine_; }
-    // Null for a colocated worker.
+    // Null for a colocated worker (unless its encoder-cache connector is `transfer`).
     const std::shared_ptr<Agent>& agent() const { return agent_; }
     const std::shared_ptr<kv::KvConnector>& connector() const { return connector_; }
     // Null without serve_http.
@@ -107,6 +115,7 @@ class Worker {
     WorkerRole role_ = WorkerRole::kColocated;
     std::shared_ptr<Agent> agent_;
     std::shared_ptr<kv::KvConnector> connector_;
+    std::shared_ptr<EcConnector> ec_connector_;
     std::shared_ptr<KvEventPublisher> kv_events_;  // outlives the engine that publishes to it
     std::shared_ptr<engine::Engine> engine_;
     std::unique_ptr<OpenAiServer> server_;

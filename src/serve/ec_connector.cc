@@ -1,0 +1,540 @@
+#include "serve/ec_connector.h"
+
+#include <fcntl.h>
+#include <fmt/core.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/crypto.h"
+#include "core/log.h"
+
+namespace ferry::serve {
+
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+uint64_t MicrosSince(Clock::time_point t0) {
+    return uint64_t(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
+}
+
+// An mm_hash as every role writes it: 64 lowercase hex digits (it names files and keys).
+bool ValidMmHash(std::string_view h) {
+    if (h.size() != 64) return false;
+    for (char c : h) {
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+    }
+    return true;
+}
+
+uint64_t Checksum(const void* p, size_t n) { return XXH3_64bits(p, n); }
+
+// The notification a consumer sends after pulling (it ends the slot's lease).
+constexpr std::string_view kReleasePrefix = "ferry-ec-release:";
+
+// A slot: this header, then the payload (entry_floats floats).
+struct SlotHeader {
+    char magic[8];        // "FERRYEC1"
+    char mm_hash[64];     // hex
+    uint64_t floats;      // payload length in floats
+    uint64_t checksum;    // XXH3-64 of the payload
+    uint64_t generation;  // bumped on each write (diagnostics)
+    char pad[32];
+};
+static_assert(sizeof(SlotHeader) == 128);
+constexpr char kMagic[8] = {'F', 'E', 'R', 'R', 'Y', 'E', 'C', '1'};
+
+// --- transfer -----------------------------------------------------------------------------
+
+class TransferEcConnector final : public EcConnector {
+  public:
+    explicit TransferEcConnector(EcConnectorConfig c)
+        : EcConnector("transfer"), cfg_(std::move(c)) {}
+    ~TransferEcConnector() override {
+        {
+            std::lock_guard lock(mu_);
+            stop_ = true;
+        }
+        if (thread_.joinable()) thread_.join();
+        std::lock_guard lock(mu_);
+        for (const auto& [hash, slot] : by_hash_) (void)cfg_.agent->Unpublish(EcObjectKey(hash));
+        if (region_.length) (void)cfg_.agent->Deregister(region_.id);
+        if (scratch_.length) (void)cfg_.agent->Deregister(scratch_.id);
+    }
+
+    Status Start() {
+        slot_bytes_ = sizeof(SlotHeader) + cfg_.entry_floats * sizeof(float);
+        if (!cfg_.producer) return Status::Ok();
+        const uint64_t n = cfg_.buffer_bytes / slot_bytes_;
+        if (n == 0) {
+            return InvalidArgumentError(
+                fmt::format("--ec-buffer-mib: {} bytes hold no image's embeddings ({} bytes each)",
+                            cfg_.buffer_bytes, slot_bytes_));
+        }
+        FERRY_ASSIGN_OR_RETURN(region_, cfg_.agent->AllocateRegion(n * slot_bytes_));
+        slots_.resize(n);
+        for (size_t i = 0; i < n; ++i) free_.push_back(i);
+        thread_ = std::thread([this] { Leases(); });
+        return Status::Ok();
+    }
+
+    Status Save(const std::string& mm_hash, const std::vector<float>& floats) override {
+        if (!cfg_.producer) return FailedPreconditionError("ec: this worker is no producer");
+        if (!ValidMmHash(mm_hash) || floats.size() != cfg_.entry_floats) {
+            return InvalidArgumentError("ec: an entry of the wrong shape");
+        }
+        std::lock_guard lock(mu_);
+        const Clock::time_point lease_end = Clock::now() + cfg_.lease;
+        if (auto it = by_hash_.find(mm_hash); it != by_hash_.end()) {
+            // Already published (a repeated image): a new lease for its new consumer.
+            Slot& s = slots_[it->second];
+            if (!s.leased) {
+                lru_.erase(s.lru);
+                s.leased = true;
+                ++leased_;
+            }
+            s.lease_end = std::max(s.lease_end, lease_end);
+            ++stats_.saved;
+            return Status::Ok();
+        }
+        size_t i;
+        if (!free_.empty()) {
+            i = free_.front();
+            free_.pop_front();
+        } else if (!lru_.empty()) {
+            i = lru_.back();  // the least recently written entry nobody holds a lease on
+            lru_.pop_back();
+            Slot& old = slots_[i];
+            (void)cfg_.agent->Unpublish(EcObjectKey(old.hash));
+            by_hash_.erase(old.hash);
+        } else {
+            ++stats_.save_refused;
+            return ResourceExhaustedError(fmt::format(
+                "ec: all {} slots of the encoder cache's transfer buffer are leased to consumers "
+                "that have not pulled them yet (--ec-buffer-mib, --ec-lease-ms)",
+                slots_.size()));
+        }
+        auto* base = static_cast<std::byte*>(region_.base) + i * slot_bytes_;
+        SlotHeader h{};
+        std::memcpy(h.magic, kMagic, sizeof(kMagic));
+        std::memcpy(h.mm_hash, mm_hash.data(), 64);
+        h.floats = floats.size();
+        h.checksum = Checksum(floats.data(), floats.size() * sizeof(float));
+        h.generation = ++generation_;
+        std::memcpy(base + sizeof(SlotHeader), floats.data(), floats.size() * sizeof(float));
+        std::memcpy(base, &h, sizeof(h));
+        Status st =
+            cfg_.agent->Publish(EcObjectKey(mm_hash), {{region_.id, i * slot_bytes_, slot_bytes_}});
+        if (!st.ok()) {
+            free_.push_back(i);
+            return st;
+        }
+        Slot& s = slots_[i];
+        s.hash = mm_hash;
+        s.leased = true;
+        s.lease_end = lease_end;
+        ++leased_;
+        by_hash_[mm_hash] = i;
+        ++stats_.saved;
+        return Status::Ok();
+    }
+
+    Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
+                                   const EcSource* source) override {
+        const Clock::time_point t0 = Clock::now();
+        Result<media::Embeddings> r = Pull(mm_hash, floats, source);
+        std::lock_guard lock(mu_);
+        stats_.load_micros += MicrosSince(t0);
+        if (r.ok()) {
+            ++stats_.loads;
+            stats_.load_bytes += floats * sizeof(float);
+        } else if (r.status().code() == Code::kNotFound) {
+            ++stats_.load_misses;
+        } else {
+            ++stats_.load_failures;
+        }
+        return r;
+    }
+
+    Json Params() const override {
+        if (!cfg_.producer) return nullptr;
+        const std::string a = cfg_.agent->ListenAddress();
+        const size_t colon = a.rfind(':');
+        return Json{{"engine_id", cfg_.agent->name()},
+                    {"host", a.substr(0, colon)},
+                    {"port", std::stoi(a.substr(colon + 1))}};
+    }
+
+    EcConnectorStats Stats() const override {
+        std::lock_guard lock(mu_);
+        EcConnectorStats s = stats_;
+        s.leased = leased_;
+        s.entries = by_hash_.size();
+        s.slots = slots_.size();
+        return s;
+    }
+
+  private:
+    struct Slot {
+        std::string hash;
+        bool leased = false;
+        Clock::time_point lease_end{};
+        std::list<size_t>::iterator lru{};  // valid while not leased
+    };
+
+    // The producer's agent as a peer of this one: connected once, by name through the store,
+    // or at the params' address (only one --ec-peers / --kv-peers allows, if given).
+    Result<std::string> PeerFor(const EcSource& src) {
+        {
+            std::lock_guard lock(mu_);
+            if (connected_.count(src.engine_id)) return src.engine_id;
+        }
+        const std::string address = fmt::format("{}:{}", src.host, src.port);
+        Result<std::string> name = [&]() -> Result<std::string> {
+            if (!cfg_.allowed_agents.empty()) {
+                if (std::find(cfg_.allowed_agents.begin(), cfg_.allowed_agents.end(), address) ==
+                    cfg_.allowed_agents.end()) {
+                    return PermissionDeniedError(fmt::format(
+                        "ec_transfer_params: the agent at {} is not one this worker may dial "
+                        "(--kv-peers)",
+                        address));
+                }
+                return cfg_.agent->Connect(address, cfg_.pull_timeout);
+            }
+            if (cfg_.by_store) return cfg_.agent->ConnectByName(src.engine_id);
+            return cfg_.agent->Connect(address, cfg_.pull_timeout);
+        }();
+        if (!name.ok()) {
+            return UnavailableError(fmt::format("ec: the encode worker's agent '{}' at {}: {}",
+                                                src.engine_id, address, name.status().message()));
+        }
+        if (*name != src.engine_id) {
+            (void)cfg_.agent->RemovePeer(*name);
+            return UnavailableError(
+                fmt::format("ec: the agent at {} is '{}', not '{}' (restarted or moved)", address,
+                            *name, src.engine_id));
+        }
+        std::lock_guard lock(mu_);
+        connected_.insert(*name);
+        return *name;
+    }
+
+    Result<media::Embeddings> Pull(const std::string& mm_hash, size_t floats,
+                                   const EcSource* source) {
+        if (!source) return NotFoundError("ec: no encode worker named for this request");
+        if (floats != cfg_.entry_floats) {
+            return InvalidArgumentError("ec: an entry of the wrong shape");
+        }
+        FERRY_ASSIGN_OR_RETURN(std::string peer, PeerFor(*source));
+        // One pull at a time into one scratch slot (the media thread is the only caller).
+        std::lock_guard pull_lock(pull_mu_);
+        if (!scratch_.length) {
+            FERRY_ASSIGN_OR_RETURN(scratch_, cfg_.agent->AllocateRegion(slot_bytes_));
+        }
+        Result<PullResult> got = cfg_.agent->PullByKey(
+            peer, EcObjectKey(mm_hash), {scratch_.id, 0, slot_bytes_}, cfg_.pull_timeout);
+        if (!got.ok()) {
+            if (got.status().code() == Code::kNotFound) {
+                return NotFoundError(
+                    fmt::format("ec: {} has no embeddings for image {}", peer, mm_hash));
+            }
+            if (got.status().code() == Code::kUnavailable) {
+                std::lock_guard lock(mu_);
+                connected_.erase(peer);  // dial again next time (it may have restarted)
+            }
+            return got.status().WithContext("ec pull");
+        }
+        if (!got->copied || got->object_size != slot_bytes_) {
+            return DataLossError(fmt::format("ec: {} sent {} bytes for image {}, expected {}", peer,
+                                             got->object_size, mm_hash, slot_bytes_));
+        }
+        const auto* base = static_cast<const std::byte*>(scratch_.base);
+        SlotHeader h;
+        std::memcpy(&h, base, sizeof(h));
+        auto e = std::make_shared<std::vector<float>>(floats);
+        std::memcpy(e->data(), base + sizeof(SlotHeader), floats * sizeof(float));
+        if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 ||
+            std::string_view(h.mm_hash, 64) != mm_hash || h.floats != floats ||
+            h.checksum != Checksum(e->data(), floats * sizeof(float))) {
+            // The slot was reused while it was read (its lease had ended): not this image's.
+            return NotFoundError(fmt::format(
+                "ec: the slot {} sent for image {} did not hold it whole", peer, mm_hash));
+        }
+        // The lease can end now; nobody waits for this.
+        (void)cfg_.agent->Notify(peer, std::string(kReleasePrefix) + mm_hash);
+        return media::Embeddings(std::move(e));
+    }
+
+    // Producer: ends leases that consumers released or that ran out.
+    void Leases() {
+        for (;;) {
+            std::vector<Notification> notes =
+                cfg_.agent->WaitNotifications(Clock::now() + std::chrono::milliseconds(100));
+            std::lock_guard lock(mu_);
+            if (stop_) return;
+            const Clock::time_point now = Clock::now();
+            for (const Notification& n : notes) {
+                if (n.payload.rfind(kReleasePrefix, 0) != 0) continue;
+                auto it = by_hash_.find(n.payload.substr(kReleasePrefix.size()));
+                if (it == by_hash_.end() || !slots_[it->second].leased) continue;
+                Unlease(it->second);
+                ++stats_.released;
+            }
+            for (size_t i = 0; i < slots_.size(); ++i) {
+                if (slots_[i].leased && now >= slots_[i].lease_end) {
+                    Unlease(i);
+                    ++stats_.lapsed;
+                }
+            }
+        }
+    }
+    void Unlease(size_t i) {
+        Slot& s = slots_[i];
+        s.leased = false;
+        --leased_;
+        lru_.push_front(i);
+        s.lru = lru_.begin();
+    }
+
+    EcConnectorConfig cfg_;
+    size_t slot_bytes_ = 0;
+    mutable std::mutex mu_;
+    bool stop_ = false;
+    RegionInfo region_{};  // producer: the slots
+    std::vector<Slot> slots_;
+    std::list<size_t> free_;
+    std::list<size_t> lru_;  // unleased slots in use, most recently released first
+    std::unordered_map<std::string, size_t> by_hash_;
+    uint64_t leased_ = 0;
+    uint64_t generation_ = 0;
+    EcConnectorStats stats_;
+    std::thread thread_;
+    // Consumer.
+    std::unordered_set<std::string> connected_;
+    std::mutex pull_mu_;
+    RegionInfo scratch_{};
+};
+
+// --- disk ---------------------------------------------------------------------------------
+
+class DiskEcConnector final : public EcConnector {
+  public:
+    explicit DiskEcConnector(EcConnectorConfig c) : EcConnector("disk"), cfg_(std::move(c)) {}
+
+    Status Save(const std::string& mm_hash, const std::vector<float>& floats) override {
+        if (!ValidMmHash(mm_hash) || floats.empty() || floats.size() % Width() != 0) {
+            return InvalidArgumentError("ec: an entry of the wrong shape");
+        }
+        const std::string dir = cfg_.dir + "/" + mm_hash;
+        const std::string path = dir + "/encoder_cache.safetensors";
+        if (access(path.c_str(), R_OK) == 0) {
+            // Another producer (or an earlier request) wrote it: the same pixels, the same rows.
+            std::lock_guard lock(mu_);
+            ++stats_.saved;
+            return Status::Ok();
+        }
+        if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+            return InternalError(fmt::format("ec: mkdir {}: {}", dir, std::strerror(errno)));
+        }
+        const uint64_t bytes = floats.size() * sizeof(float);
+        const Json header = {{"__metadata__",
+                              {{"producer", "ferry"},
+                               {"xxh3", fmt::format("{:016x}", Checksum(floats.data(), bytes))}}},
+                             {"ec_cache",
+                              {{"dtype", "F32"},
+                               {"shape", {floats.size() / Width(), Width()}},
+                               {"data_offsets", {0, bytes}}}}};
+        std::string h = header.dump();
+        h.resize((h.size() + 7) / 8 * 8, ' ');  // the format pads its header with spaces to 8
+        std::string out(8, '\0');
+        const uint64_t hl = h.size();
+        std::memcpy(out.data(), &hl, 8);  // little-endian u64
+        out += h;
+        out.append(reinterpret_cast<const char*>(floats.data()), bytes);
+        const std::string tmp = fmt::format("{}/.tmp-{}-{}", dir, getpid(), RandomId128());
+        const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        if (fd < 0) return InternalError(fmt::format("ec: open {}: {}", tmp, std::strerror(errno)));
+        size_t done = 0;
+        while (done < out.size()) {
+            const ssize_t n = write(fd, out.data() + done, out.size() - done);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                const int err = errno;
+                close(fd);
+                unlink(tmp.c_str());
+                return InternalError(fmt::format("ec: write {}: {}", tmp, std::strerror(err)));
+            }
+            done += size_t(n);
+        }
+        close(fd);
+        if (rename(tmp.c_str(), path.c_str()) != 0) {
+            const int err = errno;
+            unlink(tmp.c_str());
+            return InternalError(fmt::format("ec: rename to {}: {}", path, std::strerror(err)));
+        }
+        std::lock_guard lock(mu_);
+        ++stats_.saved;
+        return Status::Ok();
+    }
+
+    Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
+                                   const EcSource*) override {
+        const Clock::time_point t0 = Clock::now();
+        Result<media::Embeddings> r = Read(mm_hash, floats);
+        std::lock_guard lock(mu_);
+        stats_.load_micros += MicrosSince(t0);
+        if (r.ok()) {
+            ++stats_.loads;
+            stats_.load_bytes += floats * sizeof(float);
+        } else if (r.status().code() == Code::kNotFound) {
+            ++stats_.load_misses;
+        } else {
+            ++stats_.load_failures;
+        }
+        return r;
+    }
+
+    Json Params() const override { return nullptr; }
+
+    EcConnectorStats Stats() const override {
+        std::lock_guard lock(mu_);
+        return stats_;
+    }
+
+  private:
+    size_t Width() const { return cfg_.width ? cfg_.width : 1; }
+
+    Result<media::Embeddings> Read(const std::string& mm_hash, size_t floats) {
+        if (!ValidMmHash(mm_hash)) return InvalidArgumentError("ec: not an mm_hash");
+        const std::string path = cfg_.dir + "/" + mm_hash + "/encoder_cache.safetensors";
+        const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            if (errno == ENOENT) return NotFoundError("ec: no file for image " + mm_hash);
+            return UnavailableError(fmt::format("ec: open {}: {}", path, std::strerror(errno)));
+        }
+        struct stat st {};
+        std::string data;
+        if (fstat(fd, &st) == 0 && st.st_size > 8 && uint64_t(st.st_size) < (1ull << 32)) {
+            data.resize(size_t(st.st_size));
+            size_t done = 0;
+            while (done < data.size()) {
+                const ssize_t n = read(fd, data.data() + done, data.size() - done);
+                if (n < 0 && errno == EINTR) continue;
+                if (n <= 0) break;
+                done += size_t(n);
+            }
+            data.resize(done);
+        }
+        close(fd);
+        auto bad = [&](std::string_view what) {
+            return DataLossError(fmt::format("ec: {}: {}", path, what));
+        };
+        if (data.size() < 8) return bad("shorter than a safetensors header");
+        uint64_t hl;
+        std::memcpy(&hl, data.data(), 8);
+        if (hl > data.size() - 8) return bad("its header length runs past the end");
+        const Json h = Json::parse(data.substr(8, hl), nullptr, false);
+        if (!h.is_object() || !h.contains("ec_cache") || !h["ec_cache"].is_object()) {
+            return bad("no tensor \"ec_cache\"");
+        }
+        const Json& t = h["ec_cache"];
+        const uint64_t bytes = floats * sizeof(float);
+        if (t.value("dtype", "") != "F32" || !t.contains("data_offsets") ||
+            t["data_offsets"] != Json({0, bytes}) || !t.contains("shape") ||
+            !t["shape"].is_array() || t["shape"].size() != 2 ||
+            t["shape"] != Json({floats / Width(), Width()})) {
+            return bad(fmt::format("\"ec_cache\" is not F32 [{}, {}]", floats / Width(), Width()));
+        }
+        if (data.size() != 8 + hl + bytes) return bad("its data is not the tensor's size");
+        auto e = std::make_shared<std::vector<float>>(floats);
+        std::memcpy(e->data(), data.data() + 8 + hl, bytes);
+        if (h.contains("__metadata__") && h["__metadata__"].is_object() &&
+            h["__metadata__"].contains("xxh3") &&
+            h["__metadata__"]["xxh3"] != fmt::format("{:016x}", Checksum(e->data(), bytes))) {
+            return bad("its checksum does not match its data");
+        }
+        return media::Embeddings(std::move(e));
+    }
+
+    EcConnectorConfig cfg_;
+    mutable std::mutex mu_;
+    EcConnectorStats stats_;
+};
+
+}  // namespace
+
+std::string EcObjectKey(std::string_view mm_hash) { return "mm:" + std::string(mm_hash); }
+
+Result<EcLoadFailure> ParseEcLoadFailure(std::string_view name) {
+    if (name == "encode") return EcLoadFailure::kEncode;
+    if (name == "fail") return EcLoadFailure::kFail;
+    return InvalidArgumentError(
+        fmt::format("--ec-load-failure '{}' is not one of encode, fail", name));
+}
+
+Result<EcSource> ParseEcTransferParams(const Json& p) {
+    if (!p.is_object()) return InvalidArgumentError("ec_transfer_params: not an object");
+    EcSource s;
+    for (const auto& [k, v] : p.items()) {
+        if (k == "engine_id") {
+            if (!v.is_string() || v.get<std::string>().empty() ||
+                v.get<std::string>().size() > 256) {
+                return InvalidArgumentError("ec_transfer_params.engine_id: 1..256 characters");
+            }
+            s.engine_id = v.get<std::string>();
+        } else if (k == "host") {
+            if (!v.is_string() || v.get<std::string>().empty() ||
+                v.get<std::string>().size() > 255) {
+                return InvalidArgumentError("ec_transfer_params.host: 1..255 characters");
+            }
+            s.host = v.get<std::string>();
+        } else if (k == "port") {
+            if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > 65535) {
+                return InvalidArgumentError("ec_transfer_params.port: 1..65535");
+            }
+            s.port = v.get<int>();
+        } else {
+            return InvalidArgumentError(
+                fmt::format("ec_transfer_params: unknown field '{}'", k.substr(0, 64)));
+        }
+    }
+    if (s.engine_id.empty() || s.host.empty() || s.port == 0) {
+        return InvalidArgumentError("ec_transfer_params: engine_id, host and port are required");
+    }
+    return s;
+}
+
+Result<std::shared_ptr<EcConnector>> MakeEcConnector(EcConnectorConfig c) {
+    if (c.kind == "disk") {
+        if (c.dir.empty()) return InvalidArgumentError("--ec-connector disk needs --ec-dir");
+        struct stat st {};
+        if (stat(c.dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+            return InvalidArgumentError(fmt::format("--ec-dir {}: not a directory", c.dir));
+        }
+        return std::shared_ptr<EcConnector>(std::make_shared<DiskEcConnector>(std::move(c)));
+    }
+    if (c.kind == "transfer") {
+        if (!c.agent) return InvalidArgumentError("--ec-connector transfer needs an agent");
+        if (c.entry_floats == 0) return InvalidArgumentError("ec: no entry size");
+        auto t = std::make_shared<TransferEcConnector>(std::move(c));
+        FERRY_RETURN_IF_ERROR(t->Start());
+        return std::shared_ptr<EcConnector>(std::move(t));
+    }
+    return InvalidArgumentError(
+        fmt::format("--ec-connector '{}' is not one of transfer, disk", c.kind));
+}
+
+}  // namespace ferry::serve

@@ -1,0 +1,113 @@
+// Encoder-cache connectors (EPD, docs/disaggregation.md "Encoder disaggregation"): how image
+// embeddings computed by an encode worker (the producer) reach the prefill, decode or colocated
+// workers that need them (consumers), keyed by mm_hash (the SHA-256 of the decoded pixels and
+// their size, media/image.h), never by URL.
+//
+//   transfer  The producer keeps each image's embeddings in slots of one agent memory region and
+//             publishes each as a named object "mm:<mm_hash>" (Agent::Publish); a consumer pulls
+//             it in one round trip (Agent::PullByKey over shm, tcp or ucx) from the agent its
+//             request's ec_transfer_params name. A slot is leased when written: it is not reused
+//             until a consumer says it pulled it (a notification after the pull, not waited for)
+//             or the lease lapses, so nothing waits forever and nothing is overwritten under a
+//             reader. Each slot carries its key, its shape and an XXH3-64 of its payload: a pull
+//             that raced a slot's reuse after its lease is refused as a miss, never used.
+//   disk      vLLM's ECExampleConnector layout: DIR/<mm_hash>/encoder_cache.safetensors holding
+//             one F32 tensor "ec_cache" [tokens, width] (its metadata carries the payload's
+//             XXH3-64), written to a temporary name and renamed, so a reader sees a whole file
+//             or none. Consumers look there for every image; no params are needed.
+//
+// A consumer that misses (or cannot reach the producer) encodes the image itself, or fails the
+// request with --ec-load-failure fail.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/agent.h"
+#include "ferry/status.h"
+#include "media/encoder_cache.h"
+
+namespace ferry::serve {
+
+enum class EcLoadFailure { kEncode, kFail };
+Result<EcLoadFailure> ParseEcLoadFailure(std::string_view name);  // "encode" | "fail"
+
+// Where an image's embeddings wait: the producer's agent (its engine_id, and where its listener
+// is), from the ec_transfer_params of an encode worker's answer, which the router copies into
+// the requests it sends on. Checked field by field; unknown fields are refused by name.
+struct EcSource {
+    std::string engine_id;
+    std::string host;
+    int port = 0;
+};
+Result<EcSource> ParseEcTransferParams(const nlohmann::json& params);
+
+struct EcConnectorConfig {
+    std::string kind;  // "transfer" or "disk"
+    bool producer = false;
+    // transfer: this worker's agent; the producer's region holds `buffer_bytes` of slots of
+    // `entry_floats` floats (an image's embeddings: tokens per image x the model's width).
+    std::shared_ptr<Agent> agent = {};
+    uint64_t buffer_bytes = 256ull << 20;
+    size_t entry_floats = 0;
+    size_t width = 0;  // the model's: an entry is entry_floats / width rows
+    std::chrono::milliseconds lease{30000};
+    std::chrono::milliseconds pull_timeout{5000};
+    // transfer, consumer: the only producer agents (HOST:PORT) it dials; empty: with a store,
+    // those found there by name, else any the params name (docs/security.md).
+    std::vector<std::string> allowed_agents = {};
+    bool by_store = false;
+    // disk: the shared directory.
+    std::string dir = {};
+};
+
+struct EcConnectorStats {
+    uint64_t saved = 0;          // producer: entries written
+    uint64_t save_refused = 0;   // producer: every slot leased (the request got 503)
+    uint64_t loads = 0;          // consumer: entries found and taken
+    uint64_t load_misses = 0;    // consumer: not there (or not for this key and shape)
+    uint64_t load_failures = 0;  // consumer: the producer unreachable, a bad file, a timeout
+    uint64_t load_bytes = 0;     // consumer
+    uint64_t load_micros = 0;    // consumer: time in Load
+    uint64_t released = 0;       // producer: leases ended by a consumer's notification
+    uint64_t lapsed = 0;         // producer: leases that ran out
+    uint64_t leased = 0;         // producer: slots leased now
+    uint64_t entries = 0;        // producer: slots in use now
+    uint64_t slots = 0;          // producer
+};
+
+class EcConnector {
+  public:
+    virtual ~EcConnector() = default;
+    const std::string& kind() const { return kind_; }
+    // Producer: keeps `floats` (entry_floats of them) under mm_hash for consumers.
+    // ResourceExhausted when nothing can be reused (every slot leased).
+    virtual Status Save(const std::string& mm_hash, const std::vector<float>& floats) = 0;
+    // Consumer: the embeddings of mm_hash (`floats` of them), from `source` (transfer: required;
+    // disk: ignored). NotFound on a miss; Unavailable, DeadlineExceeded or DataLoss for a
+    // producer that cannot be reached or sent something wrong.
+    virtual Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
+                                           const EcSource* source) = 0;
+    // The ec_transfer_params a producer's answer carries (null: none).
+    virtual nlohmann::json Params() const = 0;
+    virtual EcConnectorStats Stats() const = 0;
+
+  protected:
+    explicit EcConnector(std::string kind) : kind_(std::move(kind)) {}
+
+  private:
+    std::string kind_;
+};
+
+// InvalidArgument for a config that cannot work (no directory, no agent, no entry size).
+Result<std::shared_ptr<EcConnector>> MakeEcConnector(EcConnectorConfig config);
+
+// The object key of an image's embeddings: "mm:" + mm_hash.
+std::string EcObjectKey(std::string_view mm_hash);
+
+}  // namespace ferry::serve

@@ -1,0 +1,371 @@
+// EPD with real processes: `ferry serve --role encode` behind `ferry proxy --encode`, its
+// embeddings reaching the prefill, decode or colocated workers through each encoder-cache
+// connector (serve/ec_connector.h). The answers equal a colocated worker's token for token, and
+// the consumers encode no image themselves (their metrics say so); a dead encode worker costs
+// only the encoding; the internal field is honoured only from the router.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "disagg/pd_harness.h"
+#include "http/http.h"
+#include "testing/images.h"
+#include "testing/testing.h"
+#include "testing/tiny_model.h"
+#include "testing/worker_process.h"
+
+namespace ferry {
+namespace {
+
+using namespace pd_test;  // NOLINT: the harness is this test's own vocabulary
+using Json = nlohmann::json;
+using testing::ServerProcess;
+
+std::string Addr(const ServerProcess& p) { return fmt::format("127.0.0.1:{}", p.port()); }
+
+class EpdProcess : public PdProcess {
+  protected:
+    static void SetUpTestSuite() {
+        PdProcess::SetUpTestSuite();
+        mmproj_ = new std::string(testing::WriteTinyMmproj("epd-process", 37));
+    }
+    static void TearDownTestSuite() {
+        std::remove(mmproj_->c_str());
+        delete mmproj_;
+        mmproj_ = nullptr;
+        PdProcess::TearDownTestSuite();
+    }
+    static std::vector<std::string> Args(const std::string& role, const std::string& backend,
+                                         std::vector<std::string> extra = {}) {
+        std::vector<std::string> a = WorkerArgs(role == "encode" ? "colocated" : role, backend, 1);
+        if (role == "encode") {
+            auto it = std::find(a.begin(), a.end(), "--role");
+            it[1] = "encode";
+            if (!backend.empty()) a.insert(a.end(), {"--kv-backend", backend});
+            // The language model does not run there: a small cache.
+            auto nb = std::find(a.begin(), a.end(), "--num-kv-blocks");
+            nb[1] = "300";
+        }
+        a.insert(a.end(), {"--mmproj", *mmproj_});
+        a.insert(a.end(), extra.begin(), extra.end());
+        return a;
+    }
+    // 1 to 4 images a request from a pool of 7 (repeated across requests), text around them.
+    static std::vector<Json> Bodies(int n, uint32_t seed) {
+        std::vector<std::string> pool;
+        for (int i = 0; i < 7; ++i) {
+            pool.push_back(testing::RandomPngUrl(16 + 7 * i, 40 - 3 * i, seed + i));
+        }
+        std::vector<Json> out;
+        for (int k = 0; k < n; ++k) {
+            Json content = Json::array();
+            const int images = 1 + k % 4;
+            for (int j = 0; j < images; ++j) {
+                content.push_back({{"type", "text"},
+                                   {"text", std::string(2 + (k * 5 + j * 11) % 30, 'a' + k % 26)}});
+                content.push_back(
+                    {{"type", "image_url"}, {"image_url", {{"url", pool[(k * 3 + j) % 7]}}}});
+            }
+            content.push_back({{"type", "text"}, {"text", fmt::format("prompt {}?", k)}});
+            out.push_back({{"messages", {{{"role", "user"}, {"content", content}}}},
+                           {"max_tokens", 5},
+                           {"temperature", 0},
+                           {"ignore_eos", true},
+                           {"logprobs", true},
+                           {"return_tokens_as_token_ids", true},
+                           {"stream", k % 3 == 1}});
+        }
+        return out;
+    }
+    inline static std::string* mmproj_ = nullptr;
+};
+
+struct EpdCase {
+    std::string name;
+    std::string connector;  // transfer | disk
+    std::string backend;    // the agents' (transfer)
+    // pull | push (E + P + D behind the proxy), epd (E + a colocated worker behind the proxy),
+    // self (a colocated worker calling the encode worker itself: --encoder-urls, no proxy)
+    std::string drive;
+};
+
+void PrintTo(const EpdCase& c, std::ostream* os) { *os << c.name; }
+
+class EpdMatrix : public EpdProcess, public ::testing::WithParamInterface<EpdCase> {};
+
+// The verification: multimodal prompts with 1 to 4 images, some repeated, through an
+// encode worker: the same tokens as colocated, the consumers encode nothing themselves, the
+// encode worker encodes each distinct image once, and no lease is left behind.
+TEST_P(EpdMatrix, PromptsWithImagesThroughAnEncodeWorkerEqualColocated) {
+    const EpdCase& c = GetParam();
+    testing::SecretFile secret("epd-" + c.name);
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / fmt::format("ferry-epd-{}-{}", c.name, getpid()))
+            .string();
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> ec = {"--ec-connector", c.connector, "--secret-file", secret.path()};
+    if (c.connector == "disk") ec.insert(ec.end(), {"--ec-dir", dir});
+    std::vector<std::string> producer = ec;
+    producer.insert(producer.end(), {"--ec-lease-ms", "1500"});
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", c.backend, producer));
+    ASSERT_TRUE(colocated && encode);
+    std::vector<std::unique_ptr<ServerProcess>> consumers;
+    std::vector<std::string> proxy = {"proxy", "--encode",   Addr(*encode),   "--port",
+                                      "0",     "--no-store", "--secret-file", secret.path()};
+    if (c.drive == "epd" || c.drive == "self") {
+        std::vector<std::string> e = ec;
+        if (c.connector == "transfer") e.insert(e.end(), {"--kv-backend", c.backend});
+        if (c.drive == "self") e.insert(e.end(), {"--encoder-urls", Addr(*encode)});
+        consumers.push_back(StartOrDie(Args("colocated", "", e)));
+        ASSERT_TRUE(consumers[0]);
+        proxy.insert(proxy.end(), {"--decode", Addr(*consumers[0])});
+    } else {
+        std::vector<std::string> p = ec, d = ec;
+        d.insert(d.end(), {"--kv-verify", "all"});
+        consumers.push_back(StartOrDie(Args("prefill", c.backend, p)));
+        consumers.push_back(StartOrDie(Args("decode", c.backend, d)));
+        ASSERT_TRUE(consumers[0] && consumers[1]);
+        proxy.insert(proxy.end(), {"--prefill", Addr(*consumers[0]), "--decode",
+                                   Addr(*consumers[1]), "--kv-transfer", c.drive});
+    }
+    std::unique_ptr<ServerProcess> px;
+    if (c.drive != "self") {
+        px = StartOrDie(proxy);
+        ASSERT_TRUE(px);
+    }
+    const int n = testing::kSanitized ? 8 : 50;
+    const std::vector<Json> bodies = Bodies(n, 300);
+    const int entry = c.drive == "self" ? consumers[0]->port() : px->port();
+    ExpectSameTokens(SendAll(entry, bodies, 8), SendAll(colocated->port(), bodies, 8), c.name);
+    if (px) {
+        EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), n);
+        EXPECT_EQ(px->Metric("ferry_proxy_encode_failed_total"), 0);
+    } else {
+        EXPECT_EQ(consumers[0]->Metric("ferry_ec_encoder_calls_total"), n);
+        EXPECT_EQ(consumers[0]->Metric("ferry_ec_encoder_call_failures_total"), 0);
+    }
+    // The encode worker encoded each distinct image once (7 in the pool, all used), the
+    // consumers none: they loaded every image they did not already hold.
+    EXPECT_EQ(encode->Metric("ferry_mm_images_encoded_total"), 7);
+    EXPECT_GE(encode->Metric("ferry_ec_saved_total"), n);
+    for (const auto& w : consumers) {
+        EXPECT_EQ(w->Metric("ferry_mm_images_encoded_total"), 0);
+        EXPECT_EQ(w->Metric("ferry_ec_local_encodes_total"), 0);
+        EXPECT_EQ(w->Metric("ferry_ec_load_failures_total"), 0);
+        EXPECT_GE(w->Metric("ferry_ec_loads_total"), 1);
+        EXPECT_LE(w->Metric("ferry_ec_loads_total"), 7);  // repeated images: the local cache
+        EXPECT_GT(w->Metric("ferry_encoder_cache_hits_total"), 0);
+    }
+    if (c.connector == "transfer") {
+        // Every lease ends: released by a consumer's pull or lapsed (1.5 s).
+        EXPECT_TRUE(encode->WaitMetric("ferry_ec_leased", 0));
+        EXPECT_GT(encode->Metric("ferry_ec_leases_released_total"), 0);
+        EXPECT_EQ(encode->Metric("ferry_ec_entries"), 7);
+    } else {
+        size_t files = 0;
+        for (const auto& e : std::filesystem::directory_iterator(dir)) {
+            EXPECT_TRUE(std::filesystem::exists(e.path() / "encoder_cache.safetensors"));
+            ++files;
+        }
+        EXPECT_EQ(files, 7u);
+    }
+    if (consumers.size() == 2) {
+        EXPECT_LE(consumers[1]->Metric("ferry_prompt_tokens_total"), double(n));
+        EXPECT_EQ(consumers[1]->Metric("ferry_kv_connector_verify_mismatches_total"), 0);
+    }
+    std::filesystem::remove_all(dir);
+}
+
+std::vector<EpdCase> Cases() {
+    std::vector<EpdCase> v = {{"transfer_shm_pull", "transfer", "shm", "pull"},
+                              {"transfer_tcp_epd", "transfer", "tcp", "epd"},
+                              {"disk_push", "disk", "shm", "push"},
+                              {"transfer_shm_self", "transfer", "shm", "self"},
+                              {"disk_self", "disk", "", "self"}};
+    return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Connectors, EpdMatrix, ::testing::ValuesIn(Cases()),
+                         [](const auto& i) { return i.param.name; });
+
+// The encode worker SIGKILLed: requests still complete with the colocated answer (the consumer
+// encodes), whether the proxy finds it gone or a request names it after it died; with
+// --ec-load-failure fail such a request is refused (503) rather than encoded.
+TEST_F(EpdProcess, AKilledEncodeWorkerCostsOnlyTheEncoding) {
+    testing::SecretFile secret("epd-kill");
+    const std::vector<std::string> ec = {
+        "--ec-connector",           "transfer", "--secret-file", secret.path(),
+        "--ec-transfer-timeout-ms", "2000"};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", "tcp", ec));
+    auto consumer = StartOrDie(Args("colocated", "", ec));
+    std::vector<std::string> strict_args = ec;
+    strict_args.insert(strict_args.end(), {"--ec-load-failure", "fail"});
+    auto strict = StartOrDie(Args("colocated", "", strict_args));
+    ASSERT_TRUE(colocated && encode && consumer && strict);
+    auto px = StartOrDie({"proxy", "--encode", Addr(*encode), "--decode", Addr(*consumer), "--port",
+                          "0", "--no-store", "--secret-file", secret.path()});
+    ASSERT_TRUE(px);
+    const std::vector<Json> bodies = Bodies(testing::kSanitized ? 4 : 12, 700);
+    const std::vector<Answer> want = SendAll(colocated->port(), bodies, 4);
+    const size_t half = bodies.size() / 2;
+    // Where the encode worker said the embeddings wait (its agent), for the requests below.
+    Json first = bodies[0];
+    first["stream"] = false;
+    first["max_tokens"] = 1;
+    http::ClientRequest er = Post(encode->port(), first, "/v1/chat/completions");
+    er.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+    auto e = http::Fetch(er);
+    ASSERT_TRUE(e.ok() && e->status == 200) << (e.ok() ? e->body : e.status().ToString());
+    const Json params = Json::parse(e->body)["ec_transfer_params"];
+    ASSERT_TRUE(params.is_object()) << e->body;
+
+    std::vector<Json> before(bodies.begin(), bodies.begin() + long(half));
+    std::vector<Json> after(bodies.begin() + long(half), bodies.end());
+    ExpectSameTokens(SendAll(px->port(), before, 4),
+                     std::vector<Answer>(want.begin(), want.begin() + long(half)), "before");
+    encode->Kill();  // SIGKILL
+    ExpectSameTokens(SendAll(px->port(), after, 4),
+                     std::vector<Answer>(want.begin() + long(half), want.end()), "after");
+    EXPECT_EQ(px->Metric("ferry_proxy_encode_failed_total"), double(after.size()));
+    // A request that names the dead agent: the consumer fails to pull and encodes (a fresh image,
+    // so no cache holds it); the strict one refuses.
+    Json named = Bodies(1, 900)[0];
+    named["stream"] = false;
+    named["ec_transfer_params"] = params;
+    for (ServerProcess* w : {consumer.get(), strict.get()}) {
+        http::ClientRequest r = Post(w->port(), named, "/v1/chat/completions");
+        r.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+        auto got = http::Fetch(r);
+        ASSERT_TRUE(got.ok());
+        if (w == consumer.get()) {
+            EXPECT_EQ(got->status, 200) << got->body;
+            Json plain = named;
+            plain.erase("ec_transfer_params");
+            EXPECT_EQ(TokensOf(got->body, false), SendAll(colocated->port(), {plain})[0].tokens);
+            EXPECT_EQ(w->Metric("ferry_ec_local_encodes_total"), 1);
+            EXPECT_EQ(w->Metric("ferry_ec_load_failures_total"), 1);
+        } else {
+            EXPECT_EQ(got->status, 503) << got->body;
+            EXPECT_NE(got->body.find("ec_load_failed"), std::string::npos) << got->body;
+        }
+    }
+    // Both still serve.
+    EXPECT_EQ(SendAll(strict->port(), {bodies[0]})[0].tokens, want[0].tokens);
+}
+
+// ec_transfer_params is the router's to set: the proxy refuses it from a client, a worker with a
+// secret honours it only with the router token, a malformed one is named; the encode role
+// refuses what it cannot encode.
+TEST_F(EpdProcess, EcTransferParamsAreTheRoutersAndTheEncodeRoleTakesImagesOnly) {
+    testing::SecretFile secret("epd-trust");
+    const std::vector<std::string> ec = {"--ec-connector", "transfer", "--secret-file",
+                                         secret.path()};
+    auto encode = StartOrDie(Args("encode", "tcp", ec));
+    auto consumer = StartOrDie(Args("colocated", "", ec));
+    ASSERT_TRUE(encode && consumer);
+    auto px = StartOrDie({"proxy", "--encode", Addr(*encode), "--decode", Addr(*consumer), "--port",
+                          "0", "--no-store", "--secret-file", secret.path()});
+    ASSERT_TRUE(px);
+    Json body = Bodies(1, 50)[0];
+    body["stream"] = false;
+    body["ec_transfer_params"] = {{"engine_id", "x"}, {"host", "127.0.0.1"}, {"port", 1}};
+    auto status_of = [&](int port, const Json& b, bool token, std::string* out = nullptr) {
+        http::ClientRequest r = Post(port, b, "/v1/chat/completions");
+        if (token) r.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+        auto got = http::Fetch(r);
+        if (!got.ok()) return -1;
+        if (out) *out = got->body;
+        return got->status;
+    };
+    std::string text;
+    EXPECT_EQ(status_of(px->port(), body, false, &text), 400);
+    EXPECT_NE(text.find("ec_transfer_params are the proxy's"), std::string::npos) << text;
+    EXPECT_EQ(status_of(consumer->port(), body, false, &text), 401) << text;
+    Json bad = body;
+    bad["ec_transfer_params"]["path"] = "/etc";
+    EXPECT_EQ(status_of(consumer->port(), bad, true, &text), 400);
+    EXPECT_NE(text.find("unknown field 'path'"), std::string::npos) << text;
+    bad["ec_transfer_params"] = "somewhere";
+    EXPECT_EQ(status_of(consumer->port(), bad, true, &text), 400);
+    EXPECT_NE(text.find("'ec_transfer_params' must be an object"), std::string::npos) << text;
+    // The encode role: text only and completions are refused by name.
+    Json text_only = {{"messages", {{{"role", "user"}, {"content", "hello"}}}}, {"max_tokens", 1}};
+    EXPECT_EQ(status_of(encode->port(), text_only, true, &text), 400);
+    EXPECT_NE(text.find("encode role"), std::string::npos) << text;
+    // The proxy relays a bad image's 400 from the encode worker, naming the part.
+    Json broken = Bodies(1, 60)[0];
+    broken["messages"][0]["content"][1]["image_url"]["url"] = "data:image/png;base64,iVBORw0KGgo=";
+    EXPECT_EQ(status_of(px->port(), broken, false, &text), 400);
+    EXPECT_NE(text.find("messages[0].content[1]"), std::string::npos) << text;
+    // And everything still serves.
+    Json ok = Bodies(1, 70)[0];
+    ok["stream"] = false;
+    EXPECT_EQ(status_of(px->port(), ok, false, &text), 200) << text;
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), 1);
+}
+
+// The disk connector's files are input like any other: a flipped byte or a truncated file is
+// refused (its checksum, its size), the image encoded here with the colocated answer, or the
+// request refused with --ec-load-failure fail; nothing crashes.
+TEST_F(EpdProcess, ACorruptFileInTheSharedDirectoryIsEncodedHereNotUsed) {
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / fmt::format("ferry-epd-corrupt-{}", getpid()))
+            .string();
+    std::filesystem::create_directories(dir);
+    const std::vector<std::string> ec = {"--ec-connector", "disk", "--ec-dir", dir};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", "", ec));
+    ASSERT_TRUE(colocated && encode);
+    std::vector<Json> bodies = Bodies(2, 1100);  // one image, then two
+    for (Json& b : bodies) b["stream"] = false;
+    for (const Json& b : bodies) {
+        auto got = http::Fetch(Post(encode->port(), b, "/v1/chat/completions"));
+        ASSERT_TRUE(got.ok() && got->status == 200) << (got.ok() ? got->body : "");
+    }
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+        files.push_back(e.path() / "encoder_cache.safetensors");
+    }
+    ASSERT_EQ(files.size(), 3u);  // three distinct images
+    {
+        std::fstream f(files[0], std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(-5, std::ios::end);
+        f.put('\x7f');  // a flipped payload byte: the checksum refuses it
+    }
+    std::filesystem::resize_file(files[1], std::filesystem::file_size(files[1]) - 12);
+    auto consumer = StartOrDie(Args("colocated", "", ec));
+    std::vector<std::string> strict_args = ec;
+    strict_args.insert(strict_args.end(), {"--ec-load-failure", "fail"});
+    auto strict = StartOrDie(Args("colocated", "", strict_args));
+    ASSERT_TRUE(consumer && strict);
+    ExpectSameTokens(SendAll(consumer->port(), bodies, 1), SendAll(colocated->port(), bodies, 1),
+                     "corrupt");
+    EXPECT_EQ(consumer->Metric("ferry_ec_load_failures_total"), 2);
+    EXPECT_EQ(consumer->Metric("ferry_ec_local_encodes_total"), 2);
+    EXPECT_EQ(consumer->Metric("ferry_ec_loads_total"), 1);  // the third file is whole
+    // Each body has a corrupt image or two: the strict worker refuses at least one of them
+    // (a body whose image is whole is served).
+    auto refused = http::Fetch(Post(strict->port(), bodies[0], "/v1/chat/completions"));
+    ASSERT_TRUE(refused.ok());
+    if (refused->status == 200) {
+        refused = http::Fetch(Post(strict->port(), bodies[1], "/v1/chat/completions"));
+        ASSERT_TRUE(refused.ok());
+    }
+    EXPECT_EQ(refused->status, 503) << refused->body;
+    EXPECT_NE(refused->body.find("ec_load_failed"), std::string::npos) << refused->body;
+    EXPECT_TRUE(refused->body.find("checksum") != std::string::npos ||
+                refused->body.find("size") != std::string::npos)
+        << refused->body;
+    std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace ferry
