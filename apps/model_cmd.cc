@@ -484,6 +484,15 @@ void AddServeCommand(CLI::App& app, int* rc) {
             wc.kv_mode =
                 kv_transfer == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
         }
+        if (wc.agent.secret.empty() && !secret_file.empty()) {
+            // A colocated worker without an agent: the secret still makes its router token
+            // (what --encoder-urls calls carry).
+            try {
+                wc.agent.secret = LoadSecret(secret_file);
+            } catch (const CLI::ValidationError& e) {
+                return fail(InvalidArgumentError(e.what()));
+            }
+        }
         wc.engine = ec;
         wc.server = sc;
         wc.registration_ttl = std::chrono::milliseconds(store_ttl_ms);

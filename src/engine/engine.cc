@@ -94,6 +94,7 @@ struct Engine::Sequence {
             embeds.push_back({m.offset, m.length, m.embeds->data()});
         }
         prompt_len = static_cast<int>(tokens.size());
+        no_cache = req.no_cache;
         for (const std::string& s : req.sampling.stop) max_stop = std::max(max_stop, s.size());
     }
 };

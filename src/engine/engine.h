@@ -103,6 +103,9 @@ struct Request {
     // parsed them (KvConnector::ParseParams). prefill_only: it prefills and keeps the KV (and
     // stops after its first token); loads_kv: the prompt's KV comes from elsewhere.
     std::shared_ptr<const kv::ConnectorParams> kv_transfer;
+    // Its blocks are never put in the prefix cache (inputs from a source outside the
+    // deployment, e.g. embeddings an unauthenticated peer sent: they serve this request alone).
+    bool no_cache = false;
 };
 
 struct EngineStats {

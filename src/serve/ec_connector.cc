@@ -169,6 +169,10 @@ class TransferEcConnector final : public EcConnector {
         return r;
     }
 
+    bool Cacheable() const override {
+        return cfg_.authenticated || cfg_.by_store || !cfg_.allowed_agents.empty();
+    }
+
     Json Params() const override {
         if (!cfg_.producer) return nullptr;
         const std::string a = cfg_.agent->ListenAddress();
@@ -407,6 +411,7 @@ class DiskEcConnector final : public EcConnector {
         return r;
     }
 
+    bool Cacheable() const override { return true; }  // the operator's directory
     Json Params() const override { return nullptr; }
 
     EcConnectorStats Stats() const override {

@@ -62,6 +62,8 @@ struct EcConnectorConfig {
     // those found there by name, else any the params name (docs/security.md).
     std::vector<std::string> allowed_agents = {};
     bool by_store = false;
+    // The deployment has a secret: every peer proved it.
+    bool authenticated = false;
     // disk: the shared directory.
     std::string dir = {};
 };
@@ -93,6 +95,11 @@ class EcConnector {
     // producer that cannot be reached or sent something wrong.
     virtual Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
                                            const EcSource* source) = 0;
+    // Whether what Load returns may be cached (the encoder cache, and the prefix cache's blocks
+    // computed from it): only when it can come from the deployment alone (a secret, the
+    // store's agents, --kv-peers; the operator's directory), as for loaded KV. Otherwise a
+    // client that names its own agent could plant embeddings under an image's hash.
+    virtual bool Cacheable() const = 0;
     // The ec_transfer_params a producer's answer carries (null: none).
     virtual nlohmann::json Params() const = 0;
     virtual EcConnectorStats Stats() const = 0;

@@ -42,7 +42,11 @@ Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad) {
                 config.ec_connector->Load(hash, floats, pr->ec_source.get());
             if (got.ok()) {
                 e = std::move(*got);
-                encoder_cache->Insert(hash, e);
+                if (config.ec_connector->Cacheable()) {
+                    encoder_cache->Insert(hash, e);
+                } else {
+                    pr->no_cache = true;  // this request's alone
+                }
             } else if (got.status().code() != Code::kNotFound || pr->ec_source ||
                        config.ec_connector->kind() == "disk") {
                 // Expected there and not found, or the producer failed.

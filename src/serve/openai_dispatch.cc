@@ -87,6 +87,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     er.sampling = pr.sampling;
     er.kv_transfer = pr.kv_transfer;
     er.mm = std::move(pr.mm);  // before `pr` is copied into the callback
+    er.no_cache = pr.no_cache;
     // A request whose KV comes from elsewhere can fail before its first token for reasons
     // with their own status (a refused claim 409, an unreachable peer 503): its stream starts
     // with the first output, so that such an error is an HTTP status, not a 200 with an error

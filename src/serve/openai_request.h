@@ -46,6 +46,9 @@ struct ParsedRequest {
     // answer; null when absent.
     nlohmann::json ec_transfer_params;
     std::shared_ptr<const EcSource> ec_source;  // the server's reading of it
+    // Some of its image embeddings came from a peer outside the deployment: neither they nor
+    // the KV computed from them are cached (engine::Request::no_cache).
+    bool no_cache = false;
     // A chat's images (with a vision encoder: ParseOpenAiRequest's image_tokens), in prompt
     // order, their placeholder tokens in `prompt`; the server reads and encodes them into `mm`.
     std::vector<model::ImagePart> images;

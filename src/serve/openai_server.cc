@@ -178,6 +178,12 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
                                 chat ? "messages" : "", "no_images"},
                                x && ValidRequestId(*x) ? *x : ""));
     }
+    if (config.encode_only && !config.router_token.empty()) {
+        // With a secret the encode role serves the router (and --encoder-urls workers) alone:
+        // a request here leases a slot of its transfer buffer.
+        std::string who;
+        if (auto refused = Authenticate(ex->request(), false, &who)) return ex->Reply(*refused);
+    }
     if (!pr.ec_transfer_params.is_null() && config.ec_connector && !config.encode_only &&
         !pr.images.empty()) {
         // Internal, as kv_transfer_params: from the router alone where there is a secret.

@@ -53,6 +53,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     }
     std::unique_ptr<Worker> w(new Worker());
     w->role_ = c.role;
+    if (!c.agent.secret.empty()) c.server.router_token = RouterToken(c.agent.secret);
     c.connector.default_mode = c.kv_mode;
     if (kv_role || c.ec.kind == "transfer") {
         if (c.agent.name.empty()) {
@@ -70,6 +71,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         c.ec.entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim);
         c.ec.width = size_t(vc.out_dim);
         c.ec.by_store = !c.agent.store.empty();
+        c.ec.authenticated = !c.agent.secret.empty();
         c.ec.allowed_agents = c.connector.allowed_agents;
         auto ec = MakeEcConnector(c.ec);
         if (!ec.ok()) return ec.status().WithContext("encoder-cache connector");

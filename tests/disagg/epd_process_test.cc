@@ -276,6 +276,11 @@ TEST_F(EpdProcess, EcTransferParamsAreTheRoutersAndTheEncodeRoleTakesImagesOnly)
     ASSERT_TRUE(px);
     Json body = Bodies(1, 50)[0];
     body["stream"] = false;
+    auto ok_body = [&] {
+        Json b = Bodies(1, 80)[0];
+        b["stream"] = false;
+        return b;
+    };
     body["ec_transfer_params"] = {{"engine_id", "x"}, {"host", "127.0.0.1"}, {"port", 1}};
     auto status_of = [&](int port, const Json& b, bool token, std::string* out = nullptr) {
         http::ClientRequest r = Post(port, b, "/v1/chat/completions");
@@ -296,6 +301,8 @@ TEST_F(EpdProcess, EcTransferParamsAreTheRoutersAndTheEncodeRoleTakesImagesOnly)
     bad["ec_transfer_params"] = "somewhere";
     EXPECT_EQ(status_of(consumer->port(), bad, true, &text), 400);
     EXPECT_NE(text.find("'ec_transfer_params' must be an object"), std::string::npos) << text;
+    // With a secret the encode role serves the router alone (a request there leases a slot).
+    EXPECT_EQ(status_of(encode->port(), ok_body(), false, &text), 401) << text;
     // The encode role: text only and completions are refused by name.
     Json text_only = {{"messages", {{{"role", "user"}, {"content", "hello"}}}}, {"max_tokens", 1}};
     EXPECT_EQ(status_of(encode->port(), text_only, true, &text), 400);
@@ -365,6 +372,28 @@ TEST_F(EpdProcess, ACorruptFileInTheSharedDirectoryIsEncodedHereNotUsed) {
                 refused->body.find("size") != std::string::npos)
         << refused->body;
     std::filesystem::remove_all(dir);
+}
+
+// Without a secret, a store or --kv-peers, the agent that ec_transfer_params names may be
+// anyone's: what it sends serves that request alone, never the encoder cache or the prefix
+// cache (a client naming its own agent cannot plant embeddings under an image's hash).
+TEST_F(EpdProcess, EmbeddingsFromOutsideTheDeploymentAreNeverCached) {
+    const std::vector<std::string> ec = {"--ec-connector", "transfer"};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", "tcp", ec));
+    auto consumer = StartOrDie(Args("colocated", "", ec));
+    ASSERT_TRUE(colocated && encode && consumer);
+    auto px = StartOrDie({"proxy", "--encode", Addr(*encode), "--decode", Addr(*consumer), "--port",
+                          "0", "--no-store"});
+    ASSERT_TRUE(px);
+    Json b = Bodies(1, 1300)[0];
+    b["stream"] = false;
+    const std::vector<Json> twice = {b, b};
+    ExpectSameTokens(SendAll(px->port(), twice, 1), SendAll(colocated->port(), twice, 1), "twice");
+    EXPECT_EQ(consumer->Metric("ferry_ec_loads_total"), 2);  // pulled again: nothing kept
+    EXPECT_EQ(consumer->Metric("ferry_encoder_cache_entries"), 0);
+    EXPECT_EQ(consumer->Metric("ferry_prefix_cache_hits_total"), 0);
+    EXPECT_EQ(consumer->Metric("ferry_mm_images_encoded_total"), 0);
 }
 
 }  // namespace
