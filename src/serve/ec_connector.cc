@@ -40,6 +40,19 @@ bool ValidMmHash(std::string_view h) {
     return true;
 }
 
+// A consumer's Load in its connector's stats (the caller holds their lock).
+void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const Status& st) {
+    s->load_micros += MicrosSince(t0);
+    if (st.ok()) {
+        ++s->loads;
+        s->load_bytes += floats * sizeof(float);
+    } else if (st.code() == Code::kNotFound) {
+        ++s->load_misses;
+    } else {
+        ++s->load_failures;
+    }
+}
+
 uint64_t Checksum(const void* p, size_t n) { return XXH3_64bits(p, n); }
 
 // The notification a consumer sends after pulling (it ends the slot's lease).
@@ -157,15 +170,7 @@ class TransferEcConnector final : public EcConnector {
         const Clock::time_point t0 = Clock::now();
         Result<media::Embeddings> r = Pull(mm_hash, floats, source);
         std::lock_guard lock(mu_);
-        stats_.load_micros += MicrosSince(t0);
-        if (r.ok()) {
-            ++stats_.loads;
-            stats_.load_bytes += floats * sizeof(float);
-        } else if (r.status().code() == Code::kNotFound) {
-            ++stats_.load_misses;
-        } else {
-            ++stats_.load_failures;
-        }
+        CountLoad(&stats_, t0, floats, r.status());
         return r;
     }
 
@@ -399,15 +404,7 @@ class DiskEcConnector final : public EcConnector {
         const Clock::time_point t0 = Clock::now();
         Result<media::Embeddings> r = Read(mm_hash, floats);
         std::lock_guard lock(mu_);
-        stats_.load_micros += MicrosSince(t0);
-        if (r.ok()) {
-            ++stats_.loads;
-            stats_.load_bytes += floats * sizeof(float);
-        } else if (r.status().code() == Code::kNotFound) {
-            ++stats_.load_misses;
-        } else {
-            ++stats_.load_failures;
-        }
+        CountLoad(&stats_, t0, floats, r.status());
         return r;
     }
 
