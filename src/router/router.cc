@@ -452,8 +452,12 @@ std::optional<AgentInfo> Router::KnownAgent(Role role, size_t worker) {
     std::optional<AgentInfo> a = state_->config.agent_directory(ep);
     if (!a) return std::nullopt;
     std::lock_guard lock(state_->mu);
+    auto& ws = state_->workers[Ticket::State::Index(role)];
+    if (worker >= ws.size()) return a;
+    // Requests in flight together may each have read the store; the agent is learned once.
+    if (ws[worker].agent) return ws[worker].agent;
     ++state_->agents_from_store;
-    state_->workers[Ticket::State::Index(role)][worker].agent = *a;
+    ws[worker].agent = *a;
     return a;
 }
 
