@@ -284,6 +284,12 @@ TEST_F(XpYd, KilledDrainedAndNewWorkersAreFollowedWithoutLosingARequest) {
 // policy (load is counted on the prefill path too, until the prefill worker answers). Prints the
 // spread per policy (docs/benchmarks.md quotes it); the bounds are generous.
 TEST_F(XpYd, AStalledWorkerAndALongPromptBurstMakeNoHotspot) {
+    // Its bounds count where requests went while one worker is stopped for seconds at a time: a
+    // measure of timing. Under a sanitizer each worker runs several times slower, the stalled
+    // worker's held KV can outlive its lease (a 503, as it should be), and the counts say how
+    // slow the build is, not how good the policy is. The release run checks it; the routing
+    // paths it uses run under the sanitizers in the other XpYd tests.
+    if (testing::kSanitized) GTEST_SKIP() << "a timing measure; the release build checks it";
     Fleet fleet;
     ASSERT_TRUE(StartFleet(2, 3, &fleet));
     const std::vector<ServerProcess*>&ps = fleet.prefill, &ds = fleet.decode;
