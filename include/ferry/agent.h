@@ -154,6 +154,11 @@ struct AgentStats {
     // how often a connection paused reading because that budget was spent.
     uint64_t receive_budget_used = 0;
     uint64_t receive_budget_waits = 0;
+    // Control messages on the wire after the connections' handshakes: requests, responses and
+    // notifications (frames on tcp and shm, active messages on ucx), not the bulk data they
+    // carry. A PullByKey is one sent and one received on each side.
+    uint64_t messages_sent = 0;
+    uint64_t messages_received = 0;
 };
 
 struct TransferOptions {

@@ -562,6 +562,8 @@ PYBIND11_MODULE(_native, m) {
             d["stalled_frames_dropped"] = s.stalled_frames_dropped;
             d["receive_budget_used"] = s.receive_budget_used;
             d["receive_budget_waits"] = s.receive_budget_waits;
+            d["messages_sent"] = s.messages_sent;
+            d["messages_received"] = s.messages_received;
             return d;
         });
 }

@@ -360,6 +360,12 @@ AgentStats AgentCore::Stats() const {
     st.receive_budget_used = links_.receive_budget().used.load();
     st.receive_budget_waits = links_.receive_budget().waits.load();
     st.handshakes_pending = links_.handshakes_pending();
+    st.messages_sent = links_.wire_counters().sent.load();
+    st.messages_received = links_.wire_counters().received.load();
+    for (Backend* b : own_path_) {
+        st.messages_sent += b->messages_sent();
+        st.messages_received += b->messages_received();
+    }
     return st;
 }
 

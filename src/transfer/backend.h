@@ -192,6 +192,10 @@ class Backend {
     virtual void RegionGone(RegionId id) { (void)id; }
     // Transfers moved one-sided by the backend itself so far.
     virtual uint64_t one_sided_transfers() const { return 0; }
+    // Backends with their own data path: control messages sent and received so far (ucx:
+    // active messages). Stream backends' frames are counted by the agent.
+    virtual uint64_t messages_sent() const { return 0; }
+    virtual uint64_t messages_received() const { return 0; }
 
     // --- The backend between the agent's own regions (Locality::kSelf) ---
     // A transfer whose peer is the agent itself: `local` to `remote` for a write, back for a

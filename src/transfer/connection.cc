@@ -169,6 +169,7 @@ void Connection::Enqueue(OutFrame f) {
         pending_.emplace(f.request_id, std::move(f.expect));
         f.expects_response = false;
     }
+    if (config_.counters) config_.counters->sent.fetch_add(1, std::memory_order_relaxed);
     sendq_.push_back(std::move(f));
 }
 
@@ -740,6 +741,7 @@ void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
         HandleHandshake(h, body);
         return;
     }
+    if (config_.counters) config_.counters->received.fetch_add(1, std::memory_order_relaxed);
     switch (h.type) {
         case wire::FrameType::kResponse:
         case wire::FrameType::kMetadata:

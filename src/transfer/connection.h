@@ -100,6 +100,13 @@ struct ReceiveBudget {
     void Give(size_t n) { used.fetch_sub(n); }
 };
 
+// Frames this agent's stream connections sent and received after their handshakes (requests,
+// responses, notifications): AgentStats.messages_sent / messages_received.
+struct WireCounters {
+    std::atomic<uint64_t> sent{0};
+    std::atomic<uint64_t> received{0};
+};
+
 // Before the peer has proven the secret a connection reads only frames of at most this body
 // (a hello is a few hundred bytes), into a buffer of this size.
 inline constexpr size_t kMaxHandshakeBody = 1024;
@@ -115,7 +122,8 @@ struct HandshakeConfig {
     uint64_t probe_addr = 0;                       // client
     uint64_t expect_epoch = 0;  // client: refuse a peer whose epoch differs (0 = any)
     uint64_t probe_value = 0;
-    std::shared_ptr<ReceiveBudget> budget;  // null: unbounded (tests)
+    std::shared_ptr<ReceiveBudget> budget;   // null: unbounded (tests)
+    std::shared_ptr<WireCounters> counters;  // null: not counted
     std::string source;  // server: the peer's address ("ip" or "pid N"), for per-source bounds
 };
 

@@ -109,6 +109,7 @@ Result<std::shared_ptr<Connection>> StreamLinks::Dial(Backend& backend, std::str
     hc.secret = id_.secret;
     hc.purpose = purpose;
     hc.budget = receive_budget_;
+    hc.counters = wire_counters_;
     hc.expect_epoch = expect_epoch;
     if (backend.data_mode() == wire::DataMode::kCma && id_.cma_probe != nullptr) {
         hc.probe_addr = reinterpret_cast<uint64_t>(id_.cma_probe);
@@ -147,6 +148,7 @@ void StreamLinks::Accept(Backend* backend, ScopedFd fd) {
     hc.secret = id_.secret;
     hc.verify_cma = backend->verify_cma();
     hc.budget = receive_budget_;
+    hc.counters = wire_counters_;
     hc.source = source;
     auto conn =
         Connection::Create(next_loop_(), std::move(fd), Connection::Role::kServer, std::move(hc),

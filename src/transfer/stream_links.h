@@ -64,6 +64,7 @@ class StreamLinks {
     uint64_t stalled_frames_dropped() const { return stalled_frames_dropped_.load(); }
     size_t handshakes_pending() const;
     const ReceiveBudget& receive_budget() const { return *receive_budget_; }
+    const WireCounters& wire_counters() const { return *wire_counters_; }
 
   private:
     class Acceptor;
@@ -74,6 +75,7 @@ class StreamLinks {
     const std::function<IoLoop*()> next_loop_;
     ConnectionOwner* const owner_;
     const std::shared_ptr<ReceiveBudget> receive_budget_;
+    const std::shared_ptr<WireCounters> wire_counters_ = std::make_shared<WireCounters>();
 
     std::vector<ScopedFd> listeners_;
     std::vector<std::shared_ptr<EventHandler>> acceptors_;

@@ -365,6 +365,17 @@ TEST_P(TransferConformance, PullByKey) {
                           static_cast<uint8_t*>(rb.base) + 5000, 3000),
               0);
 
+    // One round trip: once connected, a pull is one request and one reply on the wire, on
+    // each side (the object's address is never asked for first).
+    const AgentStats a0 = a_->Stats(), b0 = b_->Stats();
+    r = ValueOrDie(a_->PullByKey("agent-b", "mm:abc", {la.id, 100, 8000}));
+    EXPECT_EQ(r.object_size, 4000u);
+    const AgentStats a1 = a_->Stats(), b1 = b_->Stats();
+    EXPECT_EQ(a1.messages_sent - a0.messages_sent, 1u);
+    EXPECT_EQ(a1.messages_received - a0.messages_received, 1u);
+    EXPECT_EQ(b1.messages_received - b0.messages_received, 1u);
+    EXPECT_EQ(b1.messages_sent - b0.messages_sent, 1u);
+
     // Too small: nothing copied, the size is reported.
     std::memset(la.base, 0xEE, 4096);
     r = ValueOrDie(a_->PullByKey("agent-b", "mm:abc", {la.id, 0, 3999}));

@@ -87,6 +87,8 @@ void UcxBackend::RegionGone(RegionId id) {
 }
 
 uint64_t UcxBackend::one_sided_transfers() const { return impl_->one_sided_transfers(); }
+uint64_t UcxBackend::messages_sent() const { return impl_->messages_sent(); }
+uint64_t UcxBackend::messages_received() const { return impl_->messages_received(); }
 
 void UcxBackend::PeerLost(const std::string& peer, uint64_t epoch, const Status& why) {
     impl_->Run([this, peer, epoch, why] { impl_->DoDropPeer(peer, epoch, why); });

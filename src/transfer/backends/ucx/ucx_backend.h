@@ -66,6 +66,8 @@ class UcxBackend final : public Backend {
     void RegionGone(RegionId id) override;
     // Transfers moved one-sided (ucp_put_nbx / ucp_get_nbx) so far.
     uint64_t one_sided_transfers() const override;
+    uint64_t messages_sent() const override;
+    uint64_t messages_received() const override;
     Status Notify(const PeerRef& peer, std::string payload, std::string sender) override;
     void Pull(const std::shared_ptr<internal::TransferOp>& op, const PeerRef& peer, std::string key,
               std::vector<iovec> local, uint64_t capacity) override;

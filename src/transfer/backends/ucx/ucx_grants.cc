@@ -267,6 +267,7 @@ ucs_status_t UcxBackend::Impl::SendControl(ucp_ep_h handle, uint16_t am, std::st
         delete static_cast<std::string*>(user_data);
         ucp_request_free(request);
     };
+    messages_sent_.fetch_add(1, std::memory_order_relaxed);
     ucs_status_ptr_t r = ucx::AmSend(handle, am, h->data(), h->size(), data, length, &hp);
     if (UCS_PTR_IS_PTR(r)) return UCS_OK;
     delete h;

@@ -8,6 +8,7 @@ namespace ferry {
 ucs_status_t UcxBackend::Impl::OnAm(void* arg, const void* header, size_t header_length, void* data,
                                     size_t length, const ucp_am_recv_param_t* param) {
     auto* a = static_cast<HandlerArg*>(arg);
+    a->self->messages_received_.fetch_add(1, std::memory_order_relaxed);
     std::string_view h(static_cast<const char*>(header), header_length);
     if (a->id == ucx::kAmReply) return a->self->HandleReply(h, data, length, param);
     return a->self->HandleRequest(a->id, h, data, length, param);

@@ -141,6 +141,10 @@ class UcxBackend::Impl {
     void DoRevokeExpired(RegionId id);
     void DoRegionGone(RegionId id) { revoking_.erase(id); }
     uint64_t one_sided_transfers() const { return one_sided_.load(std::memory_order_relaxed); }
+    uint64_t messages_sent() const { return messages_sent_.load(std::memory_order_relaxed); }
+    uint64_t messages_received() const {
+        return messages_received_.load(std::memory_order_relaxed);
+    }
 
   private:
     struct Ep {
@@ -445,6 +449,8 @@ class UcxBackend::Impl {
     std::unordered_map<uint64_t, Revocation> revocations_;
     uint64_t next_revocation_ = 1;
     std::atomic<uint64_t> one_sided_{0};
+    std::atomic<uint64_t> messages_sent_{0};  // active messages (AgentStats)
+    std::atomic<uint64_t> messages_received_{0};
 };
 
 }  // namespace ferry

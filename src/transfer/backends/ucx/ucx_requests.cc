@@ -71,6 +71,7 @@ void UcxBackend::Impl::Send(const std::shared_ptr<Pending>& p, uint16_t am, bool
         delete h;
         ucp_request_free(request);
     };
+    messages_sent_.fetch_add(1, std::memory_order_relaxed);
     ucs_status_ptr_t r =
         ucx::AmSend(p->ep->ep, am, p->header.data(), p->header.size(), b.buffer, b.count, &param);
     if (UCS_PTR_IS_ERR(r)) {
@@ -191,6 +192,7 @@ void UcxBackend::Impl::DoNotify(const PeerRef& peer, const std::string& payload,
             user_data);
         ucp_request_free(request);
     };
+    messages_sent_.fetch_add(1, std::memory_order_relaxed);
     ucs_status_ptr_t r = ucx::AmSend((*ep)->ep, ucx::kAmNotify, header->data(), header->size(),
                                      body->data(), body->size(), &param);
     if (!UCS_PTR_IS_PTR(r)) {
@@ -319,6 +321,7 @@ void UcxBackend::Impl::SendReply(ucp_ep_h reply_ep, uint64_t request_id, uint64_
         delete h;  // unpins
         ucp_request_free(request);
     };
+    messages_sent_.fetch_add(1, std::memory_order_relaxed);
     ucs_status_ptr_t r = ucx::AmSend(reply_ep, ucx::kAmReply, sv->header.data(), sv->header.size(),
                                      b.buffer, b.count, &param);
     if (UCS_PTR_IS_PTR(r)) {
