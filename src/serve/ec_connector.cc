@@ -112,13 +112,16 @@ class TransferEcConnector final : public EcConnector {
         std::lock_guard lock(mu_);
         const Clock::time_point lease_end = Clock::now() + cfg_.lease;
         if (auto it = by_hash_.find(mm_hash); it != by_hash_.end()) {
-            // Already published (a repeated image): a new lease for its new consumer.
+            // Already published (a repeated image): a new lease for its new consumer. The slot
+            // stays leased until every consumer it was leased to has released it (or the
+            // lease lapses): one consumer's release must not free it under another.
             Slot& s = slots_[it->second];
             if (!s.leased) {
                 lru_.erase(s.lru);
                 s.leased = true;
                 ++leased_;
             }
+            ++s.holders;
             s.lease_end = std::max(s.lease_end, lease_end);
             ++stats_.saved;
             return Status::Ok();
@@ -158,6 +161,7 @@ class TransferEcConnector final : public EcConnector {
         Slot& s = slots_[i];
         s.hash = mm_hash;
         s.leased = true;
+        s.holders = 1;
         s.lease_end = lease_end;
         ++leased_;
         by_hash_[mm_hash] = i;
@@ -172,6 +176,16 @@ class TransferEcConnector final : public EcConnector {
         std::lock_guard lock(mu_);
         CountLoad(&stats_, t0, floats, r.status());
         return r;
+    }
+
+    void Release(const std::string& mm_hash, const EcSource* source) override {
+        if (!source || !ValidMmHash(mm_hash)) return;
+        Result<std::string> peer = PeerFor(*source);
+        if (!peer.ok()) return;  // gone: its lease lapses
+        if (cfg_.agent->Notify(*peer, std::string(kReleasePrefix) + mm_hash).ok()) {
+            std::lock_guard lock(mu_);
+            ++stats_.released_unpulled;
+        }
     }
 
     bool Cacheable() const override {
@@ -200,6 +214,7 @@ class TransferEcConnector final : public EcConnector {
     struct Slot {
         std::string hash;
         bool leased = false;
+        uint32_t holders = 0;  // consumers it was leased to that have not released it
         Clock::time_point lease_end{};
         std::list<size_t>::iterator lru{};  // valid while not leased
     };
@@ -299,8 +314,8 @@ class TransferEcConnector final : public EcConnector {
                 if (n.payload.rfind(kReleasePrefix, 0) != 0) continue;
                 auto it = by_hash_.find(n.payload.substr(kReleasePrefix.size()));
                 if (it == by_hash_.end() || !slots_[it->second].leased) continue;
-                Unlease(it->second);
                 ++stats_.released;
+                if (--slots_[it->second].holders == 0) Unlease(it->second);
             }
             for (size_t i = 0; i < slots_.size(); ++i) {
                 if (slots_[i].leased && now >= slots_[i].lease_end) {
@@ -313,6 +328,7 @@ class TransferEcConnector final : public EcConnector {
     void Unlease(size_t i) {
         Slot& s = slots_[i];
         s.leased = false;
+        s.holders = 0;
         --leased_;
         lru_.push_front(i);
         s.lru = lru_.begin();

@@ -69,18 +69,19 @@ struct EcConnectorConfig {
 };
 
 struct EcConnectorStats {
-    uint64_t saved = 0;          // producer: entries written
-    uint64_t save_refused = 0;   // producer: every slot leased (the request got 503)
-    uint64_t loads = 0;          // consumer: entries found and taken
-    uint64_t load_misses = 0;    // consumer: not there (or not for this key and shape)
-    uint64_t load_failures = 0;  // consumer: the producer unreachable, a bad file, a timeout
-    uint64_t load_bytes = 0;     // consumer
-    uint64_t load_micros = 0;    // consumer: time in Load
-    uint64_t released = 0;       // producer: leases ended by a consumer's notification
-    uint64_t lapsed = 0;         // producer: leases that ran out
-    uint64_t leased = 0;         // producer: slots leased now
-    uint64_t entries = 0;        // producer: slots in use now
-    uint64_t slots = 0;          // producer
+    uint64_t saved = 0;              // producer: entries written
+    uint64_t save_refused = 0;       // producer: every slot leased (the request got 503)
+    uint64_t loads = 0;              // consumer: entries found and taken
+    uint64_t load_misses = 0;        // consumer: not there (or not for this key and shape)
+    uint64_t load_failures = 0;      // consumer: the producer unreachable, a bad file, a timeout
+    uint64_t load_bytes = 0;         // consumer
+    uint64_t load_micros = 0;        // consumer: time in Load
+    uint64_t released_unpulled = 0;  // consumer: leases ended without a pull (cached here)
+    uint64_t released = 0;           // producer: consumers' notifications that they pulled an entry
+    uint64_t lapsed = 0;             // producer: leases that ran out
+    uint64_t leased = 0;             // producer: slots leased now
+    uint64_t entries = 0;            // producer: slots in use now
+    uint64_t slots = 0;              // producer
 };
 
 class EcConnector {
@@ -95,6 +96,13 @@ class EcConnector {
     // producer that cannot be reached or sent something wrong.
     virtual Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
                                            const EcSource* source) = 0;
+    // Consumer: the image was found in this worker's own encoder cache, so `source`'s entry is
+    // not pulled; ends the lease taken for this consumer (transfer: one notification, not
+    // waited for) so the producer's slot is free at once rather than when the lease lapses.
+    virtual void Release(const std::string& mm_hash, const EcSource* source) {
+        (void)mm_hash;
+        (void)source;
+    }
     // Whether what Load returns may be cached (the encoder cache, and the prefix cache's blocks
     // computed from it): only when it can come from the deployment alone (a secret, the
     // store's agents, --kv-peers; the operator's directory), as for loaded KV. Otherwise a

@@ -36,6 +36,10 @@ Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad) {
         media::Embeddings e = encoder_cache->Find(hash);
         const size_t floats =
             size_t(image_tokens.tokens_per_image) * size_t(config.vision->config().out_dim);
+        if (e && pr->ec_source && config.ec_connector && !config.encode_only) {
+            // Cached here: the encode worker's entry for this request is not needed.
+            config.ec_connector->Release(hash, pr->ec_source.get());
+        }
         if (!e && config.ec_connector && !config.encode_only) {
             // EPD: an encode worker computed it (or the shared directory holds it).
             Result<media::Embeddings> got =

@@ -114,6 +114,9 @@ std::string OpenAiServer::Impl::RenderMetrics() {
                 "Loads that failed (encode worker unreachable, a bad entry, a timeout).",
                 double(s.load_failures));
         counter("ferry_ec_load_bytes_total", "Bytes of embeddings loaded.", double(s.load_bytes));
+        counter("ferry_ec_released_unpulled_total",
+                "Encode workers' leases ended without a pull: the image was cached here.",
+                double(s.released_unpulled));
         counter("ferry_ec_load_seconds_total", "Time loading embeddings (pull latency).",
                 double(s.load_micros) / 1e6);
         counter("ferry_ec_encoder_calls_total",

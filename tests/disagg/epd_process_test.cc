@@ -162,6 +162,11 @@ TEST_P(EpdMatrix, PromptsWithImagesThroughAnEncodeWorkerEqualColocated) {
         EXPECT_GE(w->Metric("ferry_ec_loads_total"), 1);
         EXPECT_LE(w->Metric("ferry_ec_loads_total"), 7);  // repeated images: the local cache
         EXPECT_GT(w->Metric("ferry_encoder_cache_hits_total"), 0);
+        if (c.connector == "transfer") {
+            // Each image it held already: the encode worker's lease ended without a pull.
+            EXPECT_EQ(w->Metric("ferry_ec_released_unpulled_total"),
+                      w->Metric("ferry_encoder_cache_hits_total"));
+        }
     }
     if (c.connector == "transfer") {
         // Every lease ends: released by a consumer's pull or lapsed (1.5 s).

@@ -1,0 +1,177 @@
+// The transfer encoder-cache connector between two agents of this process (the process tests
+// in tests/disagg/epd_process_test.cc run it between workers): one round trip per pull, leases
+// held until every consumer released them or they lapsed, every slot leased refused.
+#include "serve/ec_connector.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "testing/testing.h"
+
+namespace ferry::serve {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+using testing::StatusIs;
+
+constexpr size_t kFloats = 3000;  // an entry: 30 rows of 100
+constexpr size_t kSlotBytes = 128 + kFloats * sizeof(float);
+
+std::string Hash(char c) { return std::string(64, c); }
+
+std::vector<float> Rows(float seed) {
+    std::vector<float> v(kFloats);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = seed + 0.001f * static_cast<float>(i);
+    return v;
+}
+
+bool Eventually(const std::function<bool()>& f) {
+    const auto end = Clock::now() + std::chrono::seconds(10);
+    while (Clock::now() < end) {
+        if (f()) return true;
+        std::this_thread::sleep_for(milliseconds(5));
+    }
+    return f();
+}
+
+class EcTransfer : public ::testing::TestWithParam<std::string> {
+  protected:
+    // A producer whose buffer holds `slots` entries, and a consumer.
+    void Start(size_t slots, milliseconds lease = milliseconds(30000)) {
+        testing::AgentPair pair = testing::MakePair(GetParam());
+        consumer_agent_ = std::shared_ptr<Agent>(std::move(pair.a));
+        producer_agent_ = std::shared_ptr<Agent>(std::move(pair.b));
+        EcConnectorConfig p;
+        p.kind = "transfer";
+        p.producer = true;
+        p.agent = producer_agent_;
+        p.buffer_bytes = slots * kSlotBytes;
+        p.entry_floats = kFloats;
+        p.width = 100;
+        p.lease = lease;
+        producer_ = testing::ValueOrDie(MakeEcConnector(p));
+        EcConnectorConfig c;
+        c.kind = "transfer";
+        c.agent = consumer_agent_;
+        c.entry_floats = kFloats;
+        c.width = 100;
+        consumer_ = testing::ValueOrDie(MakeEcConnector(c));
+        source_ = testing::ValueOrDie(ParseEcTransferParams(producer_->Params()));
+        ASSERT_EQ(producer_->Stats().slots, slots);
+    }
+
+    // Loads `hash` and checks it holds Rows(seed); waits until the producer saw the release.
+    void LoadAndRelease(const std::string& hash, float seed) {
+        const uint64_t released = producer_->Stats().released;
+        media::Embeddings e = testing::ValueOrDie(consumer_->Load(hash, kFloats, &source_));
+        EXPECT_EQ(*e, Rows(seed));
+        ASSERT_TRUE(Eventually([&] { return producer_->Stats().released == released + 1; }));
+    }
+
+    std::shared_ptr<Agent> consumer_agent_, producer_agent_;
+    std::shared_ptr<EcConnector> producer_, consumer_;
+    EcSource source_;
+};
+
+TEST_P(EcTransfer, OnePullIsOneRoundTripAndItsReleaseOneMessage) {
+    Start(4);
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    LoadAndRelease(Hash('a'), 1);  // connects
+
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    const AgentStats c0 = consumer_agent_->Stats(), p0 = producer_agent_->Stats();
+    LoadAndRelease(Hash('b'), 2);
+    const AgentStats c1 = consumer_agent_->Stats(), p1 = producer_agent_->Stats();
+    // The pull: one request, one reply (its address is never asked for first). Then the
+    // release: one notification, not answered.
+    EXPECT_EQ(c1.messages_sent - c0.messages_sent, 2u);
+    EXPECT_EQ(c1.messages_received - c0.messages_received, 1u);
+    EXPECT_EQ(p1.messages_received - p0.messages_received, 2u);
+    EXPECT_EQ(p1.messages_sent - p0.messages_sent, 1u);
+    const EcConnectorStats s = consumer_->Stats();
+    EXPECT_EQ(s.loads, 2u);
+    EXPECT_EQ(s.load_bytes, 2 * kFloats * sizeof(float));
+    EXPECT_EQ(producer_->Stats().leased, 0u);
+
+    // Not published: a miss, and nothing to release.
+    EXPECT_THAT(consumer_->Load(Hash('c'), kFloats, &source_), StatusIs(Code::kNotFound));
+    EXPECT_EQ(consumer_->Stats().load_misses, 1u);
+    // The wrong shape, a hash that is not one: refused before the wire.
+    EXPECT_THAT(consumer_->Load(Hash('a'), kFloats - 1, &source_),
+                StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(producer_->Save("not-a-hash", Rows(3)), StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(producer_->Save(Hash('d'), std::vector<float>(kFloats - 1)),
+                StatusIs(Code::kInvalidArgument));
+}
+
+TEST_P(EcTransfer, EverySlotLeasedIsRefusedUntilAConsumerReleasesOne) {
+    Start(2);
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    // Both slots wait for their consumers: the encode worker answers 503, nothing is overwritten.
+    EXPECT_THAT(producer_->Save(Hash('c'), Rows(3)), StatusIs(Code::kResourceExhausted));
+    EXPECT_EQ(producer_->Stats().save_refused, 1u);
+    EXPECT_EQ(producer_->Stats().leased, 2u);
+
+    LoadAndRelease(Hash('a'), 1);
+    FERRY_ASSERT_OK(producer_->Save(Hash('c'), Rows(3)));  // reuses a's slot
+    EXPECT_THAT(consumer_->Load(Hash('a'), kFloats, &source_), StatusIs(Code::kNotFound));
+    LoadAndRelease(Hash('b'), 2);
+    LoadAndRelease(Hash('c'), 3);
+    EXPECT_EQ(producer_->Stats().leased, 0u);
+    EXPECT_EQ(producer_->Stats().entries, 2u);
+}
+
+TEST_P(EcTransfer, ARepeatedImageStaysLeasedUntilEachOfItsConsumersReleasedIt) {
+    Start(2);
+    // Two requests with the same image: one entry, leased to two consumers.
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    EXPECT_EQ(producer_->Stats().entries, 1u);
+    LoadAndRelease(Hash('a'), 1);  // the first consumer
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    // The second consumer has not pulled 'a' yet: its slot is not free for another image.
+    EXPECT_THAT(producer_->Save(Hash('c'), Rows(3)), StatusIs(Code::kResourceExhausted));
+    LoadAndRelease(Hash('a'), 1);  // the second consumer finds it whole
+    FERRY_ASSERT_OK(producer_->Save(Hash('c'), Rows(3)));
+    EXPECT_EQ(producer_->Stats().leased, 2u);  // b and c
+}
+
+TEST_P(EcTransfer, LeasesLapseSoNothingWaitsForAConsumerThatNeverCame) {
+    Start(2, milliseconds(200));
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    ASSERT_TRUE(Eventually([&] { return producer_->Stats().lapsed == 2; }));
+    EXPECT_EQ(producer_->Stats().leased, 0u);
+    FERRY_ASSERT_OK(producer_->Save(Hash('c'), Rows(3)));  // reuses a lapsed slot
+    LoadAndRelease(Hash('c'), 3);
+}
+
+TEST_P(EcTransfer, AConsumerThatHadTheImageCachedReleasesItsLeaseWithoutPulling) {
+    Start(1);
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    EXPECT_THAT(producer_->Save(Hash('b'), Rows(2)), StatusIs(Code::kResourceExhausted));
+    consumer_->Release(Hash('a'), &source_);
+    ASSERT_TRUE(Eventually([&] { return producer_->Stats().released == 1; }));
+    EXPECT_EQ(producer_->Stats().leased, 0u);
+    EXPECT_EQ(consumer_->Stats().loads, 0u);
+    EXPECT_EQ(consumer_->Stats().released_unpulled, 1u);
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    // Nothing named, or not a hash: nothing sent.
+    consumer_->Release(Hash('b'), nullptr);
+    consumer_->Release("x", &source_);
+    EXPECT_EQ(consumer_->Stats().released_unpulled, 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EcTransfer, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ferry::serve
