@@ -405,7 +405,8 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     if (!d.ok()) return ex->Reply(ErrorReply(503, d.status().message(), f->request_id));
     const size_t held = d->prefix_blocks() * size_t(std::max(0, router_->block_size()));
     // E+PD: encode workers and no prefill worker; the decode workers serve whole requests.
-    const bool no_prefill = !config_.encode.empty() && router_->members(Role::kPrefill) == 0;
+    const std::vector<http::Endpoint> encoders = Encoders();
+    const bool no_prefill = !encoders.empty() && router_->members(Role::kPrefill) == 0;
     const bool skip_prefill =
         no_prefill || (config_.pd_min_uncached_tokens > 0 && f->prompt_tokens > 0 && held > 0 &&
                        f->prompt_tokens < held + size_t(config_.pd_min_uncached_tokens));
@@ -453,9 +454,21 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
         }
     };
     std::vector<std::string_view> urls;
-    if (!config_.encode.empty() && path == "/v1/chat/completions") urls = ImageUrls(f->body);
+    if (!encoders.empty() && path == "/v1/chat/completions") urls = ImageUrls(f->body);
     if (urls.empty()) return go();
-    Encode(f, config_.encode[PickEncoder(urls, config_.encode)], std::move(go));
+    Encode(f, encoders[PickEncoder(urls, encoders)], std::move(go));
+}
+
+std::vector<http::Endpoint> Driver::Encoders() const {
+    if (!config_.store_encoders) return config_.encode;
+    std::vector<http::Endpoint> all = config_.encode;
+    for (const http::Endpoint& ep : config_.store_encoders->Get()) {
+        const bool dup = std::any_of(all.begin(), all.end(), [&](const http::Endpoint& e) {
+            return e.host == ep.host && e.port == ep.port;
+        });
+        if (!dup) all.push_back(ep);
+    }
+    return all;
 }
 
 }  // namespace ferry::router

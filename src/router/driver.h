@@ -66,6 +66,8 @@ struct DriverConfig {
     // With encode workers and no prefill worker (vLLM's 1e1pd), requests go to the decode
     // workers whole.
     std::vector<http::Endpoint> encode = {};
+    // More encode workers, found in the discovery store (Membership); null: none.
+    std::shared_ptr<const EncoderSet> store_encoders = {};
 };
 
 struct DriverStats {
@@ -108,6 +110,8 @@ class Driver : public std::enable_shared_from_this<Driver> {
     // answer into the flow's body, then `next`.
     void Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
                 std::function<void()> next);
+    // The encode workers now: the flags' and the store's (no duplicates).
+    std::vector<http::Endpoint> Encoders() const;
 
     DriverConfig config_;
     std::shared_ptr<Router> router_;

@@ -200,8 +200,10 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
         ++stats_.records_ignored[reason];
         FERRY_LOG(kWarn, "router: worker record '{}' ignored: {}", r.url.substr(0, 200), why);
     };
+    std::set<std::string> encoders;
     for (const WorkerRecord& rec : records) {
         int r = rec.role == "prefill" ? 0 : rec.role == "decode" ? 1 : -1;
+        if (r < 0 && rec.role == "encode" && config_.encoders) r = 2;
         if (r < 0) {
             ignore(rec, "role",
                    fmt::format("role '{}' is neither prefill nor decode", rec.role.substr(0, 40)));
@@ -224,6 +226,10 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
             ignore(rec, "model",
                    fmt::format("it serves model '{}', the deployment '{}'",
                                rec.model.substr(0, 100), model()));
+            continue;
+        }
+        if (r == 2) {
+            encoders.insert(rec.url);
             continue;
         }
         present[r].insert(rec.url);
@@ -279,6 +285,27 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
         }
     }
     if (follower_) follower_->SetWorkers(std::move(sources));
+    if (config_.encoders) {
+        // The store's encode workers (EPD): the driver picks among them and any given as flags.
+        std::vector<http::Endpoint> eps;
+        for (const std::string& url : encoders) eps.push_back(*ParseHostPort(url));  // checked
+        std::lock_guard lock(mu_);
+        for (const std::string& url : encoders) {
+            if (!encoders_.count(url)) {
+                ++stats_.joined;
+                FERRY_LOG(kInfo, "router: encode worker {} joined", url);
+            }
+        }
+        for (const std::string& url : encoders_) {
+            if (!encoders.count(url)) {
+                ++stats_.left;
+                FERRY_LOG(kInfo, "router: encode worker {} left", url);
+            }
+        }
+        encoders_ = std::move(encoders);
+        stats_.encoders = eps.size();
+        config_.encoders->Set(std::move(eps));
+    }
     for (int r = 0; r < 2; ++r) {
         std::vector<std::string> gone;
         {
@@ -349,6 +376,8 @@ std::string Membership::RenderMetrics() const {
               double(s.joined));
     w.Counter("ferry_router_membership_left_total", "Workers whose store record went.",
               double(s.left));
+    w.Gauge("ferry_router_membership_encoders", "Encode workers found in the store now.",
+            double(s.encoders));
     w.Family("ferry_router_membership_polls_total", "counter",
              "Polls of the workers' /metrics, by whether they answered.");
     w.Sample("ferry_router_membership_polls_total", {{"result", "answered"}},

@@ -7,8 +7,11 @@
 // drained, or its lease lapsed) takes it out. A worker found in the store takes requests once
 // its /metrics has answered (within a poll of its registering); one that restarts under the same
 // address comes back with nothing of its old state (its agent is read again from its new record).
-// Records of another model, of another role, or that name no address are logged once, counted
-// and ignored. Workers given as flags stay members whatever the store says.
+// Records of role encode (EPD encode workers) serving the model are kept in
+// MembershipConfig::encoders for the driver's encode step; they take no prefill or decode
+// requests and are not polled. Records of another model, of another role, or that name no
+// address are logged once, counted and ignored. Workers given as flags stay members whatever
+// the store says.
 //
 // Load. Every `poll`, each member's GET /metrics is read (a call at a time per worker, bounded by
 // `poll_timeout`) and vLLM's gauges there (vllm:num_requests_waiting, vllm:num_requests_running,
@@ -57,10 +60,13 @@ struct MembershipConfig {
     // Follow the KV events of workers that publish them (their records name where) into this
     // index, the router's (RouterConfig::kv_index); null: not followed.
     std::shared_ptr<KvIndex> kv_index{};
+    // Where the store's encode workers go (sorted by address); null: their records are ignored.
+    std::shared_ptr<EncoderSet> encoders{};
 };
 
 struct MembershipStats {
     uint64_t joined = 0, left = 0;  // workers that became members from the store, or left
+    uint64_t encoders = 0;          // encode workers in the store now
     uint64_t polls_answered = 0, polls_unanswered = 0;
     std::map<std::string, uint64_t> records_ignored;  // by reason: model, role, address
 };
@@ -101,6 +107,7 @@ class Membership {
     MembershipStats stats_;
     // Workers this membership added from the store, by role and "host:port".
     std::set<std::string> from_store_[2];
+    std::set<std::string> encoders_;            // the store's encode workers ("host:port")
     std::set<std::string> logged_;              // ignored records already logged ("url reason")
     std::set<std::pair<int, size_t>> polling_;  // (role, worker) with a poll in flight
     std::string hash_seed_;  // the block hash spec adopted (block_size 0: none yet)

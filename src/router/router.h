@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -252,6 +253,23 @@ class Router {
 
   private:
     std::shared_ptr<Ticket::State> state_;
+};
+
+// The encode workers found in the store, as the membership last saw them (thread-safe).
+class EncoderSet {
+  public:
+    std::vector<http::Endpoint> Get() const {
+        std::lock_guard lock(mu_);
+        return endpoints_;
+    }
+    void Set(std::vector<http::Endpoint> endpoints) {
+        std::lock_guard lock(mu_);
+        endpoints_ = std::move(endpoints);
+    }
+
+  private:
+    mutable std::mutex mu_;
+    std::vector<http::Endpoint> endpoints_;
 };
 
 }  // namespace ferry::router

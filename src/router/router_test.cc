@@ -787,6 +787,47 @@ TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
     m->Stop();
 }
 
+// With an EncoderSet, records of role encode serving the model are the store's encode workers
+// (EPD): kept there, never routed prefill or decode requests, and gone with their records.
+TEST(RouterMembership, EncodeWorkersRecordsFeedTheEncoderSet) {
+    auto store = std::move(StoreServer::Start({})).value();
+    MetricsWorker d0;
+    auto dir = std::shared_ptr<WorkerDirectory>(
+        std::move(WorkerDirectory::Start(store->url(), {})).value());
+    auto router = std::make_shared<Router>(RouterConfig{.policy = MakeLeastLoaded()});
+    auto encoders = std::make_shared<EncoderSet>();
+    const auto ttl = std::chrono::milliseconds(3000);
+    auto reg = [&](const WorkerRecord& r) {
+        return std::move(WorkerRegistration::Start(store->url(), {}, r, ttl)).value();
+    };
+    auto rd0 = reg({d0.url(), "decode", "tiny", 1, "d0", "127.0.0.1", 7302});
+    auto e0 = reg({"127.0.0.1:7401", "encode", "tiny", 1, "e0", "127.0.0.1", 7402});
+    auto e1 = reg({"127.0.0.1:7403", "encode", "tiny", 1, "e1", "127.0.0.1", 7404});
+    auto other = reg({"127.0.0.1:7405", "encode", "llama", 1, "e2", "127.0.0.1", 7406});
+    auto m = Membership::Start({.directory = dir,
+                                .model = "tiny",
+                                .poll = std::chrono::milliseconds(50),
+                                .encoders = encoders},
+                               router);
+    // Records come as store events, one at a time.
+    ASSERT_TRUE(Until([&] {
+        MembershipStats s = m->Stats();
+        return encoders->Get().size() == 2 && s.joined == 3 && s.records_ignored.size() == 1;
+    }));
+    std::vector<http::Endpoint> got = encoders->Get();
+    EXPECT_EQ(got[0].port, 7401);
+    EXPECT_EQ(got[1].port, 7403);
+    EXPECT_EQ(router->Workers(Role::kDecode).size(), 1u);
+    EXPECT_EQ(router->Workers(Role::kPrefill).size(), 0u);
+    EXPECT_EQ(m->Stats().records_ignored["model"], 1u);
+    e0->Stop();
+    ASSERT_TRUE(Until([&] { return encoders->Get().size() == 1; }));
+    EXPECT_EQ(encoders->Get()[0].port, 7403);
+    EXPECT_EQ(m->Stats().left, 1u);
+    EXPECT_NE(m->RenderMetrics().find("ferry_router_membership_encoders 1"), std::string::npos);
+    m->Stop();
+}
+
 BlockHash H(int i) {
     BlockHash h{};
     h[0] = uint8_t(i);

@@ -165,6 +165,8 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     mc.model = impl->cfg.model;
     mc.poll = impl->cfg.load_poll;
     if (impl->directory) mc.kv_index = kv_index;
+    auto store_encoders = std::make_shared<router::EncoderSet>();
+    if (impl->directory) mc.encoders = store_encoders;
     impl->membership = router::Membership::Start(std::move(mc), impl->router);
     impl->client = http::Client::Create(std::max(1, impl->cfg.io_threads / 2));
     router::DriverConfig dc;
@@ -174,6 +176,7 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     dc.pd_min_uncached_tokens = impl->cfg.pd_min_uncached_tokens;
     dc.tokenizer = impl->cfg.tokenizer;
     dc.encode = impl->cfg.encode;
+    if (impl->directory) dc.store_encoders = store_encoders;
     impl->driver = router::Driver::Create(std::move(dc), impl->router, impl->client.get());
     http::ServerConfig hc;
     hc.name = "proxy";

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "disagg/pd_harness.h"
+#include "ferry/discovery.h"
 #include "http/http.h"
 #include "testing/images.h"
 #include "testing/testing.h"
@@ -203,6 +204,50 @@ INSTANTIATE_TEST_SUITE_P(Connectors, EpdMatrix, ::testing::ValuesIn(Cases()),
 // The encode worker SIGKILLed: requests still complete with the colocated answer (the consumer
 // encodes), whether the proxy finds it gone or a request names it after it died; with
 // --ec-load-failure fail such a request is refused (503) rather than encoded.
+// Encode workers are found in the discovery store as prefill and decode workers are: `ferry
+// proxy --store` without --encode sends each request with images to the one registered, and
+// follows it out when it drains (its requests then encode on the workers, same answers).
+TEST_F(EpdProcess, EncodeWorkersAreFoundInTheStoreAndFollowedOut) {
+    auto store = testing::ValueOrDie(StoreServer::Start({}), "store");
+    const std::string url = store->url();
+    const std::vector<std::string> ec = {"--store", url, "--ec-connector", "transfer"};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", "shm", ec));
+    auto prefill = StartOrDie(Args("prefill", "shm", ec));
+    auto decode = StartOrDie(Args("decode", "shm", ec));
+    ASSERT_TRUE(colocated && encode && prefill && decode);
+    auto px = StartOrDie({"proxy", "--port", "0", "--store", url, "--load-poll-ms", "100"});
+    ASSERT_TRUE(px);
+    ASSERT_TRUE(px->WaitMetric("ferry_router_membership_encoders", 1));
+    ASSERT_TRUE(testing::WaitUntil(
+        [&] {
+            auto h = http::Fetch(
+                http::GetRequest("127.0.0.1", px->port(), "/health", std::chrono::seconds(5)));
+            if (!h.ok()) return false;
+            Json j = Json::parse(h->body, nullptr, false);
+            return j.is_object() && j["prefill_instances"] == 1 && j["decode_instances"] == 1;
+        },
+        std::chrono::seconds(20)));
+    const int n = testing::kSanitized ? 6 : 12;
+    const std::vector<Json> bodies = Bodies(n, 500);
+    ExpectSameTokens(SendAll(px->port(), bodies, 4), SendAll(colocated->port(), bodies, 4),
+                     "store");
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), n);
+    EXPECT_EQ(prefill->Metric("ferry_mm_images_encoded_total"), 0);
+    EXPECT_EQ(decode->Metric("ferry_mm_images_encoded_total"), 0);
+    EXPECT_GT(prefill->Metric("ferry_ec_loads_total"), 0);
+
+    // Drained: its record goes, the proxy stops sending to it, the workers encode.
+    encode->Signal(SIGTERM);
+    ASSERT_TRUE(px->WaitMetric("ferry_router_membership_encoders", 0));
+    const std::vector<Json> more = Bodies(4, 600);
+    ExpectSameTokens(SendAll(px->port(), more, 4), SendAll(colocated->port(), more, 4),
+                     "after the encode worker left");
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), n);
+    EXPECT_EQ(px->Metric("ferry_proxy_encode_failed_total"), 0);
+    EXPECT_GT(prefill->Metric("ferry_mm_images_encoded_total"), 0);
+}
+
 TEST_F(EpdProcess, AKilledEncodeWorkerCostsOnlyTheEncoding) {
     testing::SecretFile secret("epd-kill");
     const std::vector<std::string> ec = {
