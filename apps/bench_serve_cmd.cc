@@ -18,10 +18,12 @@
 #include "bench/plot.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"
+#include "core/base64.h"
 #include "core/child_process.h"
 #include "core/crypto.h"
 #include "http/http.h"
 #include "model/model.h"
+#include "model/vision.h"
 
 namespace ferry::cli {
 
@@ -277,6 +279,7 @@ void AddDemoCommand(CLI::App& app, int* rc) {
         signal(SIGINT, OnInterrupt);
         signal(SIGTERM, OnInterrupt);
         std::filesystem::create_directories(out_dir);
+        const bool preset_model = model_path.empty();
         if (model_path.empty()) {
             model_path = (std::filesystem::path(out_dir) / (preset + ".gguf")).string();
             if (!std::filesystem::exists(model_path)) {
@@ -295,6 +298,7 @@ void AddDemoCommand(CLI::App& app, int* rc) {
         struct Deployment {
             std::string label;
             std::vector<std::vector<std::string>> procs;
+            bool images = false;  // chat requests with an image each (random-mm)
         };
         // A deployment secret, as in production: the workers take kv_transfer_params only
         // from the proxy, which proves it with the router token (docs/security.md).
@@ -321,6 +325,38 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             {"colocated", {worker("colocated")}},
             {"pull", {worker("prefill"), worker("decode"), proxy("pull")}},
             {"push", {worker("prefill"), worker("decode"), proxy("push")}}};
+        // EPD (a preset's model: its random vision projector is written beside it): images
+        // encoded by the language-model worker itself, against an encode worker whose
+        // embeddings reach the worker over the transfer connector (vLLM's 1e1pd).
+        std::string mmproj;
+        if (preset_model) {
+            mmproj = (std::filesystem::path(out_dir) / (preset + "-mmproj.gguf")).string();
+            auto vs = model::PresetVisionSpec(preset + "-vl");
+            Status st = vs.ok() ? model::WriteRandomMmproj(*vs, 1, mmproj) : vs.status();
+            if (!st.ok()) {
+                fmt::print(stderr, "ferry demo: {}\n", st.ToString());
+                *rc = 1;
+                return;
+            }
+        }
+        if (!mmproj.empty()) {
+            auto mm = [&](std::vector<std::string> a, std::vector<std::string> more) {
+                a.insert(a.end(), {"--mmproj", mmproj, "--max-pending-image-requests", "1024"});
+                a.insert(a.end(), more.begin(), more.end());
+                return a;
+            };
+            const std::vector<std::string> ec = {"--ec-connector", "transfer", "--kv-backend",
+                                                 "shm"};
+            std::vector<std::string> consumer = ec;
+            consumer.insert(consumer.end(), {"--secret-file", secret_path});
+            deployments.push_back({"colocated-mm", {mm(worker("colocated"), {})}, true});
+            deployments.push_back({"epd",
+                                   {mm(worker("encode"), ec),
+                                    mm(worker("colocated"), consumer),
+                                    {SelfExe(), "proxy", "--encode", "{0}", "--decode", "{1}",
+                                     "--port", "0", "--no-store", "--secret-file", secret_path}},
+                                   true});
+        }
         // The check before the benchmark: greedy answers of every deployment, token ids.
         std::vector<std::vector<int32_t>> check_prompts;
         for (int i = 0; i < 16; ++i) {
@@ -328,7 +364,7 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             for (int k = 0; k < 8 + i * 97; ++k) p.push_back((k * 31 + i * 7 + k * k) % 256);
             check_prompts.push_back(std::move(p));
         }
-        std::vector<std::vector<int32_t>> reference;
+        std::vector<std::vector<int32_t>> reference, reference_mm;
         std::vector<std::string> results;
         std::vector<double> rate_list;
         {
@@ -364,45 +400,65 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             fmt::print("ferry demo: {} deployment serving at {} ({} processes)\n", d.label, url,
                        procs.size());
             {
-                // Token for token against the colocated answers.
+                // Token for token against the colocated answers (with images: the colocated
+                // worker's that encodes them itself).
                 auto ep = http::ParseEndpoint(url);
                 std::vector<std::vector<int32_t>> got;
-                for (const auto& p : check_prompts) {
+                for (size_t i = 0; i < check_prompts.size(); ++i) {
+                    const auto& p = check_prompts[i];
                     http::ClientRequest req;
                     req.host = ep->host;
                     req.port = ep->port;
-                    req.target = "/v1/completions";
+                    req.target = d.images ? "/v1/chat/completions" : "/v1/completions";
                     req.timeout = std::chrono::seconds(120);
-                    req.body = nlohmann::json({{"prompt", p},
-                                               {"max_tokens", 16},
-                                               {"temperature", 0},
-                                               {"ignore_eos", true},
-                                               {"logprobs", 0},
-                                               {"return_tokens_as_token_ids", true}})
-                                   .dump();
+                    nlohmann::json body = {{"max_tokens", 16},
+                                           {"temperature", 0},
+                                           {"ignore_eos", true},
+                                           {"return_tokens_as_token_ids", true}};
+                    if (d.images) {
+                        // Text, then an image (4 distinct, repeated), then text.
+                        const std::string png = bench::RandomPng(48 + 8 * int(i % 4), 40, i % 4);
+                        body["messages"] = {
+                            {{"role", "user"},
+                             {"content",
+                              {{{"type", "text"},
+                                {"text", std::string(1 + i * 13, char('a' + i % 26))}},
+                               {{"type", "image_url"},
+                                {"image_url",
+                                 {{"url", "data:image/png;base64," + Base64Encode(png)}}}},
+                               {{"type", "text"}, {"text", "what is it?"}}}}}};
+                        body["logprobs"] = true;
+                    } else {
+                        body["prompt"] = p;
+                        body["logprobs"] = 0;
+                    }
+                    req.body = body.dump();
                     std::vector<int32_t> tokens;
                     auto r = http::Fetch(req);
                     if (r.ok() && r->status == 200) {
                         auto j = nlohmann::json::parse(r->body, nullptr, false);
                         if (j.is_object()) {
-                            for (const auto& t : j["choices"][0]["logprobs"]["tokens"]) {
-                                std::string s = t.get<std::string>();
+                            const nlohmann::json& lp = j["choices"][0]["logprobs"];
+                            for (const auto& t : d.images ? lp["content"] : lp["tokens"]) {
+                                std::string s =
+                                    d.images ? t["token"].get<std::string>() : t.get<std::string>();
                                 tokens.push_back(std::stoi(s.substr(s.find(':') + 1)));
                             }
                         }
                     }
                     got.push_back(std::move(tokens));
                 }
-                if (reference.empty()) {
-                    reference = got;
+                std::vector<std::vector<int32_t>>& want = d.images ? reference_mm : reference;
+                if (want.empty()) {
+                    want = got;
                     fmt::print(
-                        "ferry demo: {} answers to {} prompts (8..1463 tokens) are the "
-                        "reference\n\n",
-                        d.label, got.size());
+                        "ferry demo: {} answers to {} {} are the reference\n\n", d.label,
+                        got.size(),
+                        d.images ? "chat requests with an image each" : "prompts (8..1463 tokens)");
                 } else {
                     int equal = 0;
                     for (size_t i = 0; i < got.size(); ++i) {
-                        equal += !got[i].empty() && got[i] == reference[i];
+                        equal += !got[i].empty() && got[i] == want[i];
                     }
                     fmt::print(
                         "ferry demo: {}: {}/{} answers equal the colocated ones token for "
@@ -414,7 +470,8 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             for (double r : rate_list) {
                 bench::ServeBenchOptions o;
                 o.base_url = url;
-                o.dataset_name = "random";
+                o.dataset_name = d.images ? "random-mm" : "random";
+                if (d.images) o.endpoint = "/v1/chat/completions";
                 o.random_input_len = input_len;
                 o.random_output_len = output_len;
                 o.num_prompts = num_prompts;
