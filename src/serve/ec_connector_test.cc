@@ -7,9 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "testing/testing.h"
@@ -18,7 +16,6 @@ namespace ferry::serve {
 namespace {
 
 using std::chrono::milliseconds;
-using Clock = std::chrono::steady_clock;
 using testing::StatusIs;
 
 constexpr size_t kFloats = 3000;  // an entry: 30 rows of 100
@@ -30,15 +27,6 @@ std::vector<float> Rows(float seed) {
     std::vector<float> v(kFloats);
     for (size_t i = 0; i < v.size(); ++i) v[i] = seed + 0.001f * static_cast<float>(i);
     return v;
-}
-
-bool Eventually(const std::function<bool()>& f) {
-    const auto end = Clock::now() + std::chrono::seconds(10);
-    while (Clock::now() < end) {
-        if (f()) return true;
-        std::this_thread::sleep_for(milliseconds(5));
-    }
-    return f();
 }
 
 class EcTransfer : public ::testing::TestWithParam<std::string> {
@@ -72,7 +60,8 @@ class EcTransfer : public ::testing::TestWithParam<std::string> {
         const uint64_t released = producer_->Stats().released;
         media::Embeddings e = testing::ValueOrDie(consumer_->Load(hash, kFloats, &source_));
         EXPECT_EQ(*e, Rows(seed));
-        ASSERT_TRUE(Eventually([&] { return producer_->Stats().released == released + 1; }));
+        ASSERT_TRUE(
+            testing::WaitUntil([&] { return producer_->Stats().released == released + 1; }));
     }
 
     std::shared_ptr<Agent> consumer_agent_, producer_agent_;
@@ -148,7 +137,7 @@ TEST_P(EcTransfer, LeasesLapseSoNothingWaitsForAConsumerThatNeverCame) {
     Start(2, milliseconds(200));
     FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
     FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
-    ASSERT_TRUE(Eventually([&] { return producer_->Stats().lapsed == 2; }));
+    ASSERT_TRUE(testing::WaitUntil([&] { return producer_->Stats().lapsed == 2; }));
     EXPECT_EQ(producer_->Stats().leased, 0u);
     FERRY_ASSERT_OK(producer_->Save(Hash('c'), Rows(3)));  // reuses a lapsed slot
     LoadAndRelease(Hash('c'), 3);
@@ -159,7 +148,7 @@ TEST_P(EcTransfer, AConsumerThatHadTheImageCachedReleasesItsLeaseWithoutPulling)
     FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
     EXPECT_THAT(producer_->Save(Hash('b'), Rows(2)), StatusIs(Code::kResourceExhausted));
     consumer_->Release(Hash('a'), &source_);
-    ASSERT_TRUE(Eventually([&] { return producer_->Stats().released == 1; }));
+    ASSERT_TRUE(testing::WaitUntil([&] { return producer_->Stats().released == 1; }));
     EXPECT_EQ(producer_->Stats().leased, 0u);
     EXPECT_EQ(consumer_->Stats().loads, 0u);
     EXPECT_EQ(consumer_->Stats().released_unpulled, 1u);

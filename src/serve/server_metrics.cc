@@ -100,7 +100,8 @@ std::string OpenAiServer::Impl::RenderMetrics() {
                 "Encode role: requests refused (503): every slot was leased.",
                 double(s.save_refused));
         counter("ferry_ec_leases_released_total",
-                "Encode role: leases a consumer ended after pulling.", double(s.released));
+                "Encode role: consumers' releases of their leases (after a pull, or cached there).",
+                double(s.released));
         counter("ferry_ec_leases_lapsed_total", "Encode role: leases that ran out unpulled.",
                 double(s.lapsed));
         gauge("ferry_ec_leased", "Encode role: entries leased to consumers now.", double(s.leased));
