@@ -205,7 +205,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ->check(CLI::Range(0, 1 << 24));
     // Images (docs/inference.md).
     static std::string mmproj, limit_mm;
-    static uint64_t encoder_cache_mib = 256;
+    static double encoder_cache_mib = 256, encoder_cache_disk_mib = 4096;
     serve->add_option("--mmproj", mmproj,
                       "the vision encoder (llama.cpp's mmproj GGUF, projector mlp): chat "
                       "requests may then carry image_url parts");
@@ -226,8 +226,18 @@ void AddServeCommand(CLI::App& app, int* rc) {
                       "none are)");
     serve
         ->add_option("--encoder-cache-mib", encoder_cache_mib,
-                     "image embeddings kept by mm_hash, least recently used out (0: none)")
-        ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 20))
+                     "image embeddings kept in memory by mm_hash, least recently used out (0: "
+                     "none)")
+        ->check(CLI::Range(0.0, double(1 << 20)))
+        ->capture_default_str();
+    serve->add_option("--encoder-cache-dir", sc.encoder_cache_dir,
+                      "the encoder cache's disk tier: embeddings evicted from memory are kept "
+                      "in files here (made if missing; one worker a directory) and found again, "
+                      "also after a restart");
+    serve
+        ->add_option("--encoder-cache-disk-mib", encoder_cache_disk_mib,
+                     "--encoder-cache-dir: its files' capacity, least recently used out")
+        ->check(CLI::Range(0.0, double(1 << 24)))
         ->capture_default_str();
     serve
         ->add_option("--max-pending-image-requests", sc.max_pending_image_requests,
@@ -421,7 +431,11 @@ void AddServeCommand(CLI::App& app, int* rc) {
             if (!v.ok()) return fail(v.status().WithContext("--mmproj"));
             sc.vision = std::move(v).value();
         }
-        sc.encoder_cache_bytes = encoder_cache_mib << 20;
+        if (!sc.encoder_cache_dir.empty() && mmproj.empty()) {
+            return fail(InvalidArgumentError("--encoder-cache-dir needs --mmproj"));
+        }
+        sc.encoder_cache_bytes = uint64_t(encoder_cache_mib * (1 << 20));
+        sc.encoder_cache_disk_bytes = uint64_t(encoder_cache_disk_mib * (1 << 20));
         ec.kv_dtype = *kv::ParseKvDtype(kv_dtype);
         ec.kv_cache_bytes = uint64_t(kv_mib) << 20;
         ec.chunked_prefill = !no_chunked;
@@ -522,8 +536,11 @@ void AddServeCommand(CLI::App& app, int* rc) {
             const model::VisionConfig& v = sc.vision->config();
             fmt::print(
                 "ferry serve: vision encoder {} ({}x{} pixels, {} tokens an image), "
-                "encoder cache {} MiB\n",
-                mmproj, v.image_size, v.image_size, v.tokens_per_image(), encoder_cache_mib);
+                "encoder cache {} MiB{}\n",
+                mmproj, v.image_size, v.image_size, v.tokens_per_image(), encoder_cache_mib,
+                sc.encoder_cache_dir.empty()
+                    ? ""
+                    : fmt::format(" + {} MiB in {}", encoder_cache_disk_mib, sc.encoder_cache_dir));
         }
         if (agent) {
             fmt::print("ferry serve: role {}, kv agent {} at {}\n", role, agent->name(),

@@ -4,7 +4,6 @@
 #include <fmt/core.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <atomic>
 #include <cerrno>
@@ -18,6 +17,7 @@
 
 #include "core/crypto.h"
 #include "core/log.h"
+#include "media/embeddings_file.h"
 
 namespace ferry::serve {
 
@@ -31,14 +31,7 @@ uint64_t MicrosSince(Clock::time_point t0) {
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
 }
 
-// An mm_hash as every role writes it: 64 lowercase hex digits (it names files and keys).
-bool ValidMmHash(std::string_view h) {
-    if (h.size() != 64) return false;
-    for (char c : h) {
-        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-    }
-    return true;
-}
+bool ValidMmHash(std::string_view h) { return media::IsMmHash(h); }
 
 // A consumer's Load in its connector's stats (the caller holds their lock).
 void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const Status& st) {
@@ -53,7 +46,7 @@ void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const S
     }
 }
 
-uint64_t Checksum(const void* p, size_t n) { return XXH3_64bits(p, n); }
+uint64_t Checksum(const void* p, size_t n) { return media::EmbeddingsChecksum(p, n); }
 
 // The notification a consumer sends after pulling (it ends the slot's lease).
 constexpr std::string_view kReleasePrefix = "ferry-ec-release:";
@@ -374,42 +367,8 @@ class DiskEcConnector final : public EcConnector {
         if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
             return InternalError(fmt::format("ec: mkdir {}: {}", dir, std::strerror(errno)));
         }
-        const uint64_t bytes = floats.size() * sizeof(float);
-        const Json header = {{"__metadata__",
-                              {{"producer", "ferry"},
-                               {"xxh3", fmt::format("{:016x}", Checksum(floats.data(), bytes))}}},
-                             {"ec_cache",
-                              {{"dtype", "F32"},
-                               {"shape", {floats.size() / Width(), Width()}},
-                               {"data_offsets", {0, bytes}}}}};
-        std::string h = header.dump();
-        h.resize((h.size() + 7) / 8 * 8, ' ');  // the format pads its header with spaces to 8
-        std::string out(8, '\0');
-        const uint64_t hl = h.size();
-        std::memcpy(out.data(), &hl, 8);  // little-endian u64
-        out += h;
-        out.append(reinterpret_cast<const char*>(floats.data()), bytes);
-        const std::string tmp = fmt::format("{}/.tmp-{}-{}", dir, getpid(), RandomId128());
-        const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-        if (fd < 0) return InternalError(fmt::format("ec: open {}: {}", tmp, std::strerror(errno)));
-        size_t done = 0;
-        while (done < out.size()) {
-            const ssize_t n = write(fd, out.data() + done, out.size() - done);
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0) {
-                const int err = errno;
-                close(fd);
-                unlink(tmp.c_str());
-                return InternalError(fmt::format("ec: write {}: {}", tmp, std::strerror(err)));
-            }
-            done += size_t(n);
-        }
-        close(fd);
-        if (rename(tmp.c_str(), path.c_str()) != 0) {
-            const int err = errno;
-            unlink(tmp.c_str());
-            return InternalError(fmt::format("ec: rename to {}: {}", path, std::strerror(err)));
-        }
+        Status written = media::WriteEmbeddingsFile(path, floats, Width(), {{"producer", "ferry"}});
+        if (!written.ok()) return InternalError("ec: " + written.message());
         std::lock_guard lock(mu_);
         ++stats_.saved;
         return Status::Ok();
@@ -438,53 +397,14 @@ class DiskEcConnector final : public EcConnector {
     Result<media::Embeddings> Read(const std::string& mm_hash, size_t floats) {
         if (!ValidMmHash(mm_hash)) return InvalidArgumentError("ec: not an mm_hash");
         const std::string path = cfg_.dir + "/" + mm_hash + "/encoder_cache.safetensors";
-        const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-            if (errno == ENOENT) return NotFoundError("ec: no file for image " + mm_hash);
-            return UnavailableError(fmt::format("ec: open {}: {}", path, std::strerror(errno)));
-        }
-        struct stat st {};
-        std::string data;
-        if (fstat(fd, &st) == 0 && st.st_size > 8 && uint64_t(st.st_size) < (1ull << 32)) {
-            data.resize(size_t(st.st_size));
-            size_t done = 0;
-            while (done < data.size()) {
-                const ssize_t n = read(fd, data.data() + done, data.size() - done);
-                if (n < 0 && errno == EINTR) continue;
-                if (n <= 0) break;
-                done += size_t(n);
+        Result<media::Embeddings> r = media::ReadEmbeddingsFile(path, floats, Width());
+        if (!r.ok()) {
+            if (r.status().code() == Code::kNotFound) {
+                return NotFoundError("ec: no file for image " + mm_hash);
             }
-            data.resize(done);
+            return r.status().WithContext("ec");
         }
-        close(fd);
-        auto bad = [&](std::string_view what) {
-            return DataLossError(fmt::format("ec: {}: {}", path, what));
-        };
-        if (data.size() < 8) return bad("shorter than a safetensors header");
-        uint64_t hl;
-        std::memcpy(&hl, data.data(), 8);
-        if (hl > data.size() - 8) return bad("its header length runs past the end");
-        const Json h = Json::parse(data.substr(8, hl), nullptr, false);
-        if (!h.is_object() || !h.contains("ec_cache") || !h["ec_cache"].is_object()) {
-            return bad("no tensor \"ec_cache\"");
-        }
-        const Json& t = h["ec_cache"];
-        const uint64_t bytes = floats * sizeof(float);
-        if (t.value("dtype", "") != "F32" || !t.contains("data_offsets") ||
-            t["data_offsets"] != Json({0, bytes}) || !t.contains("shape") ||
-            !t["shape"].is_array() || t["shape"].size() != 2 ||
-            t["shape"] != Json({floats / Width(), Width()})) {
-            return bad(fmt::format("\"ec_cache\" is not F32 [{}, {}]", floats / Width(), Width()));
-        }
-        if (data.size() != 8 + hl + bytes) return bad("its data is not the tensor's size");
-        auto e = std::make_shared<std::vector<float>>(floats);
-        std::memcpy(e->data(), data.data() + 8 + hl, bytes);
-        if (h.contains("__metadata__") && h["__metadata__"].is_object() &&
-            h["__metadata__"].contains("xxh3") &&
-            h["__metadata__"]["xxh3"] != fmt::format("{:016x}", Checksum(e->data(), bytes))) {
-            return bad("its checksum does not match its data");
-        }
-        return media::Embeddings(std::move(e));
+        return r;
     }
 
     EcConnectorConfig cfg_;

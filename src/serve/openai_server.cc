@@ -255,6 +255,9 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     for (const http::Endpoint& ep : config.remote_prefill) {
         impl->remote_prefill->AddWorker(router::Role::kPrefill, ep);
     }
+    if (!config.vision && !config.encoder_cache_dir.empty()) {
+        return InvalidArgumentError("serve: an encoder cache directory needs a vision encoder");
+    }
     if (config.vision) {
         const model::VisionConfig& vc = config.vision->config();
         const int dim = impl->engine->model().config().dim;
@@ -274,7 +277,15 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
         }
         impl->image_tokens = {vc.tokens_per_image(),
                               model::ImagePlaceholder(impl->engine->model().tokenizer())};
-        impl->encoder_cache = std::make_unique<media::EncoderCache>(config.encoder_cache_bytes);
+        FERRY_ASSIGN_OR_RETURN(
+            impl->encoder_cache,
+            media::EncoderCache::Open(
+                config.encoder_cache_bytes,
+                {.dir = config.encoder_cache_dir,
+                 .capacity_bytes = config.encoder_cache_disk_bytes,
+                 .encoder = config.vision->fingerprint(),
+                 .entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim),
+                 .width = size_t(vc.out_dim)}));
         impl->media_queue = std::make_unique<MediaQueue>(size_t(config.max_pending_image_requests));
     }
     impl->client = http::Client::Create(1);

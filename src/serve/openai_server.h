@@ -74,6 +74,11 @@ struct ServerConfig {
     media::MediaOptions media;
     int max_pending_image_requests = 64;
     uint64_t encoder_cache_bytes = 256ull << 20;
+    // The encoder cache's disk tier (media/encoder_cache.h): entries evicted from memory are kept
+    // in files in this directory (one worker a directory), up to encoder_cache_disk_bytes, and
+    // found there again after a restart. "": none.
+    std::string encoder_cache_dir = {};
+    uint64_t encoder_cache_disk_bytes = 4ull << 30;
     // EPD (serve/ec_connector.h): the encoder-cache connector (null: none). On an encode worker
     // (encode_only) it publishes each image's embeddings and the server answers with where they
     // are instead of running the language model; elsewhere it loads them (from the encode worker

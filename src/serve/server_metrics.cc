@@ -78,17 +78,44 @@ std::string OpenAiServer::Impl::RenderMetrics() {
                 double(im.encode_micros.load()) / 1e6);
         gauge("ferry_mm_requests_waiting", "Requests with images waiting for the encoder.",
               double(media_queue->Waiting()));
-        counter("ferry_encoder_cache_hits_total", "Images whose embeddings the encoder cache held.",
-                double(ec.hits));
+        // Per tier (memory; disk with --encoder-cache-dir): a miss is one in both.
+        auto tiers = [&](const char* name, const char* type, const char* help, double memory,
+                         double disk) {
+            w.Family(name, type, help);
+            w.Sample(name, {{"tier", "memory"}}, memory);
+            if (!config.encoder_cache_dir.empty()) w.Sample(name, {{"tier", "disk"}}, disk);
+        };
+        tiers("ferry_encoder_cache_hits_total", "counter",
+              "Images whose embeddings the encoder cache held, by the tier they were found in.",
+              double(ec.hits), double(ec.disk_hits));
         counter("ferry_encoder_cache_misses_total", "Images the encoder cache did not hold.",
                 double(ec.misses));
-        counter("ferry_encoder_cache_evictions_total", "Encoder cache entries evicted (LRU).",
-                double(ec.evictions));
-        gauge("ferry_encoder_cache_entries", "Images in the encoder cache.", double(ec.entries));
-        gauge("ferry_encoder_cache_bytes", "Bytes of embeddings in the encoder cache.",
-              double(ec.bytes));
-        gauge("ferry_encoder_cache_capacity_bytes", "The encoder cache's capacity.",
-              double(ec.capacity_bytes));
+        tiers("ferry_encoder_cache_evictions_total", "counter",
+              "Encoder cache entries evicted (least recently used first): from memory (to disk "
+              "with a disk tier), from disk (removed).",
+              double(ec.evictions), double(ec.disk_evictions));
+        tiers("ferry_encoder_cache_entries", "gauge", "Images in the encoder cache.",
+              double(ec.entries), double(ec.disk_entries));
+        tiers("ferry_encoder_cache_bytes", "gauge",
+              "Bytes of embeddings in the encoder cache (on disk: its files).", double(ec.bytes),
+              double(ec.disk_bytes));
+        tiers("ferry_encoder_cache_capacity_bytes", "gauge", "The encoder cache's capacity.",
+              double(ec.capacity_bytes), double(ec.disk_capacity_bytes));
+        if (!config.encoder_cache_dir.empty()) {
+            counter("ferry_encoder_cache_disk_read_seconds_total",
+                    "Time reading the disk tier's hits back (checks included).",
+                    double(ec.disk_read_micros) / 1e6);
+            counter("ferry_encoder_cache_disk_writes_total",
+                    "Files written to the disk tier for entries evicted from memory.",
+                    double(ec.disk_writes));
+            counter("ferry_encoder_cache_disk_write_errors_total",
+                    "Entries evicted from memory that could not be written to disk (lost).",
+                    double(ec.disk_write_errors));
+            counter("ferry_encoder_cache_disk_bad_files_total",
+                    "Disk-tier files that failed a check when read (torn, corrupt, another "
+                    "encoder's): removed, a miss.",
+                    double(ec.disk_bad_files));
+        }
     }
     if (config.ec_connector) {
         // EPD (serve/ec_connector.h): the producer's published entries and leases, the

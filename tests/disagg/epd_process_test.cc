@@ -162,11 +162,11 @@ TEST_P(EpdMatrix, PromptsWithImagesThroughAnEncodeWorkerEqualColocated) {
         EXPECT_EQ(w->Metric("ferry_ec_load_failures_total"), 0);
         EXPECT_GE(w->Metric("ferry_ec_loads_total"), 1);
         EXPECT_LE(w->Metric("ferry_ec_loads_total"), 7);  // repeated images: the local cache
-        EXPECT_GT(w->Metric("ferry_encoder_cache_hits_total"), 0);
+        EXPECT_GT(w->Metric("ferry_encoder_cache_hits_total{tier=\"memory\"}"), 0);
         if (c.connector == "transfer") {
             // Each image it held already: the encode worker's lease ended without a pull.
             EXPECT_EQ(w->Metric("ferry_ec_released_unpulled_total"),
-                      w->Metric("ferry_encoder_cache_hits_total"));
+                      w->Metric("ferry_encoder_cache_hits_total{tier=\"memory\"}"));
         }
     }
     if (c.connector == "transfer") {
@@ -441,7 +441,7 @@ TEST_F(EpdProcess, EmbeddingsFromOutsideTheDeploymentAreNeverCached) {
     const std::vector<Json> twice = {b, b};
     ExpectSameTokens(SendAll(px->port(), twice, 1), SendAll(colocated->port(), twice, 1), "twice");
     EXPECT_EQ(consumer->Metric("ferry_ec_loads_total"), 2);  // pulled again: nothing kept
-    EXPECT_EQ(consumer->Metric("ferry_encoder_cache_entries"), 0);
+    EXPECT_EQ(consumer->Metric("ferry_encoder_cache_entries{tier=\"memory\"}"), 0);
     EXPECT_EQ(consumer->Metric("ferry_prefix_cache_hits_total"), 0);
     EXPECT_EQ(consumer->Metric("ferry_mm_images_encoded_total"), 0);
 }

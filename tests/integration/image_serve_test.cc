@@ -11,6 +11,8 @@
 #include <png.h>
 
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -58,8 +60,8 @@ class ImageServeTest : public ::testing::Test {
         std::remove(mmproj_.c_str());
     }
 
-    static httplib::Result Post(const Json& body) {
-        httplib::Client c("127.0.0.1", port_);
+    static httplib::Result Post(const Json& body, int port = 0) {
+        httplib::Client c("127.0.0.1", port ? port : port_);
         c.set_read_timeout(60, 0);
         return c.Post("/v1/chat/completions", body.dump(), "application/json");
     }
@@ -80,8 +82,8 @@ class ImageServeTest : public ::testing::Test {
         int cached = -1;
         int prompt = -1;
     };
-    static Answer Ask(const Json& content) {
-        auto r = Post(Chat(content));
+    static Answer Ask(const Json& content, int port = 0) {
+        auto r = Post(Chat(content), port);
         EXPECT_TRUE(r);
         if (!r) return {};
         EXPECT_EQ(r->status, 200) << r->body;
@@ -95,8 +97,8 @@ class ImageServeTest : public ::testing::Test {
         a.prompt = j["usage"]["prompt_tokens"].get<int>();
         return a;
     }
-    static double Metric(const std::string& name) {
-        httplib::Client c("127.0.0.1", port_);
+    static double Metric(const std::string& name, int port = 0) {
+        httplib::Client c("127.0.0.1", port ? port : port_);
         auto r = c.Get("/metrics");
         if (!r) return -1;
         const size_t at = r->body.find("\n" + name + " ");
@@ -106,6 +108,7 @@ class ImageServeTest : public ::testing::Test {
     static std::string model_, mmproj_;
     static testing::ChildProcess* server_;
     static int port_;
+    std::map<testing::ChildProcess*, int> port_of_;
 };
 std::string ImageServeTest::model_, ImageServeTest::mmproj_;
 testing::ChildProcess* ImageServeTest::server_ = nullptr;
@@ -158,7 +161,7 @@ TEST_F(ImageServeTest, TheAnswerIsTheEncodersEmbeddingsAtThePlaceholderTokens) {
 
 TEST_F(ImageServeTest, RepeatedImagesHitBothCachesAndOtherImagesNeither) {
     const double encoded0 = Metric("ferry_mm_images_encoded_total");
-    const double hits0 = Metric("ferry_encoder_cache_hits_total");
+    const double hits0 = Metric("ferry_encoder_cache_hits_total{tier=\"memory\"}");
     const std::vector<uint8_t> px = testing::RandomPixels(40, 24, 3, 7);
     const std::string a = testing::DataUrl("image/png", testing::Png(40, 24, PNG_FORMAT_RGB, px));
     auto content = [](const std::string& url) {
@@ -179,7 +182,7 @@ TEST_F(ImageServeTest, RepeatedImagesHitBothCachesAndOtherImagesNeither) {
     EXPECT_EQ(again.tokens, first.tokens);
     EXPECT_EQ(again.cached, (first.prompt - 1) / 8 * 8);
     EXPECT_EQ(Metric("ferry_mm_images_encoded_total"), encoded0 + 1);
-    EXPECT_EQ(Metric("ferry_encoder_cache_hits_total"), hits0 + 1);
+    EXPECT_EQ(Metric("ferry_encoder_cache_hits_total{tier=\"memory\"}"), hits0 + 1);
 
     // Another image of the same size: the same placeholder tokens, but only the blocks before
     // the image are found, and the answer is its own.
@@ -197,6 +200,72 @@ TEST_F(ImageServeTest, RepeatedImagesHitBothCachesAndOtherImagesNeither) {
     EXPECT_GT(other.cached, 0);
     EXPECT_NE(other.logprobs, first.logprobs);
     EXPECT_EQ(Metric("ferry_mm_images_encoded_total"), encoded0 + 2);
+}
+
+TEST_F(ImageServeTest, TheEncoderCachesDiskTierKeepsWhatMemoryEvictsAndOutlivesARestart) {
+    // Memory for one image's embeddings (16 rows of 64 floats), the rest on disk.
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / ("image-serve-ec-" + std::to_string(getpid())))
+            .string();
+    auto start = [&](std::string* err = nullptr) -> std::unique_ptr<testing::ChildProcess> {
+        std::string line;
+        auto child = testing::ChildProcess::Start(
+            {FERRY_BIN, "serve", "--model", model_, "--mmproj", mmproj_, "--port", "0",
+             "--block-size", "8", "--num-kv-blocks", "512", "--encoder-cache-mib", "0.005",
+             "--encoder-cache-dir", dir, "--encoder-cache-disk-mib", "1"},
+            "ferry serve: listening on ", &line, std::chrono::seconds(30), err ? dir + ".err" : "");
+        if (!child.ok()) {
+            if (err) *err = child.status().ToString();
+            return nullptr;
+        }
+        auto p = std::make_unique<testing::ChildProcess>(std::move(child).value());
+        port_of_[p.get()] = testing::PortAfter(line);
+        return p;
+    };
+    const std::string a = testing::RandomPngUrl(40, 24, 71), b = testing::RandomPngUrl(24, 40, 72);
+    auto content = [&](const std::string& url) {
+        return Json{{{"type", "text"}, {"text", "What is this?"}}, ImagePart(url)};
+    };
+    auto w = start();
+    ASSERT_NE(w, nullptr);
+    int port = port_of_[w.get()];
+    const Answer first_a = Ask(content(a), port);
+    const Answer first_b = Ask(content(b), port);  // a's embeddings go to disk
+    ASSERT_FALSE(first_a.tokens.empty());
+    EXPECT_EQ(Metric("ferry_mm_images_encoded_total", port), 2);
+    EXPECT_EQ(Metric("ferry_encoder_cache_disk_writes_total", port), 1);
+    EXPECT_EQ(Metric("ferry_encoder_cache_entries{tier=\"memory\"}", port), 1);
+    EXPECT_EQ(Metric("ferry_encoder_cache_entries{tier=\"disk\"}", port), 1);
+    EXPECT_GT(Metric("ferry_encoder_cache_bytes{tier=\"disk\"}", port), 16 * 64 * 4);
+    EXPECT_EQ(Metric("ferry_encoder_cache_capacity_bytes{tier=\"disk\"}", port), 1 << 20);
+    // a again: read back from disk, not encoded, the same answer.
+    EXPECT_EQ(Ask(content(a), port).tokens, first_a.tokens);
+    EXPECT_EQ(Metric("ferry_encoder_cache_hits_total{tier=\"disk\"}", port), 1);
+    EXPECT_EQ(Metric("ferry_encoder_cache_hits_total{tier=\"memory\"}", port), 0);
+    EXPECT_EQ(Metric("ferry_mm_images_encoded_total", port), 2);
+    // One worker a directory: a second one on it does not start, and says why.
+    std::string err;
+    EXPECT_EQ(start(&err), nullptr);
+    {
+        std::ifstream in(dir + ".err");
+        const std::string log((std::istreambuf_iterator<char>(in)), {});
+        EXPECT_THAT(log, HasSubstr("another process uses it")) << err;
+    }
+
+    // A restart (killed: nothing is written at exit) finds both images on disk.
+    w.reset();
+    w = start();
+    ASSERT_NE(w, nullptr);
+    port = port_of_[w.get()];
+    EXPECT_EQ(Metric("ferry_encoder_cache_entries{tier=\"disk\"}", port), 2);
+    EXPECT_EQ(Ask(content(b), port).tokens, first_b.tokens);
+    EXPECT_EQ(Ask(content(a), port).tokens, first_a.tokens);
+    EXPECT_EQ(Metric("ferry_encoder_cache_hits_total{tier=\"disk\"}", port), 2);
+    EXPECT_EQ(Metric("ferry_mm_images_encoded_total", port), 0);
+    EXPECT_EQ(Metric("ferry_encoder_cache_disk_bad_files_total", port), 0);
+    w.reset();
+    std::filesystem::remove_all(dir);
+    std::filesystem::remove(dir + ".err");
 }
 
 TEST_F(ImageServeTest, BadImagesAre400sNamingThePartAndTheServerServesOn) {
