@@ -159,6 +159,20 @@ TEST_P(EcTransfer, AConsumerThatHadTheImageCachedReleasesItsLeaseWithoutPulling)
     EXPECT_EQ(consumer_->Stats().released_unpulled, 1u);
 }
 
+TEST_P(EcTransfer, AReleaseToAProducerThatIsGoneIsDropped) {
+    // The encode worker died after publishing (its lease would have lapsed there): the consumer
+    // that found the image cached sends nothing and counts nothing; a pull is an error, not a
+    // wait (the request is encoded locally, tests/disagg/epd_process_test.cc).
+    Start(1);
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    producer_.reset();
+    producer_agent_.reset();
+    consumer_->Release(Hash('a'), &source_);
+    EXPECT_EQ(consumer_->Stats().released_unpulled, 0u);
+    EXPECT_FALSE(consumer_->Load(Hash('a'), kFloats, &source_).ok());
+    EXPECT_EQ(consumer_->Stats().load_failures + consumer_->Stats().load_misses, 1u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, EcTransfer, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
 
