@@ -41,6 +41,11 @@ Result<std::unique_ptr<EncoderCache>> EncoderCache::Open(uint64_t capacity_bytes
     if (stat(disk.dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
         return fail("not a directory", 0);
     }
+    // What is read back is used as embeddings: only this worker's user may write there (the
+    // checksum finds damage, not a planted file).
+    if (st.st_uid != geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+        return fail("other users may write there (it must be this user's, mode go-w)", 0);
+    }
     const std::string lock = disk.dir + "/.lock";
     c->lock_fd_ = open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (c->lock_fd_ < 0) return fail("open .lock", errno);

@@ -254,6 +254,16 @@ TEST_F(EncoderCacheDiskTest, BadDirectoriesAreRefusedByName) {
                                                  .width = kWidth});
     ASSERT_FALSE(no_parent.ok());
     EXPECT_NE(no_parent.status().message().find("mkdir"), std::string::npos);
+    // Others may write there: what it reads back could be planted.
+    ASSERT_EQ(mkdir((root_ + "/open").c_str(), 0777), 0);
+    ASSERT_EQ(chmod((root_ + "/open").c_str(), 0777), 0);
+    auto open_dir = EncoderCache::Open(kEntry, {.dir = root_ + "/open",
+                                                .capacity_bytes = kEntry,
+                                                .encoder = "e",
+                                                .entry_floats = kFloats,
+                                                .width = kWidth});
+    ASSERT_FALSE(open_dir.ok());
+    EXPECT_NE(open_dir.status().message().find("other users may write"), std::string::npos);
 }
 
 TEST_F(EncoderCacheDiskTest, ManyThreadsFindAndInsertTogether) {
