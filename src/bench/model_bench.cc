@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "bench/serve_metrics.h"
 #include "core/cpu.h"
 #include "core/half.h"
 #include "core/huge_page_allocator.h"
@@ -25,14 +26,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) {
+double SecondsBetween(Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    size_t n = v.size();
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 // sgemm GFLOP/s on `threads` threads: n x n x n products, median of 5.
@@ -46,7 +41,7 @@ double SgemmGflops(int threads, int n) {
         auto t0 = Clock::now();
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1, a.data(), n, b.data(), n,
                     0, c.data(), n);
-        rates.push_back(2.0 * n * n * n / Seconds(t0, Clock::now()) / 1e9);
+        rates.push_back(2.0 * n * n * n / SecondsBetween(t0, Clock::now()) / 1e9);
     }
     return Median(rates);
 }
@@ -127,7 +122,7 @@ double Bf16PairsGflops(int threads, int n) {
     for (int i = 0; i < 5; ++i) {
         auto t0 = Clock::now();
         model::MatMulBulk(n, a.data(), n, w, c.data(), n, pool, &scratch);
-        rates.push_back(2.0 * n * n * n / Seconds(t0, Clock::now()) / 1e9);
+        rates.push_back(2.0 * n * n * n / SecondsBetween(t0, Clock::now()) / 1e9);
     }
     return Median(rates);
 }
@@ -160,7 +155,7 @@ double StreamReadGBps(int threads) {
         auto t0 = Clock::now();
         go.store(true, std::memory_order_release);
         for (auto& t : ts) t.join();
-        if (pass > 0) best = std::max(best, double(n) * 4 / Seconds(t0, Clock::now()) / 1e9);
+        if (pass > 0) best = std::max(best, double(n) * 4 / SecondsBetween(t0, Clock::now()) / 1e9);
     }
     static volatile float sink;  // the sums are used: the reads cannot be left out
     for (float v : sums) sink = sink + v;
@@ -338,7 +333,7 @@ int RunModelBench(const ModelBenchOptions& o) {
             }
             auto t0 = Clock::now();
             e->RunUntilIdle();
-            rates.push_back(len / Seconds(t0, Clock::now()));
+            rates.push_back(len / SecondsBetween(t0, Clock::now()));
         }
         double tps = Median(rates);
         fmt::print("{:<8} {:>7} {:>7} {:>12.1f} {:>10.1f} {:>8.0f}% cmp\n", "prefill", len, 1, tps,
@@ -364,7 +359,7 @@ int RunModelBench(const ModelBenchOptions& o) {
             auto t0 = Clock::now();
             uint64_t before = e->Stats().generation_tokens;
             e->RunUntilIdle();
-            double dt = Seconds(t0, Clock::now());
+            double dt = SecondsBetween(t0, Clock::now());
             rates.push_back(double(e->Stats().generation_tokens - before) / dt);
         }
         double tps = Median(rates);

@@ -19,6 +19,7 @@
 
 #include "core/base64.h"
 #include "core/host_port.h"
+#include "core/json_fields.h"
 #include "core/utf8.h"
 #include "discovery/http_json.h"
 #include "http/http.h"
@@ -31,8 +32,6 @@ namespace {
 
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 struct Url {
     std::string host;
@@ -388,7 +387,7 @@ std::string StreamingRun::RequestBody(const BenchPrompt& p, size_t i) const {
         body["prompt"] = p.text;
         body["max_tokens"] = p.output_len;
     }
-    return Dump(body);
+    return DumpJson(body);
 }
 
 void StreamingRun::Start(size_t i) {
@@ -461,7 +460,7 @@ void StreamingRun::Finish(Conn* c, const Status& st) {
             std::string msg = c->body;
             if (j.is_object() && j.contains("error") && j["error"].is_object() &&
                 j["error"].contains("message")) {
-                msg = Dump(j["error"]["message"]);
+                msg = DumpJson(j["error"]["message"]);
             }
             r.error = fmt::format("HTTP {}: {}", c->status, msg);
         } else {
@@ -487,7 +486,8 @@ void StreamingRun::ParseEvents(Conn* c, Clock::time_point now) {
         if (!j.is_object()) continue;
         if (j.contains("error")) {
             const Json& e = j["error"];
-            c->error_body = e.is_object() && e.contains("message") ? Dump(e["message"]) : Dump(e);
+            c->error_body =
+                e.is_object() && e.contains("message") ? DumpJson(e["message"]) : DumpJson(e);
             continue;
         }
         if (j.contains("usage") && j["usage"].is_object()) {

@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ferry::bench {
@@ -58,6 +59,8 @@ struct ServeMetrics {
 };
 
 double Percentile(std::vector<double> values, double p);  // numpy linear; 0 for none
+// The middle value (the mean of the two middle values for an even count); 0 for none.
+inline double Median(std::vector<double> values) { return Percentile(std::move(values), 50); }
 MetricStats Stats(const std::vector<double>& values_ms, const std::vector<double>& percentiles);
 ServeMetrics ComputeServeMetrics(const std::vector<RequestRecord>& records, double duration,
                                  const std::vector<double>& percentiles,

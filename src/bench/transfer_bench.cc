@@ -26,6 +26,7 @@
 #include <thread>
 #include <tuple>
 
+#include "bench/serve_metrics.h"
 #include "core/child_process.h"
 #include "core/fd.h"
 #include "core/log.h"
@@ -56,14 +57,6 @@ double Percentile(std::vector<double> v, double p) {
     std::sort(v.begin(), v.end());
     size_t idx = static_cast<size_t>(std::ceil(p / 100.0 * v.size())) - 1;
     return v[std::min(idx, v.size() - 1)];
-}
-
-// The middle of `v` (the mean of the two middle values when there are an even number).
-double Median(std::vector<double> v) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    size_t h = v.size() / 2;
-    return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
 }
 
 // --- references -------------------------------------------------------------------------------

@@ -19,6 +19,12 @@
 
 namespace ferry {
 
+// JSON text for the wire: invalid UTF-8 (a client's bytes echoed in a message) is replaced, not
+// thrown on.
+inline std::string DumpJson(const nlohmann::json& j) {
+    return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 class JsonFields {
   public:
     using Json = nlohmann::json;

@@ -41,11 +41,6 @@ Json ErrorBody(const HttpError& e) {
     return Json{{"error", {{"code", e.status}, {"message", e.message}}}};
 }
 
-// Keys and messages may echo a client's bytes: invalid UTF-8 is replaced, not thrown on.
-std::string Dump(const Json& body) {
-    return body.dump(-1, ' ', false, Json::error_handler_t::replace);
-}
-
 // Field accessors that say which field is wrong (JsonFields' words), as an HTTP error.
 std::string StringField(const Json& body, const char* name, size_t max, bool required = true) {
     JsonFields f(body);
@@ -205,7 +200,7 @@ class StoreServer::Impl {
     static http::Reply JsonReply(int status, const Json& body) {
         http::Reply r;
         r.status = status;
-        r.body = Dump(body);
+        r.body = DumpJson(body);
         return r;
     }
 
@@ -663,7 +658,7 @@ StoreServerStats StoreServer::Stats() const { return impl_->Stats(); }
 std::pair<int, std::string> StoreServer::ServeForTesting(const std::string& path,
                                                          std::string_view body) {
     auto [status, reply] = impl_->Serve(path, body);
-    return {status, Dump(reply)};
+    return {status, DumpJson(reply)};
 }
 
 std::string StoreServer::url() const {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "core/clock.h"
 #include "core/log.h"
 #include "media/embeddings_file.h"
 
@@ -163,9 +164,7 @@ Embeddings EncoderCache::Find(const std::string& mm_hash) {
             return nullptr;
         }
         ++stats_.disk_hits;
-        stats_.disk_read_micros += uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
-                                                std::chrono::steady_clock::now() - t0)
-                                                .count());
+        stats_.disk_read_micros += MicrosSince(t0);
         if (auto f = files_.find(mm_hash); f != files_.end()) {
             disk_lru_.splice(disk_lru_.begin(), disk_lru_, f->second.lru);
         }

@@ -8,6 +8,7 @@
 
 #include "core/crypto.h"
 #include "core/json_depth.h"
+#include "core/json_fields.h"
 #include "core/log.h"
 #include "core/request_id.h"
 #include "model/prompt.h"
@@ -17,8 +18,6 @@ namespace ferry::router {
 namespace {
 
 using Json = nlohmann::json;
-
-std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 }  // namespace
 
@@ -111,7 +110,7 @@ http::ClientRequest Driver::ToWorker(const http::Endpoint& ep, const std::string
     r.host = ep.host;
     r.port = ep.port;
     r.target = path;
-    r.body = Dump(body);
+    r.body = DumpJson(body);
     r.timeout = config_.worker_timeout;
     r.headers.push_back({"X-Request-Id", request_id});
     Authorize(&r, config_.router_token);
@@ -141,8 +140,8 @@ void Driver::Fail(const std::shared_ptr<Flow>& f, int status, const std::string&
         // Mid-stream: an error event, then the end.
         f->ex->Write(
             "data: " +
-            Dump({{"error",
-                   {{"message", message}, {"code", status}, {"request_id", f->request_id}}}}) +
+            DumpJson({{"error",
+                       {{"message", message}, {"code", status}, {"request_id", f->request_id}}}}) +
             "\n\ndata: [DONE]\n\n");
         f->ex->End();
         return;

@@ -3,14 +3,13 @@
 #include <fmt/core.h>
 
 #include "core/crypto.h"
+#include "core/json_fields.h"
 
 namespace ferry::router {
 
 namespace {
 
 using Json = nlohmann::json;
-
-std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 }  // namespace
 
@@ -23,9 +22,9 @@ http::Reply ErrorReply(int status, const std::string& message, const std::string
                 {"type", status < 500 ? "invalid_request_error" : "server_error"},
                 {"param", nullptr},
                 {"code", status}};
-    if (request_id.empty()) return {status, "application/json", Dump({{"error", err}}), {}};
+    if (request_id.empty()) return {status, "application/json", DumpJson({{"error", err}}), {}};
     err["request_id"] = request_id;
-    return {status, "application/json", Dump({{"error", err}}), {{"X-Request-Id", request_id}}};
+    return {status, "application/json", DumpJson({{"error", err}}), {{"X-Request-Id", request_id}}};
 }
 
 Json PrefillBody(Json body) {

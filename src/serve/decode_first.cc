@@ -1,5 +1,6 @@
 // Decode-first (Dynamo style): a decode worker sends long prompts to prefill workers, which push
 // the KV back, and dispatches them here; /add_remote_prefill_eps adds prefill workers.
+#include "core/json_fields.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
@@ -83,7 +84,7 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
     r.host = ep.host;
     r.port = ep.port;
     r.target = "/v1/completions";
-    r.body = Dump(body);
+    r.body = DumpJson(body);
     r.timeout = std::chrono::minutes(10);
     r.headers.push_back({"X-Request-Id", id.substr(id.find('-') + 1)});
     router::Authorize(&r, config.router_token);
@@ -135,7 +136,7 @@ void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>&
     for (const router::WorkerState& w : remote_prefill->Workers(router::Role::kPrefill)) {
         all.push_back(fmt::format("{}:{}", w.endpoint.host, w.endpoint.port));
     }
-    ex->Reply({200, "application/json", Dump({{"status", "ok"}, {"remote_prefill", all}}), {}});
+    ex->Reply({200, "application/json", DumpJson({{"status", "ok"}, {"remote_prefill", all}}), {}});
 }
 
 }  // namespace ferry::serve

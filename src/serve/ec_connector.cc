@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/clock.h"
 #include "core/crypto.h"
 #include "core/log.h"
 #include "media/embeddings_file.h"
@@ -25,11 +26,6 @@ namespace {
 
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-uint64_t MicrosSince(Clock::time_point t0) {
-    return uint64_t(
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
-}
 
 bool ValidMmHash(std::string_view h) { return media::IsMmHash(h); }
 

@@ -3,18 +3,11 @@
 // encoder, placed at its placeholder tokens (engine::MmInput). A bad image is a 400 naming its
 // part; memory stays bounded: one image is decoded at a time, and the queue of requests
 // waiting for it is capped (503 beyond).
+#include "core/clock.h"
+#include "core/json_fields.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
-
-namespace {
-
-uint64_t MicrosSince(Clock::time_point t0) {
-    return uint64_t(
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
-}
-
-}  // namespace
 
 Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad) {
     for (model::ImagePart& part : pr->images) {
@@ -127,7 +120,7 @@ void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, 
     req.host = ep.host;
     req.port = ep.port;
     req.target = "/v1/chat/completions";
-    req.body = Dump(body);
+    req.body = DumpJson(body);
     req.timeout = config.encoder_timeout;
     req.headers.push_back({"X-Request-Id", rid.empty() ? RandomId128() : rid});
     router::Authorize(&req, config.router_token);
@@ -205,7 +198,7 @@ void OpenAiServer::Impl::ReplyEncoded(const std::shared_ptr<http::Exchange>& ex,
     if (!params.is_null()) answer["ec_transfer_params"] = std::move(params);
     std::vector<http::Header> headers;
     if (!rid.empty()) headers.push_back({"X-Request-Id", rid});
-    ex->Reply({200, "application/json", Dump(answer), std::move(headers)});
+    ex->Reply({200, "application/json", DumpJson(answer), std::move(headers)});
 }
 
 }  // namespace ferry::serve

@@ -1,5 +1,6 @@
 // A parsed request into the engine, and its answer to the client: streamed (SSE chunks) or
 // whole, completions and chat, with usage, logprobs and kv_transfer_params.
+#include "core/json_fields.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
@@ -70,7 +71,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                     {"top_logprobs", tops},
                     {"text_offset", offsets}};
     };
-    auto sse = [](const Json& j) { return "data: " + Dump(j) + "\n\n"; };
+    auto sse = [](const Json& j) { return "data: " + DumpJson(j) + "\n\n"; };
     auto chunk = [this, id, chunk_object, created_at](Json choice) {
         return Json{{"id", id},
                     {"object", chunk_object},
@@ -171,7 +172,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
             if (o.kv_transfer) {
                 out["kv_transfer_params"] = o.kv_transfer->ToJson();
             }
-            return ex->Reply({200, "application/json", Dump(out), {{"X-Request-Id", base}}});
+            return ex->Reply({200, "application/json", DumpJson(out), {{"X-Request-Id", base}}});
         }
         std::string bytes;
         if (chat && !pending->sent_role) {

@@ -1,6 +1,7 @@
 #include "serve/openai_server.h"
 
 #include "core/host_port.h"
+#include "core/json_fields.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
@@ -22,9 +23,9 @@ http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e,
         std::lock_guard lock(metrics.mu);
         ++metrics.bad_requests;
     }
-    if (request_id.empty()) return {status, "application/json", Dump({{"error", err}}), {}};
+    if (request_id.empty()) return {status, "application/json", DumpJson({{"error", err}}), {}};
     err["request_id"] = request_id;
-    return {status, "application/json", Dump({{"error", err}}), {{"X-Request-Id", request_id}}};
+    return {status, "application/json", DumpJson({{"error", err}}), {{"X-Request-Id", request_id}}};
 }
 
 std::vector<http::Route> OpenAiServer::Impl::Routes() {
@@ -42,7 +43,7 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
                                {"root", model_name}, {"max_model_len", engine->max_model_len()}};
                      ex->Reply({200,
                                 "application/json",
-                                Dump({{"object", "list"}, {"data", Json::array({m})}}),
+                                DumpJson({{"object", "list"}, {"data", Json::array({m})}}),
                                 {}});
                  }});
     r.push_back({"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
@@ -73,10 +74,10 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
                      }
                      ex->Reply({200,
                                 "application/json",
-                                Dump({{"count", tr.tokens.size()},
-                                      {"max_model_len", engine->max_model_len()},
-                                      {"tokens", tr.tokens},
-                                      {"token_strs", strs}}),
+                                DumpJson({{"count", tr.tokens.size()},
+                                          {"max_model_len", engine->max_model_len()},
+                                          {"tokens", tr.tokens},
+                                          {"token_strs", strs}}),
                                 {}});
                  },
                  config.max_body_bytes});
@@ -91,7 +92,7 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
              }
              ex->Reply({200,
                         "application/json",
-                        Dump({{"prompt", tk.Decode(tokens, /*specials=*/true)}}),
+                        DumpJson({{"prompt", tk.Decode(tokens, /*specials=*/true)}}),
                         {}});
          },
          config.max_body_bytes});

@@ -40,10 +40,6 @@ namespace server_parts {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-inline std::string Dump(const Json& j) {
-    return j.dump(-1, ' ', false, Json::error_handler_t::replace);
-}
-
 inline int64_t UnixSeconds() {
     return std::chrono::duration_cast<std::chrono::seconds>(
                std::chrono::system_clock::now().time_since_epoch())

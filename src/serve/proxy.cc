@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "core/json_fields.h"
 #include "core/prometheus.h"
 #include "discovery/worker_directory.h"
 #include "router/driver.h"
@@ -16,8 +17,6 @@ namespace ferry::serve {
 namespace {
 
 using Json = nlohmann::json;
-
-std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 }  // namespace
 
@@ -68,17 +67,18 @@ struct Proxy::Impl {
                  [this, path](std::shared_ptr<http::Exchange> ex) { driver->Handle(ex, path); },
                  cfg.max_body_bytes});
         }
-        r.push_back({"GET", "/health", [this](std::shared_ptr<http::Exchange> ex) {
-                         ex->Reply(
-                             {200,
-                              "application/json",
-                              Dump({{"status", "ok"},
-                                    {"prefill_instances", router->members(router::Role::kPrefill)},
-                                    {"decode_instances", router->members(router::Role::kDecode)},
-                                    {"policy", router->policy_name(router::Role::kPrefill)},
-                                    {"decode_policy", router->policy_name(router::Role::kDecode)}}),
-                              {}});
-                     }});
+        r.push_back(
+            {"GET", "/health", [this](std::shared_ptr<http::Exchange> ex) {
+                 ex->Reply(
+                     {200,
+                      "application/json",
+                      DumpJson({{"status", "ok"},
+                                {"prefill_instances", router->members(router::Role::kPrefill)},
+                                {"decode_instances", router->members(router::Role::kDecode)},
+                                {"policy", router->policy_name(router::Role::kPrefill)},
+                                {"decode_policy", router->policy_name(router::Role::kDecode)}}),
+                      {}});
+             }});
         r.push_back({"GET", "/metrics", [this](std::shared_ptr<http::Exchange> ex) {
                          ex->Reply({200, "text/plain; version=0.0.4", Metrics(), {}});
                      }});
