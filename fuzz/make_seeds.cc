@@ -14,12 +14,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "kv/kv_transfer_params.h"
 #include "kv/peer_messages.h"
+#include "media/embeddings_file.h"
 #include "model/gguf.h"
 #include "transfer/metadata.h"
 #include "transfer/wire.h"
@@ -254,5 +256,20 @@ int main(int argc, char** argv) {
     Put(root + "/image", "grey.jpg", SeedJpeg(8, 8, 1, false));
     std::string cut = SeedJpeg(16, 16, 3, false);
     Put(root + "/image", "truncated.jpg", cut.substr(0, cut.size() * 2 / 3));
+    // embeddings_file: files as the disk connector and the encoder cache's disk tier write them
+    // (shape bytes first: rows, width).
+    const std::string ef = root + "/.seed.safetensors";
+    for (auto [rows, width] : {std::pair<int, int>{3, 4}, {1, 1}, {16, 8}}) {
+        std::vector<float> floats(size_t(rows * width));
+        for (size_t i = 0; i < floats.size(); ++i) floats[i] = 0.25f * float(i) - 1;
+        media::FileMetadata meta = {{"producer", "ferry"}};
+        if (rows == 16) meta = {{"mm_hash", std::string(64, 'a')}, {"encoder", "fingerprint"}};
+        if (!media::WriteEmbeddingsFile(ef, floats, size_t(width), meta).ok()) return 1;
+        std::ifstream in(ef, std::ios::binary);
+        const std::string file((std::istreambuf_iterator<char>(in)), {});
+        Put(root + "/embeddings_file", fmt::format("{}x{}", rows, width),
+            std::string{char(rows), char(width)} + file);
+    }
+    std::filesystem::remove(ef);
     return 0;
 }

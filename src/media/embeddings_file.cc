@@ -137,7 +137,8 @@ Result<Embeddings> ParseEmbeddingsFile(std::string_view data, std::string_view n
     }
     const Json& t = h["ec_cache"];
     const uint64_t bytes = uint64_t(floats) * sizeof(float);
-    if (t.value("dtype", "") != "F32" || !t.contains("data_offsets") ||
+    // Compared as JSON values: a field of another type is a mismatch (value() would throw).
+    if (!t.contains("dtype") || t["dtype"] != Json("F32") || !t.contains("data_offsets") ||
         t["data_offsets"] != Json({0, bytes}) || !t.contains("shape") || !t["shape"].is_array() ||
         t["shape"].size() != 2 || t["shape"] != Json({floats / width, width})) {
         return bad(fmt::format("\"ec_cache\" is not F32 [{}, {}]", floats / width, width));

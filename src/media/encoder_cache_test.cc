@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <thread>
@@ -292,6 +293,37 @@ TEST_F(EncoderCacheDiskTest, ManyThreadsFindAndInsertTogether) {
     EXPECT_LE(s.disk_bytes, s.disk_capacity_bytes);
     EXPECT_GT(s.disk_hits, 0u);
     EXPECT_EQ(s.disk_bad_files + s.disk_write_errors, 0u);
+}
+
+// Found by embeddings_file_fuzzer: a header field of another type (here "dtype" an array) threw
+// out of the parser (nlohmann's value()), which would have ended the worker reading a shared
+// directory's file. Every such file is a DataLoss naming the file.
+TEST(EmbeddingsFile, HeaderFieldsOfAnotherTypeAreRefusedNotThrown) {
+    auto file = [](const std::string& header) {
+        std::string out(8, '\0');
+        const uint64_t n = header.size();
+        std::memcpy(out.data(), &n, 8);
+        return out + header + std::string(48, '\0');
+    };
+    for (
+        const std::string h :
+        {R"({"ec_cache":{"dtype":[3,4],"shape":[3,4],"data_offsets":[0,48]}})",
+         R"({"ec_cache":{"dtype":"F32","shape":"3x4","data_offsets":[0,48]}})",
+         R"({"ec_cache":{"dtype":"F32","shape":[3,4],"data_offsets":{"a":1}}})",
+         R"({"ec_cache":[1,2]})",
+         R"({"__metadata__":{"xxh3":7},"ec_cache":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}})",
+         R"({"__metadata__":[],"ec_cache":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}})",
+         R"([1,2,3])", R"({"ec_cache":)"}) {
+        auto r = ParseEmbeddingsFile(file(h), "f.safetensors", 12, 4);
+        ASSERT_FALSE(r.ok()) << h;
+        EXPECT_EQ(r.status().code(), Code::kDataLoss) << h;
+        EXPECT_NE(r.status().message().find("f.safetensors"), std::string::npos) << h;
+    }
+    // The same file well formed (vLLM's: no metadata) is read.
+    auto ok = ParseEmbeddingsFile(
+        file(R"({"ec_cache":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}})"), "f", 12, 4);
+    ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+    EXPECT_EQ(**ok, std::vector<float>(12, 0.0f));
 }
 
 }  // namespace
