@@ -68,13 +68,19 @@ class EncoderCacheDiskTest : public ::testing::Test {
     }
     void TearDown() override { ASSERT_EQ(std::system(("rm -rf " + root_).c_str()), 0); }
 
+    // The cache on `dir` (the test's directory if empty), with entries of kFloats floats.
+    Result<std::unique_ptr<EncoderCache>> TryOpen(uint64_t memory, uint64_t disk,
+                                                  std::string encoder = "enc-1",
+                                                  std::string dir = "") {
+        return EncoderCache::Open(memory, {.dir = dir.empty() ? dir_ : dir,
+                                           .capacity_bytes = disk,
+                                           .encoder = std::move(encoder),
+                                           .entry_floats = kFloats,
+                                           .width = kWidth});
+    }
     std::unique_ptr<EncoderCache> Open(uint64_t memory, uint64_t disk,
                                        std::string encoder = "enc-1") {
-        auto c = EncoderCache::Open(memory, {.dir = dir_,
-                                             .capacity_bytes = disk,
-                                             .encoder = std::move(encoder),
-                                             .entry_floats = kFloats,
-                                             .width = kWidth});
+        auto c = TryOpen(memory, disk, std::move(encoder));
         EXPECT_TRUE(c.ok()) << c.status().ToString();
         return c.ok() ? std::move(c).value() : nullptr;
     }
@@ -144,11 +150,7 @@ TEST_F(EncoderCacheDiskTest, TheFilesOutliveTheProcessForTheSameEncoderOnly) {
         EXPECT_EQ(c->Find(Hash('a'))->at(0), 1);
         EXPECT_EQ(Files().size(), 2u);
         // One worker a directory: a second cache on it is refused, naming it.
-        auto second = EncoderCache::Open(kEntry, {.dir = dir_,
-                                                  .capacity_bytes = kEntry,
-                                                  .encoder = "enc-1",
-                                                  .entry_floats = kFloats,
-                                                  .width = kWidth});
+        auto second = TryOpen(kEntry, kEntry);
         ASSERT_FALSE(second.ok());
         EXPECT_NE(second.status().message().find(dir_), std::string::npos);
         EXPECT_NE(second.status().message().find("another process"), std::string::npos);
@@ -241,28 +243,16 @@ TEST_F(EncoderCacheDiskTest, AFileThatFailsACheckIsAMissAndGoes) {
 
 TEST_F(EncoderCacheDiskTest, BadDirectoriesAreRefusedByName) {
     std::ofstream(root_ + "/file") << "x";
-    auto not_dir = EncoderCache::Open(kEntry, {.dir = root_ + "/file",
-                                               .capacity_bytes = kEntry,
-                                               .encoder = "e",
-                                               .entry_floats = kFloats,
-                                               .width = kWidth});
+    auto not_dir = TryOpen(kEntry, kEntry, "e", root_ + "/file");
     ASSERT_FALSE(not_dir.ok());
     EXPECT_NE(not_dir.status().message().find(root_ + "/file"), std::string::npos);
-    auto no_parent = EncoderCache::Open(kEntry, {.dir = root_ + "/no/such",
-                                                 .capacity_bytes = kEntry,
-                                                 .encoder = "e",
-                                                 .entry_floats = kFloats,
-                                                 .width = kWidth});
+    auto no_parent = TryOpen(kEntry, kEntry, "e", root_ + "/no/such");
     ASSERT_FALSE(no_parent.ok());
     EXPECT_NE(no_parent.status().message().find("mkdir"), std::string::npos);
     // Others may write there: what it reads back could be planted.
     ASSERT_EQ(mkdir((root_ + "/open").c_str(), 0777), 0);
     ASSERT_EQ(chmod((root_ + "/open").c_str(), 0777), 0);
-    auto open_dir = EncoderCache::Open(kEntry, {.dir = root_ + "/open",
-                                                .capacity_bytes = kEntry,
-                                                .encoder = "e",
-                                                .entry_floats = kFloats,
-                                                .width = kWidth});
+    auto open_dir = TryOpen(kEntry, kEntry, "e", root_ + "/open");
     ASSERT_FALSE(open_dir.ok());
     EXPECT_NE(open_dir.status().message().find("other users may write"), std::string::npos);
 }
