@@ -18,9 +18,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Files are a few MiB at most; anything much larger is not one of ours.
-constexpr uint64_t kMaxFileBytes = 1ull << 32;
-
 }  // namespace
 
 bool IsMmHash(std::string_view s) {
@@ -33,8 +30,8 @@ bool IsMmHash(std::string_view s) {
 
 uint64_t EmbeddingsChecksum(const void* p, size_t n) { return XXH3_64bits(p, n); }
 
-Status WriteEmbeddingsFile(const std::string& path, const std::vector<float>& floats, size_t width,
-                           const FileMetadata& metadata, mode_t mode) {
+Result<uint64_t> WriteEmbeddingsFile(const std::string& path, const std::vector<float>& floats,
+                                     size_t width, const FileMetadata& metadata, mode_t mode) {
     if (width == 0 || floats.empty() || floats.size() % width != 0) {
         return InvalidArgumentError(fmt::format("embeddings file {}: {} floats are not rows of {}",
                                                 path, floats.size(), width));
@@ -82,7 +79,7 @@ Status WriteEmbeddingsFile(const std::string& path, const std::vector<float>& fl
         unlink(tmp.c_str());
         return InternalError(fmt::format("rename to {}: {}", path, std::strerror(err)));
     }
-    return Status::Ok();
+    return uint64_t(out.size());
 }
 
 Result<Embeddings> ReadEmbeddingsFile(const std::string& path, size_t floats, size_t width,
@@ -99,9 +96,13 @@ Result<Embeddings> ReadEmbeddingsFile(const std::string& path, size_t floats, si
         close(fd);
         return UnavailableError(fmt::format("stat {}: {}", path, std::strerror(err)));
     }
-    if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) >= kMaxFileBytes) {
+    const uint64_t most = 8 + kMaxEmbeddingsHeaderBytes + uint64_t(floats) * sizeof(float);
+    if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) > most) {
         close(fd);
-        return DataLossError(fmt::format("{}: not a regular file of at most 4 GiB", path));
+        return DataLossError(
+            fmt::format("{}: not a regular file of at most {} bytes (a header "
+                        "and {} floats)",
+                        path, most, floats));
     }
     data.resize(size_t(st.st_size));
     size_t done = 0;

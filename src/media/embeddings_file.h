@@ -28,14 +28,20 @@ uint64_t EmbeddingsChecksum(const void* p, size_t n);
 
 using FileMetadata = std::map<std::string, std::string>;
 
+// The largest header a reader takes (ferry writes a few hundred bytes).
+constexpr uint64_t kMaxEmbeddingsHeaderBytes = 1 << 20;
+
 // Writes `floats` (a multiple of `width`) with `metadata` (plus "xxh3") to `path`, created with
-// `mode`. InternalError naming the file and the call that failed.
-Status WriteEmbeddingsFile(const std::string& path, const std::vector<float>& floats, size_t width,
-                           const FileMetadata& metadata, mode_t mode = 0644);
+// `mode`: the file's size. InternalError naming the file and the call that failed.
+Result<uint64_t> WriteEmbeddingsFile(const std::string& path, const std::vector<float>& floats,
+                                     size_t width, const FileMetadata& metadata,
+                                     mode_t mode = 0644);
 
 // Reads `path`, which must hold exactly `floats` floats as [floats / width, width]. NotFound when
 // it does not exist, Unavailable when it cannot be opened or read, DataLoss naming what is wrong
-// (its header, its shape, its size, its checksum when it carries one). `metadata`, when given,
+// (its header, its shape, its size, its checksum when it carries one). A file larger than such
+// a tensor with a header of kMaxEmbeddingsHeaderBytes is refused before it is read (memory
+// stays bounded whatever a shared directory holds). `metadata`, when given,
 // receives the file's string metadata.
 Result<Embeddings> ReadEmbeddingsFile(const std::string& path, size_t floats, size_t width,
                                       FileMetadata* metadata = nullptr);

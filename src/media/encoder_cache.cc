@@ -80,7 +80,6 @@ Result<std::unique_ptr<EncoderCache>> EncoderCache::Open(uint64_t capacity_bytes
     closedir(d);
     std::sort(found.begin(), found.end());
     c->disk_ = std::move(disk);
-    c->stats_.disk_capacity_bytes = c->disk_.capacity_bytes;
     for (auto& [mtime, hash, bytes] : found) {  // newest ends at the front
         c->disk_lru_.push_front(hash);
         c->files_.emplace(hash, File{bytes, c->disk_lru_.begin()});
@@ -224,11 +223,11 @@ void EncoderCache::Spill(Spills spill) {
         uint64_t bytes = 0;
         const std::string path = PathOf(hash);
         if (write) {
-            st = WriteEmbeddingsFile(
+            Result<uint64_t> written = WriteEmbeddingsFile(
                 path, *value, disk_.width,
                 {{"producer", "ferry"}, {"mm_hash", hash}, {"encoder", disk_.encoder}}, 0600);
-            struct stat fs {};
-            if (st.ok() && stat(path.c_str(), &fs) == 0) bytes = uint64_t(fs.st_size);
+            st = written.status();
+            if (written.ok()) bytes = *written;
         }
         std::lock_guard lock(mu_);
         if (write && !st.ok()) {
@@ -262,6 +261,7 @@ EncoderCacheStats EncoderCache::Stats() const {
     s.entries = map_.size();
     s.capacity_bytes = capacity_;
     s.disk_entries = files_.size();
+    s.disk_capacity_bytes = disk_.capacity_bytes;
     return s;
 }
 

@@ -1,6 +1,7 @@
 #include "media/encoder_cache.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -314,6 +315,31 @@ TEST(EmbeddingsFile, HeaderFieldsOfAnotherTypeAreRefusedNotThrown) {
         file(R"({"ec_cache":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}})"), "f", 12, 4);
     ASSERT_TRUE(ok.ok()) << ok.status().ToString();
     EXPECT_EQ(**ok, std::vector<float>(12, 0.0f));
+}
+
+// A file far larger than the tensor it should hold (a shared directory holds what other hosts
+// put there) is refused from its size, before any of it is read into memory.
+TEST(EmbeddingsFile, AFileLargerThanItsTensorIsRefusedBeforeItIsRead) {
+    char tmpl[] = "/tmp/ferry-ef-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    const std::string path = std::string(tmpl) + "/huge.safetensors";
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, off_t(3) << 30), 0);  // 3 GiB, sparse
+    close(fd);
+    auto r = ReadEmbeddingsFile(path, 12, 4);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), Code::kDataLoss);
+    EXPECT_NE(r.status().message().find("at most"), std::string::npos) << r.status().message();
+    // One written by the writer is within the bound, and its size is what the writer said.
+    const std::string ok_path = std::string(tmpl) + "/ok.safetensors";
+    auto written = WriteEmbeddingsFile(ok_path, std::vector<float>(12, 1.5f), 4, {});
+    ASSERT_TRUE(written.ok()) << written.status().ToString();
+    struct stat st {};
+    ASSERT_EQ(stat(ok_path.c_str(), &st), 0);
+    EXPECT_EQ(*written, uint64_t(st.st_size));
+    EXPECT_TRUE(ReadEmbeddingsFile(ok_path, 12, 4).ok());
+    ASSERT_EQ(std::system(("rm -rf " + std::string(tmpl)).c_str()), 0);
 }
 
 }  // namespace

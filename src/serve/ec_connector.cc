@@ -27,8 +27,6 @@ namespace {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-bool ValidMmHash(std::string_view h) { return media::IsMmHash(h); }
-
 // A consumer's Load in its connector's stats (the caller holds their lock).
 void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const Status& st) {
     s->load_micros += MicrosSince(t0);
@@ -41,8 +39,6 @@ void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const S
         ++s->load_failures;
     }
 }
-
-uint64_t Checksum(const void* p, size_t n) { return media::EmbeddingsChecksum(p, n); }
 
 // The notification a consumer sends after pulling (it ends the slot's lease).
 constexpr std::string_view kReleasePrefix = "ferry-ec-release:";
@@ -95,7 +91,7 @@ class TransferEcConnector final : public EcConnector {
 
     Status Save(const std::string& mm_hash, const std::vector<float>& floats) override {
         if (!cfg_.producer) return FailedPreconditionError("ec: this worker is no producer");
-        if (!ValidMmHash(mm_hash) || floats.size() != cfg_.entry_floats) {
+        if (!media::IsMmHash(mm_hash) || floats.size() != cfg_.entry_floats) {
             return InvalidArgumentError("ec: an entry of the wrong shape");
         }
         std::lock_guard lock(mu_);
@@ -137,7 +133,7 @@ class TransferEcConnector final : public EcConnector {
         std::memcpy(h.magic, kMagic, sizeof(kMagic));
         std::memcpy(h.mm_hash, mm_hash.data(), 64);
         h.floats = floats.size();
-        h.checksum = Checksum(floats.data(), floats.size() * sizeof(float));
+        h.checksum = media::EmbeddingsChecksum(floats.data(), floats.size() * sizeof(float));
         h.generation = ++generation_;
         std::memcpy(base + sizeof(SlotHeader), floats.data(), floats.size() * sizeof(float));
         std::memcpy(base, &h, sizeof(h));
@@ -168,7 +164,7 @@ class TransferEcConnector final : public EcConnector {
     }
 
     void Release(const std::string& mm_hash, const EcSource* source) override {
-        if (!source || !ValidMmHash(mm_hash)) return;
+        if (!source || !media::IsMmHash(mm_hash)) return;
         Result<std::string> peer = PeerFor(*source);
         if (!peer.ok()) return;  // gone: its lease lapses
         if (cfg_.agent->Notify(*peer, std::string(kReleasePrefix) + mm_hash).ok()) {
@@ -281,7 +277,7 @@ class TransferEcConnector final : public EcConnector {
         std::memcpy(e->data(), base + sizeof(SlotHeader), floats * sizeof(float));
         if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 ||
             std::string_view(h.mm_hash, 64) != mm_hash || h.floats != floats ||
-            h.checksum != Checksum(e->data(), floats * sizeof(float))) {
+            h.checksum != media::EmbeddingsChecksum(e->data(), floats * sizeof(float))) {
             // The slot was reused while it was read (its lease had ended): not this image's.
             return NotFoundError(fmt::format(
                 "ec: the slot {} sent for image {} did not hold it whole", peer, mm_hash));
@@ -349,7 +345,7 @@ class DiskEcConnector final : public EcConnector {
     explicit DiskEcConnector(EcConnectorConfig c) : EcConnector("disk"), cfg_(std::move(c)) {}
 
     Status Save(const std::string& mm_hash, const std::vector<float>& floats) override {
-        if (!ValidMmHash(mm_hash) || floats.empty() || floats.size() % Width() != 0) {
+        if (!media::IsMmHash(mm_hash) || floats.empty() || floats.size() % Width() != 0) {
             return InvalidArgumentError("ec: an entry of the wrong shape");
         }
         const std::string dir = cfg_.dir + "/" + mm_hash;
@@ -363,8 +359,9 @@ class DiskEcConnector final : public EcConnector {
         if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
             return InternalError(fmt::format("ec: mkdir {}: {}", dir, std::strerror(errno)));
         }
-        Status written = media::WriteEmbeddingsFile(path, floats, Width(), {{"producer", "ferry"}});
-        if (!written.ok()) return InternalError("ec: " + written.message());
+        Result<uint64_t> written =
+            media::WriteEmbeddingsFile(path, floats, Width(), {{"producer", "ferry"}});
+        if (!written.ok()) return InternalError("ec: " + written.status().message());
         std::lock_guard lock(mu_);
         ++stats_.saved;
         return Status::Ok();
@@ -391,7 +388,7 @@ class DiskEcConnector final : public EcConnector {
     size_t Width() const { return cfg_.width ? cfg_.width : 1; }
 
     Result<media::Embeddings> Read(const std::string& mm_hash, size_t floats) {
-        if (!ValidMmHash(mm_hash)) return InvalidArgumentError("ec: not an mm_hash");
+        if (!media::IsMmHash(mm_hash)) return InvalidArgumentError("ec: not an mm_hash");
         const std::string path = cfg_.dir + "/" + mm_hash + "/encoder_cache.safetensors";
         Result<media::Embeddings> r = media::ReadEmbeddingsFile(path, floats, Width());
         if (!r.ok()) {
