@@ -87,7 +87,9 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     er.prompt = pr.prompt;
     er.sampling = pr.sampling;
     er.kv_transfer = pr.kv_transfer;
-    er.mm = std::move(pr.mm);  // before `pr` is copied into the callback
+    // A copy (each embedding is shared, not copied): `pr` must stay whole for the retry under
+    // another id below (moving its images out here once made that retry run without them).
+    er.mm = pr.mm;
     er.no_cache = pr.no_cache;
     // A request whose KV comes from elsewhere can fail before its first token for reasons
     // with their own status (a refused claim 409, an unreachable peer 503): its stream starts
@@ -96,7 +98,8 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     const bool late_head = stream && pr.kv_transfer != nullptr;
     // Runs on the engine's step thread: formats and hands bytes to the connection, never waits.
     er.on_output = [this, weak, pending, submitted, last, first, stream, chat, id, base, object,
-                    created_at, chunk_object, pr, usage_json, logprobs_json, sse, chunk,
+                    created_at, chunk_object, want_logprobs = pr.want_logprobs,
+                    include_usage = pr.include_usage, usage_json, logprobs_json, sse, chunk,
                     retry](const engine::RequestOutput& o) {
         Clock::time_point now = Clock::now();
         {
@@ -162,7 +165,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
             } else {
                 choice["text"] = all.text;
             }
-            choice["logprobs"] = pr.want_logprobs ? logprobs_json(all, &offset) : Json();
+            choice["logprobs"] = want_logprobs ? logprobs_json(all, &offset) : Json();
             Json out = {{"id", id},
                         {"object", object},
                         {"created", created_at},
@@ -197,10 +200,10 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         } else {
             c["text"] = o.text;
         }
-        c["logprobs"] = pr.want_logprobs ? logprobs_json(o, &pending->text_offset) : Json();
+        c["logprobs"] = want_logprobs ? logprobs_json(o, &pending->text_offset) : Json();
         c["finish_reason"] = final ? Json(engine::FinishReasonName(o.finish)) : Json();
         bytes += sse(chunk(c));
-        if (final && pr.include_usage) {
+        if (final && include_usage) {
             bytes += sse({{"id", id},
                           {"object", chunk_object},
                           {"created", created_at},

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "disagg/pd_harness.h"
+#include "disagg/epd_harness.h"
 #include "ferry/discovery.h"
 #include "http/http.h"
 #include "testing/images.h"
@@ -24,68 +24,10 @@
 namespace ferry {
 namespace {
 
-using namespace pd_test;  // NOLINT: the harness is this test's own vocabulary
+using namespace pd_test;   // NOLINT: the harness is this test's own vocabulary
+using namespace epd_test;  // NOLINT
 using Json = nlohmann::json;
 using testing::ServerProcess;
-
-std::string Addr(const ServerProcess& p) { return fmt::format("127.0.0.1:{}", p.port()); }
-
-class EpdProcess : public PdProcess {
-  protected:
-    static void SetUpTestSuite() {
-        PdProcess::SetUpTestSuite();
-        mmproj_ = new std::string(testing::WriteTinyMmproj("epd-process", 37));
-    }
-    static void TearDownTestSuite() {
-        std::remove(mmproj_->c_str());
-        delete mmproj_;
-        mmproj_ = nullptr;
-        PdProcess::TearDownTestSuite();
-    }
-    static std::vector<std::string> Args(const std::string& role, const std::string& backend,
-                                         std::vector<std::string> extra = {}) {
-        std::vector<std::string> a = WorkerArgs(role == "encode" ? "colocated" : role, backend, 1);
-        if (role == "encode") {
-            auto it = std::find(a.begin(), a.end(), "--role");
-            it[1] = "encode";
-            if (!backend.empty()) a.insert(a.end(), {"--kv-backend", backend});
-            // The language model does not run there: a small cache.
-            auto nb = std::find(a.begin(), a.end(), "--num-kv-blocks");
-            nb[1] = "300";
-        }
-        a.insert(a.end(), {"--mmproj", *mmproj_});
-        a.insert(a.end(), extra.begin(), extra.end());
-        return a;
-    }
-    // 1 to 4 images a request from a pool of 7 (repeated across requests), text around them.
-    static std::vector<Json> Bodies(int n, uint32_t seed) {
-        std::vector<std::string> pool;
-        for (int i = 0; i < 7; ++i) {
-            pool.push_back(testing::RandomPngUrl(16 + 7 * i, 40 - 3 * i, seed + i));
-        }
-        std::vector<Json> out;
-        for (int k = 0; k < n; ++k) {
-            Json content = Json::array();
-            const int images = 1 + k % 4;
-            for (int j = 0; j < images; ++j) {
-                content.push_back({{"type", "text"},
-                                   {"text", std::string(2 + (k * 5 + j * 11) % 30, 'a' + k % 26)}});
-                content.push_back(
-                    {{"type", "image_url"}, {"image_url", {{"url", pool[(k * 3 + j) % 7]}}}});
-            }
-            content.push_back({{"type", "text"}, {"text", fmt::format("prompt {}?", k)}});
-            out.push_back({{"messages", {{{"role", "user"}, {"content", content}}}},
-                           {"max_tokens", 5},
-                           {"temperature", 0},
-                           {"ignore_eos", true},
-                           {"logprobs", true},
-                           {"return_tokens_as_token_ids", true},
-                           {"stream", k % 3 == 1}});
-        }
-        return out;
-    }
-    inline static std::string* mmproj_ = nullptr;
-};
 
 struct EpdCase {
     std::string name;

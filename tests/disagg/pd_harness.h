@@ -120,8 +120,10 @@ inline http::ClientRequest Post(int port, const Json& body,
 }
 
 // Sends every body at once (at most `parallel` in flight) and collects the answers; a body with
-// "messages" goes to /v1/chat/completions.
-inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int parallel = 16) {
+// "messages" goes to /v1/chat/completions. `ids`, if given, are the bodies' X-Request-Id headers
+// ("": none).
+inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, int parallel = 16,
+                                   const std::vector<std::string>& ids = {}) {
     auto client = http::Client::Create(2);
     std::vector<Answer> out(bodies.size());
     std::mutex mu;
@@ -152,7 +154,9 @@ inline std::vector<Answer> SendAll(int port, const std::vector<Json>& bodies, in
             };
             const char* path =
                 bodies[i].contains("messages") ? "/v1/chat/completions" : "/v1/completions";
-            client->Call(Post(port, bodies[i], path), std::move(cb));
+            http::ClientRequest r = Post(port, bodies[i], path);
+            if (i < ids.size() && !ids[i].empty()) r.headers.push_back({"X-Request-Id", ids[i]});
+            client->Call(std::move(r), std::move(cb));
         }
     };
     std::unique_lock lock(mu);
