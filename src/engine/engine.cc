@@ -268,6 +268,11 @@ Status Engine::Submit(Request request) {
     return Status::Ok();
 }
 
+bool Engine::IdInUse(const std::string& id) const {
+    std::lock_guard lock(mu_);
+    return live_ids_.count(id) > 0;
+}
+
 void Engine::Abort(const std::string& id, Status reason) {
     {
         std::lock_guard lock(mu_);

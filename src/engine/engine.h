@@ -143,6 +143,9 @@ class Engine {
     // sampling parameters, or a prompt plus max_tokens that exceeds max_model_len or the whole
     // cache; AlreadyExists for an id in use. Never blocks on the step loop.
     Status Submit(Request request);
+    // Whether a request of this id is live (queued, running, or holding its blocks for a remote
+    // reader): Submit would refuse the id now.
+    bool IdInUse(const std::string& id) const;
     // Ends a request (client gone): its blocks are freed at the next step (a request loading
     // remote KV: once the connector says nothing writes them any more) and its callback gets
     // kAbort (kError with `reason` when one is given: the request cannot go on, e.g. its remote

@@ -37,6 +37,7 @@ void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const S
         ++s->load_misses;
     } else {
         ++s->load_failures;
+        if (st.code() == Code::kFailedPrecondition) ++s->load_foreign;
     }
 }
 
@@ -45,15 +46,15 @@ constexpr std::string_view kReleasePrefix = "ferry-ec-release:";
 
 // A slot: this header, then the payload (entry_floats floats).
 struct SlotHeader {
-    char magic[8];        // "FERRYEC1"
+    char magic[8];        // "FERRYEC2" (1: without the encoder fingerprint)
     char mm_hash[64];     // hex
     uint64_t floats;      // payload length in floats
     uint64_t checksum;    // XXH3-64 of the payload
     uint64_t generation;  // bumped on each write (diagnostics)
-    char pad[32];
+    char encoder[32];     // the producer's vision encoder fingerprint (hex, zero-padded)
 };
 static_assert(sizeof(SlotHeader) == 128);
-constexpr char kMagic[8] = {'F', 'E', 'R', 'R', 'Y', 'E', 'C', '1'};
+constexpr char kMagic[8] = {'F', 'E', 'R', 'R', 'Y', 'E', 'C', '2'};
 
 // --- transfer -----------------------------------------------------------------------------
 
@@ -135,6 +136,8 @@ class TransferEcConnector final : public EcConnector {
         h.floats = floats.size();
         h.checksum = media::EmbeddingsChecksum(floats.data(), floats.size() * sizeof(float));
         h.generation = ++generation_;
+        std::memcpy(h.encoder, cfg_.encoder.data(),
+                    std::min(cfg_.encoder.size(), sizeof(h.encoder)));
         std::memcpy(base + sizeof(SlotHeader), floats.data(), floats.size() * sizeof(float));
         std::memcpy(base, &h, sizeof(h));
         Status st =
@@ -183,7 +186,8 @@ class TransferEcConnector final : public EcConnector {
         const size_t colon = a.rfind(':');
         return Json{{"engine_id", cfg_.agent->name()},
                     {"host", a.substr(0, colon)},
-                    {"port", std::stoi(a.substr(colon + 1))}};
+                    {"port", std::stoi(a.substr(colon + 1))},
+                    {"encoder", cfg_.encoder}};
     }
 
     EcConnectorStats Stats() const override {
@@ -247,6 +251,11 @@ class TransferEcConnector final : public EcConnector {
         if (floats != cfg_.entry_floats) {
             return InvalidArgumentError("ec: an entry of the wrong shape");
         }
+        if (!source->encoder.empty() && source->encoder != cfg_.encoder) {
+            // Said before anything moves: the lease ends now, nothing is pulled.
+            Release(mm_hash, source);
+            return ForeignEncoder(mm_hash, source->engine_id, source->encoder);
+        }
         FERRY_ASSIGN_OR_RETURN(std::string peer, PeerFor(*source));
         // One pull at a time into one scratch slot (the media thread is the only caller).
         std::lock_guard pull_lock(pull_mu_);
@@ -284,7 +293,18 @@ class TransferEcConnector final : public EcConnector {
         }
         // The lease can end now; nobody waits for this.
         (void)cfg_.agent->Notify(peer, std::string(kReleasePrefix) + mm_hash);
+        const std::string_view theirs(h.encoder, strnlen(h.encoder, sizeof(h.encoder)));
+        if (theirs != cfg_.encoder) return ForeignEncoder(mm_hash, peer, theirs);
         return media::Embeddings(std::move(e));
+    }
+
+    Status ForeignEncoder(const std::string& mm_hash, std::string_view peer,
+                          std::string_view theirs) const {
+        return FailedPreconditionError(fmt::format(
+            "ec: the embeddings of image {} at encode worker '{}' were computed by vision "
+            "encoder {}; this worker's is {} (their --mmproj differs): not used",
+            mm_hash, peer, theirs.empty() ? std::string_view("(none named)") : theirs,
+            cfg_.encoder));
     }
 
     // Producer: ends leases that consumers released or that ran out.
@@ -359,8 +379,9 @@ class DiskEcConnector final : public EcConnector {
         if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
             return InternalError(fmt::format("ec: mkdir {}: {}", dir, std::strerror(errno)));
         }
-        Result<uint64_t> written =
-            media::WriteEmbeddingsFile(path, floats, Width(), {{"producer", "ferry"}});
+        Result<uint64_t> written = media::WriteEmbeddingsFile(
+            path, floats, Width(),
+            {{"producer", "ferry"}, {"mm_hash", mm_hash}, {"encoder", cfg_.encoder}});
         if (!written.ok()) return InternalError("ec: " + written.status().message());
         std::lock_guard lock(mu_);
         ++stats_.saved;
@@ -390,12 +411,21 @@ class DiskEcConnector final : public EcConnector {
     Result<media::Embeddings> Read(const std::string& mm_hash, size_t floats) {
         if (!media::IsMmHash(mm_hash)) return InvalidArgumentError("ec: not an mm_hash");
         const std::string path = cfg_.dir + "/" + mm_hash + "/encoder_cache.safetensors";
-        Result<media::Embeddings> r = media::ReadEmbeddingsFile(path, floats, Width());
+        media::FileMetadata meta;
+        Result<media::Embeddings> r = media::ReadEmbeddingsFile(path, floats, Width(), &meta);
         if (!r.ok()) {
             if (r.status().code() == Code::kNotFound) {
                 return NotFoundError("ec: no file for image " + mm_hash);
             }
             return r.status().WithContext("ec");
+        }
+        // Kept for whoever wrote it (another deployment may share the directory); not used here.
+        if (meta["encoder"] != cfg_.encoder) {
+            return FailedPreconditionError(fmt::format(
+                "ec: {} was written by vision encoder {}; this worker's is {} (their --mmproj "
+                "differs): not used",
+                path, meta["encoder"].empty() ? "(none named)" : meta["encoder"].substr(0, 64),
+                cfg_.encoder));
         }
         return r;
     }
@@ -437,6 +467,11 @@ Result<EcSource> ParseEcTransferParams(const Json& p) {
                 return InvalidArgumentError("ec_transfer_params.port: 1..65535");
             }
             s.port = v.get<int>();
+        } else if (k == "encoder") {
+            if (!v.is_string() || v.get<std::string>().size() > 128) {
+                return InvalidArgumentError("ec_transfer_params.encoder: at most 128 characters");
+            }
+            s.encoder = v.get<std::string>();
         } else {
             return InvalidArgumentError(
                 fmt::format("ec_transfer_params: unknown field '{}'", k.substr(0, 64)));

@@ -44,6 +44,9 @@ struct EcSource {
     std::string engine_id;
     std::string host;
     int port = 0;
+    // The producer's vision encoder (model::VisionEncoder::fingerprint); optional, "" when not
+    // given. A consumer with another encoder does not pull (the slot's own copy is checked too).
+    std::string encoder;
 };
 Result<EcSource> ParseEcTransferParams(const nlohmann::json& params);
 
@@ -56,6 +59,11 @@ struct EcConnectorConfig {
     uint64_t buffer_bytes = 256ull << 20;
     size_t entry_floats = 0;
     size_t width = 0;  // the model's: an entry is entry_floats / width rows
+    // This worker's vision encoder (model::VisionEncoder::fingerprint): written with every entry
+    // a producer publishes (the slot's header, the file's metadata), and what a consumer
+    // requires of every entry it loads: embeddings of another encoder are refused
+    // (FailedPrecondition naming both), never used or cached.
+    std::string encoder = {};
     std::chrono::milliseconds lease{30000};
     std::chrono::milliseconds pull_timeout{5000};
     // transfer, consumer: the only producer agents (HOST:PORT) it dials; empty: with a store,
@@ -74,6 +82,7 @@ struct EcConnectorStats {
     uint64_t loads = 0;              // consumer: entries found and taken
     uint64_t load_misses = 0;        // consumer: not there (or not for this key and shape)
     uint64_t load_failures = 0;      // consumer: the producer unreachable, a bad file, a timeout
+    uint64_t load_foreign = 0;       // consumer: of those, another vision encoder's embeddings
     uint64_t load_bytes = 0;         // consumer
     uint64_t load_micros = 0;        // consumer: time in Load
     uint64_t released_unpulled = 0;  // consumer: leases ended without a pull (cached here)
@@ -93,7 +102,8 @@ class EcConnector {
     virtual Status Save(const std::string& mm_hash, const std::vector<float>& floats) = 0;
     // Consumer: the embeddings of mm_hash (`floats` of them), from `source` (transfer: required;
     // disk: ignored). NotFound on a miss; Unavailable, DeadlineExceeded or DataLoss for a
-    // producer that cannot be reached or sent something wrong.
+    // producer that cannot be reached or sent something wrong; FailedPrecondition for
+    // embeddings another vision encoder computed (or a file that does not say which).
     virtual Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
                                            const EcSource* source) = 0;
     // Consumer: the image was found in this worker's own encoder cache, so `source`'s entry is

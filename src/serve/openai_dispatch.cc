@@ -13,7 +13,15 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     // router's id, which it sends to each worker, else 128 random bits (nothing about other
     // requests can be derived from it).
     if (base.empty()) base = RequestIdOf(ex->request());
-    const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", base);
+    const char* prefix = chat ? "chatcmpl" : "cmpl";
+    if (engine->IdInUse(fmt::format("{}-{}", prefix, base))) {
+        // The id is in use here (another request sent with the same X-Request-Id, a router's
+        // retry, a hold not yet released): this request goes by the same id with a random tail,
+        // so the logs still join and the two never meet. Chosen before the stream's head, which
+        // names it; Submit's AlreadyExists below covers a race with another request.
+        base += "-" + RandomId128().substr(0, 8);
+    }
+    const std::string id = fmt::format("{}-{}", prefix, base);
     const Clock::time_point submitted = Clock::now();
     auto last = std::make_shared<Clock::time_point>(submitted);
     auto first = std::make_shared<bool>(true);

@@ -141,6 +141,9 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         counter("ferry_ec_load_failures_total",
                 "Loads that failed (encode worker unreachable, a bad entry, a timeout).",
                 double(s.load_failures));
+        counter("ferry_ec_load_foreign_total",
+                "Loads refused: another vision encoder computed the embeddings (also failures).",
+                double(s.load_foreign));
         counter("ferry_ec_load_bytes_total", "Bytes of embeddings loaded.", double(s.load_bytes));
         counter("ferry_ec_released_unpulled_total",
                 "Encode workers' leases ended without a pull: the image was cached here.",

@@ -70,6 +70,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         c.ec.agent = w->agent_;
         c.ec.entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim);
         c.ec.width = size_t(vc.out_dim);
+        c.ec.encoder = c.server.vision->fingerprint();
         c.ec.by_store = !c.agent.store.empty();
         c.ec.authenticated = !c.agent.secret.empty();
         c.ec.allowed_agents = c.connector.allowed_agents;
@@ -86,7 +87,12 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     } else {
         const bool by_store = !c.agent.store.empty();
         const bool authenticated = !c.agent.secret.empty();
-        c.connector.model_fingerprint = c.model->fingerprint();
+        // The model's identity at the KV handshake: its weights, and for a worker that takes
+        // images its vision encoder's too (KV computed from one projector's embeddings means
+        // nothing to a worker with another).
+        c.connector.model_fingerprint =
+            c.server.vision ? c.model->fingerprint() + "+mmproj:" + c.server.vision->fingerprint()
+                            : c.model->fingerprint();
         c.connector.model_kv_heads = c.model->config().num_kv_heads;
         c.connector.model_tp = c.model->tp();
         c.connector.authenticated = authenticated;

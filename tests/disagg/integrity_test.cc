@@ -143,5 +143,76 @@ TEST_F(Integrity, AnIdWhoseHoldWaitsIsNotTakenOver) {
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
 }
 
+// The encoder's identity travels with its embeddings: an encode worker started with another
+// projector than its consumers (transfer and disk connectors) gets its embeddings refused by
+// name; the consumers encode themselves (the colocated answers), keep nothing foreign (a later
+// request is still right), or answer 503 under --ec-load-failure fail. A prefill and a decode
+// worker with different projectors do not exchange KV.
+TEST_F(Integrity, AForeignEncodersEmbeddingsAreRefusedByName) {
+    const std::string other = testing::WriteTinyMmproj("integrity-other", 38);
+    auto with_other = [&](std::vector<std::string> a) {
+        *(std::find(a.begin(), a.end(), "--mmproj") + 1) = other;
+        return a;
+    };
+    const std::string dir = (std::filesystem::temp_directory_path() /
+                             fmt::format("ferry-integrity-foreign-{}", getpid()))
+                                .string();
+    std::filesystem::create_directories(dir);
+    testing::SecretFile secret("integrity-foreign");
+    const std::vector<std::string> transfer = {"--ec-connector", "transfer", "--secret-file",
+                                               secret.path()};
+    const std::vector<std::string> disk = {"--ec-connector", "disk", "--ec-dir", dir};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode_t = StartOrDie(with_other(Args("encode", "tcp", transfer)));
+    auto encode_d = StartOrDie(with_other(Args("encode", "", disk)));
+    auto consumer_t = StartOrDie(Args("colocated", "", transfer));
+    auto consumer_d = StartOrDie(Args("colocated", "", disk));
+    std::vector<std::string> strict_args = transfer;
+    strict_args.insert(strict_args.end(), {"--ec-load-failure", "fail"});
+    auto strict = StartOrDie(Args("colocated", "", strict_args));
+    ASSERT_TRUE(colocated && encode_t && encode_d && consumer_t && consumer_d && strict);
+    auto px_t = StartOrDie({"proxy", "--encode", Addr(*encode_t), "--decode", Addr(*consumer_t),
+                            "--port", "0", "--no-store", "--secret-file", secret.path()});
+    auto px_d = StartOrDie({"proxy", "--encode", Addr(*encode_d), "--decode", Addr(*consumer_d),
+                            "--port", "0", "--no-store"});
+    auto px_strict = StartOrDie({"proxy", "--encode", Addr(*encode_t), "--decode", Addr(*strict),
+                                 "--port", "0", "--no-store", "--secret-file", secret.path()});
+    ASSERT_TRUE(px_t && px_d && px_strict);
+    std::vector<Json> bodies = Bodies(4, 7100);
+    const std::vector<Answer> want = SendAll(colocated->port(), bodies, 4);
+    for (auto [px, consumer] :
+         {std::pair{px_t.get(), consumer_t.get()}, std::pair{px_d.get(), consumer_d.get()}}) {
+        ExpectSameTokens(SendAll(px->port(), bodies, 4), want, "through a foreign encoder");
+        EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), double(bodies.size()));
+        EXPECT_GT(consumer->Metric("ferry_ec_load_foreign_total"), 0);
+        EXPECT_EQ(consumer->Metric("ferry_ec_loads_total"), 0);
+        EXPECT_GT(consumer->Metric("ferry_mm_images_encoded_total"), 0);
+        // What it keeps is its own encoder's: asked directly, the same answers.
+        ExpectSameTokens(SendAll(consumer->port(), bodies, 4), want, "directly, afterwards");
+    }
+    Json one = Bodies(1, 7300)[0];
+    one["stream"] = false;
+    auto refused = http::Fetch(Post(px_strict->port(), one, "/v1/chat/completions"));
+    ASSERT_TRUE(refused.ok());
+    EXPECT_EQ(refused->status, 503) << refused->body;
+    EXPECT_NE(refused->body.find("vision encoder"), std::string::npos) << refused->body;
+    EXPECT_NE(refused->body.find("--mmproj differs"), std::string::npos) << refused->body;
+
+    // Prefill and decode workers with different projectors: refused at the KV handshake.
+    auto prefill = StartOrDie(Args("prefill", "tcp", {"--secret-file", secret.path()}));
+    auto decode = StartOrDie(with_other(Args("decode", "tcp", {"--secret-file", secret.path()})));
+    ASSERT_TRUE(prefill && decode);
+    auto [pull, push] = PullAndPushProxies(*prefill, *decode, secret.path());
+    ASSERT_TRUE(pull && push);
+    for (const ServerProcess* px : {pull.get(), push.get()}) {
+        auto got = http::Fetch(Post(px->port(), CompletionBody(RandomPrompt(40, 3), 3, false)));
+        ASSERT_TRUE(got.ok());
+        EXPECT_NE(got->status, 200) << got->body;
+        EXPECT_NE(got->body.find("weights fingerprint"), std::string::npos) << got->body;
+    }
+    std::filesystem::remove_all(dir);
+    std::remove(other.c_str());
+}
+
 }  // namespace
 }  // namespace ferry
