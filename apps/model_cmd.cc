@@ -383,6 +383,26 @@ void AddServeCommand(CLI::App& app, int* rc) {
         ->add_option("--remote-prefill-min-tokens", sc.remote_prefill_min_tokens,
                      "decode-first: shorter prompts are prefilled here")
         ->check(CLI::Range(0, 1 << 24));
+    static int64_t encoder_timeout_ms = 10000, remote_prefill_timeout_ms = 60000,
+                   agent_lookup_timeout_ms = 5000;
+    serve
+        ->add_option("--encoder-timeout-ms", encoder_timeout_ms,
+                     "--encoder-urls: an encode worker that has not answered by then costs only "
+                     "the encoding (done here) and gets no request until it answers a probe")
+        ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
+        ->capture_default_str();
+    serve
+        ->add_option("--remote-prefill-timeout-ms", remote_prefill_timeout_ms,
+                     "decode-first: a prefill worker that has not answered by then fails the "
+                     "request (503) and gets no prompt until it answers a probe")
+        ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
+        ->capture_default_str();
+    serve
+        ->add_option("--agent-lookup-timeout-ms", agent_lookup_timeout_ms,
+                     "decode-first: asking a prefill worker where its agent is (GET "
+                     "/v1/kv/agent) gives up after this long")
+        ->check(CLI::Range(int64_t{100}, int64_t{600000}))
+        ->capture_default_str();
     static int64_t drain_timeout_ms = 30000, store_ttl_ms = 10000;
     serve
         ->add_option("--store-ttl-ms", store_ttl_ms,
@@ -450,6 +470,9 @@ void AddServeCommand(CLI::App& app, int* rc) {
             if (!ep.ok()) return fail(ep.status().WithContext("--remote-prefill"));
             sc.remote_prefill.push_back(*ep);
         }
+        sc.encoder_timeout = std::chrono::milliseconds(encoder_timeout_ms);
+        sc.remote_prefill_timeout = std::chrono::milliseconds(remote_prefill_timeout_ms);
+        sc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);
         for (const std::string& u : encoder_urls) {
             auto ep = http::ParseEndpoint(u);
             if (!ep.ok()) return fail(ep.status().WithContext("--encoder-urls"));

@@ -99,8 +99,27 @@ void AddProxyCommand(CLI::App& app, int* rc) {
     px->add_option("--secret-file", secret_file,
                    "deployment secret (default $FERRY_SECRET): the embedded store requires it, "
                    "and the workers' router token is derived from it");
-    px->add_option("--worker-timeout-ms", timeout_ms, "fail a request a worker has not answered")
+    px->add_option("--worker-timeout-ms", timeout_ms,
+                   "fail a request whose decode worker has not finished its answer by then (504); "
+                   "that worker gets no new request until it answers again")
         ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
+        ->capture_default_str();
+    static int64_t prefill_timeout_ms = 60000, encode_timeout_ms = 10000,
+                   agent_lookup_timeout_ms = 5000;
+    px->add_option("--prefill-timeout-ms", prefill_timeout_ms,
+                   "fail a request whose prefill worker has not answered by then (504); that "
+                   "worker gets no new request until it answers again")
+        ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
+        ->capture_default_str();
+    px->add_option("--encode-timeout-ms", encode_timeout_ms,
+                   "EPD: an encode worker that has not answered by then costs only the encoding "
+                   "(the workers encode) and gets no request until it answers a probe")
+        ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
+        ->capture_default_str();
+    px->add_option("--agent-lookup-timeout-ms", agent_lookup_timeout_ms,
+                   "push: asking a prefill worker where its agent is (GET /v1/kv/agent) fails the "
+                   "request (502) after this long")
+        ->check(CLI::Range(int64_t{100}, int64_t{600000}))
         ->capture_default_str();
     px->callback([rc] {
         auto fail = [rc](const Status& st) {
@@ -119,6 +138,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.port = port;
         pc.protocol = mode == "push" ? router::Protocol::kPush : router::Protocol::kPull;
         pc.worker_timeout = std::chrono::milliseconds(timeout_ms);
+        pc.prefill_timeout = std::chrono::milliseconds(prefill_timeout_ms);
+        pc.encode_timeout = std::chrono::milliseconds(encode_timeout_ms);
+        pc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);
         auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy, weights);
         if (!picked.ok()) return fail(picked.status());
         pc.policy = std::move(picked).value();

@@ -96,22 +96,30 @@ std::shared_ptr<Driver> Driver::Create(DriverConfig config, std::shared_ptr<Rout
 }
 
 Driver::Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client* client)
-    : config_(std::move(config)), router_(std::move(router)), client_(client) {}
+    : config_(std::move(config)),
+      router_(std::move(router)),
+      client_(client),
+      encoders_out_(std::make_unique<Quarantine>(client)) {}
 
 DriverStats Driver::Stats() const {
-    return {requests_.load(),  succeeded_.load(),       failed_.load(),  client_gone_.load(),
-            in_flight_.load(), prefill_skipped_.load(), encoded_.load(), encode_failed_.load()};
+    DriverStats s{requests_.load(),    succeeded_.load(),    failed_.load(),
+                  client_gone_.load(), in_flight_.load(),    prefill_skipped_.load(),
+                  encoded_.load(),     encode_failed_.load()};
+    s.encoders_quarantined = encoders_out_->size();
+    s.timeouts = timeouts_.load();
+    return s;
 }
 
 http::ClientRequest Driver::ToWorker(const http::Endpoint& ep, const std::string& path,
-                                     const Json& body, const std::string& request_id) const {
+                                     const Json& body, const std::string& request_id,
+                                     std::chrono::milliseconds timeout) const {
     http::ClientRequest r;
     r.method = "POST";
     r.host = ep.host;
     r.port = ep.port;
     r.target = path;
     r.body = DumpJson(body);
-    r.timeout = config_.worker_timeout;
+    r.timeout = timeout;
     r.headers.push_back({"X-Request-Id", request_id});
     Authorize(&r, config_.router_token);
     return r;
@@ -178,6 +186,10 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
         if (!st.ok()) {
             if (st.code() == Code::kCancelled) return;
             f->End(&Flow::decode, Outcome::kWorkerFailed);
+            if (st.code() == Code::kDeadlineExceeded) {
+                ++self->timeouts_;
+                self->router_->ReportTimedOut(Role::kDecode, f->decode.worker());
+            }
             return self->Fail(
                 f, st.code() == Code::kDeadlineExceeded ? 504 : 502,
                 fmt::format("decode worker {}:{}: {}", ep.host, ep.port, st.message()));
@@ -224,7 +236,8 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
                           {{"X-Request-Id", f->request_id}}});
         }
     };
-    f->Add(client_->Call(ToWorker(ep, f->path, body, f->request_id), std::move(cb)));
+    f->Add(client_->Call(ToWorker(ep, f->path, body, f->request_id, config_.worker_timeout),
+                         std::move(cb)));
 }
 
 void Driver::Prefill(const std::shared_ptr<Flow>& f, const Json& body,
@@ -232,11 +245,15 @@ void Driver::Prefill(const std::shared_ptr<Flow>& f, const Json& body,
     const http::Endpoint ep = f->prefill_ep;
     auto self = shared_from_this();
     f->Add(client_->CallWhole(
-        ToWorker(ep, f->path, body, f->request_id),
+        ToWorker(ep, f->path, body, f->request_id, config_.prefill_timeout),
         [self, f, ep, on_ok = std::move(on_ok)](Result<http::ClientReply> r) {
             if (!r.ok()) {
                 if (r.status().code() == Code::kCancelled) return;
                 f->End(&Flow::prefill, Outcome::kWorkerFailed);
+                if (r.status().code() == Code::kDeadlineExceeded) {
+                    ++self->timeouts_;
+                    self->router_->ReportTimedOut(Role::kPrefill, f->prefill_worker);
+                }
                 return self->Fail(f, r.status().code() == Code::kDeadlineExceeded ? 504 : 502,
                                   fmt::format("prefill worker {}:{}: {}", ep.host, ep.port,
                                               r.status().message()));
@@ -279,6 +296,10 @@ void Driver::Push(const std::shared_ptr<Flow>& f) {
         if (!agent.ok()) {
             if (agent.status().code() == Code::kCancelled) return;
             f->End(&Flow::prefill, Outcome::kWorkerFailed);
+            if (agent.status().code() == Code::kDeadlineExceeded) {
+                ++self->timeouts_;
+                self->router_->ReportTimedOut(Role::kPrefill, f->prefill_worker);
+            }
             return self->Fail(f, 502, agent.status().message());
         }
         // Unguessable: a client that could name the next transfer id could park requests
@@ -294,7 +315,7 @@ void Driver::Push(const std::shared_ptr<Flow>& f) {
         self->Prefill(f, pb, [](http::ClientReply) {});
     };
     f->Add(FindAgent(*client_, router_, Role::kPrefill, f->prefill_worker, config_.router_token,
-                     std::move(got_agent)));
+                     config_.agent_timeout, std::move(got_agent)));
 }
 
 void Driver::Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
@@ -302,9 +323,15 @@ void Driver::Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
     Json eb = PrefillBody(f->body);
     auto self = shared_from_this();
     f->Add(client_->CallWhole(
-        ToWorker(ep, f->path, eb, f->request_id),
+        ToWorker(ep, f->path, eb, f->request_id, config_.encode_timeout),
         [self, f, ep, next = std::move(next)](Result<http::ClientReply> r) {
             if (!r.ok() && r.status().code() == Code::kCancelled) return;
+            if (!r.ok() && r.status().code() == Code::kDeadlineExceeded) {
+                // Stopped or wedged: the next requests skip it (their workers encode) until it
+                // answers a probe.
+                ++self->timeouts_;
+                self->encoders_out_->Add(ep);
+            }
             {
                 std::lock_guard lock(f->mu);
                 if (f->cancelled) return;
@@ -404,8 +431,10 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     if (!d.ok()) return ex->Reply(ErrorReply(503, d.status().message(), f->request_id));
     const size_t held = d->prefix_blocks() * size_t(std::max(0, router_->block_size()));
     // E+PD: encode workers and no prefill worker; the decode workers serve whole requests.
-    const std::vector<http::Endpoint> encoders = Encoders();
-    const bool no_prefill = !encoders.empty() && router_->members(Role::kPrefill) == 0;
+    // The encode workers in the deployment decide E+PD; those in quarantine get no request.
+    const std::vector<http::Endpoint> deployed = Encoders();
+    const std::vector<http::Endpoint> encoders = encoders_out_->Filter(deployed);
+    const bool no_prefill = !deployed.empty() && router_->members(Role::kPrefill) == 0;
     const bool skip_prefill =
         no_prefill || (config_.pd_min_uncached_tokens > 0 && f->prompt_tokens > 0 && held > 0 &&
                        f->prompt_tokens < held + size_t(config_.pd_min_uncached_tokens));

@@ -44,14 +44,25 @@
 #include "http/http.h"
 #include "model/tokenizer.h"
 #include "router/protocol.h"
+#include "router/quarantine.h"
 #include "router/router.h"
 
 namespace ferry::router {
 
 struct DriverConfig {
     Protocol protocol = Protocol::kPull;
-    // A worker call not answered by then fails the request (504).
+    // Deadlines of the calls to workers, each from the call's start to its last byte. A decode
+    // call (the client's whole answer, streamed) not over by `worker_timeout` and a prefill call
+    // not answered by `prefill_timeout` fail the request (504), and that worker gets no new
+    // request until it answers again (Router::ReportTimedOut; the membership's poll of its
+    // /metrics brings it back). An encode call not answered by `encode_timeout` costs only the
+    // encoding (the workers encode for themselves) and puts that encode worker in quarantine
+    // until it answers a probe (router/quarantine.h). A prefill worker's agent lookup (GET
+    // /v1/kv/agent) fails the request (502) after `agent_timeout`.
     std::chrono::milliseconds worker_timeout{600000};
+    std::chrono::milliseconds prefill_timeout{60000};
+    std::chrono::milliseconds encode_timeout{10000};
+    std::chrono::milliseconds agent_timeout{5000};
     // The deployment's router token, sent to the workers on every call ("" = none).
     std::string router_token;
     // Skip the prefill worker when the decode worker lacks fewer than this many prompt tokens
@@ -72,9 +83,11 @@ struct DriverConfig {
 
 struct DriverStats {
     uint64_t requests = 0, succeeded = 0, failed = 0, client_gone = 0, in_flight = 0;
-    uint64_t prefill_skipped = 0;  // the decode worker held (nearly) the whole prompt
-    uint64_t encoded = 0;          // requests whose images an encode worker took
-    uint64_t encode_failed = 0;    // ... that failed there (the workers encoded themselves)
+    uint64_t prefill_skipped = 0;       // the decode worker held (nearly) the whole prompt
+    uint64_t encoded = 0;               // requests whose images an encode worker took
+    uint64_t encode_failed = 0;         // ... that failed there (the workers encoded themselves)
+    uint64_t encoders_quarantined = 0;  // encode workers out of rotation now (timed out)
+    uint64_t timeouts = 0;              // worker calls that ran past their deadline
 };
 
 class Driver : public std::enable_shared_from_this<Driver> {
@@ -95,7 +108,8 @@ class Driver : public std::enable_shared_from_this<Driver> {
     Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client* client);
 
     http::ClientRequest ToWorker(const http::Endpoint& ep, const std::string& path,
-                                 const nlohmann::json& body, const std::string& request_id) const;
+                                 const nlohmann::json& body, const std::string& request_id,
+                                 std::chrono::milliseconds timeout) const;
     void Finish(const std::shared_ptr<Flow>& f, bool ok);
     void Fail(const std::shared_ptr<Flow>& f, int status, const std::string& message);
     void Decode(const std::shared_ptr<Flow>& f, nlohmann::json body);
@@ -110,14 +124,15 @@ class Driver : public std::enable_shared_from_this<Driver> {
     // answer into the flow's body, then `next`.
     void Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
                 std::function<void()> next);
-    // The encode workers now: the flags' and the store's (no duplicates).
+    // The encode workers now: the flags' and the store's (no duplicates), quarantined or not.
     std::vector<http::Endpoint> Encoders() const;
 
     DriverConfig config_;
     std::shared_ptr<Router> router_;
     http::Client* client_;
+    std::unique_ptr<Quarantine> encoders_out_;  // encode workers that timed out
     std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0},
-        prefill_skipped_{0}, encoded_{0}, encode_failed_{0};
+        prefill_skipped_{0}, encoded_{0}, encode_failed_{0}, timeouts_{0};
 };
 
 }  // namespace ferry::router

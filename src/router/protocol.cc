@@ -132,6 +132,7 @@ void Authorize(http::ClientRequest* request, const std::string& router_token) {
 std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_ptr<Router> router,
                                             Role role, size_t worker,
                                             const std::string& router_token,
+                                            std::chrono::milliseconds timeout,
                                             std::function<void(Result<AgentInfo>)> done) {
     if (std::optional<AgentInfo> known = router->KnownAgent(role, worker)) {
         done(std::move(*known));
@@ -143,8 +144,7 @@ std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_pt
         return nullptr;
     }
     const http::Endpoint ep = ws[worker].endpoint;
-    http::ClientRequest r =
-        http::GetRequest(ep.host, ep.port, "/v1/kv/agent", std::chrono::seconds(10));
+    http::ClientRequest r = http::GetRequest(ep.host, ep.port, "/v1/kv/agent", timeout);
     Authorize(&r, router_token);
     return client.CallWhole(std::move(r), [router, role, worker, ep,
                                            done = std::move(done)](Result<http::ClientReply> got) {

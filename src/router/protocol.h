@@ -54,12 +54,13 @@ Result<AgentInfo> ParseAgentInfo(int status, const std::string& body, const http
 
 // Where `worker`'s transfer agent is: from the router when known (or its discovery store has the
 // worker's record), else asked of the worker (GET /v1/kv/agent, with the router token when there
-// is one) and remembered. `done` runs once, on
+// is one) within `timeout` (DeadlineExceeded after it) and remembered. `done` runs once, on
 // this thread when the agent is known, else on an I/O thread of `client`. The call, if one was
 // made (cancel it to stop waiting; `done` then gets Cancelled).
 std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_ptr<Router> router,
                                             Role role, size_t worker,
                                             const std::string& router_token,
+                                            std::chrono::milliseconds timeout,
                                             std::function<void(Result<AgentInfo>)> done);
 
 // "Authorization: Bearer <token>" on a call to a worker, when there is a token.

@@ -358,6 +358,16 @@ void Router::ReportUnanswered(Role role, size_t worker) {
     if (++w.unanswered >= 3) w.answering = false;
 }
 
+void Router::ReportTimedOut(Role role, size_t worker) {
+    std::lock_guard lock(state_->mu);
+    auto& ws = state_->workers[Ticket::State::Index(role)];
+    if (worker >= ws.size() || !ws[worker].member) return;
+    WorkerState& w = ws[worker];
+    w.reported.reset();
+    w.unanswered = std::max(w.unanswered, 3);
+    w.answering = false;
+}
+
 Result<Ticket> Router::Route(Role role, const RouteRequest& request) {
     std::lock_guard lock(state_->mu);
     const int r = Ticket::State::Index(role);

@@ -224,6 +224,10 @@ class Router {
     void ReportAnswered(Role role, size_t worker, std::optional<ReportedLoad> load);
     // Its /metrics did not answer (after 3 in a row it is no longer `answering`).
     void ReportUnanswered(Role role, size_t worker);
+    // A call to it ran past its deadline (stopped, wedged): no longer `answering` at once, so no
+    // new request goes to it until something reports it answering again (a poll of its
+    // /metrics, a probe).
+    void ReportTimedOut(Role role, size_t worker);
 
     // Whether the worker at "host:port" (of either role) is in step with its KV events.
     void SetKvInSync(const std::string& worker, bool in_sync);

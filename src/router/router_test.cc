@@ -409,7 +409,11 @@ struct DriverHarness {
         : router(std::make_shared<Router>(std::move(rc))) {
         router->AddWorker(Role::kPrefill, prefill.ep());
         router->AddWorker(Role::kDecode, decode.ep());
-        driver = Driver::Create({protocol, std::chrono::seconds(10), "tok"}, router, client.get());
+        DriverConfig dc;
+        dc.protocol = protocol;
+        dc.worker_timeout = dc.prefill_timeout = std::chrono::seconds(10);
+        dc.router_token = "tok";
+        driver = Driver::Create(std::move(dc), router, client.get());
         http::ServerConfig c;
         c.name = "front";
         c.io_threads = 1;

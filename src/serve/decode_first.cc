@@ -11,9 +11,11 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
     auto shared = std::make_shared<ParsedRequest>(std::move(pr));
     router::FindAgent(
         *client, remote_prefill, router::Role::kPrefill, ticket->worker(), config.router_token,
+        config.agent_timeout,
         [this, ex, chat, shared, ticket, base, attempt](Result<router::AgentInfo> agent) {
             if (!agent.ok()) {
                 ticket->End(router::Outcome::kWorkerFailed);
+                if (agent.status().code() == Code::kDeadlineExceeded) TimedOut(*ticket);
                 return ex->Reply(Error(503, {"remote " + agent.status().message(), "", ""}, base));
             }
             SendToRemotePrefill(ex, chat, std::move(*shared), ticket, base, attempt, *agent);
@@ -85,7 +87,7 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
     r.port = ep.port;
     r.target = "/v1/completions";
     r.body = DumpJson(body);
-    r.timeout = std::chrono::minutes(10);
+    r.timeout = config.remote_prefill_timeout;
     r.headers.push_back({"X-Request-Id", id.substr(id.find('-') + 1)});
     router::Authorize(&r, config.router_token);
     std::lock_guard lock(*call_mu);
@@ -96,6 +98,7 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
             if (!got.ok() && got.status().code() == Code::kCancelled) return;
             ticket->End(got.ok() ? router::OutcomeOfStatus(got->status)
                                  : router::Outcome::kWorkerFailed);
+            if (!got.ok() && got.status().code() == Code::kDeadlineExceeded) TimedOut(*ticket);
             if (got.ok() && got->status == 200) return;
             // The KV will not come: the request ends with the prefill worker's error, and the
             // next request asks it again where its agent is (it may have restarted).
@@ -106,6 +109,15 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
                                            : got.status().message())));
         },
         4096);
+}
+
+void OpenAiServer::Impl::TimedOut(const router::Ticket& ticket) {
+    // Stopped or wedged: no new prompt goes to it until it answers a probe.
+    const size_t worker = ticket.worker();
+    remote_prefill->ReportTimedOut(router::Role::kPrefill, worker);
+    quarantine->Add(ticket.endpoint(), [router = remote_prefill, worker] {
+        router->ReportAnswered(router::Role::kPrefill, worker, std::nullopt);
+    });
 }
 
 void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex) {

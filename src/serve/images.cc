@@ -100,18 +100,22 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
     }
     if (!config.encoder_urls.empty() && !pr.ec_source && config.ec_connector &&
         !config.encode_only) {
-        return CallEncoder(ex, chat, std::move(pr), rid);
+        // Encode workers that timed out are left out until they answer again; with none left
+        // the images are encoded here.
+        std::vector<http::Endpoint> encoders = quarantine->Filter(config.encoder_urls);
+        if (!encoders.empty()) return CallEncoder(ex, chat, std::move(pr), rid, encoders);
     }
     EnqueueImages(ex, chat, std::move(pr), rid);
 }
 
 void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool chat,
-                                     ParsedRequest pr, const std::string& rid) {
+                                     ParsedRequest pr, const std::string& rid,
+                                     const std::vector<http::Endpoint>& encoders) {
     // SGLang's --encoder-urls: this worker asks an encode worker itself (no router step), as
     // the router would: the client's body, one token, not streamed, under the request's id.
     nlohmann::json body = nlohmann::json::parse(ex->request().body, nullptr, false);
     const std::vector<std::string_view> urls = router::ImageUrls(body);
-    const http::Endpoint ep = config.encoder_urls[router::PickEncoder(urls, config.encoder_urls)];
+    const http::Endpoint ep = encoders[router::PickEncoder(urls, encoders)];
     body = router::PrefillBody(std::move(body));
     body.erase("kv_transfer_params");
     body.erase("ec_transfer_params");
@@ -145,6 +149,7 @@ void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, 
                 }
             } else {
                 ++image_metrics.encoder_call_failures;
+                if (!r.ok() && r.status().code() == Code::kDeadlineExceeded) quarantine->Add(ep);
                 FERRY_LOG(kWarn, "images: encode worker {}:{}: {}; encoding here", ep.host, ep.port,
                           r.ok() ? fmt::format("answered {}", r->status) : r.status().message());
             }

@@ -217,7 +217,9 @@ void OpenAiServer::Impl::Route(const std::shared_ptr<http::Exchange>& ex, bool c
         const std::string base = RequestIdOr(ex->request().Find("X-Request-Id"));
         Result<router::Ticket> t =
             remote_prefill->Route(router::Role::kPrefill, {base, pr.prompt.size()});
-        if (t.ok()) {
+        if (t.ok() && quarantine->Contains(t->endpoint())) {
+            t->End(router::Outcome::kCancelled);  // it timed out lately: prefilled here
+        } else if (t.ok()) {
             return DecodeFirst(ex, chat, std::move(pr),
                                std::make_shared<router::Ticket>(std::move(*t)), base);
         }
@@ -290,6 +292,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
         impl->media_queue = std::make_unique<MediaQueue>(size_t(config.max_pending_image_requests));
     }
     impl->client = http::Client::Create(1);
+    impl->quarantine = std::make_unique<router::Quarantine>(impl->client.get());
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     impl->http_ready = impl->http.get();
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
@@ -306,6 +309,7 @@ void OpenAiServer::Stop() {
     // Requests still waiting for the encoder get 503 (their jobs see `stopping`).
     if (impl_->media_queue) impl_->media_queue->Stop();
     impl_->http->Stop();
+    impl_->quarantine.reset();  // before the client its probes run on
     impl_->client.reset();
     std::lock_guard lock(impl_->stop_mu);
     impl_->stopped = true;

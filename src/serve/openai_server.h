@@ -91,7 +91,15 @@ struct ServerConfig {
     // image requests to itself before loading their embeddings, when the request does not
     // already say where they are (no router step). A failed call costs only the encoding.
     std::vector<http::Endpoint> encoder_urls = {};
-    std::chrono::milliseconds encoder_timeout{60000};
+    // Deadlines of this worker's calls to other workers (router/quarantine.h): an encode worker
+    // (encoder_urls) that has not answered within `encoder_timeout` costs only the encoding
+    // (done here) and is left out until it answers a probe; a decode-first prefill call not
+    // answered within `remote_prefill_timeout` fails its request (503) and that prefill worker
+    // gets no new prompt until it answers again; a prefill worker's agent lookup gives up after
+    // `agent_timeout`.
+    std::chrono::milliseconds encoder_timeout{10000};
+    std::chrono::milliseconds remote_prefill_timeout{60000};
+    std::chrono::milliseconds agent_timeout{5000};
 };
 
 class OpenAiServer {

@@ -28,6 +28,7 @@
 #include "http/http.h"
 #include "media/encoder_cache.h"
 #include "router/protocol.h"
+#include "router/quarantine.h"
 #include "router/router.h"
 #include "serve/ec_connector.h"
 #include "serve/openai_request.h"
@@ -235,7 +236,10 @@ struct OpenAiServer::Impl {
 
     // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
     std::shared_ptr<router::Router> remote_prefill;  // made in Start, with the agent lookup
-    std::unique_ptr<http::Client> client;            // for the prefill workers
+    std::unique_ptr<http::Client> client;            // for the prefill and encode workers
+    // Workers whose calls ran past their deadline: --encoder-urls encode workers, and
+    // decode-first prefill workers (back in remote_prefill when they answer a probe).
+    std::unique_ptr<router::Quarantine> quarantine;
 
     // Images (with config.vision).
     model::ImageTokens image_tokens;
@@ -249,10 +253,10 @@ struct OpenAiServer::Impl {
     // the encoder; an encode worker publishes them through its connector. An error names the
     // image's part (InvalidArgument: a bad image; otherwise the connector's).
     Status EncodeImages(ParsedRequest* pr, BadRequest* bad);
-    // --encoder-urls: asks an encode worker to publish the request's images, then
+    // --encoder-urls: asks one of `encoders` to publish the request's images, then
     // EnqueueImages with where they are (or, if it failed, without: they are encoded here).
     void CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                     const std::string& rid);
+                     const std::string& rid, const std::vector<http::Endpoint>& encoders);
     // Queues the request for the media thread (503 when the queue is full).
     void EnqueueImages(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                        const std::string& rid);
@@ -289,6 +293,8 @@ struct OpenAiServer::Impl {
     void SendToRemotePrefill(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                              std::shared_ptr<router::Ticket> ticket, const std::string& base,
                              int attempt, const router::AgentInfo& agent);
+    // Decode-first: the prefill worker of `ticket` did not answer a call in time.
+    void TimedOut(const router::Ticket& ticket);
     void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);
     std::string RenderMetrics();
 };

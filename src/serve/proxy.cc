@@ -50,6 +50,13 @@ struct Proxy::Impl {
         w.Counter("ferry_proxy_encode_failed_total",
                   "Requests whose encode worker failed: the workers encoded the images.",
                   double(s.encode_failed));
+        w.Gauge("ferry_proxy_encoders_quarantined",
+                "Encode workers left out after a call timed out, until they answer a probe.",
+                double(s.encoders_quarantined));
+        w.Counter("ferry_proxy_worker_timeouts_total",
+                  "Calls to workers that ran past their deadline (--prefill-timeout-ms, "
+                  "--encode-timeout-ms, --worker-timeout-ms).",
+                  double(s.timeouts));
         w.Append(router->RenderMetrics());
         w.Append(membership->RenderMetrics());
         http::Server* srv = server_ready.load();
@@ -172,6 +179,9 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     router::DriverConfig dc;
     dc.protocol = impl->cfg.protocol;
     dc.worker_timeout = impl->cfg.worker_timeout;
+    dc.prefill_timeout = impl->cfg.prefill_timeout;
+    dc.encode_timeout = impl->cfg.encode_timeout;
+    dc.agent_timeout = impl->cfg.agent_timeout;
     dc.router_token = impl->cfg.router_token;
     dc.pd_min_uncached_tokens = impl->cfg.pd_min_uncached_tokens;
     dc.tokenizer = impl->cfg.tokenizer;

@@ -30,7 +30,11 @@ struct ProxyConfig {
     std::vector<http::Endpoint> encode;
     router::Protocol protocol = router::Protocol::kPull;
     // A worker call not answered by then fails the request (504).
+    // The deadlines of the calls to workers (router::DriverConfig).
     std::chrono::milliseconds worker_timeout{600000};
+    std::chrono::milliseconds prefill_timeout{60000};
+    std::chrono::milliseconds encode_timeout{10000};
+    std::chrono::milliseconds agent_timeout{5000};
     int io_threads = 0;
     size_t max_body_bytes = 16u << 20;
     std::chrono::milliseconds request_deadline{10000};

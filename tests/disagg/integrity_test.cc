@@ -214,5 +214,147 @@ TEST_F(Integrity, AForeignEncodersEmbeddingsAreRefusedByName) {
     std::remove(other.c_str());
 }
 
+// Sends `body` and returns the answer with how long it took.
+struct Timed {
+    Answer answer;
+    double seconds = 0;
+};
+Timed SendTimed(int port, const Json& body) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Timed t{SendAll(port, {body}, 1)[0], 0};
+    t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return t;
+}
+
+// Far above the deadlines below (1.5 s), far below what a stuck worker cost before (60 s to
+// forever): a bound on waiting, not a performance figure.
+constexpr double kWaitBound = 30;
+
+// A stopped (SIGSTOP) or black-hole encode worker costs an image request at most the encode
+// deadline, after which the images are encoded by the worker that serves it (the colocated
+// answer); the next requests do not go to it at all, until it answers a probe again. The same
+// for --encoder-urls.
+TEST_F(Integrity, AStuckEncodeWorkerCostsItsDeadlineOnceAndIsLeftOutUntilItAnswers) {
+    testing::SecretFile secret("integrity-stuck-encoder");
+    const std::vector<std::string> ec = {"--ec-connector", "transfer", "--secret-file",
+                                         secret.path()};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", "tcp", ec));
+    auto consumer = StartOrDie(Args("colocated", "", ec));
+    testing::Blackhole hole("tcp");
+    std::vector<std::string> self = ec;
+    self.insert(self.end(), {"--encoder-urls", hole.address(), "--encoder-timeout-ms", "1500"});
+    auto self_encoding = StartOrDie(Args("colocated", "", self));
+    ASSERT_TRUE(colocated && encode && consumer && self_encoding);
+    auto px =
+        StartOrDie({"proxy", "--encode", Addr(*encode), "--decode", Addr(*consumer), "--port", "0",
+                    "--no-store", "--secret-file", secret.path(), "--encode-timeout-ms", "1500"});
+    ASSERT_TRUE(px);
+    std::vector<Json> bodies = Bodies(8, 8100);
+    for (Json& b : bodies) b["stream"] = false;
+    const std::vector<Answer> want = SendAll(colocated->port(), bodies, 4);
+    ExpectSameTokens({SendTimed(px->port(), bodies[0]).answer}, {want[0]}, "before");
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), 1);
+
+    ASSERT_TRUE(encode->Stop());  // SIGSTOP: connections open, nothing answers
+    const Timed stuck = SendTimed(px->port(), bodies[1]);
+    ExpectSameTokens({stuck.answer}, {want[1]}, "behind a stopped encode worker");
+    EXPECT_LT(stuck.seconds, kWaitBound);
+    EXPECT_EQ(px->Metric("ferry_proxy_worker_timeouts_total"), 1);
+    EXPECT_EQ(px->Metric("ferry_proxy_encoders_quarantined"), 1);
+    // Left out: the next requests do not wait for it.
+    ExpectSameTokens(SendAll(px->port(), {bodies[2], bodies[3]}, 2), {want[2], want[3]}, "after");
+    EXPECT_EQ(px->Metric("ferry_proxy_worker_timeouts_total"), 1);
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), 1);
+
+    encode->Signal(SIGCONT);  // it answers its probe: back in rotation
+    size_t next = 4;
+    EXPECT_TRUE(testing::WaitUntil(
+        [&] {
+            ExpectSameTokens({SendTimed(px->port(), bodies[next % 8]).answer}, {want[next % 8]},
+                             "resumed");
+            ++next;
+            return px->Metric("ferry_proxy_encoded_total") > 1;
+        },
+        std::chrono::seconds(20)));
+    EXPECT_EQ(px->Metric("ferry_proxy_encoders_quarantined"), 0);
+
+    // --encoder-urls at a black hole: one request waits for the deadline, the next none.
+    const Timed first = SendTimed(self_encoding->port(), bodies[5]);
+    ExpectSameTokens({first.answer}, {want[5]}, "--encoder-urls at a black hole");
+    EXPECT_LT(first.seconds, kWaitBound);
+    ExpectSameTokens({SendTimed(self_encoding->port(), bodies[6]).answer}, {want[6]},
+                     "--encoder-urls, the black hole left out");
+    EXPECT_EQ(self_encoding->Metric("ferry_ec_encoder_call_failures_total"), 1);
+    EXPECT_EQ(self_encoding->Metric("ferry_mm_images_encoded_total"), 5);  // 2 + 3 images
+}
+
+// A stopped prefill worker costs a request at most the prefill deadline (504 naming it, through
+// the proxy; 503 decode-first), and gets no new request until it answers again: the others serve
+// meanwhile (the proxy's other prefill worker; decode-first prefills here).
+TEST_F(Integrity, AStuckPrefillWorkerCostsItsDeadlineOnceAndIsLeftOutUntilItAnswers) {
+    testing::SecretFile secret("integrity-stuck-prefill");
+    const std::vector<std::string> s = {"--secret-file", secret.path()};
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    auto p1 = StartOrDie(WorkerArgs("prefill", "tcp", 1, s));
+    auto p2 = StartOrDie(WorkerArgs("prefill", "tcp", 1, s));
+    auto decode = StartOrDie(WorkerArgs("decode", "tcp", 1, s));
+    std::vector<std::string> df = s;
+    df.insert(df.end(), {"--remote-prefill", Addr(*p1), "--remote-prefill-min-tokens", "32",
+                         "--remote-prefill-timeout-ms", "1500"});
+    auto decode_first = StartOrDie(WorkerArgs("decode", "tcp", 1, df));
+    ASSERT_TRUE(colocated && p1 && p2 && decode && decode_first);
+    auto px = StartOrDie({"proxy", "--prefill", Addr(*p1), "--prefill", Addr(*p2), "--decode",
+                          Addr(*decode), "--port", "0", "--no-store", "--secret-file",
+                          secret.path(), "--prefill-timeout-ms", "1500", "--load-poll-ms", "100"});
+    ASSERT_TRUE(px);
+    std::vector<Json> bodies;
+    for (int i = 0; i < 10; ++i)
+        bodies.push_back(CompletionBody(RandomPrompt(60 + i, 90 + i), 4, false));
+    const std::vector<Answer> want = SendAll(colocated->port(), bodies, 4);
+    ExpectSameTokens(SendAll(px->port(), {bodies[0], bodies[1]}, 1), {want[0], want[1]}, "before");
+
+    const std::string answering =
+        fmt::format("ferry_router_worker_answering{{role=\"prefill\",worker=\"{}\"}}", Addr(*p1));
+    ASSERT_TRUE(p1->Stop());
+    // Round robin: within two requests one goes to the stopped worker and gets 504.
+    int timed_out = 0;
+    for (int i = 2; i < 4; ++i) {
+        const Timed t = SendTimed(px->port(), bodies[size_t(i)]);
+        EXPECT_LT(t.seconds, kWaitBound);
+        if (t.answer.status == 504) {
+            ++timed_out;
+            EXPECT_NE(t.answer.body.find(Addr(*p1)), std::string::npos) << t.answer.body;
+        } else {
+            ExpectSameTokens({t.answer}, {want[size_t(i)]}, "the other prefill worker");
+        }
+    }
+    EXPECT_EQ(timed_out, 1);
+    EXPECT_EQ(px->Metric(answering), 0);
+    // Left out: every request goes to the other one.
+    std::vector<Json> rest(bodies.begin() + 4, bodies.end());
+    ExpectSameTokens(SendAll(px->port(), rest, 2),
+                     std::vector<Answer>(want.begin() + 4, want.end()), "while it is stopped");
+    EXPECT_EQ(px->Metric("ferry_proxy_worker_timeouts_total"), 1);
+
+    // Decode-first to the stopped worker: one 503, then prefilled here.
+    const Timed df_stuck = SendTimed(decode_first->port(), bodies[0]);
+    EXPECT_EQ(df_stuck.answer.status, 503) << df_stuck.answer.body;
+    EXPECT_LT(df_stuck.seconds, kWaitBound);
+    ExpectSameTokens(SendAll(decode_first->port(), {bodies[1], bodies[2]}, 1), {want[1], want[2]},
+                     "decode-first, prefilled here");
+    EXPECT_EQ(decode_first->Metric("ferry_kv_external_tokens_total"), 0);
+
+    p1->Signal(SIGCONT);
+    EXPECT_TRUE(px->WaitMetric(answering, 1));
+    EXPECT_TRUE(testing::WaitUntil(
+        [&] {
+            ExpectSameTokens(SendAll(decode_first->port(), {bodies[3]}, 1), {want[3]},
+                             "decode-first, resumed");
+            return decode_first->Metric("ferry_kv_external_tokens_total") > 0;
+        },
+        std::chrono::seconds(20)));
+}
+
 }  // namespace
 }  // namespace ferry
