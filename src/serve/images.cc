@@ -9,8 +9,12 @@
 
 namespace ferry::serve {
 
-Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad) {
+Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad,
+                                        const http::Exchange* ex) {
     for (model::ImagePart& part : pr->images) {
+        // A client that left is not worked for: checked before each image (one image's decoding
+        // and encoding is the most it still costs).
+        if (ex && ex->closed()) return CancelledError("the client went away");
         const Clock::time_point t0 = Clock::now();
         Result<media::Image> image = [&]() -> Result<media::Image> {
             FERRY_ASSIGN_OR_RETURN(std::string bytes, media::ReadImageUrl(part.url, config.media));
@@ -129,7 +133,7 @@ void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, 
     req.headers.push_back({"X-Request-Id", rid.empty() ? RandomId128() : rid});
     router::Authorize(&req, config.router_token);
     auto shared = std::make_shared<ParsedRequest>(std::move(pr));
-    client->CallWhole(
+    std::shared_ptr<http::ClientCall> call = client->CallWhole(
         std::move(req), [this, ex, chat, rid, ep, shared](Result<http::ClientReply> r) {
             if (r.ok() && r->status == 400) {
                 // The images themselves are bad: the encode worker's answer names the part.
@@ -155,6 +159,9 @@ void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, 
             }
             EnqueueImages(ex, chat, std::move(*shared), rid);
         });
+    // A client that leaves ends the call (the encode worker then drops its work); the request
+    // is then dropped from the media queue. Dispatch replaces this once the engine has it.
+    if (call) ex->OnClose([call] { call->Cancel(); });
 }
 
 void OpenAiServer::Impl::EnqueueImages(const std::shared_ptr<http::Exchange>& ex, bool chat,
@@ -164,7 +171,12 @@ void OpenAiServer::Impl::EnqueueImages(const std::shared_ptr<http::Exchange>& ex
             return ex->Reply(Error(503, {"the server is stopping", "", ""}, rid));
         }
         BadRequest bad;
-        if (Status st = EncodeImages(&pr, &bad); !st.ok()) {
+        Status st = EncodeImages(&pr, &bad, ex.get());
+        if (st.code() == Code::kCancelled) {
+            ++image_metrics.dropped;  // nobody to answer
+            return;
+        }
+        if (!st.ok()) {
             ++image_metrics.refused;
             return ex->Reply(Error(HttpStatusOf(st), bad, rid));
         }

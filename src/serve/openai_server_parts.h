@@ -172,6 +172,7 @@ struct ImageMetrics {
     std::atomic<uint64_t> ec_fallbacks{0};   // encoded here: the ec connector could not load
     std::atomic<uint64_t> encoder_calls{0};  // --encoder-urls: requests an encode worker took
     std::atomic<uint64_t> encoder_call_failures{0};  // ... that failed there
+    std::atomic<uint64_t> dropped{0};  // requests whose client left before their images were done
 };
 
 // One request's state between the engine's step thread and the connection.
@@ -252,7 +253,8 @@ struct OpenAiServer::Impl {
     // The embeddings of pr->images into pr->mm: from the encoder cache, the ec connector or
     // the encoder; an encode worker publishes them through its connector. An error names the
     // image's part (InvalidArgument: a bad image; otherwise the connector's).
-    Status EncodeImages(ParsedRequest* pr, BadRequest* bad);
+    // Cancelled, with nothing more done, once `ex` (if given) has closed: the client left.
+    Status EncodeImages(ParsedRequest* pr, BadRequest* bad, const http::Exchange* ex = nullptr);
     // --encoder-urls: asks one of `encoders` to publish the request's images, then
     // EnqueueImages with where they are (or, if it failed, without: they are encoded here).
     void CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,

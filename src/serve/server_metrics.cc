@@ -67,6 +67,9 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         counter("ferry_mm_images_total", "Images read and decoded.", double(im.images.load()));
         counter("ferry_mm_images_encoded_total", "Images run through the vision encoder.",
                 double(im.encoded.load()));
+        counter("ferry_mm_requests_dropped_total",
+                "Requests with images dropped unfinished: their client had gone.",
+                double(im.dropped.load()));
         counter("ferry_mm_requests_refused_total", "Requests refused for one of their images.",
                 double(im.refused.load()));
         counter("ferry_mm_requests_busy_total",

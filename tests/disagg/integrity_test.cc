@@ -2,9 +2,13 @@
 // (issue 49, docs/security.md): a request id names a request and never changes what it computes;
 // the encoder's identity travels with its embeddings; a stuck worker costs a bounded time; a
 // client that left costs nothing more; ZeroMQ sockets bound what a peer may send.
+#include <arpa/inet.h>
 #include <fmt/core.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <png.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -14,6 +18,7 @@
 
 #include "disagg/epd_harness.h"
 #include "http/http.h"
+#include "testing/images.h"
 #include "testing/testing.h"
 
 namespace ferry {
@@ -354,6 +359,72 @@ TEST_F(Integrity, AStuckPrefillWorkerCostsItsDeadlineOnceAndIsLeftOutUntilItAnsw
             return decode_first->Metric("ferry_kv_external_tokens_total") > 0;
         },
         std::chrono::seconds(20)));
+}
+
+// Sends `body` as a POST of `path` to 127.0.0.1:`port` and does not read the answer: the socket,
+// for the caller to close (a client that leaves).
+int SendAndLeave(int port, const std::string& path, const std::string& body) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return fd;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(uint16_t(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return fd;
+    const std::string req = fmt::format(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: {}\r\n\r\n{}",
+        path, body.size(), body);
+    size_t off = 0;
+    while (off < req.size()) {
+        const ssize_t n = send(fd, req.data() + off, req.size() - off, MSG_NOSIGNAL);
+        if (n <= 0) break;
+        off += size_t(n);
+    }
+    return fd;
+}
+
+// Clients that send requests with many large images and leave all at once cost nothing more than
+// what had started: their requests are dropped from the media queue (and between images), so an
+// honest request behind them waits for its own work only.
+TEST_F(Integrity, RequestsWhoseClientsLeftAreDroppedWhereTheyWait) {
+    auto worker = StartOrDie(Args("colocated", ""));
+    ASSERT_TRUE(worker);
+    // Near the pixel limit (16 Mi) and small on the wire: each takes a while to decode.
+    const int side = 4000, images = 2, requests = testing::kSanitized ? 4 : 8;
+    std::vector<uint8_t> px(size_t(side) * side * 3);
+    for (size_t i = 0; i < px.size(); ++i)
+        px[i] = uint8_t((i / 3 / 64 + i / 3 / side / 64) % 2 * 200);
+    const std::string big =
+        testing::DataUrl("image/png", testing::Png(side, side, PNG_FORMAT_RGB, px));
+    px = {};
+    Json content = Json::array();
+    for (int j = 0; j < images; ++j) {
+        content.push_back({{"type", "image_url"}, {"image_url", {{"url", big}}}});
+    }
+    content.push_back({{"type", "text"}, {"text", "describe"}});
+    const Json b = {{"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", 4}};
+    const std::string text = b.dump();
+    std::vector<int> fds;
+    for (int i = 0; i < requests; ++i) {
+        fds.push_back(SendAndLeave(worker->port(), "/v1/chat/completions", text));
+    }
+    for (int fd : fds) close(fd);      // all at once, while the first is being decoded
+    Json honest = Bodies(1, 9100)[0];  // one small image
+    honest["stream"] = false;
+    const Answer got = SendAll(worker->port(), {honest}, 1)[0];
+    EXPECT_EQ(got.status, 200) << got.body;
+    EXPECT_TRUE(testing::WaitUntil(
+        [&] {
+            return worker->Metric("ferry_mm_requests_dropped_total") +
+                       worker->Metric("ferry_request_success_total{finished_reason=\"abort\"}") ==
+                   requests;
+        },
+        std::chrono::seconds(20)))
+        << worker->Metric("ferry_mm_requests_dropped_total");
+    // At most the image being decoded when the clients left (the check is between images), and
+    // the honest request's.
+    EXPECT_LE(worker->Metric("ferry_mm_images_total"), 2);
 }
 
 }  // namespace
