@@ -185,6 +185,10 @@ void AddServeCommand(CLI::App& app, int* rc) {
                       "publish KV events (blocks stored, removed, all cleared) in vLLM's wire "
                       "format on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (bound; an address "
                       "without '*' is connected to); off by default");
+    static bool kv_events_bind = false;
+    serve->add_flag("--kv-events-bind", kv_events_bind,
+                    "bind --kv-events-endpoint even without '*' (one interface: "
+                    "tcp://10.0.0.5:5557), where vLLM's rule would connect to it");
     serve->add_option("--kv-events-replay-endpoint", kv_events_replay,
                       "ZeroMQ ROUTER endpoint that replays missed batches, e.g. tcp://*:5558");
     serve->add_option("--kv-events-topic", kv_events_topic, "the events' topic frame (vLLM: \"\")");
@@ -534,6 +538,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         wc.server = sc;
         wc.registration_ttl = std::chrono::milliseconds(store_ttl_ms);
         wc.kv_events.endpoint = kv_events_endpoint;
+        wc.kv_events.bind = kv_events_bind;
         wc.kv_events.replay_endpoint = kv_events_replay;
         wc.kv_events.topic = kv_events_topic;
         wc.kv_events.replays_per_second = kv_events_replays;
@@ -570,7 +575,8 @@ void AddServeCommand(CLI::App& app, int* rc) {
                        agent->ListenAddress());
         }
         if (serve::KvEventPublisher* ev = worker->kv_events()) {
-            fmt::print("ferry serve: kv events at {}{}\n", ev->endpoint(),
+            fmt::print("ferry serve: kv events {} {}{}\n", ev->connected() ? "connecting to" : "at",
+                       ev->endpoint(),
                        ev->replay_endpoint().empty() ? "" : ", replay at " + ev->replay_endpoint());
         }
         fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, server->port());

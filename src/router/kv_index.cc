@@ -83,6 +83,12 @@ std::optional<int64_t> KvEventSeqOf(std::string_view frame) {
     return int64_t(v);
 }
 
+void BoundZmqSocket(void* socket, int64_t max_message_bytes) {
+    int linger = 0;
+    zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(socket, ZMQ_MAXMSGSIZE, &max_message_bytes, sizeof max_message_bytes);
+}
+
 std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max) {
     std::vector<std::string> frames;
     for (;;) {
@@ -244,8 +250,7 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
     }
     if (w.source.replay.empty()) return false;
     void* s = zmq_socket(ctx_, ZMQ_DEALER);
-    int linger = 0;
-    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    BoundZmqSocket(s, kMaxKvEventBatchBytes);
     if (zmq_connect(s, w.source.replay.c_str()) != 0) {
         zmq_close(s);
         return false;
@@ -344,8 +349,7 @@ void KvEventFollower::Loop() {
                 w->key = key;
                 w->source = source;
                 w->sub = zmq_socket(ctx_, ZMQ_SUB);
-                int linger = 0;
-                zmq_setsockopt(w->sub, ZMQ_LINGER, &linger, sizeof linger);
+                BoundZmqSocket(w->sub, kMaxKvEventBatchBytes);
                 zmq_setsockopt(w->sub, ZMQ_SUBSCRIBE, "", 0);
                 if (zmq_connect(w->sub, source.events.c_str()) != 0) {
                     FERRY_LOG(kWarn, "router: kv events of {}: cannot subscribe to '{}': {}", key,

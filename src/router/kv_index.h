@@ -39,6 +39,15 @@ std::optional<int64_t> KvEventSeqOf(std::string_view frame);  // none unless 8 b
 // rest read and dropped); empty when none is waiting.
 std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max = 8);
 
+// What a peer may send one of ferry's ZeroMQ sockets in one frame (ZMQ_MAXMSGSIZE): a peer that
+// declares more is disconnected by libzmq before anything is allocated for it. Event batches
+// (the router's SUB and replay DEALER) are split by the publisher to stay within the first;
+// subscriptions and replay requests (the worker's PUB and ROUTER) are a few bytes.
+inline constexpr int64_t kMaxKvEventBatchBytes = 16 << 20;
+inline constexpr int64_t kMaxKvEventRequestBytes = 4 << 10;
+// Sets ZMQ_MAXMSGSIZE on `socket` (and ZMQ_LINGER 0: nothing waits at close).
+void BoundZmqSocket(void* socket, int64_t max_message_bytes);
+
 struct KvEvent {
     enum class Kind { kStored, kRemoved, kAllCleared };
     Kind kind = Kind::kStored;

@@ -23,6 +23,8 @@
 #include "router/kv_index.h"
 #include "router/membership.h"
 #include "router/protocol.h"
+#include "router/quarantine.h"
+#include "testing/zmtp_liar.h"
 
 namespace ferry::router {
 namespace {
@@ -1092,6 +1094,74 @@ TEST(RouterKvEvents, TheFollowerReplaysGapsAndForgetsARestartedWorker) {
     // Dropped from the set: its blocks are forgotten.
     follower->SetWorkers({});
     ASSERT_TRUE(Until([&] { return index->Blocks("w") == 0 && !in_sync(); }));
+}
+
+// This process's resident set (bytes), from /proc/self/status.
+size_t SelfRss() {
+    FILE* f = std::fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t kb = 0;
+    while (std::fgets(line, sizeof line, f)) {
+        if (std::sscanf(line, "VmRSS: %zu kB", &kb) == 1) break;
+    }
+    std::fclose(f);
+    return kb << 10;
+}
+
+// The follower's SUB socket subscribes to whatever endpoint a worker record names: a "worker"
+// that declares a 16 GiB frame is cut off on the header (ZMQ_MAXMSGSIZE), and the router holds
+// nothing of it.
+TEST(RouterKvEvents, APublisherThatDeclaresAHugeFrameIsCutOff) {
+    auto index = std::make_shared<KvIndex>();
+    auto follower = KvEventFollower::Start(index, [](const std::string&, bool) {});
+    const size_t rss0 = SelfRss();
+    testing::LyingZmtpServer liar("PUB", 16ull << 30, 256ull << 20);
+    follower->SetWorkers({{"w", {fmt::format("tcp://127.0.0.1:{}", liar.port()), ""}}});
+    liar.Join();
+    EXPECT_TRUE(liar.result().handshake);
+    EXPECT_TRUE(liar.result().cut);
+    EXPECT_LT(liar.result().accepted, 64ull << 20);
+    EXPECT_LT(SelfRss(), rss0 + (64u << 20));
+    EXPECT_EQ(index->Blocks("w"), 0u);
+}
+
+// A worker that timed out stays out until it answers a probe (GET /health), which a read
+// triggers without waiting for it; then its on_back runs.
+TEST(RouterQuarantine, AWorkerIsOutUntilItAnswersAProbe) {
+    auto client = http::Client::Create(1);
+    std::atomic<bool> healthy{false};
+    std::atomic<int> probes{0};
+    auto server =
+        http::Server::Start({}, {{"GET", "/health", [&](std::shared_ptr<http::Exchange> ex) {
+                                      ++probes;
+                                      if (healthy) ex->Reply({200, "application/json", "{}", {}});
+                                      // else: no answer (a stuck worker)
+                                  }}});
+    ASSERT_TRUE(server.ok());
+    const http::Endpoint ep{"127.0.0.1", uint16_t((*server)->port())};
+    const http::Endpoint other{"127.0.0.1", 1};
+    Quarantine q(client.get(), {std::chrono::milliseconds(100), std::chrono::milliseconds(300)});
+    std::atomic<int> back{0};
+    q.Add(ep, [&] { ++back; });
+    q.Add(ep, [&] { back += 100; });  // already in: its first on_back stays
+    EXPECT_EQ(q.size(), 1u);
+    EXPECT_TRUE(q.Contains(ep));
+    EXPECT_FALSE(q.Contains(other));
+    EXPECT_EQ(q.Filter({other, ep}).size(), 1u);
+    // Probed while it does not answer: still out.
+    ASSERT_TRUE(Until([&] {
+        q.Probe();
+        return probes >= 2;
+    }));
+    EXPECT_TRUE(q.Contains(ep));
+    EXPECT_EQ(back, 0);
+    healthy = true;
+    ASSERT_TRUE(Until([&] { return !q.Contains(ep); }));
+    EXPECT_EQ(back, 1);
+    EXPECT_EQ(q.added(), 1u);
+    EXPECT_EQ(q.released(), 1u);
+    (*server)->Stop();
 }
 
 }  // namespace

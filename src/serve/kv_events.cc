@@ -134,19 +134,21 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig
     p->ctx_ = zmq_ctx_new();
     if (!p->ctx_) return InternalError("kv events: zmq_ctx_new failed");
     p->pub_ = zmq_socket(p->ctx_, ZMQ_PUB);
-    int hwm = 100000, linger = 0;
+    int hwm = 100000;
     zmq_setsockopt(p->pub_, ZMQ_SNDHWM, &hwm, sizeof hwm);
-    zmq_setsockopt(p->pub_, ZMQ_LINGER, &linger, sizeof linger);
+    // What subscribers send it (subscriptions) is a few bytes: a peer that declares more is cut.
+    router::BoundZmqSocket(p->pub_, router::kMaxKvEventRequestBytes);
     // vLLM's convention: bind a wildcard or local transport, connect to anything else.
     const std::string& ep = c.endpoint;
-    const bool bind = ep.find('*') != std::string::npos || ep.find("::") != std::string::npos ||
-                      ep.rfind("ipc://", 0) == 0 || ep.rfind("inproc://", 0) == 0;
+    const bool bind = c.bind || ep.find('*') != std::string::npos ||
+                      ep.find("::") != std::string::npos || ep.rfind("ipc://", 0) == 0 ||
+                      ep.rfind("inproc://", 0) == 0;
     if (!bind && ep.size() > 2 && ep.compare(ep.size() - 2, 2, ":0") == 0) {
         // zmq_connect would accept it and retry forever: nothing listens on port 0.
         return InvalidArgumentError(fmt::format(
             "--kv-events-endpoint '{}': an address without '*' is connected to (vLLM's rule), "
-            "and port 0 is only for binding; to bind any port on this address give "
-            "tcp://*:0",
+            "and port 0 is only for binding; to bind it give --kv-events-bind (or tcp://*:0 "
+            "for every interface)",
             ep));
     }
     if ((bind ? zmq_bind(p->pub_, ep.c_str()) : zmq_connect(p->pub_, ep.c_str())) != 0) {
@@ -154,9 +156,17 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig
             fmt::format("--kv-events-endpoint '{}': {}", ep, zmq_strerror(zmq_errno())));
     }
     p->bound_endpoint_ = bind ? LastEndpoint(p->pub_) : ep;
+    p->connected_ = !bind;
+    if (!bind) {
+        // vLLM's rule, and easy to misread: this worker dials out to whoever listens there.
+        FERRY_LOG(kInfo,
+                  "kv events: connecting to {} (an address without '*' is dialed, not bound: "
+                  "the subscriber listens there; --kv-events-bind binds it instead)",
+                  ep);
+    }
     if (!c.replay_endpoint.empty()) {
         p->replay_ = zmq_socket(p->ctx_, ZMQ_ROUTER);
-        zmq_setsockopt(p->replay_, ZMQ_LINGER, &linger, sizeof linger);
+        router::BoundZmqSocket(p->replay_, router::kMaxKvEventRequestBytes);
         if (zmq_bind(p->replay_, c.replay_endpoint.c_str()) != 0) {
             return InvalidArgumentError(fmt::format("--kv-events-replay-endpoint '{}': {}",
                                                     c.replay_endpoint, zmq_strerror(zmq_errno())));
@@ -242,6 +252,19 @@ void KvEventPublisher::Loop() {
             }
             std::string payload =
                 EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
+            if (int64_t(payload.size()) > router::kMaxKvEventBatchBytes &&
+                batch.second.size() > 1) {
+                // Larger than a subscriber takes: two batches, in order.
+                const auto half = batch.second.begin() + long(batch.second.size() / 2);
+                std::vector<kv::KvCacheEvent> first(std::make_move_iterator(batch.second.begin()),
+                                                    std::make_move_iterator(half));
+                std::vector<kv::KvCacheEvent> second(std::make_move_iterator(half),
+                                                     std::make_move_iterator(batch.second.end()));
+                std::lock_guard lock(mu_);
+                queue_.emplace_front(batch.first, std::move(second));
+                queue_.emplace_front(batch.first, std::move(first));
+                continue;
+            }
             const uint64_t seq = next_seq_++;
             const bool sent = Send(pub_, config_.topic, true) &&
                               Send(pub_, router::KvEventSeqBytes(int64_t(seq)), true) &&

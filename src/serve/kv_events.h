@@ -47,7 +47,8 @@ Result<KvEventsLayout> ParseKvEventsLayout(std::string_view name);
 
 struct KvEventsConfig {
     std::string endpoint;         // PUB: "tcp://*:5557" binds (a '*', "::", ipc:// or inproc://)
-                                  // as vLLM does; any other address is connected to
+                                  // as vLLM does; any other address is connected to, unless
+    bool bind = false;            // this says to bind it (one interface: "tcp://10.0.0.5:5557")
     std::string replay_endpoint;  // ROUTER, bound ("" = no replay)
     std::string topic;            // vLLM's default: ""
     KvEventsLayout layout = KvEventsLayout::kVllm;
@@ -80,6 +81,8 @@ class KvEventPublisher {
     KvEventsStats Stats() const;
     // Where the sockets are (with the port a "tcp://*:0" endpoint got).
     const std::string& endpoint() const { return bound_endpoint_; }
+    // The PUB socket connects to endpoint() (vLLM's rule for an address without '*').
+    bool connected() const { return connected_; }
     const std::string& replay_endpoint() const { return bound_replay_; }
 
   private:
@@ -93,6 +96,7 @@ class KvEventPublisher {
     void* pub_ = nullptr;
     void* replay_ = nullptr;
     std::string bound_endpoint_, bound_replay_;
+    bool connected_ = false;
     std::thread thread_;
     int wake_fd_ = -1;  // an eventfd: Publish and the destructor wake the thread's zmq_poll
     mutable std::mutex mu_;

@@ -74,7 +74,9 @@ Status ServerProcess::Launch(std::chrono::milliseconds timeout) {
     // Read lines until the listening line, remembering the agent line.
     std::string rest = line;
     auto until = std::chrono::steady_clock::now() + timeout;
+    startup_.clear();
     for (;;) {
+        startup_.push_back(rest);
         if (rest.find("kv agent ") != std::string::npos) {
             agent_ = rest.substr(rest.find("kv agent ") + 9);
         }

@@ -43,6 +43,8 @@ class ServerProcess {
     int port() const { return port_; }
     // The agent line of a worker ("NAME at HOST:PORT"), empty for a colocated worker or a proxy.
     const std::string& agent() const { return agent_; }
+    // What it printed up to its listening line.
+    const std::vector<std::string>& startup_lines() const { return startup_; }
     pid_t pid() const { return child_.pid(); }
     void Kill() { child_.Kill(); }
     bool Stop() const { return child_.Stop(); }  // SIGSTOP, all threads stopped
@@ -71,6 +73,7 @@ class ServerProcess {
     ChildProcess child_;
     int port_ = 0;
     std::string agent_;
+    std::vector<std::string> startup_;
 };
 
 }  // namespace ferry::testing

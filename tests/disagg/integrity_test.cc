@@ -20,6 +20,7 @@
 #include "http/http.h"
 #include "testing/images.h"
 #include "testing/testing.h"
+#include "testing/zmtp_liar.h"
 
 namespace ferry {
 namespace {
@@ -425,6 +426,52 @@ TEST_F(Integrity, RequestsWhoseClientsLeftAreDroppedWhereTheyWait) {
     // At most the image being decoded when the clients left (the check is between images), and
     // the honest request's.
     EXPECT_LE(worker->Metric("ferry_mm_images_total"), 2);
+}
+
+// The KV-event sockets bound what a peer may send (ZMQ_MAXMSGSIZE): a peer that reaches the PUB
+// or the replay port and declares a 16 GiB frame is cut off on the header, and the worker holds
+// nothing of it. --kv-events-bind binds one interface (vLLM's rule would dial it).
+TEST_F(Integrity, KvEventSocketsCutAPeerThatDeclaresAHugeFrame) {
+    auto worker =
+        StartOrDie(WorkerArgs("colocated", "", 1,
+                              {"--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-bind",
+                               "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"}));
+    ASSERT_TRUE(worker);
+    int pub = 0, replay = 0;
+    for (const std::string& line : worker->startup_lines()) {
+        if (line.find("kv events at tcp://127.0.0.1:") == std::string::npos) continue;
+        pub = std::stoi(line.substr(line.find("127.0.0.1:") + 10));
+        replay = std::stoi(line.substr(line.rfind("127.0.0.1:") + 10));
+    }
+    ASSERT_GT(pub, 0);
+    ASSERT_GT(replay, 0);
+    ASSERT_NE(pub, replay);
+    const size_t rss0 = testing::RssBytes(worker->pid());
+    const uint64_t declared = 16ull << 30, sent = testing::kSanitized ? 128ull << 20 : 512ull << 20;
+    for (auto [port, type] : {std::pair{pub, "SUB"}, std::pair{replay, "DEALER"}}) {
+        const testing::ZmtpLie lie = testing::LieToZmtpServer(port, type, declared, sent);
+        EXPECT_TRUE(lie.handshake) << type;
+        EXPECT_TRUE(lie.cut) << type;
+        EXPECT_LT(lie.accepted, 64ull << 20) << type;
+    }
+    const size_t rss1 = testing::RssBytes(worker->pid());
+    EXPECT_LT(rss1, rss0 + (64u << 20)) << rss0 << " -> " << rss1;
+    // It still serves, and still publishes.
+    const Answer a = SendAll(worker->port(), {CompletionBody(RandomPrompt(40, 1), 2, false)})[0];
+    EXPECT_EQ(a.status, 200) << a.body;
+    EXPECT_TRUE(
+        testing::WaitUntil([&] { return worker->Metric("ferry_kv_events_batches_total") >= 1; },
+                           std::chrono::seconds(20)));
+
+    // An address without '*' and without --kv-events-bind is dialed (vLLM's rule), and says so.
+    auto dialing = StartOrDie(WorkerArgs(
+        "colocated", "", 1, {"--kv-events-endpoint", fmt::format("tcp://127.0.0.1:{}", pub)}));
+    ASSERT_TRUE(dialing);
+    bool said = false;
+    for (const std::string& line : dialing->startup_lines()) {
+        said |= line.find("kv events connecting to tcp://127.0.0.1:") != std::string::npos;
+    }
+    EXPECT_TRUE(said);
 }
 
 }  // namespace
