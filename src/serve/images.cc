@@ -77,6 +77,11 @@ Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad,
             if (!saved.ok()) {
                 *bad = {fmt::format("{}: {}", part.param, saved.message()), part.param,
                         "encoder_busy"};
+                // Every slot leased is this worker's capacity, not the client's doing: 503 (as
+                // docs/disaggregation.md says), not 429.
+                if (saved.code() == Code::kResourceExhausted) {
+                    return UnavailableError(saved.message());
+                }
                 return saved.code() == Code::kInvalidArgument ? InternalError(saved.message())
                                                               : saved;
             }

@@ -474,5 +474,35 @@ TEST_F(Integrity, KvEventSocketsCutAPeerThatDeclaresAHugeFrame) {
     EXPECT_TRUE(said);
 }
 
+// An encode worker whose every slot is leased to consumers that have not pulled yet answers 503
+// (its capacity, as documented), not 429 (a client's rate), and says why.
+TEST_F(Integrity, AnEncodeWorkerWithEverySlotLeasedAnswers503) {
+    auto encode =
+        StartOrDie(Args("encode", "tcp", {"--ec-connector", "transfer", "--ec-buffer-mib", "1"}));
+    ASSERT_TRUE(encode);
+    const double slots = encode->Metric("ferry_ec_slots");
+    ASSERT_GT(slots, 8);
+    int status = 0, sent_images = 0;
+    std::string body;
+    for (int r = 0; sent_images <= slots + 8; ++r) {
+        Json content = Json::array();
+        for (int j = 0; j < 8; ++j, ++sent_images) {
+            content.push_back(
+                {{"type", "image_url"},
+                 {"image_url", {{"url", testing::RandomPngUrl(8, 8, 20000 + sent_images)}}}});
+        }
+        const Json b = {{"messages", {{{"role", "user"}, {"content", content}}}},
+                        {"max_tokens", 1}};
+        auto got = http::Fetch(Post(encode->port(), b, "/v1/chat/completions"));
+        ASSERT_TRUE(got.ok());
+        status = got->status;
+        body = got->body;
+        if (status != 200) break;
+    }
+    EXPECT_EQ(status, 503) << body;
+    EXPECT_NE(body.find("leased"), std::string::npos) << body;
+    EXPECT_EQ(encode->Metric("ferry_ec_save_refused_total"), 1);
+}
+
 }  // namespace
 }  // namespace ferry
