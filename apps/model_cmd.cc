@@ -255,6 +255,13 @@ void AddServeCommand(CLI::App& app, int* rc) {
     serve->add_option("--max-connections", sc.max_connections, "concurrent HTTP connections")
         ->check(CLI::Range(1, 65536))
         ->capture_default_str();
+    static uint64_t max_inflight_body_mib = 256;
+    serve
+        ->add_option("--max-inflight-body-mib", max_inflight_body_mib,
+                     "request bodies held at once, over all connections, with the copies of "
+                     "their images that wait for the encoder; more get 503")
+        ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20))
+        ->capture_default_str();
     static int64_t request_deadline_ms = 10000;
     serve
         ->add_option("--request-deadline-ms", request_deadline_ms,
@@ -474,6 +481,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
             if (!ep.ok()) return fail(ep.status().WithContext("--remote-prefill"));
             sc.remote_prefill.push_back(*ep);
         }
+        sc.max_inflight_body_bytes = size_t(max_inflight_body_mib) << 20;
         sc.encoder_timeout = std::chrono::milliseconds(encoder_timeout_ms);
         sc.remote_prefill_timeout = std::chrono::milliseconds(remote_prefill_timeout_ms);
         sc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);

@@ -76,6 +76,15 @@ class Exchange {
     virtual bool closed() const = 0;
     // Bytes queued and not yet written (a stream's backpressure).
     virtual size_t pending_bytes() const = 0;
+    // Counts `bytes` more against the server's body budget (ServerConfig::
+    // max_inflight_body_bytes) for as long as the request's body is: copies of it a handler
+    // keeps while the request waits. False, with nothing taken, if that would pass the budget
+    // (the handler should answer 503). Released with the body's own bytes: when the reply is
+    // out, or when the last holder of the exchange lets it go (a client that left).
+    virtual bool ReserveBody(size_t bytes) {
+        (void)bytes;
+        return true;
+    }
 };
 
 using Handler = std::function<void(std::shared_ptr<Exchange>)>;
@@ -105,8 +114,9 @@ struct ServerConfig {
     // servers whose clients authenticate, so unauthenticated sockets do not linger.
     std::chrono::milliseconds first_request_deadline{0};
     // Bytes of request bodies being read or handled, over all connections (the Content-Length,
-    // or the route's limit for a chunked body, counts from the moment the head is in): a
-    // request over it gets 503 before its body is read.
+    // or the route's limit for a chunked body, counts from the moment the head is in until the
+    // reply is out, or until its exchange is let go when the client left first; with what
+    // handlers add, Exchange::ReserveBody): a request over it gets 503 before its body is read.
     size_t max_inflight_body_bytes = 256u << 20;
     // The body of a refusal the server makes itself (400, 404, 405, 413, 503): default JSON
     // {"error": {"message": ...}}.

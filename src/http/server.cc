@@ -120,8 +120,29 @@ const std::string* FindHeader(const std::vector<Header>& headers, std::string_vi
 
 class Session;
 
+// Bytes of request bodies held, over all connections (ServerConfig::max_inflight_body_bytes).
+// Shared with the exchanges, which may outlive their connection (a queued job holds one).
+struct BodyBudget {
+    const size_t limit;
+    std::atomic<size_t> used{0};
+    explicit BodyBudget(size_t limit) : limit(limit) {}
+    // Takes `n` bytes unless that would pass the limit (then false; `*now` what was in use).
+    bool Take(size_t n, size_t* now = nullptr) {
+        size_t cur = used.load();
+        do {
+            if (cur + n > limit) {
+                if (now) *now = cur;
+                return false;
+            }
+        } while (!used.compare_exchange_weak(cur, cur + n));
+        return true;
+    }
+    void Give(size_t n) { used -= n; }
+};
+
 struct Server::Impl {
     ServerConfig cfg;
+    std::shared_ptr<BodyBudget> budget;
     std::vector<Route> routes;
     int port = 0;
     std::atomic<bool> stopping{false};
@@ -129,7 +150,6 @@ struct Server::Impl {
     std::map<Session*, std::weak_ptr<Session>> sessions;
     std::atomic<uint64_t> open{0}, accepted{0}, refused{0}, requests{0}, timed_out{0}, too_large{0},
         busy{0};
-    std::atomic<size_t> inflight_body{0};
     // Declared last, destroyed first: sessions still queued in it go while the rest is alive.
     asio::io_context ioc;
     std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
@@ -254,16 +274,14 @@ class Session : public std::enable_shared_from_this<Session> {
         // The body budget: what this body may take, from now until the reply is out.
         size_t want = len ? static_cast<size_t>(*len) : (parser_->chunked() ? limit : 0);
         if (want > 0) {
-            size_t cur = server_->inflight_body.load();
-            do {
-                if (cur + want > server_->cfg.max_inflight_body_bytes) {
-                    ++server_->busy;
-                    keep_alive_ = false;
-                    return Refuse(503, fmt::format("busy: {} bytes of request bodies are in "
-                                                   "flight (at most {}); retry later",
-                                                   cur, server_->cfg.max_inflight_body_bytes));
-                }
-            } while (!server_->inflight_body.compare_exchange_weak(cur, cur + want));
+            size_t cur = 0;
+            if (!server_->budget->Take(want, &cur)) {
+                ++server_->busy;
+                keep_alive_ = false;
+                return Refuse(503, fmt::format("busy: {} bytes of request bodies are in "
+                                               "flight (at most {}); retry later",
+                                               cur, server_->cfg.max_inflight_body_bytes));
+            }
             body_reserved_ = want;
         }
         bhttp::async_read(
@@ -335,13 +353,16 @@ class Session : public std::enable_shared_from_this<Session> {
                           });
     }
 
+    // The body's reservation while it is being read (once a handler has it, its exchange holds
+    // it: Ex::ReleaseBudget).
     void ReleaseBody() {
-        if (body_reserved_ > 0) server_->inflight_body -= body_reserved_;
+        if (body_reserved_ > 0) server_->budget->Give(body_reserved_);
         body_reserved_ = 0;
     }
 
     void AfterReply() {
         ReleaseBody();
+        ReleaseExchangeBudget();
         last_queued_ = false;
         replied_ = false;
         current_.reset();
@@ -357,6 +378,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   public:
     void Close();
+    void ReleaseExchangeBudget();  // the current exchange's body, once its reply is out
 
   private:
     Server::Impl* server_;
@@ -367,7 +389,7 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string remote_;
     SteadyClock::time_point deadline_;
     bool keep_alive_ = true;
-    size_t body_reserved_ = 0;  // of Impl::inflight_body
+    size_t body_reserved_ = 0;  // of Impl::budget, while the body is read
     std::shared_ptr<Ex> current_;
     // While an exchange is pending no I/O of ours may be outstanding (a handler answers later):
     // the session keeps itself alive until the reply is out or the connection closes.
@@ -383,6 +405,27 @@ class Session : public std::enable_shared_from_this<Session> {
 class Session::Ex : public Exchange {
   public:
     Ex(std::shared_ptr<Session> s, Request r) : session_(s), request_(std::move(r)) {}
+    ~Ex() override { ReleaseBudget(); }
+
+    void HoldBudget(std::shared_ptr<BodyBudget> budget, size_t bytes) {
+        budget_ = std::move(budget);
+        held_ = bytes;
+    }
+    bool ReserveBody(size_t bytes) override {
+        if (!budget_ || bytes == 0) return true;
+        std::lock_guard lock(budget_mu_);
+        if (released_ || !budget_->Take(bytes)) return false;
+        held_ += bytes;
+        return true;
+    }
+    // Once: the reply is out, or the exchange goes.
+    void ReleaseBudget() {
+        std::lock_guard lock(budget_mu_);
+        if (released_ || !budget_) return;
+        released_ = true;
+        budget_->Give(held_);
+        held_ = 0;
+    }
 
     const Request& request() const override { return request_; }
 
@@ -451,6 +494,13 @@ class Session::Ex : public Exchange {
     void MarkFinished() { finished_ = true; }
 
   private:
+    std::mutex budget_mu_;
+    std::shared_ptr<BodyBudget> budget_;
+    size_t held_ = 0;
+    bool released_ = false;
+
+  public:
+  private:
     void Post(std::string bytes, bool last, bool close_after = false) {
         auto s = session_.lock();
         if (!s) return;
@@ -489,6 +539,10 @@ void Session::OnBody(beast::error_code ec) {
     req.remote = remote_;
     keep_alive_ = msg.keep_alive();
     auto ex = std::make_shared<Ex>(shared_from_this(), std::move(req));
+    // The body's bytes stay counted while the exchange holds them: until the reply is out, or,
+    // for a client that left, until whatever still holds the exchange (a queued job) lets go.
+    ex->HoldBudget(server_->budget, body_reserved_);
+    body_reserved_ = 0;
     current_ = ex;
     hold_ = shared_from_this();
     WatchClose();
@@ -499,6 +553,10 @@ void Session::OnBody(beast::error_code ec) {
     } catch (...) {
         ex->Reply(server_->ErrorReply(500, "internal error"));
     }
+}
+
+void Session::ReleaseExchangeBudget() {
+    if (current_) current_->ReleaseBudget();
 }
 
 void Session::Enqueue(std::string bytes, bool last) {
@@ -577,6 +635,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerConfig cfg, std::vector<Rout
     auto impl = std::make_shared<Impl>();
     impl->cfg = std::move(cfg);
     impl->routes = std::move(routes);
+    impl->budget = std::make_shared<BodyBudget>(impl->cfg.max_inflight_body_bytes);
     const ServerConfig& c = impl->cfg;
     beast::error_code ec;
     std::string host = c.host == "localhost" ? "127.0.0.1" : c.host;
@@ -617,7 +676,7 @@ ServerStats Server::Stats() const {
     s.timed_out = impl_->timed_out;
     s.too_large = impl_->too_large;
     s.busy = impl_->busy;
-    s.inflight_body_bytes = impl_->inflight_body;
+    s.inflight_body_bytes = impl_->budget->used;
     return s;
 }
 

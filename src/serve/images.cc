@@ -107,6 +107,18 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
                                 "messages", "too_many_images"},
                                rid));
     }
+    // The images' URLs are copies of the body's bytes (a data: URL is most of it), kept while
+    // the request waits: counted in the body budget with the body itself.
+    size_t copies = 0;
+    for (const model::ImagePart& part : pr.images) copies += part.url.size();
+    if (!ex->ReserveBody(copies)) {
+        ++image_metrics.busy;
+        return ex->Reply(Error(503,
+                               {"busy: the request bodies this server holds are at their "
+                                "budget (--max-inflight-body-mib); retry later",
+                                "", "server_busy"},
+                               rid));
+    }
     if (!config.encoder_urls.empty() && !pr.ec_source && config.ec_connector &&
         !config.encode_only) {
         // Encode workers that timed out are left out until they answer again; with none left

@@ -247,6 +247,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     hc.io_threads = config.io_threads;
     hc.max_connections = static_cast<size_t>(config.max_connections);
     hc.max_body_bytes = config.max_body_bytes;
+    hc.max_inflight_body_bytes = config.max_inflight_body_bytes;
     hc.request_deadline = config.request_deadline;
     Impl* p = impl.get();
     hc.error_reply = [p](int status, const std::string& message) {

@@ -35,6 +35,9 @@ struct ServerConfig {
     int max_connections = 65536;    // open connections at most
     int io_threads = 0;             // 0: one per core, 1..4
     size_t max_body_bytes = 16u << 20;
+    // Request bodies held at once (http::ServerConfig::max_inflight_body_bytes), with the
+    // copies of image URLs that requests keep while they wait for the encoder.
+    size_t max_inflight_body_bytes = 256u << 20;
     // A connection must deliver a complete request within this long of connecting or of its
     // previous response, else it is closed (slowloris).
     std::chrono::milliseconds request_deadline{10000};

@@ -172,6 +172,11 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         http::ServerStats hs = server->Stats();
         gauge("ferry_http_connections_open", "Open HTTP connections.", double(hs.connections_open));
         counter("ferry_http_requests_total", "HTTP requests read.", double(hs.requests));
+        gauge("ferry_http_inflight_body_bytes",
+              "Request bodies held now (and the image copies of those waiting), of the budget.",
+              double(hs.inflight_body_bytes));
+        counter("ferry_http_busy_total", "Requests refused (503): the body budget was spent.",
+                double(hs.busy));
         counter("ferry_http_timed_out_total",
                 "Connections closed for not sending a whole request in time.",
                 double(hs.timed_out));

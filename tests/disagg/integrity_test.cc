@@ -11,10 +11,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "disagg/epd_harness.h"
 #include "http/http.h"
@@ -388,24 +390,33 @@ int SendAndLeave(int port, const std::string& path, const std::string& body) {
 // Clients that send requests with many large images and leave all at once cost nothing more than
 // what had started: their requests are dropped from the media queue (and between images), so an
 // honest request behind them waits for its own work only.
+// A chat body of `images` copies of one image URL.
+Json ImagesBody(const std::string& url, int images) {
+    Json content = Json::array();
+    for (int j = 0; j < images; ++j) {
+        content.push_back({{"type", "image_url"}, {"image_url", {{"url", url}}}});
+    }
+    content.push_back({{"type", "text"}, {"text", "describe"}});
+    return {{"messages", {{{"role", "user"}, {"content", content}}}},
+            {"max_tokens", 4},
+            {"stream", false}};
+}
+
+// A PNG near the pixel limit (16 Mi) and small on the wire: it takes a while to decode.
+std::string SlowPngUrl() {
+    const int side = 4000;
+    std::vector<uint8_t> px(size_t(side) * side * 3);
+    for (size_t i = 0; i < px.size(); ++i) {
+        px[i] = uint8_t((i / 3 / 64 + i / 3 / side / 64) % 2 * 200);
+    }
+    return testing::DataUrl("image/png", testing::Png(side, side, PNG_FORMAT_RGB, px));
+}
+
 TEST_F(Integrity, RequestsWhoseClientsLeftAreDroppedWhereTheyWait) {
     auto worker = StartOrDie(Args("colocated", ""));
     ASSERT_TRUE(worker);
-    // Near the pixel limit (16 Mi) and small on the wire: each takes a while to decode.
-    const int side = 4000, images = 2, requests = testing::kSanitized ? 4 : 8;
-    std::vector<uint8_t> px(size_t(side) * side * 3);
-    for (size_t i = 0; i < px.size(); ++i)
-        px[i] = uint8_t((i / 3 / 64 + i / 3 / side / 64) % 2 * 200);
-    const std::string big =
-        testing::DataUrl("image/png", testing::Png(side, side, PNG_FORMAT_RGB, px));
-    px = {};
-    Json content = Json::array();
-    for (int j = 0; j < images; ++j) {
-        content.push_back({{"type", "image_url"}, {"image_url", {{"url", big}}}});
-    }
-    content.push_back({{"type", "text"}, {"text", "describe"}});
-    const Json b = {{"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", 4}};
-    const std::string text = b.dump();
+    const int images = 2, requests = testing::kSanitized ? 4 : 8;
+    const std::string text = ImagesBody(SlowPngUrl(), images).dump();
     std::vector<int> fds;
     for (int i = 0; i < requests; ++i) {
         fds.push_back(SendAndLeave(worker->port(), "/v1/chat/completions", text));
@@ -502,6 +513,50 @@ TEST_F(Integrity, AnEncodeWorkerWithEverySlotLeasedAnswers503) {
     EXPECT_EQ(status, 503) << body;
     EXPECT_NE(body.find("leased"), std::string::npos) << body;
     EXPECT_EQ(encode->Metric("ferry_ec_save_refused_total"), 1);
+}
+
+// What a request with images keeps while it waits for the encoder (its body, and the copies of
+// its images' URLs) counts in the body budget: behind a busy encoder, a 64 MiB budget holds
+// three requests of 10 MiB of images (20 MiB each), not six, and the rest get 503 naming it.
+TEST_F(Integrity, ImageCopiesCountInTheBodyBudgetWhileTheyWait) {
+    auto worker = StartOrDie(Args("colocated", "", {"--max-inflight-body-mib", "64"}));
+    ASSERT_TRUE(worker);
+    const std::string slow = SlowPngUrl();
+    // ~7.4 MB of random pixels: ~10 MB of base64.
+    const std::string large = testing::RandomPngUrl(1570, 1570, 77);
+    ASSERT_GT(large.size(), 9u << 20);
+    std::vector<Json> bodies;
+    for (int i = 0; i < 3; ++i) bodies.push_back(ImagesBody(slow, 2));  // the encoder is busy
+    const int big = 8;
+    for (int i = 0; i < big; ++i) bodies.push_back(ImagesBody(large, 1));
+    std::atomic<double> peak{0};
+    std::atomic<bool> done{false};
+    std::thread sampler([&] {
+        while (!done) {
+            peak = std::max(peak.load(), worker->Metric("ferry_http_inflight_body_bytes"));
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+    });
+    const size_t rss0 = testing::RssBytes(worker->pid());
+    const std::vector<Answer> got = SendAll(worker->port(), bodies, int(bodies.size()));
+    done = true;
+    sampler.join();
+    int ok = 0, busy = 0;
+    for (size_t i = 3; i < got.size(); ++i) {
+        if (got[i].status == 200) ++ok;
+        if (got[i].status == 503) {
+            ++busy;
+            EXPECT_NE(got[i].body.find("busy"), std::string::npos) << got[i].body;
+        } else if (got[i].status == 0) {
+            ++busy;  // refused on its head (503 and close) while its body was still on the way
+        }
+    }
+    EXPECT_EQ(ok + busy, big);
+    EXPECT_LE(ok, 4);  // 64 MiB / (2 x 10 MiB), and one that got in after another finished
+    EXPECT_GE(busy, big - 4);
+    EXPECT_LE(peak.load(), double(64u << 20));
+    EXPECT_EQ(worker->Metric("ferry_http_inflight_body_bytes"), 0);  // all given back
+    EXPECT_LT(testing::RssBytes(worker->pid()), rss0 + (320u << 20));
 }
 
 }  // namespace
