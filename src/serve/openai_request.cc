@@ -100,12 +100,82 @@ void CheckModel(Fields* f, const std::string& model_name) {
     }
 }
 
+// Fields of the OpenAI API (and vLLM's extensions) that ferry does not implement: a request
+// that sets one to anything but its no-op value is refused naming it, rather than answered as
+// if it had not been asked (docs/inference.md lists them). Unknown fields are ignored, as vLLM
+// and SGLang do.
+struct Unimplemented {
+    const char* field;
+    const char* why;
+    bool (*asks)(const Json& v);  // whether this value asks for something (null: never)
+};
+bool NonEmpty(const Json& v) {
+    return !v.is_null() && !(v.is_array() && v.empty()) && !(v.is_object() && v.empty()) &&
+           !(v.is_string() && v.get<std::string>().empty()) && !(v.is_boolean() && !v.get<bool>());
+}
+bool NotText(const Json& v) {  // response_format: {"type": "text"} is the default
+    return !v.is_null() && !(v.is_object() && v.contains("type") && v["type"] == "text");
+}
+bool NotNoneOrAuto(const Json& v) {  // tool_choice without tools
+    return !v.is_null() && v != "none" && v != "auto";
+}
+bool NotOne(const Json& v) { return !v.is_null() && !(v.is_number() && v.get<double>() == 1); }
+bool NotZero(const Json& v) { return !v.is_null() && !(v.is_number() && v.get<double>() == 0); }
+bool NotTrue(const Json& v) { return !v.is_null() && v != true; }
+bool NotTextOnly(const Json& v) {  // modalities: ["text"] is the default
+    return !v.is_null() && v != Json::array({"text"});
+}
+bool OverOne(const Json& v) { return !v.is_null() && !(v.is_number() && v.get<double>() <= 1); }
+constexpr Unimplemented kUnimplemented[] = {
+    {"response_format", "structured output (JSON mode, JSON schema) is not implemented", NotText},
+    {"tools", "tool calling is not implemented", NonEmpty},
+    {"tool_choice", "tool calling is not implemented", NotNoneOrAuto},
+    {"functions", "function calling is not implemented", NonEmpty},
+    {"function_call", "function calling is not implemented", NotNoneOrAuto},
+    {"logit_bias", "logit bias is not implemented", NonEmpty},
+    {"best_of", "best_of above 1 is not implemented", OverOne},
+    {"use_beam_search", "beam search is not implemented", NonEmpty},
+    {"min_p", "min_p sampling is not implemented (only 0)", NotZero},
+    {"repetition_penalty", "repetition_penalty is not implemented (only 1)", NotOne},
+    {"length_penalty", "length_penalty is not implemented (only 1)", NotOne},
+    {"min_tokens", "min_tokens is not implemented (only 0)", NotZero},
+    {"guided_json", "guided decoding is not implemented", NonEmpty},
+    {"guided_regex", "guided decoding is not implemented", NonEmpty},
+    {"guided_choice", "guided decoding is not implemented", NonEmpty},
+    {"guided_grammar", "guided decoding is not implemented", NonEmpty},
+    {"structured_outputs", "structured output is not implemented", NonEmpty},
+    {"prompt_logprobs", "prompt logprobs are not implemented", NonEmpty},
+    {"allowed_token_ids", "allowed_token_ids is not implemented", NonEmpty},
+    {"bad_words", "bad_words is not implemented", NonEmpty},
+    {"logits_processors", "logits processors are not implemented", NonEmpty},
+    {"audio", "audio output is not implemented", NonEmpty},
+    {"modalities", "only text output is implemented", NotTextOnly},
+    {"prediction", "predicted outputs are not implemented", NonEmpty},
+    {"include_stop_str_in_output", "include_stop_str_in_output is not implemented", NonEmpty},
+    {"skip_special_tokens", "skip_special_tokens false is not implemented", NotTrue},
+    {"spaces_between_special_tokens", "spaces_between_special_tokens false is not implemented",
+     NotTrue},
+    {"truncate_prompt_tokens", "truncate_prompt_tokens is not implemented", NonEmpty},
+    {"lora_request", "LoRA adapters are not implemented", NonEmpty},
+};
+
+void RefuseUnimplemented(const Json& body, Fields* f) {
+    for (const Unimplemented& u : kUnimplemented) {
+        if (!f->ok()) return;
+        auto it = body.find(u.field);
+        if (it == body.end() || !u.asks(*it)) continue;
+        f->Fail(fmt::format("'{}' is not supported by this server: {}", u.field, u.why), u.field,
+                "unsupported_parameter");
+    }
+}
+
 // Fills `out` from a /v1/completions or /v1/chat/completions body.
 void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
                   const std::string& model_name, ParsedRequest* out, Fields* f,
                   const model::ImageTokens* image_tokens) {
     out->chat = chat;
     CheckModel(f, model_name);
+    RefuseUnimplemented(body, f);
     model::SamplingParams& sp = out->sampling;
     int64_t max_tokens = chat ? -1 : 16;
     f->Int("max_tokens", &max_tokens, 1, 1 << 30);

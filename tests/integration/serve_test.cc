@@ -169,6 +169,58 @@ TEST_F(ServeTest, ChatStreamStartsWithTheRoleAndEndsWithAFinishReason) {
     EXPECT_EQ(logprobs, 5);
 }
 
+// A field of the OpenAI API (or vLLM's) that ferry does not implement is refused naming it
+// when it asks for something (docs/inference.md), never answered as if it had not been asked; its
+// no-op values, and fields unknown to the API, are served.
+TEST_F(ServeTest, UnimplementedFieldsAreRefusedByNameAndTheirNoOpValuesServed) {
+    const std::vector<std::pair<std::string, std::string>> refused = {
+        {"response_format", R"({"type":"json_object"})"},
+        {"response_format", R"({"type":"json_schema","json_schema":{"name":"x","schema":{}}})"},
+        {"tools", R"([{"type":"function","function":{"name":"f","parameters":{}}}])"},
+        {"tool_choice", R"("required")"},
+        {"functions", R"([{"name":"f"}])"},
+        {"logit_bias", R"({"5":100})"},
+        {"best_of", "2"},
+        {"min_p", "0.1"},
+        {"repetition_penalty", "1.2"},
+        {"min_tokens", "3"},
+        {"guided_json", R"({"type":"object"})"},
+        {"guided_choice", R"(["a","b"])"},
+        {"structured_outputs", R"({"regex":"a+"})"},
+        {"prompt_logprobs", "1"},
+        {"allowed_token_ids", "[1,2]"},
+        {"bad_words", R"(["x"])"},
+        {"modalities", R"(["text","audio"])"},
+        {"include_stop_str_in_output", "true"},
+        {"skip_special_tokens", "false"},
+        {"use_beam_search", "true"},
+    };
+    for (const auto& [field, value] : refused) {
+        const std::string body =
+            R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":2,")" + field + R"(":)" +
+            value + "}";
+        auto r = Post("/v1/chat/completions", body);
+        ASSERT_TRUE(r) << body;
+        EXPECT_EQ(r->status, 400) << body;
+        Json j = Json::parse(r->body, nullptr, false);
+        ASSERT_TRUE(j.is_object()) << r->body;
+        EXPECT_EQ(j["error"]["param"], field) << r->body;
+        EXPECT_EQ(j["error"]["code"], "unsupported_parameter") << r->body;
+        EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr("'" + field + "'"));
+    }
+    const std::string served =
+        R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":2,)"
+        R"("response_format":{"type":"text"},"tools":[],"tool_choice":"none","logit_bias":{},)"
+        R"("repetition_penalty":1,"min_p":0,"skip_special_tokens":true,"modalities":["text"],)"
+        R"("best_of":1,"min_tokens":0,"user":"someone","metadata":{"k":"v"},"not_a_field":7})";
+    auto ok = Post("/v1/chat/completions", served);
+    ASSERT_TRUE(ok);
+    EXPECT_EQ(ok->status, 200) << ok->body;
+    auto completion = Post("/v1/completions", R"({"prompt":"hi","max_tokens":2,"best_of":3})");
+    ASSERT_TRUE(completion);
+    EXPECT_EQ(completion->status, 400) << completion->body;
+}
+
 TEST_F(ServeTest, BadRequestsGet400WithAnOpenAiErrorAndTheServerKeepsServing) {
     struct Case {
         std::string path, body, message;
