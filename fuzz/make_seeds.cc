@@ -148,6 +148,12 @@ int main(int argc, char** argv) {
             R"("See "},{"type":"image_url","image_url":{"url":"data:image/png;)"
             R"(base64,iVBORw0KGgo=","detail":"low"}},{"type":"text","text":)"
             R"(" and "},{"type":"image_url","image_url":{"url":"file:///a.png"}}]}]})");
+    Put(root + "/openai_request", "chat-images-ec",
+        std::string(1, 3) +
+            R"({"messages":[{"role":"user","content":[{"type":"image_url","image_url":)"
+            R"({"url":"data:image/png;base64,iVBORw0KGgo="}}]}],"ec_transfer_params":)"
+            R"({"engine_id":"ferry-encode-1","host":"127.0.0.1","port":7301,)"
+            R"("encoder":"0123456789abcdef0123456789abcdef"},"response_format":{"type":"text"}})");
     // tokenizer: first byte picks the pre-tokenizer.
     Put(root + "/tokenizer", "text", std::string(1, 1) + "Hello world's 1234567  abc\n\n x");
     Put(root + "/tokenizer", "unicode",

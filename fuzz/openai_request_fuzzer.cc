@@ -1,5 +1,6 @@
 // Request bodies of /v1/completions and /v1/chat/completions, parsed with a real tokenizer; the
 // first byte's bit 0 picks chat, bit 1 a worker that takes images (4 placeholder tokens each).
+// An accepted body's ec_transfer_params go through their own parser (serve/ec_connector.h).
 #include <unistd.h>
 
 #include <cstddef>
@@ -12,6 +13,7 @@
 #include "model/gguf.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#include "serve/ec_connector.h"
 #include "serve/openai_request.h"
 #include "test_tokenizer.h"
 
@@ -36,6 +38,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 if (out.prompt[im.token_offset + i] != 1) std::abort();
             }
             end = im.token_offset + 4;
+        }
+        if (!out.ec_transfer_params.is_null()) {
+            auto src = ferry::serve::ParseEcTransferParams(out.ec_transfer_params);
+            if (src.ok() && (src->engine_id.empty() || src->host.empty() || src->port < 1 ||
+                             src->port > 65535 || src->encoder.size() > 128)) {
+                std::abort();  // accepted params are whole and in range
+            }
+            if (!src.ok() && src.status().message().empty()) std::abort();
         }
     } else if (error.message.empty()) {
         std::abort();  // every refusal says why
