@@ -204,6 +204,12 @@ struct KvEventFollower::Worker {
     std::optional<uint64_t> replayed;
     uint64_t replay_from = 0;
     bool in_sync = false;
+    // A worker's replays take at most a quarter of the follower's time: each may wait up to
+    // the replay timeout on this (the only) follower thread, so a worker whose every batch is a
+    // gap or a restart (lying, or broken) and whose replays are slow would otherwise stall every
+    // other worker's events. After a replay that took d, the next is at least 3d later; a gap
+    // before then clears the worker's blocks instead (under-credit, never stale credit).
+    std::chrono::steady_clock::time_point next_replay{};
     ~Worker() {
         if (sub) zmq_close(sub);
     }
@@ -313,7 +319,17 @@ void KvEventFollower::Loop() {
             w.last.reset();
         }
         const uint64_t from = w.last ? *w.last + 1 : 0;
-        if (!Replay(w, from)) {
+        const auto start = std::chrono::steady_clock::now();
+        bool replayed = false;
+        if (start >= w.next_replay) {
+            replayed = Replay(w, from);
+            const auto end = std::chrono::steady_clock::now();
+            w.next_replay = end + 3 * (end - start);
+        } else {
+            std::lock_guard lock(mu_);
+            ++stats_.replays_deferred;
+        }
+        if (!replayed) {
             std::lock_guard lock(mu_);
             ++stats_.cleared;
             index_->Clear(w.key);  // it may have missed removals: forget, under-credit

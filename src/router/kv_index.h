@@ -81,6 +81,7 @@ class KvIndex {
 struct KvFollowerStats {
     uint64_t batches = 0, events = 0;
     uint64_t gaps = 0, restarts = 0, replays = 0, cleared = 0;
+    uint64_t replays_deferred = 0;  // a gap too soon after a slow replay: cleared instead
     uint64_t malformed = 0, unknown_events = 0;
 };
 

@@ -404,6 +404,10 @@ std::string Membership::RenderMetrics() const {
         w.Counter("ferry_router_kv_event_cleared_total",
                   "Workers whose blocks were forgotten for a replay that could not cover a gap.",
                   double(k.cleared));
+        w.Counter("ferry_router_kv_event_replays_deferred_total",
+                  "Gaps met too soon after a worker's slow replay: its blocks were forgotten "
+                  "instead of replayed (its replays take at most a quarter of the follower).",
+                  double(k.replays_deferred));
         w.Counter("ferry_router_kv_event_malformed_total",
                   "KV event messages or batches ignored as malformed.", double(k.malformed));
     }

@@ -1096,6 +1096,29 @@ TEST(RouterKvEvents, TheFollowerReplaysGapsAndForgetsARestartedWorker) {
     ASSERT_TRUE(Until([&] { return index->Blocks("w") == 0 && !in_sync(); }));
 }
 
+// A worker whose every batch is a gap and whose replay endpoint never answers cannot stall the
+// follower (its one thread) for the other workers: after a slow replay its next gaps clear its
+// blocks instead of waiting again, and an honest worker's events go on being applied.
+TEST(RouterKvEvents, AWorkerWhoseReplaysStallCannotHoldUpTheOthers) {
+    auto index = std::make_shared<KvIndex>();
+    auto follower = KvEventFollower::Start(
+        index, [](const std::string&, bool) {}, std::chrono::milliseconds(1000));
+    FakePublisher liar, honest;
+    follower->SetWorkers(
+        {{"liar", {liar.pub_ep, liar.replay_ep}}, {"honest", {honest.pub_ep, honest.replay_ep}}});
+    honest.ServeReplays(300);  // the subscriptions' first replays: honest answers, liar never
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    for (int i = 0; i < 30; ++i) liar.Send(uint64_t(2 * i + 5), Batch({{"BlockStored", {7}}}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto t0 = std::chrono::steady_clock::now();
+    honest.Send(0, Batch({{"BlockStored", {1, 2, 3}}}));
+    ASSERT_TRUE(Until([&] { return index->Blocks("honest") == 3; }));
+    // 30 gaps of the liar at 1 s each would have held it up 30 s; a bound, not a performance
+    // figure.
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(8));
+    EXPECT_GT(follower->Stats().replays_deferred, 0u);
+}
+
 // This process's resident set (bytes), from /proc/self/status.
 size_t SelfRss() {
     FILE* f = std::fopen("/proc/self/status", "r");
