@@ -152,6 +152,10 @@ void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, 
     auto shared = std::make_shared<ParsedRequest>(std::move(pr));
     std::shared_ptr<http::ClientCall> call = client->CallWhole(
         std::move(req), [this, ex, chat, rid, ep, shared](Result<http::ClientReply> r) {
+            if (!r.ok() && r.status().code() == Code::kCancelled) {
+                // Its client left (or the server stops): no failure of the encode worker's.
+                return EnqueueImages(ex, chat, std::move(*shared), rid);
+            }
             if (r.ok() && r->status == 400) {
                 // The images themselves are bad: the encode worker's answer names the part.
                 ++image_metrics.refused;
