@@ -520,10 +520,10 @@ TEST_F(Integrity, AnEncodeWorkerWithEverySlotLeasedAnswers503) {
 }
 
 // What a request with images keeps while it waits (its body, and the copies of its images'
-// URLs) counts in the body budget, until nothing holds it any more: a request of 10 MiB of images
-// parked on an encode worker that never answers counts twice its image bytes, so with a 32 MiB
-// budget a second one is refused (503 naming the budget); when the first one's client leaves,
-// all of it is given back.
+// URLs) counts in the body budget, until nothing holds it any more: a request of ~2.4 MiB of
+// images parked on an encode worker that never answers counts twice its image bytes, so with an
+// 8 MiB budget a second one (whose body alone would fit) is refused (503 naming the budget);
+// when the first one's client leaves, all of it is given back.
 TEST_F(Integrity, ImageCopiesCountInTheBodyBudgetWhileTheyWait) {
     const std::string dir = (std::filesystem::temp_directory_path() /
                              fmt::format("ferry-integrity-budget-{}", getpid()))
@@ -533,11 +533,14 @@ TEST_F(Integrity, ImageCopiesCountInTheBodyBudgetWhileTheyWait) {
     auto worker = StartOrDie(
         Args("colocated", "",
              {"--ec-connector", "disk", "--ec-dir", dir, "--encoder-urls", hole.address(),
-              "--encoder-timeout-ms", "60000", "--max-inflight-body-mib", "32"}));
+              "--encoder-timeout-ms", "60000", "--max-inflight-body-mib", "8"}));
     ASSERT_TRUE(worker);
-    const std::string large = testing::RandomPngUrl(1570, 1570, 77);  // ~10 MiB of base64
-    ASSERT_GT(large.size(), 9u << 20);
+    const std::string large = testing::RandomPngUrl(800, 800, 77);  // ~2.4 MiB of base64
     const std::string body = ImagesBody(large, 1).dump();
+    // Three bodies fit the budget, four do not: the second request's body is taken, its copy
+    // is what passes the budget.
+    ASSERT_LE(3 * body.size(), 8u << 20);
+    ASSERT_GT(3 * body.size() + large.size(), 8u << 20);
     const int parked = SendAndLeave(worker->port(), "/v1/chat/completions", body);
     ASSERT_GE(parked, 0);
     const auto held = [&] { return worker->Metric("ferry_http_inflight_body_bytes"); };
