@@ -12,6 +12,7 @@
 
 #include "bench/model_bench.h"
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "discovery_cmd.h"
 #include "engine/engine.h"
 #include "ferry/agent.h"
@@ -526,7 +527,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
             for (const std::string& p : kv_peers) {
                 auto ep = http::ParseEndpoint(p);
                 if (!ep.ok()) return fail(ep.status().WithContext("--kv-peers"));
-                cc.allowed_agents.push_back(fmt::format("{}:{}", ep->host, ep->port));
+                cc.allowed_agents.push_back(FormatHostPort(ep->host, ep->port));
             }
             cc.max_client_hold_blocks = client_hold_blocks;
             cc.max_client_loads = client_loads;
@@ -587,7 +588,8 @@ void AddServeCommand(CLI::App& app, int* rc) {
                        ev->endpoint(),
                        ev->replay_endpoint().empty() ? "" : ", replay at " + ev->replay_endpoint());
         }
-        fmt::print("ferry serve: listening on http://{}:{}\n", sc.host, server->port());
+        fmt::print("ferry serve: listening on http://{}\n",
+                   FormatHostPort(sc.host, server->port()));
         std::fflush(stdout);
         int sig = 0;
         sigwait(&signals, &sig);

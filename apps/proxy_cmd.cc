@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "discovery_cmd.h"
 #include "ferry/discovery.h"
 #include "model/gguf.h"
@@ -193,7 +194,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
                    encode.empty() ? "" : fmt::format("{} encode, ", encode.size()), prefill.size(),
                    decode.size(),
                    embedded || !store.empty() ? " (and those registered in the store)" : "", mode);
-        fmt::print("ferry proxy: listening on http://{}:{}\n", host, (*proxy)->port());
+        fmt::print("ferry proxy: listening on http://{}\n", FormatHostPort(host, (*proxy)->port()));
         std::fflush(stdout);
         int sig = 0;
         sigwait(&signals, &sig);

@@ -63,7 +63,7 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
         req_.method_string(request_.method);
         req_.target(request_.target);
         req_.version(11);
-        req_.set(bhttp::field::host, fmt::format("{}:{}", request_.host, request_.port));
+        req_.set(bhttp::field::host, FormatHostPort(request_.host, request_.port));
         req_.set(bhttp::field::connection, "close");
         for (const Header& h : request_.headers) req_.set(h.name, h.value);
         if (!request_.body.empty() || request_.method == "POST" || request_.method == "PUT") {
@@ -284,7 +284,7 @@ Result<ClientReply> FetchStreaming(const ClientRequest& request,
         st->cv.notify_all();
     };
     auto call = shared->Call(std::move(req), std::move(cb));
-    const std::string where = fmt::format("{}:{}{}", request.host, request.port, request.target);
+    const std::string where = FormatHostPort(request.host, request.port) + request.target;
     std::unique_lock lock(st->mu);
     if (!st->cv.wait_for(lock, head_timeout, [&] { return st->head || st->done; })) {
         lock.unlock();

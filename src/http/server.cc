@@ -177,7 +177,7 @@ class Session : public std::enable_shared_from_this<Session> {
         : server_(server), stream_(std::move(socket)) {
         beast::error_code ec;
         auto ep = stream_.socket().remote_endpoint(ec);
-        if (!ec) remote_ = fmt::format("{}:{}", ep.address().to_string(), ep.port());
+        if (!ec) remote_ = FormatHostPort(ep.address().to_string(), ep.port());
     }
     ~Session() {
         std::lock_guard lock(server_->mu);

@@ -1,6 +1,7 @@
 // Peers: where to dial, the handshake and what must match, peers ready, failed or gone.
 #include <cstring>
 
+#include "core/host_port.h"
 #include "kv/agent_connector_parts.h"
 
 namespace ferry::kv {
@@ -16,7 +17,7 @@ bool AgentKvConnector::Impl::Allowed(const std::string& address) const {
 
 Result<std::string> AgentKvConnector::Impl::DialAddress(const KvTransferParams& kp) const {
     const std::string address =
-        kp.remote_host.empty() ? "" : fmt::format("{}:{}", kp.remote_host, kp.remote_port);
+        kp.remote_host.empty() ? "" : FormatHostPort(kp.remote_host, kp.remote_port);
     if (!cfg.allowed_agents.empty()) {
         if (!Allowed(address)) {
             return PermissionDeniedError(

@@ -503,7 +503,7 @@ std::string Router::RenderMetrics() const {
         w.Family(name, type, help);
         each([&](int r, size_t i) {
             const WorkerState& ws = state_->workers[r][i];
-            const std::string worker = fmt::format("{}:{}", ws.endpoint.host, ws.endpoint.port);
+            const std::string worker = FormatHostPort(ws.endpoint.host, ws.endpoint.port);
             w.Sample(
                 name,
                 {{"role", RoleName(r == 0 ? Role::kPrefill : Role::kDecode)}, {"worker", worker}},
@@ -550,7 +550,7 @@ std::string Router::RenderMetrics() const {
              "Requests routed to the worker, by how they ended.");
     each([&](int r, size_t i) {
         const WorkerState& ws = state_->workers[r][i];
-        const std::string worker = fmt::format("{}:{}", ws.endpoint.host, ws.endpoint.port);
+        const std::string worker = FormatHostPort(ws.endpoint.host, ws.endpoint.port);
         const std::pair<Outcome, uint64_t> counts[] = {
             {Outcome::kSucceeded, ws.succeeded},
             {Outcome::kRefused, ws.refused},

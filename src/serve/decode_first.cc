@@ -28,7 +28,7 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
                                              const std::string& base, int attempt,
                                              const router::AgentInfo& agent) {
     const http::Endpoint ep = ticket->endpoint();
-    const std::string key = fmt::format("{}:{}", ep.host, ep.port);
+    const std::string key = FormatHostPort(ep.host, ep.port);
     // Unguessable: a client that could name the next transfer id could park requests under it.
     const std::string xid = RandomId128();
     // This worker's own params for the local request, in the connector's format (the router's
@@ -146,7 +146,7 @@ void OpenAiServer::Impl::AddRemotePrefill(const std::shared_ptr<http::Exchange>&
     for (const http::Endpoint& ep : eps) remote_prefill->AddWorker(router::Role::kPrefill, ep);
     Json all = Json::array();
     for (const router::WorkerState& w : remote_prefill->Workers(router::Role::kPrefill)) {
-        all.push_back(fmt::format("{}:{}", w.endpoint.host, w.endpoint.port));
+        all.push_back(FormatHostPort(w.endpoint.host, w.endpoint.port));
     }
     ex->Reply({200, "application/json", DumpJson({{"status", "ok"}, {"remote_prefill", all}}), {}});
 }

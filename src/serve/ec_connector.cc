@@ -17,6 +17,7 @@
 
 #include "core/clock.h"
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "core/log.h"
 #include "media/embeddings_file.h"
 
@@ -182,11 +183,12 @@ class TransferEcConnector final : public EcConnector {
 
     Json Params() const override {
         if (!cfg_.producer) return nullptr;
-        const std::string a = cfg_.agent->ListenAddress();
-        const size_t colon = a.rfind(':');
+        // The host without brackets (an IPv6 address is written "[::1]:port" only as a whole).
+        const Result<HostPort> parsed = ParseHostPort(cfg_.agent->ListenAddress(), 0);
+        const HostPort a = parsed.ok() ? *parsed : HostPort{};
         return Json{{"engine_id", cfg_.agent->name()},
-                    {"host", a.substr(0, colon)},
-                    {"port", std::stoi(a.substr(colon + 1))},
+                    {"host", a.host},
+                    {"port", a.port},
                     {"encoder", cfg_.encoder}};
     }
 
@@ -215,7 +217,7 @@ class TransferEcConnector final : public EcConnector {
             std::lock_guard lock(mu_);
             if (connected_.count(src.engine_id)) return src.engine_id;
         }
-        const std::string address = fmt::format("{}:{}", src.host, src.port);
+        const std::string address = FormatHostPort(src.host, src.port);
         Result<std::string> name = [&]() -> Result<std::string> {
             if (!cfg_.allowed_agents.empty()) {
                 if (std::find(cfg_.allowed_agents.begin(), cfg_.allowed_agents.end(), address) ==

@@ -173,6 +173,51 @@ TEST_P(EcTransfer, AReleaseToAProducerThatIsGoneIsDropped) {
     EXPECT_EQ(consumer_->Stats().load_failures + consumer_->Stats().load_misses, 1u);
 }
 
+// Over IPv6 the producer's params name its host without brackets ("::1") and a consumer dials
+// "[::1]:port" from them; a consumer with another vision encoder refuses an entry naming both
+// fingerprints, before the pull when the params name the encoder and from the slot when they do
+// not, and counts it as foreign.
+TEST(EcTransferIdentity, OverIpv6AndAnotherEncodersEntriesAreRefusedByName) {
+    auto agent = [](const std::string& name) -> std::shared_ptr<Agent> {
+        AgentConfig c = testing::TestConfig(name, "tcp");
+        c.listen_host = "::1";
+        auto a = Agent::Create(c);
+        return a.ok() ? std::shared_ptr<Agent>(std::move(*a)) : nullptr;
+    };
+    std::shared_ptr<Agent> pa = agent("producer6"), ca = agent("consumer6"), oa = agent("other6");
+    if (!pa || !ca || !oa) GTEST_SKIP() << "no IPv6 loopback here";
+    auto config = [](std::shared_ptr<Agent> a, bool producer, std::string encoder) {
+        EcConnectorConfig c;
+        c.kind = "transfer";
+        c.producer = producer;
+        c.agent = std::move(a);
+        c.buffer_bytes = 4 * kSlotBytes;
+        c.entry_floats = kFloats;
+        c.width = 100;
+        c.encoder = std::move(encoder);
+        return c;
+    };
+    auto producer = testing::ValueOrDie(MakeEcConnector(config(pa, true, "enc-a")));
+    auto consumer = testing::ValueOrDie(MakeEcConnector(config(ca, false, "enc-a")));
+    auto other = testing::ValueOrDie(MakeEcConnector(config(oa, false, "enc-b")));
+    const EcSource source = testing::ValueOrDie(ParseEcTransferParams(producer->Params()));
+    EXPECT_EQ(source.host, "::1");
+    EXPECT_EQ(source.encoder, "enc-a");
+    FERRY_ASSERT_OK(producer->Save(Hash('a'), Rows(1)));
+    media::Embeddings e = testing::ValueOrDie(consumer->Load(Hash('a'), kFloats, &source));
+    EXPECT_EQ(*e, Rows(1));
+
+    Result<media::Embeddings> refused = other->Load(Hash('a'), kFloats, &source);
+    EXPECT_THAT(refused, StatusIs(Code::kFailedPrecondition));
+    EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("enc-a"));
+    EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("enc-b"));
+    EcSource unnamed = source;
+    unnamed.encoder.clear();  // the slot's header still names it
+    EXPECT_THAT(other->Load(Hash('a'), kFloats, &unnamed), StatusIs(Code::kFailedPrecondition));
+    EXPECT_EQ(other->Stats().load_foreign, 2u);
+    EXPECT_EQ(other->Stats().loads, 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, EcTransfer, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
 

@@ -15,10 +15,11 @@ namespace ferry::testing {
 
 namespace {
 
-Result<http::ClientReply> Get(int port, const std::string& path,
+Result<http::ClientReply> Get(const std::string& host, int port, const std::string& path,
                               std::chrono::milliseconds timeout) {
     http::ClientRequest r;
     r.method = "GET";
+    r.host = host;
     r.port = port;
     r.target = path;
     r.timeout = timeout;
@@ -83,6 +84,11 @@ Status ServerProcess::Launch(std::chrono::milliseconds timeout) {
         size_t at = rest.find("listening on http://");
         if (at != std::string::npos) {
             port_ = PortAfter(rest, "listening on ");
+            // Where it listens: 127.0.0.1, or an address it was given (::1 for an IPv6 test).
+            std::string_view a = std::string_view(rest).substr(at + 20);
+            a = a.substr(0, a.find_first_of(" /\r\n"));
+            auto hp = ParseHostPort(a, 1);
+            host_ = hp.ok() && hp->host != "0.0.0.0" && hp->host != "::" ? hp->host : "127.0.0.1";
             break;
         }
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -91,7 +97,7 @@ Status ServerProcess::Launch(std::chrono::milliseconds timeout) {
         FERRY_ASSIGN_OR_RETURN(rest, child_.ReadLine("", left));
     }
     while (std::chrono::steady_clock::now() < until) {
-        auto h = Get(port_, "/health", std::chrono::seconds(2));
+        auto h = Get(host_, port_, "/health", std::chrono::seconds(2));
         if (h.ok() && h->status == 200) return Status::Ok();
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -105,7 +111,7 @@ Status ServerProcess::Restart() {
 }
 
 double ServerProcess::Metric(const std::string& name) const {
-    auto m = Get(port_, "/metrics", std::chrono::seconds(5));
+    auto m = Get(host_, port_, "/metrics", std::chrono::seconds(5));
     if (!m.ok() || m->status != 200) return -1;
     const std::string& body = m->body;
     size_t pos = 0;

@@ -41,6 +41,8 @@ class ServerProcess {
     ~ServerProcess();
 
     int port() const { return port_; }
+    // The address its HTTP server listens on (127.0.0.1 unless it was given another).
+    const std::string& host() const { return host_; }
     // The agent line of a worker ("NAME at HOST:PORT"), empty for a colocated worker or a proxy.
     const std::string& agent() const { return agent_; }
     // What it printed up to its listening line.
@@ -74,6 +76,7 @@ class ServerProcess {
     int port_ = 0;
     std::string agent_;
     std::vector<std::string> startup_;
+    std::string host_ = "127.0.0.1";
 };
 
 }  // namespace ferry::testing

@@ -560,5 +560,36 @@ TEST_F(Integrity, ImageCopiesCountInTheBodyBudgetWhileTheyWait) {
     std::filesystem::remove_all(dir);
 }
 
+// IPv6 end to end: prefill and decode workers whose HTTP servers and agents listen on ::1, the
+// decoder allowed to dial only the prefill worker's agent (--kv-peers [::1]:PORT), behind a proxy
+// that names them as [::1]:PORT: every host and port goes through the one formatter, and the
+// answers equal colocated (the decoder read the prompt's KV).
+TEST_F(Integrity, PrefillAndDecodeOverIpv6EqualColocated) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    auto prefill =
+        StartOrDie(WorkerArgs("prefill", "tcp", 1, {"--host", "::1", "--agent-listen", "[::1]:0"}));
+    if (!prefill) GTEST_SKIP() << "no IPv6 loopback here";
+    ASSERT_TRUE(colocated);
+    // "NAME at [::1]:PORT"
+    const std::string agent = prefill->agent().substr(prefill->agent().find(" at ") + 4);
+    ASSERT_EQ(agent.rfind("[::1]:", 0), 0u) << prefill->agent();
+    auto decode = StartOrDie(WorkerArgs(
+        "decode", "tcp", 1, {"--host", "::1", "--agent-listen", "[::1]:0", "--kv-peers", agent}));
+    ASSERT_TRUE(decode);
+    auto px =
+        StartOrDie({"proxy", "--prefill", fmt::format("[::1]:{}", prefill->port()), "--decode",
+                    fmt::format("[::1]:{}", decode->port()), "--port", "0", "--no-store"});
+    ASSERT_TRUE(px);
+    std::vector<Json> bodies;
+    for (int i = 0; i < 6; ++i)
+        bodies.push_back(CompletionBody(RandomPrompt(40 + 9 * i, 60 + i), 4, i % 2 == 1));
+    ExpectSameTokens(SendAll(px->port(), bodies, 3), SendAll(colocated->port(), bodies, 3), "ipv6");
+    EXPECT_GT(px->Metric(fmt::format(
+                  "ferry_router_worker_requests_total{{role=\"prefill\",worker=\"[::1]:{}\","
+                  "outcome=\"succeeded\"}}",
+                  prefill->port())),
+              0);
+}
+
 }  // namespace
 }  // namespace ferry
