@@ -431,10 +431,8 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     if (!d.ok()) return ex->Reply(ErrorReply(503, d.status().message(), f->request_id));
     const size_t held = d->prefix_blocks() * size_t(std::max(0, router_->block_size()));
     // E+PD: encode workers and no prefill worker; the decode workers serve whole requests.
-    // The encode workers in the deployment decide E+PD; those in quarantine get no request.
-    const std::vector<http::Endpoint> deployed = Encoders();
-    const std::vector<http::Endpoint> encoders = encoders_out_->Filter(deployed);
-    const bool no_prefill = !deployed.empty() && router_->members(Role::kPrefill) == 0;
+    const std::vector<http::Endpoint> encoders = Encoders();
+    const bool no_prefill = !encoders.empty() && router_->members(Role::kPrefill) == 0;
     const bool skip_prefill =
         no_prefill || (config_.pd_min_uncached_tokens > 0 && f->prompt_tokens > 0 && held > 0 &&
                        f->prompt_tokens < held + size_t(config_.pd_min_uncached_tokens));
@@ -484,7 +482,11 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     std::vector<std::string_view> urls;
     if (!encoders.empty() && path == "/v1/chat/completions") urls = ImageUrls(f->body);
     if (urls.empty()) return go();
-    Encode(f, encoders[PickEncoder(urls, encoders)], std::move(go));
+    // Encode workers that timed out get no request until they answer a probe; with none left
+    // the workers encode the images themselves.
+    const std::vector<http::Endpoint> answering = encoders_out_->Filter(encoders);
+    if (answering.empty()) return go();
+    Encode(f, answering[PickEncoder(urls, answering)], std::move(go));
 }
 
 std::vector<http::Endpoint> Driver::Encoders() const {

@@ -15,6 +15,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Quarantine::State : std::enable_shared_from_this<Quarantine::State> {
     struct Entry {
+        http::Endpoint ep;
         Clock::time_point next_probe;
         bool probing = false;
         std::function<void()> on_back;
@@ -23,7 +24,6 @@ struct Quarantine::State : std::enable_shared_from_this<Quarantine::State> {
     QuarantineConfig config;
     mutable std::mutex mu;
     std::map<std::string, Entry> entries;  // by host:port
-    std::map<std::string, http::Endpoint> endpoints;
     uint64_t added = 0, released = 0;
 
     // Sends the probes that are due; mu not held.
@@ -36,7 +36,7 @@ struct Quarantine::State : std::enable_shared_from_this<Quarantine::State> {
             for (auto& [key, e] : entries) {
                 if (e.probing || now < e.next_probe) continue;
                 e.probing = true;
-                due.push_back(endpoints[key]);
+                due.push_back(e.ep);
             }
         }
         for (const http::Endpoint& ep : due) {
@@ -59,7 +59,6 @@ struct Quarantine::State : std::enable_shared_from_this<Quarantine::State> {
                     }
                     on_back = std::move(it->second.on_back);
                     s->entries.erase(it);
-                    s->endpoints.erase(key);
                     ++s->released;
                 }
                 FERRY_LOG(kInfo, "router: worker {} answers again; back in rotation", key);
@@ -83,9 +82,9 @@ void Quarantine::Add(const http::Endpoint& ep, std::function<void()> on_back) {
         std::lock_guard lock(state_->mu);
         auto [it, fresh] = state_->entries.try_emplace(key);
         if (!fresh) return;
+        it->second.ep = ep;
         it->second.next_probe = Clock::now() + state_->config.probe_every;
         it->second.on_back = std::move(on_back);
-        state_->endpoints[key] = ep;
         ++state_->added;
     }
     FERRY_LOG(kWarn, "router: worker {} timed out; no requests go to it until it answers again",
@@ -107,8 +106,6 @@ std::vector<http::Endpoint> Quarantine::Filter(const std::vector<http::Endpoint>
     }
     return out;
 }
-
-void Quarantine::Probe() { state_->ProbeDue(); }
 
 size_t Quarantine::size() const {
     std::lock_guard lock(state_->mu);

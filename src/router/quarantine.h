@@ -41,8 +41,6 @@ class Quarantine {
     bool Contains(const http::Endpoint& ep);
     // Those of `eps` not in quarantine, in order (and probes what is due).
     std::vector<http::Endpoint> Filter(const std::vector<http::Endpoint>& eps);
-    // Probes what is due now.
-    void Probe();
     size_t size() const;
     // Workers put in quarantine so far, and taken out.
     uint64_t added() const;

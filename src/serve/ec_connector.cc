@@ -421,6 +421,13 @@ class DiskEcConnector final : public EcConnector {
             }
             return r.status().WithContext("ec");
         }
+        if (meta["mm_hash"] != mm_hash) {
+            // A whole file of another image (copied or moved under this name): not this one's.
+            return DataLossError(fmt::format("ec: {} holds the embeddings of image {}", path,
+                                             meta["mm_hash"].empty()
+                                                 ? std::string("(unnamed)")
+                                                 : meta["mm_hash"].substr(0, 64)));
+        }
         // Kept for whoever wrote it (another deployment may share the directory); not used here.
         if (meta["encoder"] != cfg_.encoder) {
             return FailedPreconditionError(fmt::format(

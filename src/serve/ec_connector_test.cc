@@ -5,8 +5,10 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -216,6 +218,44 @@ TEST(EcTransferIdentity, OverIpv6AndAnotherEncodersEntriesAreRefusedByName) {
     EXPECT_THAT(other->Load(Hash('a'), kFloats, &unnamed), StatusIs(Code::kFailedPrecondition));
     EXPECT_EQ(other->Stats().load_foreign, 2u);
     EXPECT_EQ(other->Stats().loads, 0u);
+}
+
+// The disk connector's files name their image and their encoder: a whole file copied under
+// another image's name is refused (DataLoss), one of another encoder too (FailedPrecondition,
+// both fingerprints named, the file kept for its writer); its own are loaded.
+TEST(EcDisk, AFileOfAnotherImageOrEncoderIsRefusedByName) {
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / ("ferry-ec-disk-" + std::to_string(getpid())))
+            .string();
+    std::filesystem::create_directories(dir);
+    auto config = [&](bool producer, std::string encoder) {
+        EcConnectorConfig c;
+        c.kind = "disk";
+        c.producer = producer;
+        c.dir = dir;
+        c.width = 100;
+        c.encoder = std::move(encoder);
+        return c;
+    };
+    auto producer = testing::ValueOrDie(MakeEcConnector(config(true, "enc-a")));
+    auto consumer = testing::ValueOrDie(MakeEcConnector(config(false, "enc-a")));
+    auto other = testing::ValueOrDie(MakeEcConnector(config(false, "enc-b")));
+    FERRY_ASSERT_OK(producer->Save(Hash('a'), Rows(1)));
+    EXPECT_EQ(*testing::ValueOrDie(consumer->Load(Hash('a'), kFloats, nullptr)), Rows(1));
+    Result<media::Embeddings> foreign = other->Load(Hash('a'), kFloats, nullptr);
+    EXPECT_THAT(foreign, StatusIs(Code::kFailedPrecondition));
+    EXPECT_THAT(foreign.status().message(), ::testing::HasSubstr("enc-a"));
+    EXPECT_THAT(foreign.status().message(), ::testing::HasSubstr("enc-b"));
+    EXPECT_EQ(other->Stats().load_foreign, 1u);
+    // Image a's whole file under image b's name.
+    std::filesystem::create_directories(dir + "/" + Hash('b'));
+    std::filesystem::copy_file(dir + "/" + Hash('a') + "/encoder_cache.safetensors",
+                               dir + "/" + Hash('b') + "/encoder_cache.safetensors");
+    Result<media::Embeddings> moved = consumer->Load(Hash('b'), kFloats, nullptr);
+    EXPECT_THAT(moved, StatusIs(Code::kDataLoss));
+    EXPECT_THAT(moved.status().message(), ::testing::HasSubstr(Hash('a')));
+    EXPECT_THAT(consumer->Load(Hash('c'), kFloats, nullptr), StatusIs(Code::kNotFound));
+    std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, EcTransfer, ::testing::Values("tcp", "shm"),

@@ -193,7 +193,7 @@ void OpenAiServer::Impl::EnqueueImages(const std::shared_ptr<http::Exchange>& ex
         }
         BadRequest bad;
         Status st = EncodeImages(&pr, &bad, ex.get());
-        if (st.code() == Code::kCancelled) {
+        if (st.code() == Code::kCancelled && ex->closed()) {
             ++image_metrics.dropped;  // nobody to answer
             return;
         }

@@ -252,8 +252,7 @@ void KvEventPublisher::Loop() {
             }
             std::string payload =
                 EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
-            if (int64_t(payload.size()) > router::kMaxKvEventBatchBytes &&
-                batch.second.size() > 1) {
+            if (payload.size() > config_.max_batch_bytes && batch.second.size() > 1) {
                 // Larger than a subscriber takes: two batches, in order.
                 const auto half = batch.second.begin() + long(batch.second.size() / 2);
                 std::vector<kv::KvCacheEvent> first(std::make_move_iterator(batch.second.begin()),

@@ -38,6 +38,7 @@
 
 #include "ferry/status.h"
 #include "kv/block_pool.h"
+#include "router/kv_index.h"
 
 namespace ferry::serve {
 
@@ -55,6 +56,9 @@ struct KvEventsConfig {
     int block_size = 16;
     size_t buffer_batches = 10000;  // kept for replay
     size_t max_queue = 100000;      // batches waiting for the publisher thread; more are dropped
+    // A batch that encodes larger is sent as two (each with its own sequence number), so that
+    // subscribers bounded by ZMQ_MAXMSGSIZE take it (router::kMaxKvEventBatchBytes).
+    size_t max_batch_bytes = size_t(router::kMaxKvEventBatchBytes);
     // Replay requests served per second (a token bucket of this many, refilled at this rate):
     // each one sends up to the whole buffer, so a client that asks again and again would keep
     // the publisher from the live events. Requests beyond it get no answer (a subscriber's
