@@ -99,30 +99,18 @@ Driver::Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client
     : config_(std::move(config)),
       router_(std::move(router)),
       client_(client),
-      encoders_out_(std::make_unique<Quarantine>(client)) {}
+      encoders_out_(std::make_unique<Quarantine>(client)),
+      encode_(std::make_unique<EncodeStep>(
+          EncodeStepConfig{config_.router_token, config_.encode_timeout}, client,
+          encoders_out_.get())) {}
 
 DriverStats Driver::Stats() const {
     DriverStats s{requests_.load(),    succeeded_.load(),    failed_.load(),
                   client_gone_.load(), in_flight_.load(),    prefill_skipped_.load(),
                   encoded_.load(),     encode_failed_.load()};
     s.encoders_quarantined = encoders_out_->size();
-    s.timeouts = timeouts_.load();
+    s.timeouts = timeouts_.load() + encode_->timeouts();
     return s;
-}
-
-http::ClientRequest Driver::ToWorker(const http::Endpoint& ep, const std::string& path,
-                                     const Json& body, const std::string& request_id,
-                                     std::chrono::milliseconds timeout) const {
-    http::ClientRequest r;
-    r.method = "POST";
-    r.host = ep.host;
-    r.port = ep.port;
-    r.target = path;
-    r.body = DumpJson(body);
-    r.timeout = timeout;
-    r.headers.push_back({"X-Request-Id", request_id});
-    Authorize(&r, config_.router_token);
-    return r;
 }
 
 // Counts the request's end; tickets still open end as `rest` (the flow's success, or another
@@ -157,6 +145,18 @@ void Driver::Fail(const std::shared_ptr<Flow>& f, int status, const std::string&
     f->ex->Reply(ErrorReply(status, message, f->request_id));
 }
 
+void Driver::WorkerFailed(const std::shared_ptr<Flow>& f, Role role, const http::Endpoint& ep,
+                          const Status& st) {
+    const bool decode = role == Role::kDecode;
+    f->End(decode ? &Flow::decode : &Flow::prefill, Outcome::kWorkerFailed);
+    const CallFailure failure = FailureOf(decode ? "decode" : "prefill", ep, st);
+    if (failure.timed_out) {
+        ++timeouts_;
+        router_->ReportTimedOut(role, decode ? f->decode.worker() : f->prefill_worker);
+    }
+    Fail(f, failure.status, failure.message);
+}
+
 // Sends the request to the decode worker and relays its answer to the client.
 void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
     const http::Endpoint ep = f->decode_ep;
@@ -185,14 +185,7 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
     cb.on_done = [self, f, ep](const Status& st) {
         if (!st.ok()) {
             if (st.code() == Code::kCancelled) return;
-            f->End(&Flow::decode, Outcome::kWorkerFailed);
-            if (st.code() == Code::kDeadlineExceeded) {
-                ++self->timeouts_;
-                self->router_->ReportTimedOut(Role::kDecode, f->decode.worker());
-            }
-            return self->Fail(
-                f, st.code() == Code::kDeadlineExceeded ? 504 : 502,
-                fmt::format("decode worker {}:{}: {}", ep.host, ep.port, st.message()));
+            return self->WorkerFailed(f, Role::kDecode, ep, st);
         }
         bool retry = false;
         {
@@ -236,7 +229,8 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
                           {{"X-Request-Id", f->request_id}}});
         }
     };
-    f->Add(client_->Call(ToWorker(ep, f->path, body, f->request_id, config_.worker_timeout),
+    f->Add(client_->Call(WorkerRequest(ep, f->path, body, f->request_id, config_.router_token,
+                                       config_.worker_timeout),
                          std::move(cb)));
 }
 
@@ -244,31 +238,25 @@ void Driver::Prefill(const std::shared_ptr<Flow>& f, const Json& body,
                      std::function<void(http::ClientReply)> on_ok) {
     const http::Endpoint ep = f->prefill_ep;
     auto self = shared_from_this();
-    f->Add(client_->CallWhole(
-        ToWorker(ep, f->path, body, f->request_id, config_.prefill_timeout),
-        [self, f, ep, on_ok = std::move(on_ok)](Result<http::ClientReply> r) {
-            if (!r.ok()) {
-                if (r.status().code() == Code::kCancelled) return;
-                f->End(&Flow::prefill, Outcome::kWorkerFailed);
-                if (r.status().code() == Code::kDeadlineExceeded) {
-                    ++self->timeouts_;
-                    self->router_->ReportTimedOut(Role::kPrefill, f->prefill_worker);
-                }
-                return self->Fail(f, r.status().code() == Code::kDeadlineExceeded ? 504 : 502,
-                                  fmt::format("prefill worker {}:{}: {}", ep.host, ep.port,
-                                              r.status().message()));
-            }
-            f->End(&Flow::prefill, OutcomeOfStatus(r->status));
-            if (r->status == 200) return on_ok(std::move(*r));
-            // push: the decode worker would wait for KV that never comes: stop it too.
-            if (!f->Claim()) return;
-            f->CancelAll();
-            self->Finish(f, false);
-            f->ex->Reply({r->status,
-                          "application/json",
-                          std::move(r->body),
-                          {{"X-Request-Id", f->request_id}}});
-        }));
+    f->Add(client_->CallWhole(WorkerRequest(ep, f->path, body, f->request_id, config_.router_token,
+                                            config_.prefill_timeout),
+                              [self, f, ep, on_ok = std::move(on_ok)](Result<http::ClientReply> r) {
+                                  if (!r.ok()) {
+                                      if (r.status().code() == Code::kCancelled) return;
+                                      return self->WorkerFailed(f, Role::kPrefill, ep, r.status());
+                                  }
+                                  f->End(&Flow::prefill, OutcomeOfStatus(r->status));
+                                  if (r->status == 200) return on_ok(std::move(*r));
+                                  // push: the decode worker would wait for KV that never comes:
+                                  // stop it too.
+                                  if (!f->Claim()) return;
+                                  f->CancelAll();
+                                  self->Finish(f, false);
+                                  f->ex->Reply({r->status,
+                                                "application/json",
+                                                std::move(r->body),
+                                                {{"X-Request-Id", f->request_id}}});
+                              }));
 }
 
 void Driver::Pull(const std::shared_ptr<Flow>& f) {
@@ -318,52 +306,37 @@ void Driver::Push(const std::shared_ptr<Flow>& f) {
                      config_.agent_timeout, std::move(got_agent)));
 }
 
-void Driver::Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
+void Driver::Encode(const std::shared_ptr<Flow>& f, const std::vector<http::Endpoint>& answering,
                     std::function<void()> next) {
-    Json eb = PrefillBody(f->body);
     auto self = shared_from_this();
-    f->Add(client_->CallWhole(
-        ToWorker(ep, f->path, eb, f->request_id, config_.encode_timeout),
-        [self, f, ep, next = std::move(next)](Result<http::ClientReply> r) {
-            if (!r.ok() && r.status().code() == Code::kCancelled) return;
-            if (!r.ok() && r.status().code() == Code::kDeadlineExceeded) {
-                // Stopped or wedged: the next requests skip it (their workers encode) until it
-                // answers a probe.
-                ++self->timeouts_;
-                self->encoders_out_->Add(ep);
-            }
+    f->Add(encode_->Call(
+        f->body, answering, f->request_id, [self, f, next = std::move(next)](Encoded e) {
+            if (e.kind == Encoded::Kind::kCancelled) return;
             {
                 std::lock_guard lock(f->mu);
                 if (f->cancelled) return;
             }
-            if (r.ok() && r->status == 400) {
-                // The images themselves are bad: every worker would say so.
-                if (!f->Claim()) return;
-                f->CancelAll();
-                self->Finish(f, false);
-                return f->ex->Reply({r->status,
-                                     "application/json",
-                                     std::move(r->body),
-                                     {{"X-Request-Id", f->request_id}}});
-            }
-            Json answer =
-                r.ok() && r->status == 200 ? Json::parse(r->body, nullptr, false) : Json();
-            if (answer.is_object()) {
-                // The disk connector's answer names nothing: the consumers look in the
-                // shared directory.
-                ++self->encoded_;
-                if (answer.contains("ec_transfer_params") &&
-                    answer["ec_transfer_params"].is_object()) {
-                    std::lock_guard lock(f->mu);
-                    f->body["ec_transfer_params"] = answer["ec_transfer_params"];
-                }
-            } else {
-                ++self->encode_failed_;
-                FERRY_LOG(kWarn,
-                          "proxy: request {}: encode worker {}:{}: {}; the workers encode its "
-                          "images themselves",
-                          f->request_id, ep.host, ep.port,
-                          !r.ok() ? r.status().message() : fmt::format("answered {}", r->status));
+            switch (e.kind) {
+                case Encoded::Kind::kRefused:
+                    if (!f->Claim()) return;
+                    f->CancelAll();
+                    self->Finish(f, false);
+                    return f->ex->Reply({e.refused.status,
+                                         "application/json",
+                                         std::move(e.refused.body),
+                                         {{"X-Request-Id", f->request_id}}});
+                case Encoded::Kind::kEncoded:
+                    ++self->encoded_;
+                    if (!e.ec_transfer_params.empty()) {
+                        std::lock_guard lock(f->mu);
+                        f->body["ec_transfer_params"] = std::move(e.ec_transfer_params);
+                    }
+                    break;
+                default:
+                    ++self->encode_failed_;
+                    FERRY_LOG(kWarn,
+                              "proxy: request {}: {}; the workers encode its images themselves",
+                              f->request_id, e.why);
             }
             next();
         }));
@@ -484,9 +457,9 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     if (urls.empty()) return go();
     // Encode workers that timed out get no request until they answer a probe; with none left
     // the workers encode the images themselves.
-    const std::vector<http::Endpoint> answering = encoders_out_->Filter(encoders);
+    const std::vector<http::Endpoint> answering = encode_->Answering(encoders);
     if (answering.empty()) return go();
-    Encode(f, answering[PickEncoder(urls, answering)], std::move(go));
+    Encode(f, answering, std::move(go));
 }
 
 std::vector<http::Endpoint> Driver::Encoders() const {

@@ -46,6 +46,7 @@
 #include "router/protocol.h"
 #include "router/quarantine.h"
 #include "router/router.h"
+#include "router/worker_call.h"
 
 namespace ferry::router {
 
@@ -107,11 +108,12 @@ class Driver : public std::enable_shared_from_this<Driver> {
     struct Flow;
     Driver(DriverConfig config, std::shared_ptr<Router> router, http::Client* client);
 
-    http::ClientRequest ToWorker(const http::Endpoint& ep, const std::string& path,
-                                 const nlohmann::json& body, const std::string& request_id,
-                                 std::chrono::milliseconds timeout) const;
     void Finish(const std::shared_ptr<Flow>& f, bool ok);
     void Fail(const std::shared_ptr<Flow>& f, int status, const std::string& message);
+    // A call to the flow's `role` worker failed before it answered (not cancelled): its ticket
+    // ends as the worker's failure, a deadline reports it timed out, the client gets 504 or 502.
+    void WorkerFailed(const std::shared_ptr<Flow>& f, Role role, const http::Endpoint& ep,
+                      const Status& st);
     void Decode(const std::shared_ptr<Flow>& f, nlohmann::json body);
     // Sends `body` to the prefill worker. A transport failure fails the request (502, 504 on a
     // deadline) and an answer other than 200 is relayed to the client as it came; `on_ok` gets
@@ -120,9 +122,9 @@ class Driver : public std::enable_shared_from_this<Driver> {
                  std::function<void(http::ClientReply)> on_ok);
     void Pull(const std::shared_ptr<Flow>& f);
     void Push(const std::shared_ptr<Flow>& f);
-    // EPD: sends the request to `ep` (an encode worker), puts the ec_transfer_params of its
-    // answer into the flow's body, then `next`.
-    void Encode(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
+    // EPD: sends the request to one of `answering` (encode workers; router/worker_call.h),
+    // puts the ec_transfer_params of its answer into the flow's body, then `next`.
+    void Encode(const std::shared_ptr<Flow>& f, const std::vector<http::Endpoint>& answering,
                 std::function<void()> next);
     // The encode workers now: the flags' and the store's (no duplicates), quarantined or not.
     std::vector<http::Endpoint> Encoders() const;
@@ -131,6 +133,7 @@ class Driver : public std::enable_shared_from_this<Driver> {
     std::shared_ptr<Router> router_;
     http::Client* client_;
     std::unique_ptr<Quarantine> encoders_out_;  // encode workers that timed out
+    std::unique_ptr<EncodeStep> encode_;
     std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0},
         prefill_skipped_{0}, encoded_{0}, encode_failed_{0}, timeouts_{0};
 };

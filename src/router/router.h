@@ -7,7 +7,8 @@
 // every path (success, error, client gone, another stage's failure): a ticket destroyed without
 // `End` ends as kAbandoned, so load is never left counted on a worker.
 //
-// This library links core, http and discovery only: no model, no KV, no engine.
+// This library links core, http, discovery, the tokenizer (to tokenize prompts as the workers
+// do) and libzmq (KV events): no model math, no KV cache, no engine.
 #pragma once
 
 #include <atomic>
@@ -98,7 +99,7 @@ struct WorkerState {
 // A request as the policy sees it.
 struct RouteRequest {
     std::string_view request_id;
-    size_t prompt_tokens = 0;  // 0: not known (the router does not tokenize)
+    size_t prompt_tokens = 0;  // 0: not known (no token ids and no tokenizer)
     // Its prompt's full blocks' hashes (core/block_hash.h), when its tokens are known.
     std::span<const BlockHash> block_hashes{};
 };

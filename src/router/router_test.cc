@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -24,6 +25,7 @@
 #include "router/membership.h"
 #include "router/protocol.h"
 #include "router/quarantine.h"
+#include "router/worker_call.h"
 #include "testing/zmtp_liar.h"
 
 namespace ferry::router {
@@ -1185,6 +1187,130 @@ TEST(RouterQuarantine, AWorkerIsOutUntilItAnswersAProbe) {
     EXPECT_EQ(q.added(), 1u);
     EXPECT_EQ(q.released(), 1u);
     (*server)->Stop();
+}
+
+// The encode step as the proxy and --encoder-urls both run it: the body an encode worker gets
+// (one token, not streamed, no transfer params, the request's id and the router token), and what
+// each kind of answer means; a worker past the deadline goes into quarantine.
+TEST(RouterWorkerCall, TheEncodeStepSendsOneBodyAndReadsEachAnswer) {
+    auto client = http::Client::Create(1);
+    std::mutex mu;
+    std::vector<Json> bodies;
+    std::vector<std::string> ids, auths;
+    std::atomic<int> mode{0};  // 0: params, 1: 400, 2: 500, 3: not JSON, 4: no answer
+    auto server = http::Server::Start(
+        {},
+        {{"POST", "/v1/chat/completions", [&](std::shared_ptr<http::Exchange> ex) {
+              {
+                  std::lock_guard lock(mu);
+                  bodies.push_back(Json::parse(ex->request().body));
+                  const std::string* id = ex->request().Find("X-Request-Id");
+                  const std::string* auth = ex->request().Find("Authorization");
+                  ids.push_back(id ? *id : "");
+                  auths.push_back(auth ? *auth : "");
+              }
+              switch (mode.load()) {
+                  case 0:
+                      return ex->Reply({200,
+                                        "application/json",
+                                        R"({"ec_transfer_params":{"mm_hashes":["h"]}})",
+                                        {}});
+                  case 1:
+                      return ex->Reply({400, "application/json", R"({"error":"bad image"})", {}});
+                  case 2:
+                      return ex->Reply({500, "application/json", "{}", {}});
+                  case 3:
+                      return ex->Reply({200, "text/plain", "not json", {}});
+                  default:
+                      return;  // stuck
+              }
+          }}});
+    ASSERT_TRUE(server.ok());
+    const http::Endpoint ep{"127.0.0.1", uint16_t((*server)->port())};
+    Quarantine q(client.get());
+    EncodeStep step({"sekret", std::chrono::milliseconds(300)}, client.get(), &q);
+    const Json body = {
+        {"model", "m"},
+        {"stream", true},
+        {"max_tokens", 50},
+        {"stream_options", {{"include_usage", true}}},
+        {"kv_transfer_params", {{"do_remote_decode", true}}},
+        {"messages",
+         {{{"role", "user"},
+           {"content", {{{"type", "image_url"}, {"image_url", {{"url", "data:x"}}}}}}}}}};
+    auto run = [&](int m) {
+        mode = m;
+        std::promise<Encoded> got;
+        auto fut = got.get_future();
+        step.Call(body, step.Answering({ep}), "rid-1", [&](Encoded e) { got.set_value(e); });
+        return fut.get();
+    };
+    Encoded e = run(0);
+    EXPECT_EQ(e.kind, Encoded::Kind::kEncoded);
+    EXPECT_EQ(e.ec_transfer_params, Json({{"mm_hashes", {"h"}}}));
+    {
+        std::lock_guard lock(mu);
+        ASSERT_EQ(bodies.size(), 1u);
+        EXPECT_EQ(bodies[0]["max_tokens"], 1);
+        EXPECT_EQ(bodies[0]["stream"], false);
+        EXPECT_FALSE(bodies[0].contains("stream_options"));
+        EXPECT_FALSE(bodies[0].contains("kv_transfer_params"));
+        EXPECT_EQ(bodies[0]["messages"], body["messages"]);
+        EXPECT_EQ(ids[0], "rid-1");
+        EXPECT_EQ(auths[0], "Bearer sekret");
+    }
+    e = run(1);
+    EXPECT_EQ(e.kind, Encoded::Kind::kRefused);
+    EXPECT_EQ(e.refused.status, 400);
+    EXPECT_EQ(e.refused.body, R"({"error":"bad image"})");
+    e = run(2);
+    EXPECT_EQ(e.kind, Encoded::Kind::kFailed);
+    EXPECT_NE(e.why.find("answered 500"), std::string::npos) << e.why;
+    e = run(3);
+    EXPECT_EQ(e.kind, Encoded::Kind::kFailed);
+    EXPECT_EQ(step.timeouts(), 0u);
+    EXPECT_TRUE(step.Answering({ep}).size() == 1);
+    e = run(4);
+    EXPECT_EQ(e.kind, Encoded::Kind::kFailed);
+    EXPECT_NE(e.why.find(fmt::format("encode worker 127.0.0.1:{}", ep.port)), std::string::npos)
+        << e.why;
+    EXPECT_EQ(step.timeouts(), 1u);
+    EXPECT_TRUE(step.Answering({ep}).empty()) << "timed out: in quarantine";
+    // A call cancelled by its caller says so (no failure of the worker's).
+    std::promise<Encoded> got;
+    auto fut = got.get_future();
+    auto call = step.Call(body, {ep}, "rid-2", [&](Encoded e) { got.set_value(e); });
+    ASSERT_TRUE(call);
+    call->Cancel();
+    EXPECT_EQ(fut.get().kind, Encoded::Kind::kCancelled);
+    (*server)->Stop();
+}
+
+TEST(RouterWorkerCall, ARequestCarriesItsIdTokenAndDeadlineAndAFailureNamesTheWorker) {
+    const http::ClientRequest r = WorkerRequest({"::1", 8000}, "/v1/completions", {{"a", 1}}, "rid",
+                                                "tok", std::chrono::milliseconds(1234));
+    EXPECT_EQ(r.method, "POST");
+    EXPECT_EQ(r.host, "::1");
+    EXPECT_EQ(r.port, 8000);
+    EXPECT_EQ(r.target, "/v1/completions");
+    EXPECT_EQ(Json::parse(r.body), Json({{"a", 1}}));
+    EXPECT_EQ(r.timeout, std::chrono::milliseconds(1234));
+    ASSERT_NE(http::FindHeader(r.headers, "X-Request-Id"), nullptr);
+    EXPECT_EQ(*http::FindHeader(r.headers, "X-Request-Id"), "rid");
+    ASSERT_NE(http::FindHeader(r.headers, "Authorization"), nullptr);
+    EXPECT_EQ(*http::FindHeader(r.headers, "Authorization"), "Bearer tok");
+    EXPECT_EQ(http::FindHeader(
+                  WorkerRequest({"h", 1}, "/", {}, "rid", "", std::chrono::milliseconds(1)).headers,
+                  "Authorization"),
+              nullptr);
+    CallFailure f = FailureOf("prefill", {"::1", 8000}, DeadlineExceededError("too slow"));
+    EXPECT_EQ(f.status, 504);
+    EXPECT_TRUE(f.timed_out);
+    EXPECT_EQ(f.message, "prefill worker [::1]:8000: too slow");
+    f = FailureOf("decode", {"10.0.0.1", 9}, UnavailableError("refused"));
+    EXPECT_EQ(f.status, 502);
+    EXPECT_FALSE(f.timed_out);
+    EXPECT_EQ(f.message, "decode worker 10.0.0.1:9: refused");
 }
 
 }  // namespace

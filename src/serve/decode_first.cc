@@ -82,17 +82,10 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
     }
     const std::string id = Dispatch(ex, chat, std::move(pr), std::move(retry), base);
     if (id.empty()) return ticket->End(router::Outcome::kCancelled);
-    http::ClientRequest r;
-    r.host = ep.host;
-    r.port = ep.port;
-    r.target = "/v1/completions";
-    r.body = DumpJson(body);
-    r.timeout = config.remote_prefill_timeout;
-    r.headers.push_back({"X-Request-Id", id.substr(id.find('-') + 1)});
-    router::Authorize(&r, config.router_token);
     std::lock_guard lock(*call_mu);
     *prefill_call = client->CallWhole(
-        std::move(r),
+        router::WorkerRequest(ep, "/v1/completions", body, id.substr(id.find('-') + 1),
+                              config.router_token, config.remote_prefill_timeout),
         [this, id, key, ticket](Result<http::ClientReply> got) {
             // Cancelled: a second attempt took over, and carries the ticket on.
             if (!got.ok() && got.status().code() == Code::kCancelled) return;

@@ -123,7 +123,7 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
         !config.encode_only) {
         // Encode workers that timed out are left out until they answer again; with none left
         // the images are encoded here.
-        std::vector<http::Endpoint> encoders = quarantine->Filter(config.encoder_urls);
+        std::vector<http::Endpoint> encoders = encode_step->Answering(config.encoder_urls);
         if (!encoders.empty()) return CallEncoder(ex, chat, std::move(pr), rid, encoders);
     }
     EnqueueImages(ex, chat, std::move(pr), rid);
@@ -133,50 +133,31 @@ void OpenAiServer::Impl::CallEncoder(const std::shared_ptr<http::Exchange>& ex, 
                                      ParsedRequest pr, const std::string& rid,
                                      const std::vector<http::Endpoint>& encoders) {
     // SGLang's --encoder-urls: this worker asks an encode worker itself (no router step), as
-    // the router would: the client's body, one token, not streamed, under the request's id.
-    nlohmann::json body = nlohmann::json::parse(ex->request().body, nullptr, false);
-    const std::vector<std::string_view> urls = router::ImageUrls(body);
-    const http::Endpoint ep = encoders[router::PickEncoder(urls, encoders)];
-    body = router::PrefillBody(std::move(body));
-    body.erase("kv_transfer_params");
-    body.erase("ec_transfer_params");
-    http::ClientRequest req;
-    req.method = "POST";
-    req.host = ep.host;
-    req.port = ep.port;
-    req.target = "/v1/chat/completions";
-    req.body = DumpJson(body);
-    req.timeout = config.encoder_timeout;
-    req.headers.push_back({"X-Request-Id", rid.empty() ? RandomId128() : rid});
-    router::Authorize(&req, config.router_token);
+    // the router would (router/worker_call.h), under the request's id.
+    const nlohmann::json body = nlohmann::json::parse(ex->request().body, nullptr, false);
     auto shared = std::make_shared<ParsedRequest>(std::move(pr));
-    std::shared_ptr<http::ClientCall> call = client->CallWhole(
-        std::move(req), [this, ex, chat, rid, ep, shared](Result<http::ClientReply> r) {
-            if (!r.ok() && r.status().code() == Code::kCancelled) {
-                // Its client left (or the server stops): no failure of the encode worker's.
-                return EnqueueImages(ex, chat, std::move(*shared), rid);
-            }
-            if (r.ok() && r->status == 400) {
+    std::shared_ptr<http::ClientCall> call = encode_step->Call(
+        body, encoders, rid.empty() ? RandomId128() : rid,
+        [this, ex, chat, rid, shared](router::Encoded e) {
+            using Kind = router::Encoded::Kind;
+            if (e.kind == Kind::kRefused) {
                 // The images themselves are bad: the encode worker's answer names the part.
                 ++image_metrics.refused;
                 std::vector<http::Header> headers;
                 if (!rid.empty()) headers.push_back({"X-Request-Id", rid});
-                return ex->Reply({400, "application/json", std::move(r->body), std::move(headers)});
+                return ex->Reply(
+                    {400, "application/json", std::move(e.refused.body), std::move(headers)});
             }
-            const nlohmann::json answer = r.ok() && r->status == 200
-                                              ? nlohmann::json::parse(r->body, nullptr, false)
-                                              : nlohmann::json();
-            if (answer.is_object()) {
+            if (e.kind == Kind::kEncoded) {
                 ++image_metrics.encoder_calls;
-                if (answer.contains("ec_transfer_params")) {
-                    Result<EcSource> src = ParseEcTransferParams(answer["ec_transfer_params"]);
+                if (!e.ec_transfer_params.empty()) {
+                    Result<EcSource> src = ParseEcTransferParams(e.ec_transfer_params);
                     if (src.ok()) shared->ec_source = std::make_shared<const EcSource>(*src);
                 }
-            } else {
+            } else if (e.kind == Kind::kFailed) {
+                // Cancelled: its client left (or the server stops), no failure of the worker's.
                 ++image_metrics.encoder_call_failures;
-                if (!r.ok() && r.status().code() == Code::kDeadlineExceeded) quarantine->Add(ep);
-                FERRY_LOG(kWarn, "images: encode worker {}:{}: {}; encoding here", ep.host, ep.port,
-                          r.ok() ? fmt::format("answered {}", r->status) : r.status().message());
+                FERRY_LOG(kWarn, "images: {}; encoding here", e.why);
             }
             EnqueueImages(ex, chat, std::move(*shared), rid);
         });

@@ -294,6 +294,9 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     }
     impl->client = http::Client::Create(1);
     impl->quarantine = std::make_unique<router::Quarantine>(impl->client.get());
+    impl->encode_step = std::make_unique<router::EncodeStep>(
+        router::EncodeStepConfig{config.router_token, config.encoder_timeout}, impl->client.get(),
+        impl->quarantine.get());
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     impl->http_ready = impl->http.get();
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
@@ -310,8 +313,11 @@ void OpenAiServer::Stop() {
     // Requests still waiting for the encoder get 503 (their jobs see `stopping`).
     if (impl_->media_queue) impl_->media_queue->Stop();
     impl_->http->Stop();
-    impl_->quarantine.reset();  // before the client its probes run on
+    // The client first: its calls end (their callbacks may still reach the quarantine and the
+    // encode step); the quarantine's probes hold only a weak reference to it.
     impl_->client.reset();
+    impl_->encode_step.reset();
+    impl_->quarantine.reset();
     std::lock_guard lock(impl_->stop_mu);
     impl_->stopped = true;
     impl_->stop_cv.notify_all();

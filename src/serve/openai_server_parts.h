@@ -30,6 +30,7 @@
 #include "router/protocol.h"
 #include "router/quarantine.h"
 #include "router/router.h"
+#include "router/worker_call.h"
 #include "serve/ec_connector.h"
 #include "serve/openai_request.h"
 #include "serve/openai_server.h"
@@ -241,6 +242,8 @@ struct OpenAiServer::Impl {
     // Workers whose calls ran past their deadline: --encoder-urls encode workers, and
     // decode-first prefill workers (back in remote_prefill when they answer a probe).
     std::unique_ptr<router::Quarantine> quarantine;
+    // --encoder-urls: the encode step, as the router runs it.
+    std::unique_ptr<router::EncodeStep> encode_step;
 
     // Images (with config.vision).
     model::ImageTokens image_tokens;

@@ -1,0 +1,91 @@
+// Calls from one process to a worker, built and read in one place. `ferry proxy`'s driver, a
+// decode-first worker's remote prefill and a worker's --encoder-urls all send their requests
+// through here: one request shape (body, the request's id, the deployment's token, a deadline),
+// one reading of a failed call (what the client gets, whether the worker timed out), and the
+// EPD encode step whole (which encode worker, its body, its answer's meaning, the quarantine of a
+// worker that timed out).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/status.h"
+#include "http/http.h"
+#include "router/quarantine.h"
+
+namespace ferry::router {
+
+// One POST of `body` to `path` on the worker at `ep`: X-Request-Id `request_id`, the router
+// token when there is one, and `timeout` from the call's start to its last byte.
+http::ClientRequest WorkerRequest(const http::Endpoint& ep, const std::string& path,
+                                  const nlohmann::json& body, const std::string& request_id,
+                                  const std::string& router_token,
+                                  std::chrono::milliseconds timeout);
+
+// A call that failed before the worker answered, as the client hears of it: 504 when it ran past
+// its deadline (`timed_out`), 502 otherwise, the message "<role> worker HOST:PORT: <why>".
+struct CallFailure {
+    int status = 502;
+    bool timed_out = false;
+    std::string message;
+};
+CallFailure FailureOf(std::string_view role, const http::Endpoint& ep, const Status& st);
+
+// What an encode worker's answer means for the request (EPD).
+struct Encoded {
+    enum class Kind {
+        kEncoded,    // 200: `ec_transfer_params` for the consumers (empty: the disk connector)
+        kRefused,    // 400: the images themselves are bad; `refused` is the reply to relay
+        kFailed,     // anything else: the consumers encode for themselves (`why`)
+        kCancelled,  // the call was cancelled (its client left, or the process stops)
+    };
+    Kind kind = Kind::kFailed;
+    http::Endpoint worker;
+    nlohmann::json ec_transfer_params = nlohmann::json::object();
+    http::ClientReply refused;
+    std::string why;
+};
+
+struct EncodeStepConfig {
+    std::string router_token;
+    std::chrono::milliseconds timeout{10000};
+};
+
+// The encode step of a chat request with images (vLLM's disagg_epd_proxy.py): the client's body
+// as a prefill worker would get it (one token, not streamed, no transfer params) goes to the
+// encode worker the rendezvous hash of its image URLs picks (router/protocol.h: PickEncoder), so
+// a repeated image meets the worker that holds it. A worker that runs past the deadline goes into
+// `quarantine` (no request until it answers a probe). Thread-safe.
+class EncodeStep {
+  public:
+    // Neither is owned; both outlive the step.
+    EncodeStep(EncodeStepConfig config, http::Client* client, Quarantine* quarantine);
+
+    // Those of `encoders` not in quarantine, in order.
+    std::vector<http::Endpoint> Answering(const std::vector<http::Endpoint>& encoders);
+
+    // Sends `body`'s images to one of `answering` (not empty). `done` runs once, on an I/O
+    // thread of the client. The call (cancel it to stop waiting: `done` then gets kCancelled).
+    std::shared_ptr<http::ClientCall> Call(const nlohmann::json& body,
+                                           const std::vector<http::Endpoint>& answering,
+                                           const std::string& request_id,
+                                           std::function<void(Encoded)> done);
+
+    // Calls that ran past the deadline so far.
+    uint64_t timeouts() const { return timeouts_.load(); }
+    const EncodeStepConfig& config() const { return config_; }
+
+  private:
+    EncodeStepConfig config_;
+    http::Client* client_;
+    Quarantine* quarantine_;
+    std::atomic<uint64_t> timeouts_{0};
+};
+
+}  // namespace ferry::router
