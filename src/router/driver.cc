@@ -134,11 +134,7 @@ void Driver::Fail(const std::shared_ptr<Flow>& f, int status, const std::string&
     FERRY_LOG(kInfo, "proxy: request {} failed: {} {}", f->request_id, status, message);
     if (f->started) {
         // Mid-stream: an error event, then the end.
-        f->ex->Write(
-            "data: " +
-            DumpJson({{"error",
-                       {{"message", message}, {"code", status}, {"request_id", f->request_id}}}}) +
-            "\n\ndata: [DONE]\n\n");
+        f->ex->Write(ErrorEvent(status, {message}, f->request_id));
         f->ex->End();
         return;
     }

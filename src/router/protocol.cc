@@ -11,20 +11,38 @@ namespace {
 
 using Json = nlohmann::json;
 
+Json ErrorJson(int status, const OpenAiError& error, const std::string& request_id) {
+    const char* type = status == 400 || status == 413 ? "invalid_request_error"
+                       : status == 401                ? "authentication_error"
+                       : status == 403                ? "permission_error"
+                       : status == 404                ? "not_found_error"
+                       : status == 409                ? "conflict_error"
+                       : status == 429                ? "rate_limit_error"
+                       : status == 503                ? "service_unavailable"
+                       : status < 500                 ? "invalid_request_error"
+                                                      : "server_error";
+    Json err = {{"message", error.message},
+                {"type", type},
+                {"param", error.param.empty() ? Json() : Json(error.param)},
+                {"code", error.code.empty() ? Json(status) : Json(error.code)}};
+    if (!request_id.empty()) err["request_id"] = request_id;
+    return {{"error", err}};
+}
+
 }  // namespace
 
 const char* ProtocolName(Protocol protocol) {
     return protocol == Protocol::kPush ? "push" : "pull";
 }
 
-http::Reply ErrorReply(int status, const std::string& message, const std::string& request_id) {
-    Json err = {{"message", message},
-                {"type", status < 500 ? "invalid_request_error" : "server_error"},
-                {"param", nullptr},
-                {"code", status}};
-    if (request_id.empty()) return {status, "application/json", DumpJson({{"error", err}}), {}};
-    err["request_id"] = request_id;
-    return {status, "application/json", DumpJson({{"error", err}}), {{"X-Request-Id", request_id}}};
+http::Reply ErrorReply(int status, const OpenAiError& error, const std::string& request_id) {
+    http::Reply r{status, "application/json", DumpJson(ErrorJson(status, error, request_id)), {}};
+    if (!request_id.empty()) r.headers.push_back({"X-Request-Id", request_id});
+    return r;
+}
+
+std::string ErrorEvent(int status, const OpenAiError& error, const std::string& request_id) {
+    return "data: " + DumpJson(ErrorJson(status, error, request_id)) + "\n\ndata: [DONE]\n\n";
 }
 
 Json PrefillBody(Json body) {

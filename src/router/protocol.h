@@ -27,9 +27,28 @@ const char* ProtocolName(Protocol protocol);
 // Request bodies nesting deeper than this are refused before they are parsed.
 inline constexpr size_t kMaxJsonDepth = 64;
 
-// An OpenAI error reply; with `request_id` the body names it ("request_id") and the X-Request-Id
+// The one OpenAI error reply of every ferry server (the workers' OpenAI server, `ferry proxy`,
+// the HTTP layer's own refusals through ServerConfig::error_reply):
+//   {"error": {"message", "type", "param", "code"[, "request_id"]}}
+// `type` follows the status (400/413 invalid_request_error, 401 authentication_error, 403
+// permission_error, 404 not_found_error, 409 conflict_error, 429 rate_limit_error, 503
+// service_unavailable, other 4xx invalid_request_error, 5xx server_error); `param` is the
+// request field at fault or null; `code` a stable string naming the fault, else the HTTP status
+// as a number (vLLM's ErrorResponse). With `request_id` the body names it and the X-Request-Id
 // header carries it.
-http::Reply ErrorReply(int status, const std::string& message, const std::string& request_id = "");
+struct OpenAiError {
+    std::string message;
+    std::string param = "";
+    std::string code = "";
+};
+http::Reply ErrorReply(int status, const OpenAiError& error, const std::string& request_id = "");
+inline http::Reply ErrorReply(int status, const std::string& message,
+                              const std::string& request_id = "") {
+    return ErrorReply(status, OpenAiError{message}, request_id);
+}
+// The same error once a stream has started (its status line is sent): one server-sent event
+// with the same body, then the stream's end ("data: [DONE]").
+std::string ErrorEvent(int status, const OpenAiError& error, const std::string& request_id);
 
 // The client's request as vLLM's proxies send it to a prefill worker: one token, not streamed.
 nlohmann::json PrefillBody(nlohmann::json body);

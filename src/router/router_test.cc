@@ -363,6 +363,38 @@ TEST(RouterProtocol, BodiesAndParamsAreVllmsAndFerrysFields) {
     Json ej = Json::parse(e.body);
     EXPECT_EQ(ej["error"]["request_id"], "rid-1");
     EXPECT_EQ(ej["error"]["type"], "server_error");
+    EXPECT_EQ(ej["error"]["code"], 502);
+    EXPECT_TRUE(ej["error"]["param"].is_null());
+    ASSERT_NE(http::FindHeader(e.headers, "X-Request-Id"), nullptr);
+    // One writer for every server: the type follows the status, a named code and param stay.
+    for (auto [status, type] :
+         std::vector<std::pair<int, std::string>>{{400, "invalid_request_error"},
+                                                  {401, "authentication_error"},
+                                                  {403, "permission_error"},
+                                                  {404, "not_found_error"},
+                                                  {409, "conflict_error"},
+                                                  {413, "invalid_request_error"},
+                                                  {422, "invalid_request_error"},
+                                                  {429, "rate_limit_error"},
+                                                  {503, "service_unavailable"},
+                                                  {504, "server_error"}}) {
+        EXPECT_EQ(Json::parse(ErrorReply(status, "x").body)["error"]["type"], type) << status;
+    }
+    e = ErrorReply(400, OpenAiError{"bad image", "messages[0].content[1].url", "invalid_image"});
+    ej = Json::parse(e.body);
+    EXPECT_EQ(ej["error"]["param"], "messages[0].content[1].url");
+    EXPECT_EQ(ej["error"]["code"], "invalid_image");
+    EXPECT_FALSE(ej["error"].contains("request_id"));
+    EXPECT_EQ(http::FindHeader(e.headers, "X-Request-Id"), nullptr);
+    // Mid-stream: the same body as one event, then the stream's end.
+    const std::string ev = ErrorEvent(504, {"decode worker h:1: too slow"}, "rid-2");
+    const std::string data = "data: ";
+    ASSERT_EQ(ev.rfind(data, 0), 0u) << ev;
+    const std::string tail = "\n\ndata: [DONE]\n\n";
+    ASSERT_GT(ev.size(), data.size() + tail.size());
+    ASSERT_EQ(ev.substr(ev.size() - tail.size()), tail) << ev;
+    EXPECT_EQ(Json::parse(ev.substr(data.size(), ev.size() - data.size() - tail.size())),
+              Json::parse(ErrorReply(504, "decode worker h:1: too slow", "rid-2").body));
 }
 
 // A worker's OpenAI server as the driver sees it: records what it got, answers as told.

@@ -194,11 +194,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                                 {"finish_reason", Json()}}));
         }
         if (o.finish == engine::FinishReason::kError) {
-            bytes += sse({{"error",
-                           {{"message", o.error.message()},
-                            {"type", "server_error"},
-                            {"request_id", base}}}});
-            bytes += "data: [DONE]\n\n";
+            bytes += router::ErrorEvent(HttpStatusOf(o.error), {o.error.message()}, base);
             ex->Write(std::move(bytes));
             return ex->End();
         }
@@ -243,10 +239,7 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
             ex->Reply(Error(status, e, base));
             return "";
         }
-        Json err = {
-            {"error",
-             {{"message", e.message}, {"type", "invalid_request_error"}, {"request_id", base}}}};
-        ex->Write(sse(err) + "data: [DONE]\n\n");
+        ex->Write(router::ErrorEvent(status, {e.message, e.param, e.code}, base));
         ex->End();
         return "";
     }

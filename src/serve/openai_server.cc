@@ -8,24 +8,11 @@ namespace ferry::serve {
 
 http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e,
                                       const std::string& request_id) {
-    Json err = {{"message", e.message},
-                {"type", status == 400 || status == 413 ? "invalid_request_error"
-                         : status == 401                ? "authentication_error"
-                         : status == 403                ? "permission_error"
-                         : status == 404                ? "not_found_error"
-                         : status == 409                ? "conflict_error"
-                         : status == 429                ? "rate_limit_error"
-                         : status == 503                ? "service_unavailable"
-                                                        : "server_error"},
-                {"param", e.param.empty() ? Json() : Json(e.param)},
-                {"code", e.code.empty() ? Json() : Json(e.code)}};
     if (status == 400) {
         std::lock_guard lock(metrics.mu);
         ++metrics.bad_requests;
     }
-    if (request_id.empty()) return {status, "application/json", DumpJson({{"error", err}}), {}};
-    err["request_id"] = request_id;
-    return {status, "application/json", DumpJson({{"error", err}}), {{"X-Request-Id", request_id}}};
+    return router::ErrorReply(status, {e.message, e.param, e.code}, request_id);
 }
 
 std::vector<http::Route> OpenAiServer::Impl::Routes() {
