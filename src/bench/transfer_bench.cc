@@ -180,9 +180,19 @@ double UcxPerftestReferenceGbps(uint64_t block, double duration, bool error_hand
     return cols[cols.size() - 3] * 1048576.0 / 1e9;
 }
 
-// Target side of the TCP reference: reads and drops everything, then closes.
+// Target side of the TCP reference: reads and drops everything, then closes. Its thread is
+// joined before the sink goes (a detached one read the listening socket's member after it was
+// destroyed: TSan, 2026-12-07).
 class RawSink {
   public:
+    ~RawSink() {
+        if (!thread_.joinable()) return;
+        stopping_ = true;
+        shutdown(fd_.get(), SHUT_RDWR);  // accept4 returns
+        const int c = conn_.load();
+        if (c >= 0) shutdown(c, SHUT_RDWR);  // recv returns
+        thread_.join();
+    }
     bool Start(const std::string& host) {
         fd_.Reset(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
         sockaddr_in sa{};
@@ -196,18 +206,20 @@ class RawSink {
         socklen_t len = sizeof(sa);
         getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&sa), &len);
         address_ = host + ":" + std::to_string(ntohs(sa.sin_port));
-        thread_ = std::thread([this] {
+        thread_ = std::thread([this, listening = fd_.get()] {
             std::vector<uint8_t> buf(4u << 20);
             PrefaultMemory(buf.data(), buf.size());
-            while (true) {
-                int c = accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+            while (!stopping_) {
+                const int c = accept4(listening, nullptr, nullptr, SOCK_CLOEXEC);
                 if (c < 0) return;
+                conn_ = c;
+                if (stopping_) shutdown(c, SHUT_RDWR);
                 while (recv(c, buf.data(), buf.size(), 0) > 0) {
                 }
+                conn_ = -1;
                 close(c);
             }
         });
-        thread_.detach();
         return true;
     }
     const std::string& address() const { return address_; }
@@ -215,6 +227,8 @@ class RawSink {
   private:
     ScopedFd fd_;
     std::string address_;
+    std::atomic<bool> stopping_{false};
+    std::atomic<int> conn_{-1};
     std::thread thread_;
 };
 

@@ -174,7 +174,9 @@ namespace avx512 {
 FERRY_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 // GCC 12 warns of the _mm512_undefined_* operand inside its own widening intrinsics.
 #pragma GCC diagnostic push
+#ifndef __clang__  // a GCC warning clang does not know
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 inline __m512 LoadBf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -365,7 +367,9 @@ namespace bf16dp {
 FERRY_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 // GCC 12 warns of the _mm512_undefined_* operand inside its own reduction intrinsics.
 #pragma GCC diagnostic push
+#ifndef __clang__  // a GCC warning clang does not know
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 constexpr int kMr = 4, kNr = 6;

@@ -40,7 +40,7 @@ TEST(WireHeader, RejectsBadMagicVersionTypeAndBounds) {
     bad = good;
     bad[5] = 0;  // type
     EXPECT_THAT(DecodeHeader(bad), StatusIs(Code::kInvalidArgument));
-    bad[5] = 200;
+    bad[5] = char(200);
     EXPECT_THAT(DecodeHeader(bad), StatusIs(Code::kInvalidArgument));
     EXPECT_THAT(DecodeHeader(encode({FrameType::kRead, 0, kMaxBody + 1, 1, 0})),
                 StatusIs(Code::kInvalidArgument));

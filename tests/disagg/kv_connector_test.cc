@@ -308,7 +308,10 @@ class DisaggMatrix : public Disagg, public ::testing::WithParamInterface<Case> {
         if (GetParam().mode == KvTransferMode::kPush) {
             // Decode first for half of them, prefill first for the rest: either order works.
             for (size_t i = 0; i < prompts.size(); ++i) {
-                const auto& [id, prompt] = prompts[i];
+                // Named, not a structured binding: clang 14 (the sanitizer builds) cannot capture
+                // a binding in a lambda.
+                const std::string& id = prompts[i].first;
+                const std::vector<int32_t>& prompt = prompts[i].second;
                 const std::string xid = "xfer-" + id;
                 auto d = [&] {
                     FERRY_EXPECT_OK(Submit(decode.engine.get(), &da, id, prompt, sp,

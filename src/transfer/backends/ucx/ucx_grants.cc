@@ -139,7 +139,7 @@ void UcxBackend::Impl::RequestGrant(const std::shared_ptr<Ep>& ep, RegionId regi
     p->buffer.resize(ucx::kGrantAnswerFixed + ucx::kMaxPackedRkey);
     p->iov.push_back(ucp_dt_iov_t{p->buffer.data(), p->buffer.size()});
     p->bytes = p->buffer.size();
-    p->done = [this, region, key, then = std::move(then)](Pending& q) {
+    p->done = [region, key, then = std::move(then)](Pending& q) {
         Status s = q.status;
         std::shared_ptr<Ep> ep = q.ep;
         ucx::GrantAnswer answer;
