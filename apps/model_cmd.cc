@@ -21,6 +21,7 @@
 #include "kv/connector_registry.h"
 #include "model/model.h"
 #include "model/vision.h"
+#include "serve/ec_connector.h"
 #include "serve/openai_server.h"
 #include "serve/worker.h"
 
@@ -355,10 +356,17 @@ void AddServeCommand(CLI::App& app, int* rc) {
     static int64_t ec_lease_ms = 30000, ec_timeout_ms = 5000;
     serve
         ->add_option("--ec-connector", ec_connector,
-                     "EPD: how image embeddings move from encode workers: transfer (pulled by "
-                     "mm_hash from the encode worker's agent in one round trip) or disk "
-                     "(--ec-dir, vLLM's ECExampleConnector layout)")
-        ->check(CLI::IsMember({"transfer", "disk"}));
+                     [] {
+                         // The registered kinds (serve/ec_connector.h), each with its line.
+                         std::string help = "EPD: how image embeddings move from encode workers:";
+                         for (const std::string& name : serve::EcConnectorNames()) {
+                             help += fmt::format(" {} ({});", name,
+                                                 serve::FindEcConnector(name)->description);
+                         }
+                         help.back() = '.';
+                         return help;
+                     }())
+        ->check(CLI::IsMember(serve::EcConnectorNames()));
     serve->add_option("--ec-dir", ec_dir, "--ec-connector disk: the shared directory");
     serve
         ->add_option("--ec-load-failure", ec_load_failure,

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -401,6 +402,7 @@ class DiskEcConnector final : public EcConnector {
 
     bool Cacheable() const override { return true; }  // the operator's directory
     Json Params() const override { return nullptr; }
+    bool FindsWithoutParams() const override { return true; }
 
     EcConnectorStats Stats() const override {
         std::lock_guard lock(mu_);
@@ -492,24 +494,91 @@ Result<EcSource> ParseEcTransferParams(const Json& p) {
     return s;
 }
 
+namespace {
+
+struct EcRegistry {
+    std::mutex mu;
+    std::map<std::string, EcConnectorKind, std::less<>> kinds;
+};
+
+EcRegistry& TheEcRegistry() {
+    static EcRegistry* r = [] {
+        auto* reg = new EcRegistry();
+        EcConnectorKind transfer;
+        transfer.name = "transfer";
+        transfer.description =
+            "pulled by mm_hash from the encode worker's agent in one round trip (shm, tcp, ucx)";
+        transfer.needs_agent = true;
+        transfer.create = [](EcConnectorConfig c) -> Result<std::shared_ptr<EcConnector>> {
+            if (!c.agent) return InvalidArgumentError("--ec-connector transfer needs an agent");
+            if (c.entry_floats == 0) return InvalidArgumentError("ec: no entry size");
+            auto t = std::make_shared<TransferEcConnector>(std::move(c));
+            FERRY_RETURN_IF_ERROR(t->Start());
+            return std::shared_ptr<EcConnector>(std::move(t));
+        };
+        EcConnectorKind disk;
+        disk.name = "disk";
+        disk.description = "a shared directory (--ec-dir), vLLM's ECExampleConnector layout";
+        disk.create = [](EcConnectorConfig c) -> Result<std::shared_ptr<EcConnector>> {
+            if (c.dir.empty()) return InvalidArgumentError("--ec-connector disk needs --ec-dir");
+            struct stat st {};
+            if (stat(c.dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+                return InvalidArgumentError(fmt::format("--ec-dir {}: not a directory", c.dir));
+            }
+            return std::shared_ptr<EcConnector>(std::make_shared<DiskEcConnector>(std::move(c)));
+        };
+        for (EcConnectorKind* k : {&transfer, &disk}) reg->kinds.emplace(k->name, std::move(*k));
+        return reg;
+    }();
+    return *r;
+}
+
+std::string EcNames(const EcRegistry& r) {
+    std::string out;
+    for (const auto& [name, k] : r.kinds) out += (out.empty() ? "" : ", ") + name;
+    return out;
+}
+
+}  // namespace
+
+Status RegisterEcConnector(EcConnectorKind kind) {
+    if (kind.name.empty() || !kind.create) {
+        return InvalidArgumentError("encoder-cache connector kinds need a name and create");
+    }
+    EcRegistry& r = TheEcRegistry();
+    std::lock_guard lock(r.mu);
+    if (r.kinds.count(kind.name)) {
+        return AlreadyExistsError(
+            fmt::format("encoder-cache connector '{}' is registered", kind.name));
+    }
+    std::string name = kind.name;
+    r.kinds.emplace(std::move(name), std::move(kind));
+    return Status::Ok();
+}
+
+Result<EcConnectorKind> FindEcConnector(std::string_view name) {
+    EcRegistry& r = TheEcRegistry();
+    std::lock_guard lock(r.mu);
+    auto it = r.kinds.find(name);
+    if (it == r.kinds.end()) {
+        return NotFoundError(
+            fmt::format("--ec-connector '{}' is not one of: {}", name.substr(0, 64), EcNames(r)));
+    }
+    return it->second;
+}
+
+std::vector<std::string> EcConnectorNames() {
+    EcRegistry& r = TheEcRegistry();
+    std::lock_guard lock(r.mu);
+    std::vector<std::string> out;
+    for (const auto& [name, k] : r.kinds) out.push_back(name);
+    return out;
+}
+
 Result<std::shared_ptr<EcConnector>> MakeEcConnector(EcConnectorConfig c) {
-    if (c.kind == "disk") {
-        if (c.dir.empty()) return InvalidArgumentError("--ec-connector disk needs --ec-dir");
-        struct stat st {};
-        if (stat(c.dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-            return InvalidArgumentError(fmt::format("--ec-dir {}: not a directory", c.dir));
-        }
-        return std::shared_ptr<EcConnector>(std::make_shared<DiskEcConnector>(std::move(c)));
-    }
-    if (c.kind == "transfer") {
-        if (!c.agent) return InvalidArgumentError("--ec-connector transfer needs an agent");
-        if (c.entry_floats == 0) return InvalidArgumentError("ec: no entry size");
-        auto t = std::make_shared<TransferEcConnector>(std::move(c));
-        FERRY_RETURN_IF_ERROR(t->Start());
-        return std::shared_ptr<EcConnector>(std::move(t));
-    }
-    return InvalidArgumentError(
-        fmt::format("--ec-connector '{}' is not one of transfer, disk", c.kind));
+    Result<EcConnectorKind> kind = FindEcConnector(c.kind);
+    if (!kind.ok()) return InvalidArgumentError(kind.status().message());
+    return kind->create(std::move(c));
 }
 
 }  // namespace ferry::serve

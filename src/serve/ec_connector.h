@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -51,7 +52,7 @@ struct EcSource {
 Result<EcSource> ParseEcTransferParams(const nlohmann::json& params);
 
 struct EcConnectorConfig {
-    std::string kind;  // "transfer" or "disk"
+    std::string kind;  // a registered kind: "transfer", "disk", ...
     bool producer = false;
     // transfer: this worker's agent; the producer's region holds `buffer_bytes` of slots of
     // `entry_floats` floats (an image's embeddings: tokens per image x the model's width).
@@ -120,6 +121,9 @@ class EcConnector {
     virtual bool Cacheable() const = 0;
     // The ec_transfer_params a producer's answer carries (null: none).
     virtual nlohmann::json Params() const = 0;
+    // Whether a consumer finds entries with no params (disk: the shared directory), so that a
+    // miss there is an entry expected and not found.
+    virtual bool FindsWithoutParams() const { return false; }
     virtual EcConnectorStats Stats() const = 0;
 
   protected:
@@ -129,7 +133,25 @@ class EcConnector {
     std::string kind_;
 };
 
-// InvalidArgument for a config that cannot work (no directory, no agent, no entry size).
+// Encoder-cache connectors by name (`ferry serve --ec-connector NAME`), registered as KV
+// connectors are (kv/connector_registry.h): a new kind is added without touching the worker or
+// the server. "transfer" and "disk" are built in.
+struct EcConnectorKind {
+    std::string name;
+    std::string description;   // one line, for --help
+    bool needs_agent = false;  // the worker starts its transfer agent for it
+    // InvalidArgument for a config that cannot work (no directory, no agent, no entry size).
+    std::function<Result<std::shared_ptr<EcConnector>>(EcConnectorConfig config)> create;
+};
+// Adds a kind. InvalidArgument without a name or create; AlreadyExists for a known name.
+// Thread-safe.
+Status RegisterEcConnector(EcConnectorKind kind);
+// NotFound naming the known kinds.
+Result<EcConnectorKind> FindEcConnector(std::string_view name);
+// The registered names, sorted.
+std::vector<std::string> EcConnectorNames();
+
+// The connector of config.kind (FindEcConnector, then its create).
 Result<std::shared_ptr<EcConnector>> MakeEcConnector(EcConnectorConfig config);
 
 // The object key of an image's embeddings: "mm:" + mm_hash.

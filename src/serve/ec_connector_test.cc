@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <string>
@@ -260,6 +261,54 @@ TEST(EcDisk, AFileOfAnotherImageOrEncoderIsRefusedByName) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, EcTransfer, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
+
+// Encoder-cache connectors register as KV connectors do: a new kind is found by name and made
+// by MakeEcConnector with no change to the worker; the built-in kinds are registered too.
+TEST(EcRegistry, AKindRegisteredByNameIsWhatMakeEcConnectorMakes) {
+    const std::vector<std::string> names = EcConnectorNames();
+    EXPECT_NE(std::find(names.begin(), names.end(), "transfer"), names.end());
+    EXPECT_NE(std::find(names.begin(), names.end(), "disk"), names.end());
+    EXPECT_TRUE(FindEcConnector("transfer")->needs_agent);
+    EXPECT_FALSE(FindEcConnector("disk")->needs_agent);
+
+    struct Null final : EcConnector {
+        Null() : EcConnector("null-test") {}
+        Status Save(const std::string&, const std::vector<float>&) override { return Status::Ok(); }
+        Result<media::Embeddings> Load(const std::string& h, size_t, const EcSource*) override {
+            return NotFoundError(h);
+        }
+        bool Cacheable() const override { return false; }
+        nlohmann::json Params() const override { return nullptr; }
+        EcConnectorStats Stats() const override { return {}; }
+    };
+    EcConnectorKind k;
+    k.name = "null-test";
+    k.description = "drops everything";
+    EXPECT_EQ(RegisterEcConnector(k).code(), Code::kInvalidArgument) << "no create";
+    int made = 0;
+    k.create = [&made](EcConnectorConfig c) -> Result<std::shared_ptr<EcConnector>> {
+        ++made;
+        EXPECT_EQ(c.kind, "null-test");
+        return std::shared_ptr<EcConnector>(std::make_shared<Null>());
+    };
+    ASSERT_TRUE(RegisterEcConnector(k).ok());
+    EXPECT_EQ(RegisterEcConnector(k).code(), Code::kAlreadyExists);
+    EcConnectorConfig c;
+    c.kind = "null-test";
+    auto made_one = MakeEcConnector(c);
+    ASSERT_TRUE(made_one.ok()) << made_one.status().ToString();
+    EXPECT_EQ((*made_one)->kind(), "null-test");
+    EXPECT_EQ(made, 1);
+    c.kind = "nope";
+    auto unknown = MakeEcConnector(c);
+    EXPECT_EQ(unknown.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(unknown.status().message().find("null-test"), std::string::npos)
+        << unknown.status().ToString();
+    EXPECT_NE(unknown.status().message().find("'nope'"), std::string::npos);
+    // The built-ins still refuse a config that cannot work, naming the flag.
+    c.kind = "disk";
+    EXPECT_NE(MakeEcConnector(c).status().message().find("--ec-dir"), std::string::npos);
+}
 
 }  // namespace
 }  // namespace ferry::serve

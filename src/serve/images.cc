@@ -49,7 +49,7 @@ Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad,
                     pr->no_cache = true;  // this request's alone
                 }
             } else if (got.status().code() != Code::kNotFound || pr->ec_source ||
-                       config.ec_connector->kind() == "disk") {
+                       config.ec_connector->FindsWithoutParams()) {
                 // Expected there and not found, or the producer failed.
                 if (config.ec_load_failure == EcLoadFailure::kFail) {
                     *bad = {fmt::format("{}: its embeddings could not be loaded "

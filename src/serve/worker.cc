@@ -55,7 +55,13 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     w->role_ = c.role;
     if (!c.agent.secret.empty()) c.server.router_token = RouterToken(c.agent.secret);
     c.connector.default_mode = c.kv_mode;
-    if (kv_role || c.ec.kind == "transfer") {
+    bool ec_needs_agent = false;
+    if (!c.ec.kind.empty()) {
+        Result<EcConnectorKind> ec_kind = FindEcConnector(c.ec.kind);
+        if (!ec_kind.ok()) return InvalidArgumentError(ec_kind.status().message());
+        ec_needs_agent = ec_kind->needs_agent;
+    }
+    if (kv_role || ec_needs_agent) {
         if (c.agent.name.empty()) {
             c.agent.name = fmt::format("ferry-{}-{}", WorkerRoleName(c.role), getpid());
         }
