@@ -22,16 +22,19 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         "proxy",
         "Serve the OpenAI API in front of prefill and decode workers (pull: vLLM's NixlConnector "
         "protocol; push: layer-wise), and the discovery store the workers' agents register in");
+    // Each default is the config's own (serve::ProxyConfig and the router configs it nests).
+    static const serve::ProxyConfig defaults;
     static std::vector<std::string> prefill, decode, encode;
-    static std::string host = "127.0.0.1", mode = "pull", store, store_listen = "127.0.0.1:0",
-                       policy = "round-robin", prefill_policy, decode_policy, model;
-    static int64_t load_poll_ms = 250;
-    static int pd_min_uncached = 16;
+    static std::string host = defaults.host, mode = router::ProtocolName(defaults.driver.protocol),
+                       store, store_listen = "127.0.0.1:0", policy = "round-robin", prefill_policy,
+                       decode_policy, model;
+    static int64_t load_poll_ms = defaults.membership.poll.count();
+    static int pd_min_uncached = defaults.driver.pd_min_uncached_tokens;
     static router::CacheAwareWeights weights;
-    static int port = 8000;
+    static int port = defaults.port;
     static bool no_store = false;
     static std::string secret_file, tokenizer;
-    static int64_t timeout_ms = 600000;
+    static int64_t timeout_ms = defaults.driver.worker_timeout.count();
     px->add_option("--prefill", prefill,
                    "prefill workers' OpenAI servers (HOST:PORT or URL), beside those registered "
                    "in the store");
@@ -105,8 +108,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
                    "that worker gets no new request until it answers again")
         ->check(CLI::Range(int64_t{100}, int64_t{86400000}))
         ->capture_default_str();
-    static int64_t prefill_timeout_ms = 60000, encode_timeout_ms = 10000,
-                   agent_lookup_timeout_ms = 5000;
+    static int64_t prefill_timeout_ms = defaults.driver.prefill_timeout.count(),
+                   encode_timeout_ms = defaults.driver.encode_timeout.count(),
+                   agent_lookup_timeout_ms = defaults.driver.agent_timeout.count();
     px->add_option("--prefill-timeout-ms", prefill_timeout_ms,
                    "fail a request whose prefill worker has not answered by then (504); that "
                    "worker gets no new request until it answers again")
@@ -134,33 +138,34 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         } catch (const CLI::ValidationError& e) {
             return fail(InvalidArgumentError(e.what()));
         }
-        pc.router_token = RouterToken(secret);
+        router::DriverConfig& dc = pc.driver;
+        dc.router_token = RouterToken(secret);
         pc.host = host;
         pc.port = port;
-        pc.protocol = mode == "push" ? router::Protocol::kPush : router::Protocol::kPull;
-        pc.worker_timeout = std::chrono::milliseconds(timeout_ms);
-        pc.prefill_timeout = std::chrono::milliseconds(prefill_timeout_ms);
-        pc.encode_timeout = std::chrono::milliseconds(encode_timeout_ms);
-        pc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);
+        dc.protocol = mode == "push" ? router::Protocol::kPush : router::Protocol::kPull;
+        dc.worker_timeout = std::chrono::milliseconds(timeout_ms);
+        dc.prefill_timeout = std::chrono::milliseconds(prefill_timeout_ms);
+        dc.encode_timeout = std::chrono::milliseconds(encode_timeout_ms);
+        dc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);
         auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy, weights);
         if (!picked.ok()) return fail(picked.status());
-        pc.policy = std::move(picked).value();
+        pc.routing.policy = std::move(picked).value();
         auto picked_decode =
             router::MakePolicy(decode_policy.empty() ? policy : decode_policy, weights);
         if (!picked_decode.ok()) return fail(picked_decode.status());
-        pc.decode_policy = std::move(picked_decode).value();
-        pc.model = model;
-        pc.load_poll = std::chrono::milliseconds(load_poll_ms);
-        pc.pd_min_uncached_tokens = pd_min_uncached;
+        pc.routing.decode_policy = std::move(picked_decode).value();
+        pc.membership.model = model;
+        pc.membership.poll = std::chrono::milliseconds(load_poll_ms);
+        dc.pd_min_uncached_tokens = pd_min_uncached;
         if (!tokenizer.empty()) {
             auto file = model::GgufFile::Open(tokenizer);
             if (!file.ok()) return fail(file.status().WithContext("--tokenizer"));
             auto tk = model::Tokenizer::FromGguf(**file);
             if (!tk.ok()) return fail(tk.status().WithContext("--tokenizer " + tokenizer));
-            pc.tokenizer = std::move(tk).value();
+            dc.tokenizer = std::move(tk).value();
         }
         for (const auto& [list, dst] :
-             {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}, {&encode, &pc.encode}}) {
+             {std::pair{&prefill, &pc.prefill}, {&decode, &pc.decode}, {&encode, &dc.encode}}) {
             for (const std::string& u : *list) {
                 auto ep = http::ParseEndpoint(u);
                 if (!ep.ok()) return fail(ep.status());

@@ -114,11 +114,12 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
 
     void Fail(const char* what, beast::error_code ec) {
         if (ec == beast::error::timeout) {
-            return Finish(DeadlineExceededError(
-                fmt::format("http {}:{}{}: no answer within {} ms", request_.host, request_.port,
-                            request_.target, request_.timeout.count())));
+            return Finish(DeadlineExceededError(fmt::format(
+                "http {}{}: no answer within {} ms", FormatHostPort(request_.host, request_.port),
+                request_.target, request_.timeout.count())));
         }
-        Finish(UnavailableError(fmt::format("http {}:{}{}: {}: {}", request_.host, request_.port,
+        Finish(UnavailableError(fmt::format("http {}{}: {}: {}",
+                                            FormatHostPort(request_.host, request_.port),
                                             request_.target, what, ec.message())));
     }
 
@@ -242,9 +243,9 @@ Result<ClientReply> Fetch(const ClientRequest& request) {
         return fut.get();
     }
     call->Cancel();
-    return DeadlineExceededError(fmt::format("http {}:{}{}: no answer within {} ms", request.host,
-                                             request.port, request.target,
-                                             request.timeout.count()));
+    return DeadlineExceededError(fmt::format("http {}{}: no answer within {} ms",
+                                             FormatHostPort(request.host, request.port),
+                                             request.target, request.timeout.count()));
 }
 
 Result<ClientReply> FetchStreaming(const ClientRequest& request,

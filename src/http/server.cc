@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/cpu.h"
+#include "core/host_port.h"
 #include "core/log.h"
 #include "http/http.h"
 
@@ -650,8 +651,8 @@ Result<std::unique_ptr<Server>> Server::Start(ServerConfig cfg, std::vector<Rout
     if (!ec) impl->acceptor.bind(ep, ec);
     if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
     if (ec) {
-        return UnavailableError(
-            fmt::format("{}: cannot listen on {}:{}: {}", c.name, c.host, c.port, ec.message()));
+        return UnavailableError(fmt::format("{}: cannot listen on {}: {}", c.name,
+                                            FormatHostPort(c.host, c.port), ec.message()));
     }
     impl->port = impl->acceptor.local_endpoint().port();
     impl->work.emplace(asio::make_work_guard(impl->ioc));

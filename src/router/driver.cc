@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "core/json_depth.h"
 #include "core/json_fields.h"
 #include "core/log.h"
@@ -276,30 +277,27 @@ void Driver::Pull(const std::shared_ptr<Flow>& f) {
 
 void Driver::Push(const std::shared_ptr<Flow>& f) {
     auto self = shared_from_this();
-    auto got_agent = [self, f](Result<AgentInfo> agent) {
-        if (!agent.ok()) {
-            if (agent.status().code() == Code::kCancelled) return;
+    auto planned = [self, f](Result<PushPlan> plan) {
+        if (!plan.ok()) {
+            if (plan.status().code() == Code::kCancelled) return;
             f->End(&Flow::prefill, Outcome::kWorkerFailed);
-            if (agent.status().code() == Code::kDeadlineExceeded) {
+            if (plan.status().code() == Code::kDeadlineExceeded) {
                 ++self->timeouts_;
                 self->router_->ReportTimedOut(Role::kPrefill, f->prefill_worker);
             }
-            return self->Fail(f, 502, agent.status().message());
+            return self->Fail(f, 502, plan.status().message());
         }
-        // Unguessable: a client that could name the next transfer id could park requests
-        // under it on the prefill worker.
-        const std::string xid = RandomId128();
         Json pb = PrefillBody(f->body);
-        pb["kv_transfer_params"] = PushPrefillParams(xid);
+        pb["kv_transfer_params"] = std::move(plan->prefill_params);
         Json db = f->body;
-        db["kv_transfer_params"] = PushDecodeParams(xid, *agent);
+        db["kv_transfer_params"] = std::move(plan->decode_params);
         // Both at once: the decode worker allocates and names its blocks while the prefill
         // worker waits for them. The decode worker's answer is the client's.
         self->Decode(f, std::move(db));
         self->Prefill(f, pb, [](http::ClientReply) {});
     };
-    f->Add(FindAgent(*client_, router_, Role::kPrefill, f->prefill_worker, config_.router_token,
-                     config_.agent_timeout, std::move(got_agent)));
+    f->Add(PlanPush(*client_, router_, f->prefill_worker, config_.router_token,
+                    config_.agent_timeout, std::move(planned)));
 }
 
 void Driver::Encode(const std::shared_ptr<Flow>& f, const std::vector<http::Endpoint>& answering,
@@ -418,12 +416,14 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     if (skip_prefill && !no_prefill) {
         ++prefill_skipped_;
         FERRY_LOG(kInfo,
-                  "proxy: request {}: decode {}:{} holds {} of its {} prompt tokens: no "
-                  "prefill worker",
-                  f->request_id, f->decode_ep.host, f->decode_ep.port, held, f->prompt_tokens);
+                  "proxy: request {}: decode {} holds {} of its {} prompt tokens: no prefill "
+                  "worker",
+                  f->request_id, FormatHostPort(f->decode_ep.host, f->decode_ep.port), held,
+                  f->prompt_tokens);
     } else if (!skip_prefill) {
-        FERRY_LOG(kInfo, "proxy: request {}: prefill {}:{}, decode {}:{} ({})", f->request_id,
-                  f->prefill_ep.host, f->prefill_ep.port, f->decode_ep.host, f->decode_ep.port,
+        FERRY_LOG(kInfo, "proxy: request {}: prefill {}, decode {} ({})", f->request_id,
+                  FormatHostPort(f->prefill_ep.host, f->prefill_ep.port),
+                  FormatHostPort(f->decode_ep.host, f->decode_ep.port),
                   ProtocolName(config_.protocol));
     }
     ++in_flight_;

@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include "core/crypto.h"
+#include "core/host_port.h"
 #include "core/json_fields.h"
 
 namespace ferry::router {
@@ -122,9 +123,9 @@ Result<AgentInfo> ParseAgentInfo(int status, const std::string& body,
     if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
         !j.contains("port") || !j["port"].is_number_integer()) {
         return UnavailableError(
-            fmt::format("prefill worker {}:{} has no KV agent (GET /v1/kv/agent answered {}): "
+            fmt::format("prefill worker {} has no KV agent (GET /v1/kv/agent answered {}): "
                         "start it with --role prefill",
-                        worker.host, worker.port, status));
+                        FormatHostPort(worker.host, worker.port), status));
     }
     AgentInfo a;
     a.engine_id = j["engine_id"].get<std::string>();
@@ -134,9 +135,9 @@ Result<AgentInfo> ParseAgentInfo(int status, const std::string& body,
     a.tp_size =
         j.contains("tp_size") && j["tp_size"].is_number_integer() ? j["tp_size"].get<int>() : 1;
     if (a.port <= 0 || a.port > 65535 || a.tp_size < 1) {
-        return UnavailableError(fmt::format(
-            "prefill worker {}:{} names an agent at port {} with tp_size {}: not usable",
-            worker.host, worker.port, a.port, a.tp_size));
+        return UnavailableError(
+            fmt::format("prefill worker {} names an agent at port {} with tp_size {}: not usable",
+                        FormatHostPort(worker.host, worker.port), a.port, a.tp_size));
     }
     return a;
 }
@@ -168,8 +169,9 @@ std::shared_ptr<http::ClientCall> FindAgent(http::Client& client, std::shared_pt
                                            done = std::move(done)](Result<http::ClientReply> got) {
         if (!got.ok()) {
             if (got.status().code() == Code::kCancelled) return done(got.status());
-            return done(got.status().WithContext(
-                fmt::format("prefill worker {}:{}: GET /v1/kv/agent", ep.host, ep.port)));
+            return done(got.status().WithContext(fmt::format("{} worker {}: GET /v1/kv/agent",
+                                                             RoleName(role),
+                                                             FormatHostPort(ep.host, ep.port))));
         }
         Result<AgentInfo> a = ParseAgentInfo(got->status, got->body, ep);
         if (a.ok()) router->SetAgent(role, worker, *a);

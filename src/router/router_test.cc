@@ -1345,5 +1345,43 @@ TEST(RouterWorkerCall, ARequestCarriesItsIdTokenAndDeadlineAndAFailureNamesTheWo
     EXPECT_EQ(f.message, "decode worker 10.0.0.1:9: refused");
 }
 
+// Push's plan as the proxy and decode-first both take it: one fresh transfer id in both sides'
+// params, the decoder's naming the prefill worker's agent; a worker whose agent cannot be found
+// is named in the error.
+TEST(RouterWorkerCall, APushPlanGivesBothSidesOneFreshTransferIdAndTheAgent) {
+    auto client = http::Client::Create(1);
+    auto router = std::make_shared<Router>(RouterConfig{});
+    router->AddWorker(Role::kPrefill, {"127.0.0.1", 1});  // nothing listens there
+    router->SetAgent(Role::kPrefill, 0, AgentInfo{"engine-7", "10.0.0.7", 7000, 2});
+    std::vector<PushPlan> plans;
+    for (int i = 0; i < 2; ++i) {
+        auto call = PlanPush(*client, router, 0, "", std::chrono::milliseconds(500),
+                             [&](Result<PushPlan> p) {
+                                 ASSERT_TRUE(p.ok()) << p.status().ToString();
+                                 plans.push_back(*p);
+                             });
+        EXPECT_EQ(call, nullptr) << "a known agent is not asked for";
+    }
+    ASSERT_EQ(plans.size(), 2u);
+    EXPECT_NE(plans[0].transfer_id, plans[1].transfer_id);
+    EXPECT_EQ(plans[0].transfer_id.size(), 32u);
+    for (const PushPlan& p : plans) {
+        EXPECT_EQ(p.prefill_params, PushPrefillParams(p.transfer_id));
+        EXPECT_EQ(p.decode_params, PushDecodeParams(p.transfer_id, p.agent));
+        EXPECT_EQ(p.decode_params["remote_engine_id"], "engine-7");
+        EXPECT_EQ(p.decode_params["remote_host"], "10.0.0.7");
+        EXPECT_EQ(p.decode_params["tp_size"], 2);
+    }
+    // Forgotten: asked of the worker, which is not there.
+    router->ForgetAgent(Role::kPrefill, 0);
+    std::promise<Status> failed;
+    auto call = PlanPush(*client, router, 0, "", std::chrono::milliseconds(500),
+                         [&](Result<PushPlan> p) { failed.set_value(p.status()); });
+    EXPECT_NE(call, nullptr);
+    const Status st = failed.get_future().get();
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.message().find("prefill worker 127.0.0.1:1"), std::string::npos) << st.ToString();
+}
+
 }  // namespace
 }  // namespace ferry::router

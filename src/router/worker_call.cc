@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include "core/crypto.h"
 #include "core/host_port.h"
 #include "core/json_fields.h"
 #include "router/protocol.h"
@@ -31,6 +32,22 @@ CallFailure FailureOf(std::string_view role, const http::Endpoint& ep, const Sta
     f.message =
         fmt::format("{} worker {}: {}", role, FormatHostPort(ep.host, ep.port), st.message());
     return f;
+}
+
+std::shared_ptr<http::ClientCall> PlanPush(http::Client& client, std::shared_ptr<Router> router,
+                                           size_t worker, const std::string& router_token,
+                                           std::chrono::milliseconds timeout,
+                                           std::function<void(Result<PushPlan>)> done) {
+    return FindAgent(client, std::move(router), Role::kPrefill, worker, router_token, timeout,
+                     [done = std::move(done)](Result<AgentInfo> agent) {
+                         if (!agent.ok()) return done(agent.status());
+                         PushPlan plan;
+                         plan.agent = std::move(*agent);
+                         plan.transfer_id = RandomId128();
+                         plan.prefill_params = PushPrefillParams(plan.transfer_id);
+                         plan.decode_params = PushDecodeParams(plan.transfer_id, plan.agent);
+                         done(std::move(plan));
+                     });
 }
 
 EncodeStep::EncodeStep(EncodeStepConfig config, http::Client* client, Quarantine* quarantine)

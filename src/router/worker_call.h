@@ -18,6 +18,7 @@
 #include "ferry/status.h"
 #include "http/http.h"
 #include "router/quarantine.h"
+#include "router/router.h"
 
 namespace ferry::router {
 
@@ -36,6 +37,24 @@ struct CallFailure {
     std::string message;
 };
 CallFailure FailureOf(std::string_view role, const http::Endpoint& ep, const Status& st);
+
+// Push's hand-off as `ferry proxy` and a decode-first worker both start it: where the prefill
+// worker's agent is, a fresh transfer id (128 random bits: a client that could name the next one
+// could park requests under it on the prefill worker), and each side's kv_transfer_params.
+struct PushPlan {
+    AgentInfo agent;
+    std::string transfer_id;
+    nlohmann::json prefill_params;  // the prefill worker's: write to whoever names the id
+    nlohmann::json decode_params;   // the decoder's: name your blocks to `agent` under the id
+};
+// Finds `worker`'s agent (router/protocol.h FindAgent: known, in the store, or asked within
+// `timeout`) and plans the hand-off. `done` runs once, on this thread when the agent is known,
+// else on an I/O thread of `client`; an error names the worker (DeadlineExceeded past the
+// deadline, Cancelled when the call was). The call, if one was made.
+std::shared_ptr<http::ClientCall> PlanPush(http::Client& client, std::shared_ptr<Router> router,
+                                           size_t worker, const std::string& router_token,
+                                           std::chrono::milliseconds timeout,
+                                           std::function<void(Result<PushPlan>)> done);
 
 // What an encode worker's answer means for the request (EPD).
 struct Encoded {

@@ -9,16 +9,15 @@ void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, 
                                      ParsedRequest pr, std::shared_ptr<router::Ticket> ticket,
                                      std::string base, int attempt) {
     auto shared = std::make_shared<ParsedRequest>(std::move(pr));
-    router::FindAgent(
-        *client, remote_prefill, router::Role::kPrefill, ticket->worker(), config.router_token,
-        config.agent_timeout,
-        [this, ex, chat, shared, ticket, base, attempt](Result<router::AgentInfo> agent) {
-            if (!agent.ok()) {
+    router::PlanPush(
+        *client, remote_prefill, ticket->worker(), config.router_token, config.agent_timeout,
+        [this, ex, chat, shared, ticket, base, attempt](Result<router::PushPlan> plan) {
+            if (!plan.ok()) {
                 ticket->End(router::Outcome::kWorkerFailed);
-                if (agent.status().code() == Code::kDeadlineExceeded) TimedOut(*ticket);
-                return ex->Reply(Error(503, {"remote " + agent.status().message(), "", ""}, base));
+                if (plan.status().code() == Code::kDeadlineExceeded) TimedOut(*ticket);
+                return ex->Reply(Error(503, {"remote " + plan.status().message(), "", ""}, base));
             }
-            SendToRemotePrefill(ex, chat, std::move(*shared), ticket, base, attempt, *agent);
+            SendToRemotePrefill(ex, chat, std::move(*shared), ticket, base, attempt, *plan);
         });
 }
 
@@ -26,15 +25,13 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
                                              ParsedRequest pr,
                                              std::shared_ptr<router::Ticket> ticket,
                                              const std::string& base, int attempt,
-                                             const router::AgentInfo& agent) {
+                                             const router::PushPlan& plan) {
     const http::Endpoint ep = ticket->endpoint();
     const std::string key = FormatHostPort(ep.host, ep.port);
-    // Unguessable: a client that could name the next transfer id could park requests under it.
-    const std::string xid = RandomId128();
     // This worker's own params for the local request, in the connector's format (the router's
     // push decode params: written once), parsed as any request's are.
     Result<std::shared_ptr<kv::ConnectorParams>> kvp =
-        config.parse_kv_params ? config.parse_kv_params(router::PushDecodeParams(xid, agent))
+        config.parse_kv_params ? config.parse_kv_params(plan.decode_params)
                                : Result<std::shared_ptr<kv::ConnectorParams>>(
                                      FailedPreconditionError("this worker has no KV connector"));
     if (!kvp.ok() || !*kvp) {
@@ -55,7 +52,7 @@ void OpenAiServer::Impl::SendToRemotePrefill(const std::shared_ptr<http::Exchang
                  {"top_p", sp.top_p},
                  {"top_k", sp.top_k},
                  {"ignore_eos", sp.ignore_eos},
-                 {"kv_transfer_params", router::PushPrefillParams(xid)}};
+                 {"kv_transfer_params", plan.prefill_params}};
     if (sp.seed) body["seed"] = static_cast<int64_t>(*sp.seed);
     if (sp.logprobs >= 0) body["logprobs"] = sp.logprobs;
     auto original = std::make_shared<ParsedRequest>(pr);  // for a second attempt

@@ -297,7 +297,7 @@ struct OpenAiServer::Impl {
                                             std::string* requester);
     void SendToRemotePrefill(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                              std::shared_ptr<router::Ticket> ticket, const std::string& base,
-                             int attempt, const router::AgentInfo& agent);
+                             int attempt, const router::PushPlan& plan);
     // Decode-first: the prefill worker of `ticket` did not answer a call in time.
     void TimedOut(const router::Ticket& ticket);
     void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);

@@ -126,7 +126,7 @@ struct Proxy::Impl {
         req.target = target;
         req.body = ex->request().body;
         req.timeout = std::chrono::seconds(10);
-        router::Authorize(&req, cfg.router_token);
+        router::Authorize(&req, cfg.driver.router_token);
         client->CallWhole(req, [ex](Result<http::ClientReply> r) {
             if (!r.ok()) return ex->Reply(router::ErrorReply(502, r.status().message()));
             ex->Reply({r->status, "application/json", std::move(r->body), {}});
@@ -138,16 +138,14 @@ Proxy::Proxy(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     if ((config.prefill.empty() || config.decode.empty()) && config.store_url.empty() &&
-        !(config.prefill.empty() && !config.decode.empty() && !config.encode.empty())) {
+        !(config.prefill.empty() && !config.decode.empty() && !config.driver.encode.empty())) {
         return InvalidArgumentError(
             "proxy: at least one --prefill and one --decode worker (or --encode and --decode: "
             "E+PD, the decode workers serving whole requests), or a store they register in");
     }
     auto impl = std::make_shared<Impl>();
     impl->cfg = std::move(config);
-    router::RouterConfig rc;
-    rc.policy = std::move(impl->cfg.policy);
-    rc.decode_policy = std::move(impl->cfg.decode_policy);
+    router::RouterConfig rc = std::move(impl->cfg.routing);
     if (!impl->cfg.store_url.empty()) {
         StoreOptions so;
         so.secret = impl->cfg.store_secret;
@@ -167,25 +165,14 @@ Result<std::unique_ptr<Proxy>> Proxy::Start(ProxyConfig config) {
     for (const http::Endpoint& ep : impl->cfg.decode) {
         impl->router->AddWorker(router::Role::kDecode, ep);
     }
-    router::MembershipConfig mc;
+    router::MembershipConfig mc = impl->cfg.membership;
     mc.directory = impl->directory;
-    mc.model = impl->cfg.model;
-    mc.poll = impl->cfg.load_poll;
     if (impl->directory) mc.kv_index = kv_index;
     auto store_encoders = std::make_shared<router::EncoderSet>();
     if (impl->directory) mc.encoders = store_encoders;
     impl->membership = router::Membership::Start(std::move(mc), impl->router);
     impl->client = http::Client::Create(std::max(1, impl->cfg.io_threads / 2));
-    router::DriverConfig dc;
-    dc.protocol = impl->cfg.protocol;
-    dc.worker_timeout = impl->cfg.worker_timeout;
-    dc.prefill_timeout = impl->cfg.prefill_timeout;
-    dc.encode_timeout = impl->cfg.encode_timeout;
-    dc.agent_timeout = impl->cfg.agent_timeout;
-    dc.router_token = impl->cfg.router_token;
-    dc.pd_min_uncached_tokens = impl->cfg.pd_min_uncached_tokens;
-    dc.tokenizer = impl->cfg.tokenizer;
-    dc.encode = impl->cfg.encode;
+    router::DriverConfig dc = impl->cfg.driver;
     if (impl->directory) dc.store_encoders = store_encoders;
     impl->driver = router::Driver::Create(std::move(dc), impl->router, impl->client.get());
     http::ServerConfig hc;

@@ -14,50 +14,40 @@
 #include "ferry/status.h"
 #include "http/http.h"
 #include "model/tokenizer.h"
+#include "router/driver.h"
+#include "router/membership.h"
 #include "router/protocol.h"
 #include "router/router.h"
 
 namespace ferry::serve {
 
+// The proxy's own settings beside the router's, which it nests rather than copies: each default
+// is written once, in the struct that uses it (`ferry proxy`'s flags read theirs from here).
 struct ProxyConfig {
     std::string host = "127.0.0.1";
     int port = 8000;
     // Workers given as flags (their OpenAI servers); with a store, also those registered there
-    // (router/membership.h), so that a proxy with a store needs none.
+    // (router/membership.h), so that a proxy with a store needs none. Encode workers (EPD) are
+    // the driver's (driver.encode).
     std::vector<http::Endpoint> prefill;
     std::vector<http::Endpoint> decode;
-    // Encode workers (EPD, router/driver.h): chat requests with images go to one first.
-    std::vector<http::Endpoint> encode;
-    router::Protocol protocol = router::Protocol::kPull;
-    // A worker call not answered by then fails the request (504).
-    // The deadlines of the calls to workers (router::DriverConfig).
-    std::chrono::milliseconds worker_timeout{600000};
-    std::chrono::milliseconds prefill_timeout{60000};
-    std::chrono::milliseconds encode_timeout{10000};
-    std::chrono::milliseconds agent_timeout{5000};
     int io_threads = 0;
     size_t max_body_bytes = 16u << 20;
     std::chrono::milliseconds request_deadline{10000};
-    std::unique_ptr<router::RoutingPolicy> policy;         // prefill's; null: round robin
-    std::unique_ptr<router::RoutingPolicy> decode_policy;  // null: the same as policy
-    // The model the workers serve: store records of another are ignored ("": the first found).
-    std::string model;
-    // How often each worker's /metrics is read for its load (router/membership.h).
-    std::chrono::milliseconds load_poll{250};
-    // The P/D decision (router/driver.h): skip the prefill worker when the decode worker lacks
-    // fewer than this many prompt tokens (0: never).
-    int pd_min_uncached_tokens = 16;
-    // The workers' tokenizer: text prompts and chat messages are scored by a cache-aware policy
-    // and the P/D decision too (router/driver.h). Null: only token-id prompts are.
-    std::shared_ptr<const model::Tokenizer> tokenizer = {};
-    // The deployment's router token (RouterToken of its secret): sent to the workers on every
-    // call ("Authorization: Bearer ..."); workers with a secret honour kv_transfer_params only
-    // with it. "" = none.
-    std::string router_token;
     // The discovery store the workers register in ("" = none): a prefill worker's agent is
     // found in its record there (ferry/workers/HOST:PORT) before the proxy asks the worker.
     std::string store_url;
     std::string store_secret;
+    // How each request is driven (router/driver.h): the protocol, the deadlines of the calls to
+    // workers, the router token, the P/D decision, the tokenizer, the encode workers. The proxy
+    // fills in `store_encoders`.
+    router::DriverConfig driver;
+    // The worker set (router/router.h): the policies. The proxy fills in the agent directory
+    // and the KV index from the store.
+    router::RouterConfig routing;
+    // Membership from the store (router/membership.h): the model and the load poll. The proxy
+    // fills in the directory, the KV index and the encoder set.
+    router::MembershipConfig membership;
 };
 
 class Proxy {

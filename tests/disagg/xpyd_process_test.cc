@@ -13,6 +13,7 @@
 
 #include "disagg/pd_harness.h"
 #include "ferry/discovery.h"
+#include "serve/proxy.h"
 
 namespace ferry {
 namespace {
@@ -164,6 +165,38 @@ class XpYd : public PdProcess {
 };
 
 class XpYdShapes : public XpYd, public ::testing::WithParamInterface<std::pair<int, int>> {};
+
+// `ferry proxy`'s flags default to the configs it fills (serve::ProxyConfig and the router's
+// configs it nests): each default is written once, and --help shows that one.
+TEST(ProxyFlags, DefaultToTheConfigsTheyFill) {
+    FILE* f = popen(FERRY_BIN " proxy --help 2>&1", "r");
+    ASSERT_NE(f, nullptr);
+    std::string help;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), f)) help.append(buf, n);
+    ASSERT_EQ(pclose(f), 0) << help;
+    const serve::ProxyConfig d;
+    auto shows = [&](const std::string& flag, const std::string& value) {
+        const size_t at = help.find(flag + " ");
+        if (at == std::string::npos) return ::testing::AssertionFailure() << flag << " not found";
+        // Debian's CLI11 prints the default as "=VALUE" after the flag's type and range.
+        const std::string line = help.substr(at, help.find('\n', at) - at);
+        const size_t eq = line.rfind('=');
+        if (eq == std::string::npos || line.substr(eq + 1, line.find(' ', eq) - eq - 1) != value) {
+            return ::testing::AssertionFailure() << line << " does not show =" << value;
+        }
+        return ::testing::AssertionSuccess();
+    };
+    EXPECT_TRUE(shows("--port", std::to_string(d.port)));
+    EXPECT_TRUE(shows("--host", d.host));
+    EXPECT_TRUE(shows("--kv-transfer", router::ProtocolName(d.driver.protocol)));
+    EXPECT_TRUE(shows("--worker-timeout-ms", std::to_string(d.driver.worker_timeout.count())));
+    EXPECT_TRUE(shows("--prefill-timeout-ms", std::to_string(d.driver.prefill_timeout.count())));
+    EXPECT_TRUE(shows("--encode-timeout-ms", std::to_string(d.driver.encode_timeout.count())));
+    EXPECT_TRUE(shows("--agent-lookup-timeout-ms", std::to_string(d.driver.agent_timeout.count())));
+    EXPECT_TRUE(shows("--pd-min-uncached-tokens", std::to_string(d.driver.pd_min_uncached_tokens)));
+    EXPECT_TRUE(shows("--load-poll-ms", std::to_string(d.membership.poll.count())));
+}
 
 // 2P2D and 1P3D from the store alone, each policy in a proxy of its own over the same workers:
 // every answer equals colocated, every worker takes a share, no decoder computes a prompt token.
