@@ -4,7 +4,9 @@
 // They compile to nothing outside TSan builds.
 #pragma once
 
-#if defined(__SANITIZE_THREAD__)
+#include "core/sanitizers.h"
+
+#if defined(FERRY_TSAN)
 #include <sanitizer/tsan_interface.h>
 namespace ferry {
 inline char tsan_socket_sync;

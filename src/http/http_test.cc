@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "core/fd.h"
+#include "core/sanitizers.h"
 #include "testing/testing.h"
 
 namespace ferry::http {
@@ -337,7 +338,7 @@ class Dialers {
 // takes the same lock: a self-deadlock, seen as a store test that hung at teardown after a
 // refused connection closed. Stop must end every round.
 TEST_F(HttpTest, StopWhileConnectionsCloseOnTheirOwnNeverHangs) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(FERRY_SANITIZED)
     const int rounds = 40;
 #else
     const int rounds = 200;

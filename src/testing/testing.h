@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/fd.h"
+#include "core/sanitizers.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
 #include "transfer/backend.h"
@@ -27,7 +28,7 @@ namespace ferry::testing {
 // Builds under ASan or TSan run every step several times slower. There, matrices whose cases
 // share one code path (TP pairs, tokenizer families, transports of one protocol) run a
 // representative subset that still takes every branch; release builds run them all.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(FERRY_SANITIZED)
 inline constexpr bool kSanitized = true;
 #else
 inline constexpr bool kSanitized = false;

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/sanitizers.h"
 #include "testing/testing.h"
 #include "transfer/backend.h"
 #include "transfer/metadata.h"
@@ -519,7 +520,7 @@ TEST_P(TransferConformance, PeerDeathFailsPendingTransfersQuickly) {
     // The promise is 2 s; a sanitizer build under a parallel ctest runs every thread several
     // times slower, so there only the mechanism is checked (every transfer ended, each failure
     // Unavailable, within the Wait bounds above).
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !defined(FERRY_SANITIZED)
     EXPECT_LT(Clock::now() - t0, seconds(2));
 #else
     (void)t0;

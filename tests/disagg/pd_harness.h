@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/sanitizers.h"
 #include "http/http.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
@@ -27,7 +28,7 @@ namespace ferry::pd_test {
 using Json = nlohmann::json;
 using testing::ServerProcess;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(FERRY_SANITIZED)
 constexpr int kPrompts = 24;  // sanitizer builds run every step several times slower
 constexpr int kMaxPromptLen = 600;
 #else

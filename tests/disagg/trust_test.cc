@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "core/fd.h"
+#include "core/sanitizers.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
 #include "testing/worker_process.h"
@@ -639,7 +640,7 @@ TEST_F(Trust, MutatedParamsNeverGiveWrongTokensOrA500) {
     const auto a = Prompt(90, 11), b = Prompt(90, 12);
     const auto want_a = Colocated(a), want_b = Colocated(b);
     int ok = 0;
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(FERRY_SANITIZED)
     const int rounds = 24;
 #else
     const int rounds = 60;

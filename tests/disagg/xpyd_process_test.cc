@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "core/sanitizers.h"
 #include "disagg/pd_harness.h"
 #include "ferry/discovery.h"
 #include "serve/proxy.h"
@@ -282,7 +283,7 @@ TEST_F(XpYd, KilledDrainedAndNewWorkersAreFollowedWithoutLosingARequest) {
     const auto joined = std::chrono::steady_clock::now();
     ASSERT_TRUE(proxy->WaitMetric("ferry_router_worker_answering" + WorkerLabel("decode", *c), 1,
                                   std::chrono::seconds(5)));
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(FERRY_SANITIZED)
     const auto within = std::chrono::seconds(3);  // every process runs several times slower
 #else
     const auto within = std::chrono::seconds(1);
