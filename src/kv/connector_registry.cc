@@ -1,18 +1,10 @@
 #include "kv/connector_registry.h"
 
-#include <fmt/core.h>
-
-#include <map>
-#include <mutex>
+#include "core/named_registry.h"
 
 namespace ferry::kv {
 
 namespace {
-
-struct Registry {
-    std::mutex mu;
-    std::map<std::string, KvConnectorKind, std::less<>> kinds;
-};
 
 KvConnectorKind BuiltIn() {
     KvConnectorKind k;
@@ -34,20 +26,13 @@ KvConnectorKind BuiltIn() {
     return k;
 }
 
-Registry& TheRegistry() {
-    static Registry* r = [] {
-        auto* reg = new Registry();
-        KvConnectorKind k = BuiltIn();
-        reg->kinds.emplace(k.name, std::move(k));
+NamedRegistry<KvConnectorKind>& TheRegistry() {
+    static auto* r = [] {
+        auto* reg = new NamedRegistry<KvConnectorKind>("kv connector");
+        (void)reg->Add(BuiltIn());
         return reg;
     }();
     return *r;
-}
-
-std::string Names(const Registry& r) {
-    std::string out;
-    for (const auto& [name, k] : r.kinds) out += (out.empty() ? "" : ", ") + name;
-    return out;
 }
 
 }  // namespace
@@ -56,32 +41,11 @@ Status RegisterKvConnector(KvConnectorKind kind) {
     if (kind.name.empty() || !kind.parse || !kind.create) {
         return InvalidArgumentError("kv connector kinds need a name, parse and create");
     }
-    Registry& r = TheRegistry();
-    std::lock_guard lock(r.mu);
-    if (r.kinds.count(kind.name)) {
-        return AlreadyExistsError(fmt::format("kv connector '{}' is registered", kind.name));
-    }
-    std::string name = kind.name;
-    r.kinds.emplace(std::move(name), std::move(kind));
-    return Status::Ok();
+    return TheRegistry().Add(std::move(kind));
 }
 
-Result<KvConnectorKind> FindKvConnector(std::string_view name) {
-    Registry& r = TheRegistry();
-    std::lock_guard lock(r.mu);
-    auto it = r.kinds.find(name);
-    if (it == r.kinds.end()) {
-        return NotFoundError(fmt::format("kv connector '{}' is not one of: {}", name, Names(r)));
-    }
-    return it->second;
-}
+Result<KvConnectorKind> FindKvConnector(std::string_view name) { return TheRegistry().Find(name); }
 
-std::vector<std::string> KvConnectorNames() {
-    Registry& r = TheRegistry();
-    std::lock_guard lock(r.mu);
-    std::vector<std::string> out;
-    for (const auto& [name, k] : r.kinds) out.push_back(name);
-    return out;
-}
+std::vector<std::string> KvConnectorNames() { return TheRegistry().Names(); }
 
 }  // namespace ferry::kv

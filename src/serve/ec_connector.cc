@@ -20,6 +20,7 @@
 #include "core/crypto.h"
 #include "core/host_port.h"
 #include "core/log.h"
+#include "core/named_registry.h"
 #include "media/embeddings_file.h"
 
 namespace ferry::serve {
@@ -496,14 +497,9 @@ Result<EcSource> ParseEcTransferParams(const Json& p) {
 
 namespace {
 
-struct EcRegistry {
-    std::mutex mu;
-    std::map<std::string, EcConnectorKind, std::less<>> kinds;
-};
-
-EcRegistry& TheEcRegistry() {
-    static EcRegistry* r = [] {
-        auto* reg = new EcRegistry();
+NamedRegistry<EcConnectorKind>& TheEcRegistry() {
+    static auto* r = [] {
+        auto* reg = new NamedRegistry<EcConnectorKind>("--ec-connector");
         EcConnectorKind transfer;
         transfer.name = "transfer";
         transfer.description =
@@ -527,16 +523,11 @@ EcRegistry& TheEcRegistry() {
             }
             return std::shared_ptr<EcConnector>(std::make_shared<DiskEcConnector>(std::move(c)));
         };
-        for (EcConnectorKind* k : {&transfer, &disk}) reg->kinds.emplace(k->name, std::move(*k));
+        (void)reg->Add(std::move(transfer));
+        (void)reg->Add(std::move(disk));
         return reg;
     }();
     return *r;
-}
-
-std::string EcNames(const EcRegistry& r) {
-    std::string out;
-    for (const auto& [name, k] : r.kinds) out += (out.empty() ? "" : ", ") + name;
-    return out;
 }
 
 }  // namespace
@@ -545,35 +536,14 @@ Status RegisterEcConnector(EcConnectorKind kind) {
     if (kind.name.empty() || !kind.create) {
         return InvalidArgumentError("encoder-cache connector kinds need a name and create");
     }
-    EcRegistry& r = TheEcRegistry();
-    std::lock_guard lock(r.mu);
-    if (r.kinds.count(kind.name)) {
-        return AlreadyExistsError(
-            fmt::format("encoder-cache connector '{}' is registered", kind.name));
-    }
-    std::string name = kind.name;
-    r.kinds.emplace(std::move(name), std::move(kind));
-    return Status::Ok();
+    return TheEcRegistry().Add(std::move(kind));
 }
 
 Result<EcConnectorKind> FindEcConnector(std::string_view name) {
-    EcRegistry& r = TheEcRegistry();
-    std::lock_guard lock(r.mu);
-    auto it = r.kinds.find(name);
-    if (it == r.kinds.end()) {
-        return NotFoundError(
-            fmt::format("--ec-connector '{}' is not one of: {}", name.substr(0, 64), EcNames(r)));
-    }
-    return it->second;
+    return TheEcRegistry().Find(name);
 }
 
-std::vector<std::string> EcConnectorNames() {
-    EcRegistry& r = TheEcRegistry();
-    std::lock_guard lock(r.mu);
-    std::vector<std::string> out;
-    for (const auto& [name, k] : r.kinds) out.push_back(name);
-    return out;
-}
+std::vector<std::string> EcConnectorNames() { return TheEcRegistry().Names(); }
 
 Result<std::shared_ptr<EcConnector>> MakeEcConnector(EcConnectorConfig c) {
     Result<EcConnectorKind> kind = FindEcConnector(c.kind);
