@@ -1229,7 +1229,7 @@ TEST(RouterWorkerCall, TheEncodeStepSendsOneBodyAndReadsEachAnswer) {
     std::mutex mu;
     std::vector<Json> bodies;
     std::vector<std::string> ids, auths;
-    std::atomic<int> mode{0};  // 0: params, 1: 400, 2: 500, 3: not JSON, 4: no answer
+    std::atomic<int> mode{0};  // 0: params, 1: 400, 2: 500, 3: not JSON, 4: no answer, 5: huge
     auto server = http::Server::Start(
         {},
         {{"POST", "/v1/chat/completions", [&](std::shared_ptr<http::Exchange> ex) {
@@ -1253,6 +1253,12 @@ TEST(RouterWorkerCall, TheEncodeStepSendsOneBodyAndReadsEachAnswer) {
                       return ex->Reply({500, "application/json", "{}", {}});
                   case 3:
                       return ex->Reply({200, "text/plain", "not json", {}});
+                  case 5:  // a lying worker: an answer far larger than any real one
+                      return ex->Reply({200,
+                                        "application/json",
+                                        R"({"ec_transfer_params":{"mm_hashes":["h"]},"pad":")" +
+                                            std::string(kMaxEncodeAnswerBytes, 'x') + "\"}",
+                                        {}});
                   default:
                       return;  // stuck
               }
@@ -1300,6 +1306,8 @@ TEST(RouterWorkerCall, TheEncodeStepSendsOneBodyAndReadsEachAnswer) {
     EXPECT_NE(e.why.find("answered 500"), std::string::npos) << e.why;
     e = run(3);
     EXPECT_EQ(e.kind, Encoded::Kind::kFailed);
+    e = run(5);
+    EXPECT_EQ(e.kind, Encoded::Kind::kFailed) << "an oversized answer is not read";
     EXPECT_EQ(step.timeouts(), 0u);
     EXPECT_TRUE(step.Answering({ep}).size() == 1);
     e = run(4);

@@ -106,7 +106,8 @@ std::shared_ptr<http::ClientCall> EncodeStep::Call(const nlohmann::json& body,
                 e.ec_transfer_params = std::move(answer["ec_transfer_params"]);
             }
             done(std::move(e));
-        });
+        },
+        kMaxEncodeAnswerBytes);
 }
 
 }  // namespace ferry::router

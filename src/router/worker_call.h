@@ -71,6 +71,10 @@ struct Encoded {
     std::string why;
 };
 
+// An encode worker's answer is a chat.completion with no tokens and its params (a few hundred
+// bytes); one larger than this is a failure of that worker (the consumers encode), never read.
+inline constexpr size_t kMaxEncodeAnswerBytes = 1u << 20;
+
 struct EncodeStepConfig {
     std::string router_token;
     std::chrono::milliseconds timeout{10000};
