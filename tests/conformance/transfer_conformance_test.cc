@@ -82,21 +82,33 @@ TEST_P(TransferConformance, ReadAndWriteEverySize) {
 
 // Wait honours its deadline: on shm the waiter helps copy, but only until the deadline passes
 // (it once copied everything first, returning 8-18 ms after a 10 us deadline); the transfer
-// goes on and completes.
+// goes on and completes. A test thread descheduled for the copy's few milliseconds between
+// posting and waiting (a loaded CI machine) sees the transfer done before its deadline: that
+// try proves nothing, so it is made again, up to 5 times. With the old waiter every try
+// returned OK.
 TEST_P(TransferConformance, AWaitReturnsAtItsDeadlineWhileTheTransferGoesOn) {
     // 32 MiB under the sanitizers (still milliseconds of copying against a 10 us deadline).
     const uint64_t size = testing::kSanitized ? 32u << 20 : 128u << 20;
     RegionInfo la = ValueOrDie(a_->AllocateRegion(size));
     RegionInfo rb = ValueOrDie(b_->AllocateRegion(size));
     RefreshB();
-    FillPattern(rb.base, size, 77);
-    std::memset(la.base, 0, size);
-    auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, size}}, "agent-b",
-                                     std::vector<Descriptor>{{rb.id, 0, size}}));
-    EXPECT_THAT(x.Wait(Clock::now() + std::chrono::microseconds(10)),
-                StatusIs(Code::kDeadlineExceeded));
-    FERRY_ASSERT_OK(x.Wait(seconds(60)));
-    EXPECT_EQ(FirstMismatch(la.base, size, 77), -1);
+    int returned_at_deadline = 0;
+    for (int attempt = 0; attempt < 5 && returned_at_deadline == 0; ++attempt) {
+        SCOPED_TRACE("attempt " + std::to_string(attempt));
+        const uint64_t seed = 77 + attempt;
+        FillPattern(rb.base, size, seed);
+        std::memset(la.base, 0, size);
+        auto x = ValueOrDie(a_->PostRead(std::vector<Descriptor>{{la.id, 0, size}}, "agent-b",
+                                         std::vector<Descriptor>{{rb.id, 0, size}}));
+        Status early = x.Wait(Clock::now() + std::chrono::microseconds(10));
+        if (!early.ok()) {
+            EXPECT_THAT(early, StatusIs(Code::kDeadlineExceeded));
+            ++returned_at_deadline;
+        }
+        FERRY_ASSERT_OK(x.Wait(seconds(60)));
+        EXPECT_EQ(FirstMismatch(la.base, size, seed), -1);
+    }
+    EXPECT_EQ(returned_at_deadline, 1) << "every wait with a 10 us deadline waited for the copy";
 }
 
 TEST_P(TransferConformance, UnalignedOffsetsInRegisteredMemory) {
