@@ -17,6 +17,7 @@
 #include "core/half.h"
 #include "core/huge_page_allocator.h"
 #include "engine/engine.h"
+#include "model/blas.h"
 #include "model/kernels.h"
 #include "model/model.h"
 

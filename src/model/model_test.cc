@@ -15,6 +15,7 @@
 
 #include "core/cpu.h"
 #include "core/half.h"
+#include "model/blas.h"
 #include "model/kernels.h"
 #include "testing/testing.h"
 
