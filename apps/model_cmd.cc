@@ -82,9 +82,9 @@ void AddModelCommand(CLI::App& app, int* rc) {
         const bool vl = preset.ends_with("-vl");
         auto spec = model::PresetSpec(vl ? preset.substr(0, preset.size() - 3) : preset);
         spec->vocab_file = vocab;
-        spec->dtype = dtype == "f16"    ? model::TensorType::kF16
-                      : dtype == "bf16" ? model::TensorType::kBF16
-                                        : model::TensorType::kF32;
+        spec->dtype = dtype == "f16"    ? gguf::TensorType::kF16
+                      : dtype == "bf16" ? gguf::TensorType::kBF16
+                                        : gguf::TensorType::kF32;
         Status st = model::WriteRandomModel(*spec, seed, out);
         if (!st.ok()) {
             fmt::print(stderr, "ferry model init: {}\n", st.ToString());
@@ -122,15 +122,15 @@ void AddModelCommand(CLI::App& app, int* rc) {
             return;
         }
         const model::ModelConfig& c = (*m)->config();
-        const model::Tokenizer& t = (*m)->tokenizer();
+        const tokenizer::Tokenizer& t = (*m)->tokenizer();
         fmt::print(
             "name {}\nparameters {:.1f} M\nlayers {}\ndim {}\nheads {} (kv {}), head dim {}\n"
             "ffn {}\nvocab {} ({} tokenizer, chat template {})\ncontext {}\nrope theta {}\n"
             "tied embeddings {}\n",
             c.name, c.ParamCount() / 1e6, c.num_layers, c.dim, c.num_heads, c.num_kv_heads,
             c.head_dim, c.ffn_dim, c.vocab_size,
-            t.kind() == model::Tokenizer::Kind::kSentencePiece ? "sentencepiece" : "byte-bpe",
-            model::ChatTemplateName(t.chat_template()), c.context_length, c.rope_theta,
+            t.kind() == tokenizer::Tokenizer::Kind::kSentencePiece ? "sentencepiece" : "byte-bpe",
+            tokenizer::ChatTemplateName(t.chat_template()), c.context_length, c.rope_theta,
             c.tied_embeddings);
     });
 }
@@ -453,7 +453,7 @@ void AddServeCommand(CLI::App& app, int* rc) {
         if (!loaded.ok()) return fail(loaded.status());
         std::shared_ptr<model::Model> m(std::move(loaded).value());
         if (!chat_template.empty()) {
-            m->mutable_tokenizer().set_chat_template(*model::ParseChatTemplate(chat_template));
+            m->mutable_tokenizer().set_chat_template(*tokenizer::ParseChatTemplate(chat_template));
         }
         if (!limit_mm.empty()) {
             const nlohmann::json j = nlohmann::json::parse(limit_mm, nullptr, false);

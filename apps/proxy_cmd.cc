@@ -11,9 +11,9 @@
 #include "core/host_port.h"
 #include "discovery_cmd.h"
 #include "ferry/discovery.h"
-#include "model/gguf.h"
-#include "model/tokenizer.h"
+#include "gguf/gguf.h"
 #include "serve/proxy.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::cli {
 
@@ -158,9 +158,9 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         pc.membership.poll = std::chrono::milliseconds(load_poll_ms);
         dc.pd_min_uncached_tokens = pd_min_uncached;
         if (!tokenizer.empty()) {
-            auto file = model::GgufFile::Open(tokenizer);
+            auto file = gguf::GgufFile::Open(tokenizer);
             if (!file.ok()) return fail(file.status().WithContext("--tokenizer"));
-            auto tk = model::Tokenizer::FromGguf(**file);
+            auto tk = tokenizer::Tokenizer::FromGguf(**file);
             if (!tk.ok()) return fail(tk.status().WithContext("--tokenizer " + tokenizer));
             dc.tokenizer = std::move(tk).value();
         }

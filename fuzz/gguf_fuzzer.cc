@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <string>
 
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     int fd = memfd_create("gguf", MFD_CLOEXEC);
@@ -18,10 +18,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         close(fd);
         return 0;
     }
-    auto file = ferry::model::GgufFile::Open("/proc/self/fd/" + std::to_string(fd));
+    auto file = ferry::gguf::GgufFile::Open("/proc/self/fd/" + std::to_string(fd));
     if (file.ok()) {
         (void)ferry::model::ModelConfig::FromGguf(**file);
-        auto tk = ferry::model::Tokenizer::FromGguf(**file);
+        auto tk = ferry::tokenizer::Tokenizer::FromGguf(**file);
         if (tk.ok()) {
             auto ids = (*tk)->Encode("Hello, world! <|im_start|> 123", true);
             (void)(*tk)->Decode(ids);

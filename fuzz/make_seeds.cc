@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
+#include "gguf/gguf.h"
 #include "kv/kv_transfer_params.h"
 #include "kv/peer_messages.h"
 #include "media/embeddings_file.h"
-#include "model/gguf.h"
 #include "transfer/metadata.h"
 #include "transfer/wire.h"
 #ifdef FERRY_SEED_UCX
@@ -113,7 +113,7 @@ int main(int argc, char** argv) {
     md.regions = {{1, 1 << 20, 0xabc, MemoryKind::kHost}};
     Put(root + "/metadata", "agent", EncodeMetadata(md));
     // gguf: a tokenizer and a few tensors.
-    model::GgufWriter w;
+    gguf::GgufWriter w;
     w.SetString("general.architecture", "llama");
     w.SetUint32("llama.embedding_length", 4);
     w.SetUint32("llama.block_count", 1);
@@ -124,8 +124,8 @@ int main(int argc, char** argv) {
                      {"<unk>", "<s>", "</s>", "\xe2\x96\x81h", "e", "<0x41>"});
     w.SetInt32Array("tokenizer.ggml.token_type", {2, 3, 3, 1, 1, 6});
     w.SetFloat32Array("tokenizer.ggml.scores", {0, 0, 0, -1, -2, 0});
-    (void)w.AddTensor("token_embd.weight", {4, 6}, model::TensorType::kF32, std::string(96, '\0'));
-    (void)w.AddTensor("output_norm.weight", {4}, model::TensorType::kF16, std::string(8, '\1'));
+    (void)w.AddTensor("token_embd.weight", {4, 6}, gguf::TensorType::kF32, std::string(96, '\0'));
+    (void)w.AddTensor("output_norm.weight", {4}, gguf::TensorType::kF16, std::string(8, '\1'));
     std::string tmp = root + "/.seed.gguf";
     if (!w.Write(tmp).ok()) return 1;
     std::ifstream in(tmp, std::ios::binary);

@@ -10,19 +10,19 @@
 #include <string>
 #include <string_view>
 
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
 #include "serve/ec_connector.h"
 #include "serve/openai_request.h"
 #include "test_tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size == 0) return 0;
     std::string_view body(reinterpret_cast<const char*>(data) + 1, size - 1);
     ferry::serve::ParsedRequest out;
     ferry::serve::BadRequest error;
-    const ferry::model::ImageTokens images{4, 1};
+    const ferry::tokenizer::ImageTokens images{4, 1};
     bool ok = ferry::serve::ParseOpenAiRequest(body, data[0] & 1, TestTokenizer(), "m", 4096, &out,
                                                &error, (data[0] & 2) ? &images : nullptr);
     if (ok) {

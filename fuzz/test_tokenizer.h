@@ -7,12 +7,12 @@
 #include <memory>
 #include <string>
 
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
-inline const ferry::model::Tokenizer& TestTokenizer() {
-    static std::unique_ptr<ferry::model::Tokenizer> tk = [] {
+inline const ferry::tokenizer::Tokenizer& TestTokenizer() {
+    static std::unique_ptr<ferry::tokenizer::Tokenizer> tk = [] {
         std::string path = "/tmp/ferry-fuzz-tok-" + std::to_string(getpid()) + ".gguf";
         ferry::model::RandomModelSpec s;
         s.dim = 16;
@@ -21,8 +21,8 @@ inline const ferry::model::Tokenizer& TestTokenizer() {
         s.num_kv_heads = 1;
         s.ffn_dim = 16;
         if (!ferry::model::WriteRandomModel(s, 1, path).ok()) std::abort();
-        auto file = std::move(ferry::model::GgufFile::Open(path)).value();
-        auto t = std::move(ferry::model::Tokenizer::FromGguf(*file)).value();
+        auto file = std::move(ferry::gguf::GgufFile::Open(path)).value();
+        auto t = std::move(ferry::tokenizer::Tokenizer::FromGguf(*file)).value();
         unlink(path.c_str());
         return t;
     }();

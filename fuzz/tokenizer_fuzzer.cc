@@ -9,18 +9,18 @@
 #include <string>
 #include <string_view>
 
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
 #include "test_tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-    const ferry::model::Tokenizer* tk = &TestTokenizer();
+    const ferry::tokenizer::Tokenizer* tk = &TestTokenizer();
     if (size == 0) return 0;
     std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
     static const char* const kPre[] = {"default", "gpt-2",  "llama-bpe",     "qwen2",
                                        "smollm",  "falcon", "deepseek-coder"};
-    auto pieces = ferry::model::SplitPreTokens(text, kPre[data[0] % 7]);
+    auto pieces = ferry::tokenizer::SplitPreTokens(text, kPre[data[0] % 7]);
     size_t total = 0;
     for (std::string_view p : pieces) {
         // The pieces tile the text, in order, none empty.

@@ -107,7 +107,7 @@ float Sum(const float* p, size_t n) {
 // compute reference of a bf16 model's prefill there, which sgemm's rate does not bound.
 double Bf16PairsGflops(int threads, int n) {
     model::Weights w;
-    w.type = model::TensorType::kBF16;
+    w.type = gguf::TensorType::kBF16;
     w.rows = n;
     w.cols = n;
     w.bytes.resize(size_t(n) * n * 2);
@@ -285,7 +285,7 @@ int RunModelBench(const ModelBenchOptions& o) {
     const double weight_bytes = static_cast<double>(m->StreamedWeightBytes());
     // A bf16 model's prompt runs on bf16 pairs where the CPU has them: its compute reference is
     // that product's rate, measured the same way.
-    const bool pairs = m->MatrixType() == model::TensorType::kBF16 && model::Bf16DotProducts();
+    const bool pairs = m->MatrixType() == gguf::TensorType::kBF16 && model::Bf16DotProducts();
     const double pairs_all = pairs ? Bf16PairsGflops(cores, 2048) : 0;
     const double compute_all = std::max(gflops_all, pairs_all);
     const double compute_ceiling = compute_all * 1e9 / flops_per_token;

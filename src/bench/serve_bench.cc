@@ -22,9 +22,9 @@
 #include "core/json_fields.h"
 #include "core/utf8.h"
 #include "discovery/http_json.h"
+#include "gguf/gguf.h"
 #include "http/http.h"
-#include "model/gguf.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::bench {
 
@@ -160,7 +160,7 @@ std::vector<double> ArrivalTimes(int n, double rate, double burstiness, uint64_t
 }
 
 Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& o,
-                                               const model::Tokenizer* tk) {
+                                               const tokenizer::Tokenizer* tk) {
     std::mt19937_64 rng(o.seed);
     std::vector<BenchPrompt> out;
     if (o.num_prompts <= 0) return InvalidArgumentError("--num-prompts must be positive");
@@ -620,11 +620,11 @@ Result<ServeBenchResult> RunServeBench(const ServeBenchOptions& o) {
         return InvalidArgumentError("random-mm needs --endpoint /v1/chat/completions");
     }
     if (!(o.burstiness > 0)) return InvalidArgumentError("--burstiness must be positive");
-    std::unique_ptr<model::GgufFile> file;
-    std::unique_ptr<model::Tokenizer> tk;
+    std::unique_ptr<gguf::GgufFile> file;
+    std::unique_ptr<tokenizer::Tokenizer> tk;
     if (!o.tokenizer.empty()) {
-        FERRY_ASSIGN_OR_RETURN(file, model::GgufFile::Open(o.tokenizer));
-        FERRY_ASSIGN_OR_RETURN(tk, model::Tokenizer::FromGguf(*file));
+        FERRY_ASSIGN_OR_RETURN(file, gguf::GgufFile::Open(o.tokenizer));
+        FERRY_ASSIGN_OR_RETURN(tk, tokenizer::Tokenizer::FromGguf(*file));
     }
     FERRY_ASSIGN_OR_RETURN(std::vector<BenchPrompt> prompts, SampleDataset(o, tk.get()));
     ServeBenchResult result;

@@ -14,7 +14,7 @@
 #include "bench/serve_metrics.h"
 #include "ferry/status.h"
 
-namespace ferry::model {
+namespace ferry::tokenizer {
 class Tokenizer;
 }
 
@@ -68,7 +68,7 @@ struct BenchPrompt {
 // character per token (exact for byte-level vocabularies such as ferry's presets), and ShareGPT
 // lengths are estimated at four bytes per token.
 Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& options,
-                                               const model::Tokenizer* tokenizer);
+                                               const tokenizer::Tokenizer* tokenizer);
 // Send times (seconds from the start) of n requests: gaps drawn from a gamma distribution with
 // shape `burstiness` and mean 1 / rate; all zero for an infinite rate.
 std::vector<double> ArrivalTimes(int n, double rate, double burstiness, uint64_t seed);

@@ -15,8 +15,8 @@
 #include "bench/plot.h"
 #include "bench/serve_metrics.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
 #include "testing/testing.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::bench {
 namespace {
@@ -174,8 +174,8 @@ TEST(ServeBenchDatasets, WithATokenizerPromptsHaveTheirTokenCountAfterTheTrip) {
     spec.num_kv_heads = 1;
     spec.ffn_dim = 32;
     ASSERT_TRUE(model::WriteRandomModel(spec, 1, path).ok());
-    auto file = std::move(model::GgufFile::Open(path)).value();
-    auto tk = std::move(model::Tokenizer::FromGguf(*file)).value();
+    auto file = std::move(gguf::GgufFile::Open(path)).value();
+    auto tk = std::move(tokenizer::Tokenizer::FromGguf(*file)).value();
     ServeBenchOptions o;
     o.num_prompts = 30;
     o.random_input_len = 50;

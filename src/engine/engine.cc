@@ -562,7 +562,7 @@ void Engine::CommitFullBlocks(Sequence* s) {
 }
 
 void Engine::ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOutput* out) {
-    const model::Tokenizer& tk = model_->tokenizer();
+    const tokenizer::Tokenizer& tk = model_->tokenizer();
     const model::SamplingParams& sp = s->req.sampling;
     s->tokens.push_back(tok.token);
     ++s->num_output;

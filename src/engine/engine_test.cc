@@ -314,7 +314,7 @@ TEST_F(EngineTest, SubmitRefusesBadRequests) {
 // The token embedding rows of `tokens` (from the file, as the model reads them).
 std::shared_ptr<const std::vector<float>> EmbeddingRows(const std::string& path,
                                                         std::span<const int32_t> tokens) {
-    auto f = std::move(model::GgufFile::Open(path)).value();
+    auto f = std::move(gguf::GgufFile::Open(path)).value();
     const int dim = model::ModelConfig::FromGguf(*f)->dim;
     const int vocab = model::ModelConfig::FromGguf(*f)->vocab_size;
     auto table =

@@ -18,9 +18,9 @@ namespace ferry::model {
 
 // --- Weights ------------------------------------------------------------------------------------
 
-Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
+Result<std::vector<float>> TensorF32(const gguf::GgufFile& f, const std::string& name,
                                      std::vector<uint64_t> dims) {
-    const GgufTensor* t = f.FindTensor(name);
+    const gguf::GgufTensor* t = f.FindTensor(name);
     if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
     if (t->dims != dims) {
         auto show = [](const std::vector<uint64_t>& d) {
@@ -33,17 +33,17 @@ Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
     }
     std::vector<float> out(t->elements());
     switch (t->type) {
-        case TensorType::kF32:
+        case gguf::TensorType::kF32:
             std::memcpy(out.data(), t->data, out.size() * 4);
             break;
-        case TensorType::kF16:
+        case gguf::TensorType::kF16:
             for (size_t i = 0; i < out.size(); ++i) {
                 uint16_t h;
                 std::memcpy(&h, t->data + 2 * i, 2);
                 out[i] = F16ToFloat(h);
             }
             break;
-        case TensorType::kBF16:
+        case gguf::TensorType::kBF16:
             for (size_t i = 0; i < out.size(); ++i) {
                 uint16_t h;
                 std::memcpy(&h, t->data + 2 * i, 2);
@@ -54,9 +54,9 @@ Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
     return out;
 }
 
-Result<Weights> TensorWeights(const GgufFile& f, const std::string& name,
+Result<Weights> TensorWeights(const gguf::GgufFile& f, const std::string& name,
                               std::vector<uint64_t> dims) {
-    const GgufTensor* t = f.FindTensor(name);
+    const gguf::GgufTensor* t = f.FindTensor(name);
     if (!t) return InvalidArgumentError(fmt::format("{}: tensor {} is missing", f.path(), name));
     if (t->dims != dims) {
         FERRY_RETURN_IF_ERROR(TensorF32(f, name, dims).status());  // names both shapes
@@ -302,8 +302,8 @@ void RowsScalar(const Weights& w, const float* a, int lda, int m, float* c, int 
     }
 }
 
-void Widen(TensorType type, const uint16_t* h, size_t n, float* out) {
-    if (type == TensorType::kBF16) {
+void Widen(gguf::TensorType type, const uint16_t* h, size_t n, float* out) {
+    if (type == gguf::TensorType::kBF16) {
         Bf16ToFloat(h, n, out);
     } else {
         F16ToFloat(h, n, out);
@@ -339,18 +339,18 @@ void Rows(const Weights& w, const float* a, int lda, int m, float* c, int ldc, i
             return RowsScalar(w, a, lda, m, c, ldc, j0, j1);
         case KernelIsa::kAvx2:
             switch (w.type) {
-                case TensorType::kF32:
+                case gguf::TensorType::kF32:
                     return avx2::F32Rows(w.f32(), k, a, lda, m, c, ldc, j0, j1);
-                case TensorType::kBF16:
+                case gguf::TensorType::kBF16:
                     return avx2::HalfRows<true>(w.half(), k, a, lda, m, c, ldc, j0, j1);
                 default:
                     return avx2::HalfRows<false>(w.half(), k, a, lda, m, c, ldc, j0, j1);
             }
         case KernelIsa::kAvx512:
             switch (w.type) {
-                case TensorType::kF32:
+                case gguf::TensorType::kF32:
                     return avx512::F32Rows(w.f32(), k, a, lda, m, c, ldc, j0, j1);
-                case TensorType::kBF16:
+                case gguf::TensorType::kBF16:
                     return avx512::HalfRows<true>(w.half(), k, a, lda, m, c, ldc, j0, j1);
                 default:
                     return avx512::HalfRows<false>(w.half(), k, a, lda, m, c, ldc, j0, j1);
@@ -530,7 +530,7 @@ void Softmax(float* s, int valid, int len) {
 }
 
 void WidenRow(const Weights& w, int64_t r, float* out) {
-    if (w.type == TensorType::kF32) {
+    if (w.type == gguf::TensorType::kF32) {
         std::memcpy(out, w.f32() + r * w.cols, static_cast<size_t>(w.cols) * 4);
         return;
     }
@@ -669,7 +669,7 @@ void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int 
                 AlignedFloats* scratch) {
     const int n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
     if (m <= 0 || n <= 0) return;
-    if (w.type == TensorType::kBF16 && Bf16DotProducts()) {
+    if (w.type == gguf::TensorType::kBF16 && Bf16DotProducts()) {
         const int kp = (k + 31) & ~31;
         scratch->resize((static_cast<size_t>(m) * kp + 1) / 2 + 16);
         auto* packed = reinterpret_cast<uint16_t*>(scratch->data());
@@ -685,7 +685,7 @@ void MatMulBulk(int m, const float* a, int lda, const Weights& w, float* c, int 
             /*then_spin=*/false);
         return;
     }
-    if (w.type == TensorType::kF32) {
+    if (w.type == gguf::TensorType::kF32) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, w.f32(), k,
                     0.0f, c, ldc);
         return;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "core/huge_page_allocator.h"
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 
 namespace ferry::model {
 
@@ -27,13 +27,13 @@ namespace ferry::model {
 using AlignedFloats = std::vector<float, CacheLineAllocator<float>>;
 
 struct Weights {
-    TensorType type = TensorType::kF32;
+    gguf::TensorType type = gguf::TensorType::kF32;
     int64_t rows = 0, cols = 0;
     // rows * cols elements of `type`; on huge pages where the system gives them (a decode step
     // streams them all).
     std::vector<uint8_t, HugePageAllocator<uint8_t>> bytes;
 
-    size_t elem() const { return TensorTypeSize(type); }
+    size_t elem() const { return gguf::TensorTypeSize(type); }
     const float* f32() const { return reinterpret_cast<const float*>(bytes.data()); }
     const uint16_t* half() const { return reinterpret_cast<const uint16_t*>(bytes.data()); }
     size_t size_bytes() const { return bytes.size(); }
@@ -42,9 +42,9 @@ struct Weights {
 // Tensor `name` of `f`, which must have ggml dims `dims` (dims[0] varies fastest): widened to
 // f32, or (2-D, dims {cols, rows}) as Weights in its own type (f16 and bf16 stay 16-bit).
 // InvalidArgument naming the file and the tensor if it is missing or of other dims.
-Result<std::vector<float>> TensorF32(const GgufFile& f, const std::string& name,
+Result<std::vector<float>> TensorF32(const gguf::GgufFile& f, const std::string& name,
                                      std::vector<uint64_t> dims);
-Result<Weights> TensorWeights(const GgufFile& f, const std::string& name,
+Result<Weights> TensorWeights(const gguf::GgufFile& f, const std::string& name,
                               std::vector<uint64_t> dims);
 
 // Rows [r0, r1) / columns [c0, c1) of `w`, in its type.

@@ -19,7 +19,7 @@
 namespace ferry::model {
 namespace {
 
-Weights RandomWeights(TensorType type, int rows, int cols, std::vector<double>* exact,
+Weights RandomWeights(gguf::TensorType type, int rows, int cols, std::vector<double>* exact,
                       uint32_t seed) {
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -27,18 +27,18 @@ Weights RandomWeights(TensorType type, int rows, int cols, std::vector<double>* 
     w.type = type;
     w.rows = rows;
     w.cols = cols;
-    w.bytes.resize(size_t(rows) * cols * TensorTypeSize(type));
+    w.bytes.resize(size_t(rows) * cols * gguf::TensorTypeSize(type));
     exact->resize(size_t(rows) * cols);
     for (size_t i = 0; i < exact->size(); ++i) {
         float v = u(rng);
-        if (type == TensorType::kF32) {
+        if (type == gguf::TensorType::kF32) {
             std::memcpy(&w.bytes[4 * i], &v, 4);
             (*exact)[i] = v;
             continue;
         }
-        uint16_t h = type == TensorType::kF16 ? FloatToF16(v) : FloatToBf16(v);
+        uint16_t h = type == gguf::TensorType::kF16 ? FloatToF16(v) : FloatToBf16(v);
         std::memcpy(&w.bytes[2 * i], &h, 2);
-        (*exact)[i] = type == TensorType::kF16 ? F16ToFloat(h) : Bf16ToFloat(h);
+        (*exact)[i] = type == gguf::TensorType::kF16 ? F16ToFloat(h) : Bf16ToFloat(h);
     }
     return w;
 }
@@ -75,7 +75,8 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
         const auto k_set = all ? std::vector<int>{8, 13, 100, 256} : std::vector<int>{13, 100};
         for (int threads : threads_set) {
             WorkPool pool(threads);
-            for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
+            for (gguf::TensorType type :
+                 {gguf::TensorType::kF32, gguf::TensorType::kF16, gguf::TensorType::kBF16}) {
                 for (int m : m_set) {
                     for (int n : n_set) {
                         for (int k : k_set) {
@@ -87,8 +88,8 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
                             MatMulT(m, a.data(), lda, w, c.data(), ldc, pool, &scratch);
                             // bf16 weights through dot products of bf16 pairs: A rounded
                             // to bf16 first (as llama.cpp does), then exact up to f32 sums.
-                            const bool round_a =
-                                type == TensorType::kBF16 && m > kDirectRows && Bf16DotProducts();
+                            const bool round_a = type == gguf::TensorType::kBF16 &&
+                                                 m > kDirectRows && Bf16DotProducts();
                             for (int i = 0; i < m; ++i) {
                                 for (int j = 0; j < n; ++j) {
                                     double want = 0, mag = 0;
@@ -101,9 +102,9 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
                                                          exact[size_t(j) * k + x]);
                                     }
                                     ASSERT_NEAR(c[size_t(i) * ldc + j], want, 1e-5 * mag + 1e-6)
-                                        << TensorTypeName(type) << " m " << m << " n " << n << " k "
-                                        << k << " threads " << threads << " at " << i << "," << j
-                                        << " row kernels " << KernelIsaName(isa);
+                                        << gguf::TensorTypeName(type) << " m " << m << " n " << n
+                                        << " k " << k << " threads " << threads << " at " << i
+                                        << "," << j << " row kernels " << KernelIsaName(isa);
                                 }
                                 // Columns past n are not written.
                                 for (int j = n; j < ldc; ++j)
@@ -123,7 +124,7 @@ TEST(Kernels, ProductsMatchAReferenceOnEveryPathAndType) {
 TEST(Kernels, Bf16PairsOverPanelsOfA) {
     const int m = 70, n = 13, k = 8200, lda = k + 5, ldc = n + 1;
     std::vector<double> exact;
-    Weights w = RandomWeights(TensorType::kBF16, n, k, &exact, 11);
+    Weights w = RandomWeights(gguf::TensorType::kBF16, n, k, &exact, 11);
     std::mt19937 rng(5);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> a(size_t(m) * lda), c(size_t(m) * ldc, -7.0f);
@@ -153,7 +154,8 @@ TEST(Kernels, RowsGiveTheSameBitsAloneAndInABatch) {
     IsaGuard guard;
     for (KernelIsa isa : Isas()) {
         ASSERT_TRUE(SetRowIsa(isa));
-        for (TensorType type : {TensorType::kF32, TensorType::kF16, TensorType::kBF16}) {
+        for (gguf::TensorType type :
+             {gguf::TensorType::kF32, gguf::TensorType::kF16, gguf::TensorType::kBF16}) {
             std::vector<double> exact;
             Weights w = RandomWeights(type, 100, 264, &exact, 3);
             std::mt19937 rng(9);
@@ -168,7 +170,7 @@ TEST(Kernels, RowsGiveTheSameBitsAloneAndInABatch) {
                     MatMulT(1, a.data() + size_t(i) * 264, 264, w, one.data(), 100, pool, &scratch);
                     for (int j = 0; j < 100; ++j) {
                         ASSERT_EQ(one[j], batch[size_t(i) * 100 + j])
-                            << TensorTypeName(type) << " m " << m << " at " << i << "," << j
+                            << gguf::TensorTypeName(type) << " m " << m << " at " << i << "," << j
                             << " row kernels " << KernelIsaName(isa);
                     }
                 }

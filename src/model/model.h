@@ -29,11 +29,11 @@
 #include <vector>
 
 #include "ferry/status.h"
+#include "gguf/gguf.h"
 #include "kv/block_pool.h"
 #include "kv/kv_cache.h"
-#include "model/gguf.h"
 #include "model/kernels.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::kv {
 class LayerHook;
@@ -73,7 +73,7 @@ struct ModelConfig {
 
     // Reads llama.* or deepseek2.* keys; InvalidArgument naming the key that is missing or
     // inconsistent.
-    static Result<ModelConfig> FromGguf(const GgufFile& file);
+    static Result<ModelConfig> FromGguf(const gguf::GgufFile& file);
     Status Validate() const;
     uint64_t ParamCount() const;
 };
@@ -116,8 +116,8 @@ class Model {
     Model& operator=(const Model&) = delete;
 
     const ModelConfig& config() const { return config_; }
-    const Tokenizer& tokenizer() const { return *tokenizer_; }
-    Tokenizer& mutable_tokenizer() { return *tokenizer_; }
+    const tokenizer::Tokenizer& tokenizer() const { return *tokenizer_; }
+    tokenizer::Tokenizer& mutable_tokenizer() { return *tokenizer_; }
     int tp() const { return tp_; }
     // Identity of the weights: a hash of the file's tensor metadata (names, shapes, types,
     // offsets), the first and last bytes of every tensor, and the config (hex). Two workers
@@ -143,14 +143,14 @@ class Model {
     // layers' matrices and the output head (the embedding rows a step looks up excluded).
     uint64_t StreamedWeightBytes() const;
     // The stored type of the layers' matrices (the first layer's QKV: a file has one).
-    TensorType MatrixType() const;
+    gguf::TensorType MatrixType() const;
 
   private:
     struct Rank;
     struct Layer;
     class RankPool;
     Model() = default;
-    Status LoadWeights(const GgufFile& file);
+    Status LoadWeights(const gguf::GgufFile& file);
     // Attention of a long chunk (prefill) for one KV head; short ones go through AttendShort.
     // Its gathered K and V, stacked queries and scores go in `ws`; the rows' softmax runs on
     // `softmax_pool`, or on the calling thread when that is null (heads in parallel).
@@ -176,14 +176,14 @@ class Model {
     // MLA's attention of layer l on rank r: from rk.xn to rk.attn (the heads' values).
     void MlaAttention(int r, int l, std::span<const SeqChunk> batch, kv::KvCache* cache,
                       kv::LayerHook* hook);
-    Status LoadMlaLayer(const GgufFile& f, int l);
+    Status LoadMlaLayer(const gguf::GgufFile& f, int l);
     void AllReduceAdd(int r, float* x, int rows);
 
     ModelConfig config_;
     std::string fingerprint_;
     int tp_ = 1;
     int blas_threads_ = 1;  // OpenBLAS's threads per rank (Load)
-    std::unique_ptr<Tokenizer> tokenizer_;
+    std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
     Weights embedding_;               // [vocab][dim], in the file's precision
     std::vector<float> output_norm_;  // [dim]
     std::vector<float> rope_freq_;    // [rope dims / 2] inverse frequencies
@@ -211,7 +211,7 @@ struct RandomModelSpec {
     int context_length = 4096;
     float rope_theta = 10000.0f;
     bool tied_embeddings = false;
-    TensorType dtype = TensorType::kF32;
+    gguf::TensorType dtype = gguf::TensorType::kF32;
     // MLA (written as architecture deepseek2, every layer dense): num_kv_heads is then ignored.
     bool mla = false;
     int q_lora_rank = 0;
@@ -235,7 +235,7 @@ Result<RandomModelSpec> PresetSpec(std::string_view preset);
 struct RandomTensor {
     std::string name;
     std::vector<uint64_t> dims;
-    TensorType type;
+    gguf::TensorType type;
     float amplitude;
     float center;
 };

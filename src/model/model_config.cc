@@ -7,11 +7,11 @@ namespace ferry::model {
 
 namespace {
 
-Result<uint64_t> Key(const GgufFile& f, const std::string& key) { return f.GetUint(key); }
+Result<uint64_t> Key(const gguf::GgufFile& f, const std::string& key) { return f.GetUint(key); }
 
 }  // namespace
 
-Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
+Result<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
     auto arch = f.GetString("general.architecture");
     if (!arch.ok()) return InvalidArgumentError(f.path() + ": general.architecture is missing");
     if (*arch != "llama" && *arch != "deepseek2") {
@@ -108,7 +108,7 @@ Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
     };
     FERRY_RETURN_IF_ERROR(get_float("rope.freq_base", &c.rope_theta));
     FERRY_RETURN_IF_ERROR(get_float("attention.layer_norm_rms_epsilon", &c.norm_eps));
-    const GgufTensor* emb = f.FindTensor("token_embd.weight");
+    const gguf::GgufTensor* emb = f.FindTensor("token_embd.weight");
     if (!emb || emb->dims.size() != 2) {
         return InvalidArgumentError(f.path() + ": tensor token_embd.weight is missing or not 2-D");
     }

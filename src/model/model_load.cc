@@ -49,10 +49,10 @@ void SliceMlp(int r, const MlpTensors& t, Rank* rk, Layer* layer) {
 Model::~Model() = default;
 
 Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelOptions& options) {
-    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> file, GgufFile::Open(path));
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<gguf::GgufFile> file, gguf::GgufFile::Open(path));
     std::unique_ptr<Model> m(new Model());
     FERRY_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromGguf(*file));
-    FERRY_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*file));
+    FERRY_ASSIGN_OR_RETURN(m->tokenizer_, tokenizer::Tokenizer::FromGguf(*file));
     if (m->tokenizer_->vocab_size() > m->config_.vocab_size) {
         return InvalidArgumentError(
             fmt::format("{}: the tokenizer has {} tokens but the embedding only {} rows", path,
@@ -100,7 +100,7 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelO
     return m;
 }
 
-TensorType Model::MatrixType() const {
+gguf::TensorType Model::MatrixType() const {
     const Rank& rk = *ranks_.front();
     return rk.layers.empty() ? rk.wout.type : rk.layers.front().wqkv.type;
 }
@@ -117,7 +117,7 @@ uint64_t Model::StreamedWeightBytes() const {
     return n;
 }
 
-Status Model::LoadWeights(const GgufFile& f) {
+Status Model::LoadWeights(const gguf::GgufFile& f) {
     const ModelConfig& c = config_;
     const auto dim = static_cast<uint64_t>(c.dim);
     const auto hd = static_cast<uint64_t>(c.head_dim);
@@ -180,7 +180,7 @@ Status Model::LoadWeights(const GgufFile& f) {
             if (w->type != wq.type) {
                 return InvalidArgumentError(fmt::format(
                     "{}: layer {} mixes weight types ({} and {}); ferry needs one per layer",
-                    f.path(), l, TensorTypeName(wq.type), TensorTypeName(w->type)));
+                    f.path(), l, gguf::TensorTypeName(wq.type), gguf::TensorTypeName(w->type)));
             }
         }
         for (int r = 0; r < tp_; ++r) {
@@ -199,7 +199,7 @@ Status Model::LoadWeights(const GgufFile& f) {
     return Status::Ok();
 }
 
-Status Model::LoadMlaLayer(const GgufFile& f, int l) {
+Status Model::LoadMlaLayer(const gguf::GgufFile& f, int l) {
     const ModelConfig& c = config_;
     const auto dim = static_cast<uint64_t>(c.dim), ffn = static_cast<uint64_t>(c.ffn_dim);
     const auto heads = static_cast<uint64_t>(c.num_heads), lat = uint64_t(c.kv_lora_rank);
@@ -231,7 +231,7 @@ Status Model::LoadMlaLayer(const GgufFile& f, int l) {
         if (w->type != first.type) {
             return InvalidArgumentError(fmt::format(
                 "{}: layer {} mixes weight types ({} and {}); ferry needs one per layer", f.path(),
-                l, TensorTypeName(first.type), TensorTypeName(w->type)));
+                l, gguf::TensorTypeName(first.type), gguf::TensorTypeName(w->type)));
         }
     }
     for (int r = 0; r < tp_; ++r) {

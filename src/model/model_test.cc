@@ -60,7 +60,8 @@ std::string TempPath(const std::string& name) {
 // The reference: logits at every position of `tokens`.
 class Reference {
   public:
-    explicit Reference(const std::string& path) : file_(std::move(GgufFile::Open(path)).value()) {
+    explicit Reference(const std::string& path)
+        : file_(std::move(gguf::GgufFile::Open(path)).value()) {
         cfg_ = ModelConfig::FromGguf(*file_).value();
     }
 
@@ -221,17 +222,17 @@ class Reference {
 
   private:
     std::vector<double> W(const std::string& name) {
-        const GgufTensor* t = file_->FindTensor(name);
+        const gguf::GgufTensor* t = file_->FindTensor(name);
         std::vector<double> out(t->elements());
         for (size_t i = 0; i < out.size(); ++i) {
-            if (t->type == TensorType::kF32) {
+            if (t->type == gguf::TensorType::kF32) {
                 float f;
                 std::memcpy(&f, t->data + 4 * i, 4);
                 out[i] = f;
             } else {
                 uint16_t h;
                 std::memcpy(&h, t->data + 2 * i, 2);
-                out[i] = t->type == TensorType::kF16 ? F16ToFloat(h) : Bf16ToFloat(h);
+                out[i] = t->type == gguf::TensorType::kF16 ? F16ToFloat(h) : Bf16ToFloat(h);
             }
         }
         return out;
@@ -266,7 +267,7 @@ class Reference {
         }
     }
 
-    std::unique_ptr<GgufFile> file_;
+    std::unique_ptr<gguf::GgufFile> file_;
     ModelConfig cfg_;
 };
 
@@ -473,16 +474,17 @@ TEST(ModelBlas, KernelsOfTheCpusWidthAndStillRight) {
 // f32, as llama.cpp's converter writes them (an f16 norm aborts llama.cpp in ggml's mul); the
 // matrices are in the model's dtype.
 TEST(RandomModel, OneDimensionalTensorsAreF32InEveryPresetAndDtype) {
-    const TensorType dtypes[] = {TensorType::kF32, TensorType::kF16, TensorType::kBF16};
+    const gguf::TensorType dtypes[] = {gguf::TensorType::kF32, gguf::TensorType::kF16,
+                                       gguf::TensorType::kBF16};
     for (const char* preset : {"tiny", "small"}) {
-        for (TensorType dtype : dtypes) {
-            SCOPED_TRACE(std::string(preset) + " " + std::string(TensorTypeName(dtype)));
+        for (gguf::TensorType dtype : dtypes) {
+            SCOPED_TRACE(std::string(preset) + " " + std::string(gguf::TensorTypeName(dtype)));
             RandomModelSpec spec = PresetSpec(preset).value();
             spec.dtype = dtype;
             int norms = 0, matrices = 0;
             for (const RandomTensor& t : RandomModelTensors(spec)) {
                 if (t.dims.size() == 1) {
-                    EXPECT_EQ(t.type, TensorType::kF32) << t.name;
+                    EXPECT_EQ(t.type, gguf::TensorType::kF32) << t.name;
                     ++norms;
                 } else {
                     EXPECT_EQ(t.type, dtype) << t.name;
@@ -495,16 +497,16 @@ TEST(RandomModel, OneDimensionalTensorsAreF32InEveryPresetAndDtype) {
     }
     // And the writer stores exactly that (the tiny preset written in every dtype), and the
     // loader serves it.
-    for (TensorType dtype : dtypes) {
+    for (gguf::TensorType dtype : dtypes) {
         RandomModelSpec spec = TestSpec();
         spec.dtype = dtype;
         std::string path = TempPath("model-dtypes");
         FERRY_ASSERT_OK(WriteRandomModel(spec, 5, path));
-        auto file = std::move(GgufFile::Open(path)).value();
+        auto file = std::move(gguf::GgufFile::Open(path)).value();
         auto plan = RandomModelTensors(spec);
         ASSERT_EQ(file->tensors().size(), plan.size());
         for (const RandomTensor& t : plan) {
-            const GgufTensor* got = file->FindTensor(t.name);
+            const gguf::GgufTensor* got = file->FindTensor(t.name);
             ASSERT_NE(got, nullptr) << t.name;
             EXPECT_EQ(got->type, t.type) << t.name;
             EXPECT_EQ(got->dims, t.dims) << t.name;
@@ -520,8 +522,8 @@ TEST(RandomModel, OneDimensionalTensorsAreF32InEveryPresetAndDtype) {
 // numbers depended on its neighbours, and a decode worker's greedy tokens could differ from a
 // colocated engine's at a near tie).
 TEST(Model, ADecodeStepIsTheSameBitsAloneAndInABigMixedBatch) {
-    for (TensorType wt : {TensorType::kF32, TensorType::kF16}) {
-        SCOPED_TRACE(std::string(TensorTypeName(wt)));
+    for (gguf::TensorType wt : {gguf::TensorType::kF32, gguf::TensorType::kF16}) {
+        SCOPED_TRACE(std::string(gguf::TensorTypeName(wt)));
         RandomModelSpec spec = TestSpec();
         spec.dtype = wt;
         std::string path = TempPath("model-invariant");
@@ -587,7 +589,7 @@ TEST(Model, BatchOfChunksMatchesReferencePerSequence) {
 }
 
 TEST(Model, HalfPrecisionWeightsAndCaches) {
-    for (TensorType wt : {TensorType::kF16, TensorType::kBF16}) {
+    for (gguf::TensorType wt : {gguf::TensorType::kF16, gguf::TensorType::kBF16}) {
         for (kv::KvDtype kt : {kv::KvDtype::kF16, kv::KvDtype::kBF16}) {
             RandomModelSpec spec = TestSpec();
             spec.dtype = wt;
@@ -608,9 +610,9 @@ TEST(Model, HalfPrecisionWeightsAndCaches) {
             // with AVX-512 BF16 the prompt's activations rounded to bf16 (its products run on
             // bf16 pairs, as llama.cpp's do): as coarse as a bf16 cache.
             const bool coarse =
-                kt == kv::KvDtype::kBF16 || (wt == TensorType::kBF16 && Bf16DotProducts());
+                kt == kv::KvDtype::kBF16 || (wt == gguf::TensorType::kBF16 && Bf16DotProducts());
             EXPECT_LT(MaxDiff(logits.data(), want[23]), coarse ? 1e-1 : 2e-2)
-                << TensorTypeName(wt) << " weights, " << kv::KvDtypeName(kt) << " cache";
+                << gguf::TensorTypeName(wt) << " weights, " << kv::KvDtypeName(kt) << " cache";
             std::remove(path.c_str());
         }
     }
@@ -652,7 +654,7 @@ TEST(Model, RefusesUnusableFiles) {
     EXPECT_THAT(Model::Load(path, {.tp = 8}).status(),
                 StatusHas(Code::kInvalidArgument, "tp 8 must divide the 4 heads"));
     // A file with a tensor of the wrong shape.
-    GgufWriter w;
+    gguf::GgufWriter w;
     w.SetString("general.architecture", "llama");
     w.SetUint32("llama.embedding_length", 8);
     w.SetUint32("llama.block_count", 1);
@@ -661,9 +663,9 @@ TEST(Model, RefusesUnusableFiles) {
     w.SetString("tokenizer.ggml.model", "gpt2");
     w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
     FERRY_ASSERT_OK(
-        w.AddTensor("token_embd.weight", {8, 2}, TensorType::kF32, std::string(64, '\0')));
+        w.AddTensor("token_embd.weight", {8, 2}, gguf::TensorType::kF32, std::string(64, '\0')));
     FERRY_ASSERT_OK(
-        w.AddTensor("output_norm.weight", {7}, TensorType::kF32, std::string(28, '\0')));
+        w.AddTensor("output_norm.weight", {7}, gguf::TensorType::kF32, std::string(28, '\0')));
     FERRY_ASSERT_OK(w.Write(path));
     EXPECT_THAT(
         Model::Load(path).status(),
@@ -671,19 +673,19 @@ TEST(Model, RefusesUnusableFiles) {
     // Optional floats present with values no float holds, or not positive.
     for (double bad : {1e300, -1.0, 0.0, std::nan("")}) {
         SCOPED_TRACE(bad);
-        GgufWriter f = w;
+        gguf::GgufWriter f = w;
         f.SetFloat64("llama.rope.freq_base", bad);
         FERRY_ASSERT_OK(f.Write(path));
         EXPECT_THAT(Model::Load(path).status(),
                     StatusHas(Code::kInvalidArgument, "llama.rope.freq_base = "));
     }
-    GgufWriter eps = w;
+    gguf::GgufWriter eps = w;
     eps.SetString("llama.attention.layer_norm_rms_epsilon", "small");
     FERRY_ASSERT_OK(eps.Write(path));
     EXPECT_THAT(Model::Load(path).status(),
                 StatusHas(Code::kInvalidArgument,
                           "'llama.attention.layer_norm_rms_epsilon' is not a float"));
-    GgufWriter other;
+    gguf::GgufWriter other;
     other.SetString("general.architecture", "gpt-neox");
     FERRY_ASSERT_OK(other.Write(path));
     EXPECT_THAT(Model::Load(path).status(),

@@ -6,8 +6,8 @@
 
 #include "core/half.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
 #include "model/vision.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::model {
 
@@ -42,16 +42,16 @@ uint64_t NameSeed(uint64_t seed, const std::string& name) {
     return seed * 0x2545f4914f6cdd1dull ^ h;
 }
 
-std::string Encode(const std::vector<float>& v, TensorType type) {
+std::string Encode(const std::vector<float>& v, gguf::TensorType type) {
     std::string out;
-    if (type == TensorType::kF32) {
+    if (type == gguf::TensorType::kF32) {
         out.resize(v.size() * 4);
         std::memcpy(out.data(), v.data(), out.size());
         return out;
     }
     out.resize(v.size() * 2);
     for (size_t i = 0; i < v.size(); ++i) {
-        uint16_t h = type == TensorType::kF16 ? FloatToF16(v[i]) : FloatToBf16(v[i]);
+        uint16_t h = type == gguf::TensorType::kF16 ? FloatToF16(v[i]) : FloatToBf16(v[i]);
         std::memcpy(&out[2 * i], &h, 2);
     }
     return out;
@@ -109,7 +109,7 @@ std::vector<RandomTensor> RandomModelTensors(const RandomModelSpec& spec) {
     // its ops take them only as f32 (an f16 norm aborts it in ggml's mul).
     auto add = [&](const std::string& name, std::vector<uint64_t> dims, float amplitude,
                    float center) {
-        TensorType type = dims.size() == 1 ? TensorType::kF32 : spec.dtype;
+        gguf::TensorType type = dims.size() == 1 ? gguf::TensorType::kF32 : spec.dtype;
         out.push_back({name, std::move(dims), type, amplitude, center});
     };
     // Uniform(-a, a) has standard deviation a / sqrt(3): unit-variance embeddings, projections
@@ -170,7 +170,7 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
                      spec.qk_rope_dim % 2 || spec.v_head_dim <= 0 || spec.q_lora_rank < 0)) {
         return InvalidArgumentError("random model: inconsistent MLA dimensions");
     }
-    GgufWriter w;
+    gguf::GgufWriter w;
     const std::string arch = spec.mla ? "deepseek2" : "llama";
     const std::string a = arch + ".";
     w.SetString("general.architecture", arch);
@@ -203,21 +203,22 @@ Status WriteRandomModel(const RandomModelSpec& spec, uint64_t seed, const std::s
     RandomModelSpec sized = spec;
     if (!spec.vocab_file.empty()) {
         // A real vocabulary: every tokenizer.* key of that file, as it is there.
-        FERRY_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> vocab, GgufFile::Open(spec.vocab_file));
+        FERRY_ASSIGN_OR_RETURN(std::unique_ptr<gguf::GgufFile> vocab,
+                               gguf::GgufFile::Open(spec.vocab_file));
         FERRY_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
                                vocab->GetStringArray("tokenizer.ggml.tokens"));
         for (const auto& [key, value] : vocab->metadata()) {
             if (key.rfind("tokenizer.", 0) == 0) FERRY_RETURN_IF_ERROR(w.SetValue(key, value));
         }
         // Check it now, so a file `ferry serve` would refuse is not written.
-        FERRY_RETURN_IF_ERROR(Tokenizer::FromGguf(*vocab).status());
+        FERRY_RETURN_IF_ERROR(tokenizer::Tokenizer::FromGguf(*vocab).status());
         sized.vocab_size = tokens.size();
     } else {
         // Byte-level vocabulary: the 256 bytes in GPT-2's printable mapping, then three specials.
         std::vector<std::string> tokens;
         std::vector<int32_t> types;
         for (int b = 0; b < 256; ++b) {
-            tokens.push_back(ByteLevelToken(static_cast<uint8_t>(b)));
+            tokens.push_back(tokenizer::ByteLevelToken(static_cast<uint8_t>(b)));
             types.push_back(1);
         }
         for (const char* s : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
@@ -274,7 +275,7 @@ Status WriteRandomMmproj(const RandomVisionSpec& spec, uint64_t seed, const std:
         spec.num_layers < 2 || spec.proj_hidden <= 0 || spec.out_dim <= 0) {
         return InvalidArgumentError("random vision projector: inconsistent dimensions");
     }
-    GgufWriter w;
+    gguf::GgufWriter w;
     // The keys llama.cpp's clip loader reads for a LLaVA-style projector (tools/mtmd/clip.cpp).
     w.SetString("general.architecture", "clip");
     w.SetString("general.name", spec.name);
@@ -304,7 +305,7 @@ Status WriteRandomMmproj(const RandomVisionSpec& spec, uint64_t seed, const std:
     std::vector<RandomTensor> ts;
     auto add = [&](const std::string& name, std::vector<uint64_t> dims, float amplitude,
                    float center) {
-        ts.push_back({name, std::move(dims), TensorType::kF32, amplitude, center});
+        ts.push_back({name, std::move(dims), gguf::TensorType::kF32, amplitude, center});
     };
     add("v.patch_embd.weight", {p, p, 3, d}, fan(3 * p * p), 0);
     add("v.patch_embd.bias", {d}, 0.02f, 0);

@@ -147,7 +147,7 @@ void AddBias(float* rows, int n, const std::vector<float>& bias) {
     }
 }
 
-Result<uint64_t> Need(const GgufFile& f, const std::string& key) {
+Result<uint64_t> Need(const gguf::GgufFile& f, const std::string& key) {
     auto v = f.GetUint(key);
     if (!v.ok()) {
         return InvalidArgumentError(
@@ -160,18 +160,18 @@ Result<uint64_t> Need(const GgufFile& f, const std::string& key) {
     return *v;
 }
 
-bool FlagOf(const GgufFile& f, std::string_view key) {
-    const GgufValue* v = f.Find(key);
-    if (!v || v->type != GgufValueType::kBool) return false;
+bool FlagOf(const gguf::GgufFile& f, std::string_view key) {
+    const gguf::GgufValue* v = f.Find(key);
+    if (!v || v->type != gguf::GgufValueType::kBool) return false;
     return std::get<bool>(v->scalar);
 }
 
-Status Floats3(const GgufFile& f, const std::string& key, float out[3]) {
-    const GgufValue* v = f.Find(key);
+Status Floats3(const gguf::GgufFile& f, const std::string& key, float out[3]) {
+    const gguf::GgufValue* v = f.Find(key);
     if (!v) return InvalidArgumentError(fmt::format("{}: key {} is missing", f.path(), key));
-    if (v->type != GgufValueType::kArray || v->array.size() < 3 ||
-        (v->element_type != GgufValueType::kFloat32 &&
-         v->element_type != GgufValueType::kFloat64)) {
+    if (v->type != gguf::GgufValueType::kArray || v->array.size() < 3 ||
+        (v->element_type != gguf::GgufValueType::kFloat32 &&
+         v->element_type != gguf::GgufValueType::kFloat64)) {
         return InvalidArgumentError(
             fmt::format("{}: key {} must be an array of 3 floats", f.path(), key));
     }
@@ -185,8 +185,8 @@ VisionEncoder::VisionEncoder() : mu_(std::make_unique<std::mutex>()) {}
 VisionEncoder::~VisionEncoder() = default;
 
 Result<std::unique_ptr<VisionEncoder>> VisionEncoder::Load(const std::string& path, int threads) {
-    FERRY_ASSIGN_OR_RETURN(auto file, GgufFile::Open(path));
-    const GgufFile& f = *file;
+    FERRY_ASSIGN_OR_RETURN(auto file, gguf::GgufFile::Open(path));
+    const gguf::GgufFile& f = *file;
     std::unique_ptr<VisionEncoder> e(new VisionEncoder());
     VisionConfig& c = e->config_;
     if (!FlagOf(f, "clip.has_vision_encoder")) {
@@ -229,7 +229,7 @@ Result<std::unique_ptr<VisionEncoder>> VisionEncoder::Load(const std::string& pa
             "{}: block_count {}: the mlp projector reads the second-to-last layer, so at least 2",
             path, layers));
     }
-    if (const GgufValue* fl = f.Find("clip.vision.feature_layer"); fl && !fl->array.empty()) {
+    if (const gguf::GgufValue* fl = f.Find("clip.vision.feature_layer"); fl && !fl->array.empty()) {
         return InvalidArgumentError(fmt::format(
             "{}: clip.vision.feature_layer (stacked feature layers) is not supported", path));
     }
@@ -257,7 +257,7 @@ Result<std::unique_ptr<VisionEncoder>> VisionEncoder::Load(const std::string& pa
                 fmt::format("{}: clip.vision.image_std has a value that is not positive", path));
         }
     }
-    const GgufTensor* mm0 = f.FindTensor("mm.0.weight");
+    const gguf::GgufTensor* mm0 = f.FindTensor("mm.0.weight");
     if (!mm0 || mm0->dims.size() != 2) {
         return InvalidArgumentError(fmt::format("{}: tensor mm.0.weight is missing", path));
     }
@@ -275,13 +275,13 @@ Result<std::unique_ptr<VisionEncoder>> VisionEncoder::Load(const std::string& pa
     return e;
 }
 
-Status VisionEncoder::LoadTensors(const GgufFile& f) {
+Status VisionEncoder::LoadTensors(const gguf::GgufFile& f) {
     const VisionConfig& c = config_;
     const uint64_t d = c.dim, p = c.patch_size, n = c.tokens_per_image();
     // The patch embedding is a convolution kernel {p, p, 3, dim}: row-major, one row of
     // 3 * p * p (channel, y, x) per output channel.
     FERRY_ASSIGN_OR_RETURN(auto conv, TensorF32(f, "v.patch_embd.weight", {p, p, 3, d}));
-    patch_embd_.type = TensorType::kF32;
+    patch_embd_.type = gguf::TensorType::kF32;
     patch_embd_.rows = c.dim;
     patch_embd_.cols = static_cast<int64_t>(3 * p * p);
     patch_embd_.bytes.resize(conv.size() * 4);

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "ferry/status.h"
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 #include "model/kernels.h"
 
 namespace ferry::model {
@@ -78,7 +78,7 @@ class VisionEncoder {
   private:
     struct Layer;
     VisionEncoder();
-    Status LoadTensors(const GgufFile& f);
+    Status LoadTensors(const gguf::GgufFile& f);
 
     VisionConfig config_;
     std::string fingerprint_;

@@ -158,9 +158,9 @@ TEST_F(VisionTest, PreprocessPadsToASquareAndNormalizes) {
 
 // Steps 2-4 in double precision, from the file's tensors as stored.
 std::vector<double> Reference(const std::string& path, const std::vector<float>& pixels) {
-    auto file = std::move(GgufFile::Open(path)).value();
+    auto file = std::move(gguf::GgufFile::Open(path)).value();
     auto t = [&](const std::string& name) {
-        const GgufTensor* g = file->FindTensor(name);
+        const gguf::GgufTensor* g = file->FindTensor(name);
         EXPECT_NE(g, nullptr) << name;
         std::vector<double> v(g->elements());
         for (size_t i = 0; i < v.size(); ++i) {
@@ -305,20 +305,20 @@ TEST_F(VisionTest, FingerprintTellsWeightsApart) {
 // Rewrites `src` into `dst` through `edit` (keys and tensors by name; a tensor edit may change
 // its dims or drop it).
 struct Edits {
-    std::function<bool(const std::string& key, GgufWriter* w)> key;  // true: handled
-    std::function<bool(const GgufTensor& t, GgufWriter* w)> tensor;  // true: handled
+    std::function<bool(const std::string& key, gguf::GgufWriter* w)> key;        // true: handled
+    std::function<bool(const gguf::GgufTensor& t, gguf::GgufWriter* w)> tensor;  // true: handled
 };
-Edits TensorEdit(std::function<bool(const GgufTensor& t, GgufWriter* w)> fn) {
+Edits TensorEdit(std::function<bool(const gguf::GgufTensor& t, gguf::GgufWriter* w)> fn) {
     return Edits{.key = {}, .tensor = std::move(fn)};
 }
 void Rewrite(const std::string& src, const std::string& dst, const Edits& e) {
-    auto f = std::move(GgufFile::Open(src)).value();
-    GgufWriter w;
+    auto f = std::move(gguf::GgufFile::Open(src)).value();
+    gguf::GgufWriter w;
     for (const auto& [key, value] : f->metadata()) {
         if (e.key && e.key(key, &w)) continue;
         FERRY_ASSERT_OK(w.SetValue(key, value));
     }
-    for (const GgufTensor& t : f->tensors()) {
+    for (const gguf::GgufTensor& t : f->tensors()) {
         if (e.tensor && e.tensor(t, &w)) continue;
         FERRY_ASSERT_OK(w.AddTensor(t.name, t.dims, t.type,
                                     std::string(reinterpret_cast<const char*>(t.data), t.bytes)));
@@ -332,37 +332,40 @@ TEST_F(VisionTest, LoadRefusesWhatItCannotRunByName) {
         Rewrite(path_, bad, e);
         EXPECT_THAT(VisionEncoder::Load(bad).status(), StatusHas(Code::kInvalidArgument, text));
     };
-    auto set_key = [](std::string name, std::function<void(GgufWriter*)> fn) {
+    auto set_key = [](std::string name, std::function<void(gguf::GgufWriter*)> fn) {
         return Edits{.key =
-                         [name, fn](const std::string& k, GgufWriter* w) {
+                         [name, fn](const std::string& k, gguf::GgufWriter* w) {
                              if (k != name) return false;
                              fn(w);
                              return true;
                          },
                      .tensor = {}};
     };
-    expect(set_key("clip.projector_type",
-                   [](GgufWriter* w) { w->SetString("clip.projector_type", "qwen2vl_merger"); }),
-           "projector type 'qwen2vl_merger' is not supported");
+    expect(
+        set_key("clip.projector_type",
+                [](gguf::GgufWriter* w) { w->SetString("clip.projector_type", "qwen2vl_merger"); }),
+        "projector type 'qwen2vl_merger' is not supported");
     expect(set_key("clip.has_vision_encoder",
-                   [](GgufWriter* w) { w->SetBool("clip.has_vision_encoder", false); }),
+                   [](gguf::GgufWriter* w) { w->SetBool("clip.has_vision_encoder", false); }),
            "not a vision projector");
     expect(set_key("clip.vision.patch_size",
-                   [](GgufWriter* w) { w->SetUint32("clip.vision.patch_size", 5); }),
+                   [](gguf::GgufWriter* w) { w->SetUint32("clip.vision.patch_size", 5); }),
            "must be a multiple of patch_size 5");
-    expect(set_key("clip.vision.block_count", [](GgufWriter*) {}), "clip.vision.block_count");
-    expect(set_key("clip.vision.image_mean",
-                   [](GgufWriter* w) { w->SetFloat32Array("clip.vision.image_mean", {0.5f}); }),
-           "clip.vision.image_mean must be an array of 3 floats");
+    expect(set_key("clip.vision.block_count", [](gguf::GgufWriter*) {}), "clip.vision.block_count");
+    expect(
+        set_key("clip.vision.image_mean",
+                [](gguf::GgufWriter* w) { w->SetFloat32Array("clip.vision.image_mean", {0.5f}); }),
+        "clip.vision.image_mean must be an array of 3 floats");
     expect(set_key("clip.vision.image_std",
-                   [](GgufWriter* w) {
+                   [](gguf::GgufWriter* w) {
                        w->SetFloat32Array("clip.vision.image_std", {0.5f, 0.0f, 0.5f});
                    }),
            "image_std has a value that is not positive");
-    expect(TensorEdit(
-               [](const GgufTensor& t, GgufWriter*) { return t.name == "v.blk.1.attn_k.weight"; }),
+    expect(TensorEdit([](const gguf::GgufTensor& t, gguf::GgufWriter*) {
+               return t.name == "v.blk.1.attn_k.weight";
+           }),
            "tensor v.blk.1.attn_k.weight is missing");
-    expect(TensorEdit([](const GgufTensor& t, GgufWriter* w) {
+    expect(TensorEdit([](const gguf::GgufTensor& t, gguf::GgufWriter* w) {
                if (t.name != "mm.2.bias") return false;
                FERRY_EXPECT_OK(
                    w->AddTensor(t.name, {t.dims[0] - 1}, t.type,
@@ -371,7 +374,7 @@ TEST_F(VisionTest, LoadRefusesWhatItCannotRunByName) {
            }),
            "tensor mm.2.bias has dims [39], expected [40]");
     expect(
-        TensorEdit([](const GgufTensor& t, GgufWriter* w) {
+        TensorEdit([](const gguf::GgufTensor& t, gguf::GgufWriter* w) {
             if (t.name != "mm.0.bias") return false;
             FERRY_EXPECT_OK(w->AddTensor("v.class_embd", {32}, t.type, std::string(32 * 4, '\0')));
             FERRY_EXPECT_OK(

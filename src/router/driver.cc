@@ -12,7 +12,7 @@
 #include "core/json_fields.h"
 #include "core/log.h"
 #include "core/request_id.h"
-#include "model/prompt.h"
+#include "tokenizer/prompt.h"
 
 namespace ferry::router {
 
@@ -381,9 +381,9 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
     } else if (hashing && config_.tokenizer) {
         // A body the workers would refuse is routed unscored: the worker's 400 names the fault.
         std::vector<int32_t> tokens;
-        model::PromptError unused;
-        if (model::PromptTokens(body, path == "/v1/chat/completions", *config_.tokenizer, &tokens,
-                                &unused)) {
+        tokenizer::PromptError unused;
+        if (tokenizer::PromptTokens(body, path == "/v1/chat/completions", *config_.tokenizer,
+                                    &tokens, &unused)) {
             f->prompt_tokens = tokens.size();
             block_hashes = router_->PromptBlockHashes(tokens);
         }

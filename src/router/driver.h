@@ -42,11 +42,11 @@
 #include <string>
 
 #include "http/http.h"
-#include "model/tokenizer.h"
 #include "router/protocol.h"
 #include "router/quarantine.h"
 #include "router/router.h"
 #include "router/worker_call.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::router {
 
@@ -73,7 +73,7 @@ struct DriverConfig {
     // into token ids as the workers do (model/prompt.h) and hashed by block, so that
     // cache-aware routing and the P/D decision see them. Null: only prompts given as token ids
     // are scored. Used only once a followed worker has stated its block hashes.
-    std::shared_ptr<const model::Tokenizer> tokenizer = {};
+    std::shared_ptr<const tokenizer::Tokenizer> tokenizer = {};
     // Encode workers (EPD); none: images go to the prefill and decode workers as they came.
     // With encode workers and no prefill worker (vLLM's 1e1pd), requests go to the decode
     // workers whole.

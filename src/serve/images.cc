@@ -11,7 +11,7 @@ namespace ferry::serve {
 
 Status OpenAiServer::Impl::EncodeImages(ParsedRequest* pr, BadRequest* bad,
                                         const http::Exchange* ex) {
-    for (model::ImagePart& part : pr->images) {
+    for (tokenizer::ImagePart& part : pr->images) {
         // A client that left is not worked for: checked before each image (one image's decoding
         // and encoding is the most it still costs).
         if (ex && ex->closed()) return CancelledError("the client went away");
@@ -110,7 +110,7 @@ void OpenAiServer::Impl::ServeImages(const std::shared_ptr<http::Exchange>& ex, 
     // The images' URLs are copies of the body's bytes (a data: URL is most of it), kept while
     // the request waits: counted in the body budget with the body itself.
     size_t copies = 0;
-    for (const model::ImagePart& part : pr.images) copies += part.url.size();
+    for (const tokenizer::ImagePart& part : pr.images) copies += part.url.size();
     if (!ex->ReserveBody(copies)) {
         ++image_metrics.busy;
         return ex->Reply(Error(503,

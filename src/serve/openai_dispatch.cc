@@ -8,7 +8,7 @@ namespace ferry::serve {
 std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                          ParsedRequest pr, std::function<bool(const Status&)> retry,
                                          std::string base) {
-    const model::Tokenizer& tk = engine->model().tokenizer();
+    const tokenizer::Tokenizer& tk = engine->model().tokenizer();
     // One id for the request in every process (vLLM's rule: "cmpl-" + X-Request-Id): the
     // router's id, which it sends to each worker, else 128 random bits (nothing about other
     // requests can be derived from it).

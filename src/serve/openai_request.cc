@@ -8,7 +8,7 @@
 #include <optional>
 
 #include "core/json_fields.h"
-#include "model/prompt.h"
+#include "tokenizer/prompt.h"
 
 namespace ferry::serve {
 
@@ -17,7 +17,7 @@ namespace {
 using Json = nlohmann::json;
 
 // A JSON integer that is a token id of `tk`, or nothing.
-std::optional<int32_t> TokenId(const Json& v, const model::Tokenizer& tk) {
+std::optional<int32_t> TokenId(const Json& v, const tokenizer::Tokenizer& tk) {
     const int64_t id = JsonFields::ClampedInt(v);
     if (id < 0 || id >= tk.vocab_size()) return std::nullopt;
     return static_cast<int32_t>(id);
@@ -170,9 +170,9 @@ void RefuseUnimplemented(const Json& body, Fields* f) {
 }
 
 // Fills `out` from a /v1/completions or /v1/chat/completions body.
-void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
+void ParseRequest(const Json& body, bool chat, const tokenizer::Tokenizer& tk,
                   const std::string& model_name, ParsedRequest* out, Fields* f,
-                  const model::ImageTokens* image_tokens) {
+                  const tokenizer::ImageTokens* image_tokens) {
     out->chat = chat;
     CheckModel(f, model_name);
     RefuseUnimplemented(body, f);
@@ -265,8 +265,8 @@ void ParseRequest(const Json& body, bool chat, const model::Tokenizer& tk,
     sp.top_k = static_cast<int>(top_k);
 
     // The prompt.
-    model::PromptError pe;
-    if (!model::PromptTokens(body, chat, tk, &out->prompt, &pe, image_tokens, &out->images)) {
+    tokenizer::PromptError pe;
+    if (!tokenizer::PromptTokens(body, chat, tk, &out->prompt, &pe, image_tokens, &out->images)) {
         return f->Fail(std::move(pe.message), std::move(pe.param));
     }
     if (max_tokens < 0) max_tokens = 16;  // chat without a limit: set below from the context
@@ -297,9 +297,9 @@ bool ParseBody(std::string_view text, Json* body, BadRequest* error) {
 
 }  // namespace
 
-bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer& tk,
+bool ParseOpenAiRequest(std::string_view text, bool chat, const tokenizer::Tokenizer& tk,
                         const std::string& model_name, int max_model_len, ParsedRequest* out,
-                        BadRequest* error, const model::ImageTokens* image_tokens) {
+                        BadRequest* error, const tokenizer::ImageTokens* image_tokens) {
     Json body;
     if (!ParseBody(text, &body, error)) return false;
     Fields fields(body);
@@ -337,7 +337,7 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const model::Tokenizer
     return true;
 }
 
-bool ParseTokenizeRequest(std::string_view text, const model::Tokenizer& tk,
+bool ParseTokenizeRequest(std::string_view text, const tokenizer::Tokenizer& tk,
                           const std::string& model_name, TokenizeRequest* out, BadRequest* error) {
     Json body;
     if (!ParseBody(text, &body, error)) return false;
@@ -358,9 +358,9 @@ bool ParseTokenizeRequest(std::string_view text, const model::Tokenizer& tk,
             f.Fail("'continue_final_message' is not supported by this server",
                    "continue_final_message");
         }
-        std::vector<model::ChatMessage> msgs;
-        model::PromptError pe;
-        if (f.ok() && !model::ChatMessages(body, &msgs, &pe)) {
+        std::vector<tokenizer::ChatMessage> msgs;
+        tokenizer::PromptError pe;
+        if (f.ok() && !tokenizer::ChatMessages(body, &msgs, &pe)) {
             f.Fail(std::move(pe.message), std::move(pe.param));
         } else if (f.ok()) {
             auto rendered = tk.ApplyChatTemplate(msgs, add_generation_prompt);
@@ -388,7 +388,7 @@ bool ParseTokenizeRequest(std::string_view text, const model::Tokenizer& tk,
     return true;
 }
 
-bool ParseDetokenizeRequest(std::string_view text, const model::Tokenizer& tk,
+bool ParseDetokenizeRequest(std::string_view text, const tokenizer::Tokenizer& tk,
                             const std::string& model_name, std::vector<int32_t>* tokens,
                             BadRequest* error) {
     Json body;

@@ -13,9 +13,9 @@
 #include "core/request_id.h"
 #include "engine/engine.h"
 #include "kv/connector.h"
-#include "model/prompt.h"
 #include "model/sampler.h"
-#include "model/tokenizer.h"
+#include "tokenizer/prompt.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::serve {
 
@@ -51,7 +51,7 @@ struct ParsedRequest {
     bool no_cache = false;
     // A chat's images (with a vision encoder: ParseOpenAiRequest's image_tokens), in prompt
     // order, their placeholder tokens in `prompt`; the server reads and encodes them into `mm`.
-    std::vector<model::ImagePart> images;
+    std::vector<tokenizer::ImagePart> images;
     std::vector<engine::MmInput> mm;
 };
 
@@ -62,9 +62,9 @@ inline constexpr size_t kMaxJsonDepth = 64;
 // limit get what is left of `max_model_len` after the prompt. With `image_tokens` (a worker
 // with a vision encoder) a chat's image parts become placeholder tokens and out->images;
 // without, they are refused by name.
-bool ParseOpenAiRequest(std::string_view body, bool chat, const model::Tokenizer& tokenizer,
+bool ParseOpenAiRequest(std::string_view body, bool chat, const tokenizer::Tokenizer& tokenizer,
                         const std::string& model_name, int max_model_len, ParsedRequest* out,
-                        BadRequest* error, const model::ImageTokens* image_tokens = nullptr);
+                        BadRequest* error, const tokenizer::ImageTokens* image_tokens = nullptr);
 
 // POST /tokenize, as vLLM's server defines it: {"prompt": text} (TokenizeCompletionRequest;
 // add_special_tokens defaults to true) or {"messages": [...]} (TokenizeChatRequest, rendered with
@@ -74,11 +74,11 @@ struct TokenizeRequest {
     std::vector<int32_t> tokens;
     bool return_token_strs = false;
 };
-bool ParseTokenizeRequest(std::string_view body, const model::Tokenizer& tokenizer,
+bool ParseTokenizeRequest(std::string_view body, const tokenizer::Tokenizer& tokenizer,
                           const std::string& model_name, TokenizeRequest* out, BadRequest* error);
 
 // POST /detokenize: {"tokens": [ids]}, each id in the vocabulary.
-bool ParseDetokenizeRequest(std::string_view body, const model::Tokenizer& tokenizer,
+bool ParseDetokenizeRequest(std::string_view body, const tokenizer::Tokenizer& tokenizer,
                             const std::string& model_name, std::vector<int32_t>* tokens,
                             BadRequest* error);
 

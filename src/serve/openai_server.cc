@@ -48,7 +48,7 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
     // vLLM's /tokenize and /detokenize.
     r.push_back({"POST", "/tokenize",
                  [this](std::shared_ptr<http::Exchange> ex) {
-                     const model::Tokenizer& tk = engine->model().tokenizer();
+                     const tokenizer::Tokenizer& tk = engine->model().tokenizer();
                      TokenizeRequest tr;
                      BadRequest bad;
                      if (!ParseTokenizeRequest(ex->request().body, tk, model_name, &tr, &bad)) {
@@ -71,7 +71,7 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
     r.push_back(
         {"POST", "/detokenize",
          [this](std::shared_ptr<http::Exchange> ex) {
-             const model::Tokenizer& tk = engine->model().tokenizer();
+             const tokenizer::Tokenizer& tk = engine->model().tokenizer();
              std::vector<int32_t> tokens;
              BadRequest bad;
              if (!ParseDetokenizeRequest(ex->request().body, tk, model_name, &tokens, &bad)) {
@@ -125,7 +125,7 @@ std::optional<http::Reply> OpenAiServer::Impl::Authenticate(const http::Request&
 }
 
 void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, bool chat) {
-    const model::Tokenizer& tk = engine->model().tokenizer();
+    const tokenizer::Tokenizer& tk = engine->model().tokenizer();
     ParsedRequest pr;
     BadRequest bad;
     if (!ParseOpenAiRequest(ex->request().body, chat, tk, model_name, engine->max_model_len(), &pr,
@@ -267,7 +267,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
             return InvalidArgumentError("serve: max pending image requests must be at least 1");
         }
         impl->image_tokens = {vc.tokens_per_image(),
-                              model::ImagePlaceholder(impl->engine->model().tokenizer())};
+                              tokenizer::ImagePlaceholder(impl->engine->model().tokenizer())};
         FERRY_ASSIGN_OR_RETURN(
             impl->encoder_cache,
             media::EncoderCache::Open(

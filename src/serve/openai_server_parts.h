@@ -246,7 +246,7 @@ struct OpenAiServer::Impl {
     std::unique_ptr<router::EncodeStep> encode_step;
 
     // Images (with config.vision).
-    model::ImageTokens image_tokens;
+    tokenizer::ImageTokens image_tokens;
     std::unique_ptr<media::EncoderCache> encoder_cache;
     std::unique_ptr<MediaQueue> media_queue;
     ImageMetrics image_metrics;

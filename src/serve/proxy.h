@@ -13,11 +13,11 @@
 
 #include "ferry/status.h"
 #include "http/http.h"
-#include "model/tokenizer.h"
 #include "router/driver.h"
 #include "router/membership.h"
 #include "router/protocol.h"
 #include "router/router.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ferry::serve {
 

@@ -19,12 +19,12 @@
 #include "engine/engine.h"
 #include "media/image.h"
 #include "model/model.h"
-#include "model/prompt.h"
 #include "model/vision.h"
 #include "testing/images.h"
 #include "testing/process.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
+#include "tokenizer/prompt.h"
 
 namespace ferry {
 namespace {
@@ -124,12 +124,13 @@ TEST_F(ImageServeTest, TheAnswerIsTheEncodersEmbeddingsAtThePlaceholderTokens) {
     // The same, computed here: the prompt's tokens, the image decoded and encoded, an engine.
     std::shared_ptr<model::Model> m(std::move(model::Model::Load(model_)).value());
     auto vision = std::move(model::VisionEncoder::Load(mmproj_)).value();
-    const model::ImageTokens it{vision->config().tokens_per_image(),
-                                model::ImagePlaceholder(m->tokenizer())};
+    const tokenizer::ImageTokens it{vision->config().tokens_per_image(),
+                                    tokenizer::ImagePlaceholder(m->tokenizer())};
     std::vector<int32_t> prompt;
-    std::vector<model::ImagePart> parts;
-    model::PromptError pe;
-    ASSERT_TRUE(model::PromptTokens(Chat(content), true, m->tokenizer(), &prompt, &pe, &it, &parts))
+    std::vector<tokenizer::ImagePart> parts;
+    tokenizer::PromptError pe;
+    ASSERT_TRUE(
+        tokenizer::PromptTokens(Chat(content), true, m->tokenizer(), &prompt, &pe, &it, &parts))
         << pe.message;
     ASSERT_EQ(parts.size(), 1u);
     media::Image image = std::move(
@@ -189,12 +190,12 @@ TEST_F(ImageServeTest, RepeatedImagesHitBothCachesAndOtherImagesNeither) {
     const Answer other = Ask(content(testing::RandomPngUrl(40, 24, 8)));
     EXPECT_EQ(other.prompt, first.prompt);
     auto m = std::move(model::Model::Load(model_)).value();
-    const model::ImageTokens it{16, model::ImagePlaceholder(m->tokenizer())};
+    const tokenizer::ImageTokens it{16, tokenizer::ImagePlaceholder(m->tokenizer())};
     std::vector<int32_t> prompt;
-    std::vector<model::ImagePart> parts;
-    model::PromptError pe;
+    std::vector<tokenizer::ImagePart> parts;
+    tokenizer::PromptError pe;
     ASSERT_TRUE(
-        model::PromptTokens(Chat(content(a)), true, m->tokenizer(), &prompt, &pe, &it, &parts));
+        tokenizer::PromptTokens(Chat(content(a)), true, m->tokenizer(), &prompt, &pe, &it, &parts));
     ASSERT_EQ(parts.size(), 1u);
     EXPECT_EQ(other.cached, static_cast<int>(parts[0].token_offset / 8 * 8));
     EXPECT_GT(other.cached, 0);

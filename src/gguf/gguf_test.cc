@@ -1,4 +1,4 @@
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -10,7 +10,7 @@
 
 #include "testing/testing.h"
 
-namespace ferry::model {
+namespace ferry::gguf {
 namespace {
 
 using ::ferry::testing::StatusIs;
@@ -197,4 +197,4 @@ TEST_F(Gguf, CountsLargerThanTheFileAreRefusedBeforeAllocating) {
 }
 
 }  // namespace
-}  // namespace ferry::model
+}  // namespace ferry::gguf

@@ -14,7 +14,7 @@
 
 #include "ferry/status.h"
 
-namespace ferry::model {
+namespace ferry::gguf {
 
 enum class GgufValueType : uint32_t {
     kUint8 = 0,
@@ -134,4 +134,4 @@ class GgufWriter {
     std::vector<Tensor> tensors_;
 };
 
-}  // namespace ferry::model
+}  // namespace ferry::gguf

@@ -1,5 +1,5 @@
 // Tokenizers built from small hand-made GGUF vocabularies with known answers.
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #include <fmt/core.h>
 #include <gmock/gmock.h>
@@ -13,7 +13,7 @@
 #include "model/model.h"
 #include "testing/testing.h"
 
-namespace ferry::model {
+namespace ferry::tokenizer {
 namespace {
 
 using ::ferry::testing::StatusHas;
@@ -25,10 +25,10 @@ std::string TempPath(const std::string& name) {
         .string();
 }
 
-std::unique_ptr<Tokenizer> Load(const GgufWriter& w, const std::string& name) {
+std::unique_ptr<Tokenizer> Load(const gguf::GgufWriter& w, const std::string& name) {
     std::string path = TempPath(name);
     EXPECT_TRUE(w.Write(path).ok());
-    auto file = std::move(GgufFile::Open(path)).value();
+    auto file = std::move(gguf::GgufFile::Open(path)).value();
     auto t = Tokenizer::FromGguf(*file);
     std::remove(path.c_str());
     EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -70,7 +70,7 @@ std::unique_ptr<Tokenizer> SpmTokenizer(std::vector<std::string>* tokens_out = n
         types.push_back(1);
         scores.push_back(s);
     }
-    GgufWriter w;
+    gguf::GgufWriter w;
     w.SetString("tokenizer.ggml.model", "llama");
     w.SetStringArray("tokenizer.ggml.tokens", tokens);
     w.SetInt32Array("tokenizer.ggml.token_type", types);
@@ -106,7 +106,7 @@ TEST(SentencePiece, MergesByScoreWithSpacePrefixAndByteFallback) {
     EXPECT_THAT(t->stop_ids(), ElementsAre(2));
 }
 
-GgufWriter BpeWriter(const std::string& pre) {
+gguf::GgufWriter BpeWriter(const std::string& pre) {
     // Byte tokens in GPT-2's mapping, merges for " the", "he", "llo", specials.
     std::vector<std::string> tokens;
     std::vector<int32_t> types;
@@ -125,7 +125,7 @@ GgufWriter BpeWriter(const std::string& pre) {
         tokens.emplace_back(s);
         types.push_back(3);
     }
-    GgufWriter w;
+    gguf::GgufWriter w;
     w.SetString("tokenizer.ggml.model", "gpt2");
     w.SetString("tokenizer.ggml.pre", pre);
     w.SetStringArray("tokenizer.ggml.tokens", tokens);
@@ -218,14 +218,14 @@ TEST(ChatTemplates, RenderTheKnownFormats) {
 
 TEST(Tokenizer, PresetVocabularyIsBytesPlusChatMl) {
     std::string path = TempPath("preset");
-    RandomModelSpec s;
+    model::RandomModelSpec s;
     s.dim = 32;
     s.num_layers = 1;
     s.num_heads = 2;
     s.num_kv_heads = 1;
     s.ffn_dim = 32;
-    ASSERT_TRUE(WriteRandomModel(s, 1, path).ok());
-    auto file = std::move(GgufFile::Open(path)).value();
+    ASSERT_TRUE(model::WriteRandomModel(s, 1, path).ok());
+    auto file = std::move(gguf::GgufFile::Open(path)).value();
     auto t = std::move(Tokenizer::FromGguf(*file)).value();
     std::remove(path.c_str());
     EXPECT_EQ(t->vocab_size(), 259);
@@ -237,27 +237,27 @@ TEST(Tokenizer, PresetVocabularyIsBytesPlusChatMl) {
 }
 
 TEST(Tokenizer, RefusesInconsistentMetadata) {
-    GgufWriter w;
+    gguf::GgufWriter w;
     w.SetString("tokenizer.ggml.model", "llama");
     w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
     w.SetFloat32Array("tokenizer.ggml.scores", {0});
     std::string path = TempPath("bad-tok");
     ASSERT_TRUE(w.Write(path).ok());
-    auto file = std::move(GgufFile::Open(path)).value();
+    auto file = std::move(gguf::GgufFile::Open(path)).value();
     EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
                 StatusHas(Code::kInvalidArgument, "tokenizer.ggml.scores: 1 entries for 2 tokens"));
-    GgufWriter w2;
+    gguf::GgufWriter w2;
     w2.SetString("tokenizer.ggml.model", "bert");
     ASSERT_TRUE(w2.Write(path).ok());
-    file = std::move(GgufFile::Open(path)).value();
+    file = std::move(gguf::GgufFile::Open(path)).value();
     EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
                 StatusHas(Code::kInvalidArgument, "tokenizer.ggml.model 'bert'"));
-    GgufWriter w3;
+    gguf::GgufWriter w3;
     w3.SetString("tokenizer.ggml.model", "gpt2");
     w3.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
     w3.SetStringArray("tokenizer.ggml.merges", {"ab"});
     ASSERT_TRUE(w3.Write(path).ok());
-    file = std::move(GgufFile::Open(path)).value();
+    file = std::move(gguf::GgufFile::Open(path)).value();
     EXPECT_THAT(Tokenizer::FromGguf(*file).status(),
                 StatusHas(Code::kInvalidArgument, "tokenizer.ggml.merges[0] 'ab'"));
     std::remove(path.c_str());
@@ -267,27 +267,27 @@ TEST(Tokenizer, RefusesInconsistentMetadata) {
 // (the gguf fuzzer found a token type of 2^32 converted to int).
 TEST(Tokenizer, RefusesTokenTypesAndScoresOutOfRange) {
     std::string path = TempPath("bad-tok-range");
-    auto load = [&](GgufWriter& w) {
+    auto load = [&](gguf::GgufWriter& w) {
         w.SetString("tokenizer.ggml.model", "llama");
         w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
         EXPECT_TRUE(w.Write(path).ok());
-        auto file = std::move(GgufFile::Open(path)).value();
+        auto file = std::move(gguf::GgufFile::Open(path)).value();
         return Tokenizer::FromGguf(*file).status();
     };
     for (double type : {4294967296.0, -1.0, 7.0, 1.5, std::nan("")}) {
         SCOPED_TRACE(type);
-        GgufWriter w;
+        gguf::GgufWriter w;
         w.SetFloat64Array("tokenizer.ggml.token_type", {1, type});
         w.SetFloat32Array("tokenizer.ggml.scores", {0, 0});
         EXPECT_THAT(load(w), StatusHas(Code::kInvalidArgument, "tokenizer.ggml.token_type[1] = "));
     }
     for (double score : {1e300, -1e39, std::nan("")}) {
         SCOPED_TRACE(score);
-        GgufWriter w;
+        gguf::GgufWriter w;
         w.SetFloat64Array("tokenizer.ggml.scores", {0, score});
         EXPECT_THAT(load(w), StatusHas(Code::kInvalidArgument, "tokenizer.ggml.scores[1] = "));
     }
-    GgufWriter fine;
+    gguf::GgufWriter fine;
     fine.SetFloat64Array("tokenizer.ggml.token_type", {0, 6});
     fine.SetFloat64Array("tokenizer.ggml.scores",
                          {-1e30, -std::numeric_limits<double>::infinity()});
@@ -359,7 +359,7 @@ TEST_P(RealVocab, EveryTestStringGivesTheModelsIds) {
     VocabCase c = LoadVocabCase(GetParam());
     ASSERT_GT(c.texts.size(), 20u);
     ASSERT_EQ(c.texts.size(), c.ids.size()) << "inp and out of " << c.name << " disagree";
-    auto file = GgufFile::Open(VocabPath(c.name));
+    auto file = gguf::GgufFile::Open(VocabPath(c.name));
     ASSERT_TRUE(file.ok()) << file.status().ToString();
     auto t = Tokenizer::FromGguf(**file);
     ASSERT_TRUE(t.ok()) << t.status().ToString();
@@ -402,14 +402,14 @@ INSTANTIATE_TEST_SUITE_P(Families, RealVocab,
 
 TEST(Tokenizer, LogprobNamesAreDistinctForPartialCharactersAndControlTokens) {
     std::string path = TempPath("logprob-names");
-    RandomModelSpec spec;
+    model::RandomModelSpec spec;
     spec.dim = 16;
     spec.num_layers = 1;
     spec.num_heads = 2;
     spec.num_kv_heads = 1;
     spec.ffn_dim = 16;
-    ASSERT_TRUE(WriteRandomModel(spec, 1, path).ok());
-    auto file = std::move(GgufFile::Open(path)).value();
+    ASSERT_TRUE(model::WriteRandomModel(spec, 1, path).ok());
+    auto file = std::move(gguf::GgufFile::Open(path)).value();
     auto t = std::move(Tokenizer::FromGguf(*file)).value();
     std::remove(path.c_str());
     EXPECT_EQ(t->LogprobName('a'), "a");
@@ -437,4 +437,4 @@ TEST(Utf8, ValidityIsExact) {
 }
 
 }  // namespace
-}  // namespace ferry::model
+}  // namespace ferry::tokenizer

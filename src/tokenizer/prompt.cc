@@ -1,4 +1,4 @@
-#include "model/prompt.h"
+#include "tokenizer/prompt.h"
 
 #include <fmt/core.h>
 
@@ -6,7 +6,7 @@
 
 #include "core/json_fields.h"
 
-namespace ferry::model {
+namespace ferry::tokenizer {
 
 namespace {
 
@@ -195,4 +195,4 @@ bool PromptTokens(const Json& body, bool chat, const Tokenizer& tk, std::vector<
     return true;
 }
 
-}  // namespace ferry::model
+}  // namespace ferry::tokenizer

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
-namespace ferry::model {
+namespace ferry::tokenizer {
 
 struct PromptError {
     std::string message;
@@ -61,4 +61,4 @@ bool PromptTokens(const nlohmann::json& body, bool chat, const Tokenizer& tokeni
                   const ImageTokens* image_tokens = nullptr,
                   std::vector<ImagePart>* images = nullptr);
 
-}  // namespace ferry::model
+}  // namespace ferry::tokenizer

@@ -1,4 +1,4 @@
-#include "model/gguf.h"
+#include "gguf/gguf.h"
 
 #include <fcntl.h>
 #include <fmt/core.h>
@@ -14,7 +14,7 @@
 
 #include "core/fd.h"
 
-namespace ferry::model {
+namespace ferry::gguf {
 namespace {
 
 constexpr uint32_t kMagic = 0x46554747;  // "GGUF" little-endian
@@ -658,4 +658,4 @@ Status GgufWriter::Write(const std::string& path) const {
     return Status::Ok();
 }
 
-}  // namespace ferry::model
+}  // namespace ferry::gguf

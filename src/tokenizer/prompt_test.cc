@@ -1,20 +1,20 @@
 // The prompt of a request body as token ids (model/prompt.h): what the worker computes and the
 // router hashes.
-#include "model/prompt.h"
+#include "tokenizer/prompt.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "testing/tiny_model.h"
 
-namespace ferry::model {
+namespace ferry::tokenizer {
 namespace {
 
 using Json = nlohmann::json;
 
 std::unique_ptr<Tokenizer> PresetTokenizer() {
     testing::TinyModelFile file("prompt-test", testing::TinyModelSpec(256), 1);
-    auto gguf = std::move(GgufFile::Open(file.path())).value();
+    auto gguf = std::move(gguf::GgufFile::Open(file.path())).value();
     return std::move(Tokenizer::FromGguf(*gguf)).value();
 }
 
@@ -174,4 +174,4 @@ TEST(PromptTokens, ImagesBecomePlaceholderTokensWhereTheTemplatePutsThem) {
 }
 
 }  // namespace
-}  // namespace ferry::model
+}  // namespace ferry::tokenizer

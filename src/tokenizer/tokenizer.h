@@ -20,28 +20,11 @@
 
 #include "core/utf8.h"
 #include "ferry/status.h"
-#include "model/gguf.h"
+#include "gguf/gguf.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/pre_tokenizer.h"
 
-namespace ferry::model {
-
-struct ChatMessage {
-    std::string role;  // system | user | assistant | tool
-    std::string content;
-};
-
-enum class ChatTemplate : uint8_t { kChatMl, kLlama3, kLlama2 };
-Result<ChatTemplate> ParseChatTemplate(std::string_view name);  // chatml | llama3 | llama2
-std::string_view ChatTemplateName(ChatTemplate t);
-
-// The byte-level BPE pre-tokenizer for `pre` (tokenizer.ggml.pre), under the names llama.cpp
-// reads: "gpt-2" (GPT-2's regex), "llama-bpe" (Llama 3), "qwen2", "smollm", "falcon",
-// "deepseek-coder", ...; "default" and unknown names get llama.cpp's default list. Views into
-// `text`.
-std::vector<std::string_view> SplitPreTokens(std::string_view text, std::string_view pre);
-
-// The token text of byte `b` in a byte-level BPE vocabulary: GPT-2's printable code point for
-// it, as UTF-8 ('a' -> "a", ' ' -> "Ġ").
-std::string ByteLevelToken(uint8_t b);
+namespace ferry::tokenizer {
 
 class Tokenizer {
   public:
@@ -57,7 +40,7 @@ class Tokenizer {
     };
 
     // InvalidArgument naming the key for missing or inconsistent metadata.
-    static Result<std::unique_ptr<Tokenizer>> FromGguf(const GgufFile& file);
+    static Result<std::unique_ptr<Tokenizer>> FromGguf(const gguf::GgufFile& file);
 
     Kind kind() const { return kind_; }
     int32_t vocab_size() const { return static_cast<int32_t>(tokens_.size()); }
@@ -121,4 +104,4 @@ class Tokenizer {
     ChatTemplate chat_template_ = ChatTemplate::kChatMl;
 };
 
-}  // namespace ferry::model
+}  // namespace ferry::tokenizer
