@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/datasets.h"
 #include "bench/plot.h"
 #include "bench/serve_bench.h"
 #include "bench/transfer_bench.h"

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "bench/model_bench.h"
+#include "bench/model/model_bench.h"
 #include "core/crypto.h"
 #include "core/host_port.h"
 #include "discovery_cmd.h"

@@ -14,10 +14,6 @@
 #include "bench/serve_metrics.h"
 #include "ferry/status.h"
 
-namespace ferry::tokenizer {
-class Tokenizer;
-}
-
 namespace ferry::bench {
 
 struct ServeBenchOptions {
@@ -56,25 +52,6 @@ struct ServeBenchOptions {
     bool progress = true;
 };
 
-// One prompt of the dataset.
-struct BenchPrompt {
-    std::string text;
-    int prompt_len = 0;  // tokens, as counted by the tokenizer (or characters without one)
-    int output_len = 0;  // max_tokens
-    int images = 0;
-};
-
-// Deterministic for a seed. Without a tokenizer, random prompts are ASCII text with one
-// character per token (exact for byte-level vocabularies such as ferry's presets), and ShareGPT
-// lengths are estimated at four bytes per token.
-Result<std::vector<BenchPrompt>> SampleDataset(const ServeBenchOptions& options,
-                                               const tokenizer::Tokenizer* tokenizer);
-// Send times (seconds from the start) of n requests: gaps drawn from a gamma distribution with
-// shape `burstiness` and mean 1 / rate; all zero for an infinite rate.
-std::vector<double> ArrivalTimes(int n, double rate, double burstiness, uint64_t seed);
-// A PNG image of random pixels (stored, uncompressed deflate), deterministic for a seed.
-std::string RandomPng(int width, int height, uint64_t seed);
-
 struct ServeBenchResult {
     ServeMetrics metrics;
     std::vector<RequestRecord> records;
@@ -82,7 +59,7 @@ struct ServeBenchResult {
 };
 
 Result<ServeBenchResult> RunServeBench(const ServeBenchOptions& options);
-// vLLM's layout.
+// vLLM's layout (serve_report.cc).
 std::string FormatServeResult(const ServeBenchOptions& options, const ServeBenchResult& result);
 Status SaveServeResult(const ServeBenchOptions& options, const ServeBenchResult& result,
                        const std::string& path);

@@ -12,8 +12,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "bench/datasets.h"
 #include "bench/plot.h"
 #include "bench/serve_metrics.h"
+#include "media/image.h"
 #include "model/model.h"
 #include "testing/testing.h"
 #include "tokenizer/tokenizer.h"
@@ -254,6 +256,10 @@ TEST(ServeBenchImages, RandomPngIsAValidPng) {
     EXPECT_EQ(png.substr(0, 8), "\x89PNG\r\n\x1a\n");
     EXPECT_EQ(png.substr(12, 4), "IHDR");
     EXPECT_EQ(png.substr(png.size() - 8, 4), "IEND");
+    auto image = media::DecodeImage(png, {});
+    ASSERT_TRUE(image.ok()) << image.status().ToString();
+    EXPECT_EQ(image->width, 8);
+    EXPECT_EQ(image->height, 4);
     EXPECT_EQ(png, RandomPng(8, 4, 1));
     EXPECT_NE(png, RandomPng(8, 4, 2));
 }

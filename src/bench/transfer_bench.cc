@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -50,13 +51,6 @@ uint64_t RegionBytes(const TransferBenchOptions& o) {
 // How many batches of `bytes` the working set holds (batch n uses slot n % slots).
 uint64_t Slots(const TransferBenchOptions& o, uint64_t bytes) {
     return std::max<uint64_t>(1, o.working_set / std::max<uint64_t>(1, bytes));
-}
-
-double Percentile(std::vector<double> v, double p) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    size_t idx = static_cast<size_t>(std::ceil(p / 100.0 * v.size())) - 1;
-    return v[std::min(idx, v.size() - 1)];
 }
 
 // --- references -------------------------------------------------------------------------------
@@ -154,19 +148,35 @@ double UcxPerftestReferenceGbps(uint64_t block, double duration, bool error_hand
         }
         port = ntohs(a.sin_port);
     }
-    std::string cmd = fmt::format(
-        "command -v ucx_perftest >/dev/null || exit 0; "
-        "UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest -p {0} {3} >/dev/null "
-        "2>&1 & "
-        "sleep 0.5; UCX_NET_DEVICES=${{UCX_NET_DEVICES:-lo}} timeout 120 ucx_perftest 127.0.0.1 -p "
-        "{0} {3} -t tag_bw -s {1} -n {2} -w 20 -f 2>/dev/null | tail -1; wait",
-        port, block, iters, error_handling ? "-e" : "");
-    FILE* f = popen(cmd.c_str(), "r");
-    if (f == nullptr) return 0;
-    char line[512] = {0};
-    std::string last;
-    while (fgets(line, sizeof line, f) != nullptr) last = line;
-    pclose(f);
+    // Both ends through the one launcher, over loopback unless UCX_NET_DEVICES says otherwise.
+    // The server says it listens ("Waiting for connection...") only with a line-buffered
+    // stdout, which coreutils' stdbuf gives it; the client's last line holds the figures.
+    auto perftest = FindProgram("ucx_perftest");
+    auto stdbuf = FindProgram("stdbuf");
+    if (!perftest.ok() || !stdbuf.ok()) return 0;
+    ChildOptions options;
+    if (std::getenv("UCX_NET_DEVICES") == nullptr) options.env.push_back("UCX_NET_DEVICES=lo");
+    options.stderr_path = "/dev/null";
+    std::vector<std::string> server = {*stdbuf, "-oL", *perftest, "-p", std::to_string(port)};
+    std::vector<std::string> client = {*perftest, "127.0.0.1", "-p", std::to_string(port)};
+    if (error_handling) {
+        server.push_back("-e");
+        client.push_back("-e");
+    }
+    client.insert(client.end(), {"-t", "tag_bw", "-w", "20", "-f", "-s", std::to_string(block),
+                                 "-n", std::to_string(iters)});
+    std::string ready;
+    auto server_process = ChildProcess::Start(server, "Waiting for connection", &ready,
+                                              std::chrono::seconds(10), options);
+    if (!server_process.ok()) return 0;
+    std::string first;
+    auto client_process =
+        ChildProcess::Start(client, "", &first, std::chrono::seconds(30), options);
+    if (!client_process.ok()) return 0;
+    // Every line until the client exits (a prefix no line has), within UCX's own 120 s.
+    std::vector<std::string> lines = {first};
+    (void)client_process->ReadLine("\x01", std::chrono::seconds(120), &lines);
+    const std::string last = lines.back();
     // Columns: iterations, latency p50/avg/overall, bandwidth avg/overall (MiB/s), rate
     // avg/overall.
     std::vector<double> cols;

@@ -5,10 +5,12 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -116,7 +118,7 @@ namespace {
 
 // fork + exec, for what posix_spawn cannot ask for (the parent-death signal). Between fork and
 // exec the child calls only async-signal-safe functions.
-int ForkExec(pid_t* pid, const char* path, char* const* args, int in, int out,
+int ForkExec(pid_t* pid, const char* path, char* const* args, char* const* envp, int in, int out,
              const std::string& stderr_path) {
     const pid_t parent = getpid();
     const pid_t p = fork();
@@ -130,14 +132,47 @@ int ForkExec(pid_t* pid, const char* path, char* const* args, int in, int out,
             int fd = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
             if (fd >= 0) dup2(fd, 2);
         }
-        execve(path, args, environ);
+        execve(path, args, envp);
         _exit(127);
     }
     *pid = p;
     return 0;
 }
 
+// This process's environment with `overrides` ("NAME=value") set over it.
+std::vector<std::string> ChildEnvironment(const std::vector<std::string>& overrides) {
+    std::vector<std::string> env;
+    auto name_of = [](std::string_view entry) { return entry.substr(0, entry.find('=')); };
+    for (char** e = environ; *e != nullptr; ++e) {
+        const std::string_view entry(*e);
+        bool replaced = false;
+        for (const std::string& o : overrides) replaced |= name_of(o) == name_of(entry);
+        if (!replaced) env.emplace_back(entry);
+    }
+    env.insert(env.end(), overrides.begin(), overrides.end());
+    return env;
+}
+
 }  // namespace
+
+Result<std::string> FindProgram(const std::string& name) {
+    if (name.empty()) return InvalidArgumentError("FindProgram: no name");
+    if (name.find('/') != std::string::npos) return name;
+    const char* path = std::getenv("PATH");
+    std::string_view dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+    while (!dirs.empty()) {
+        const size_t colon = dirs.find(':');
+        std::string dir(dirs.substr(0, colon));
+        dirs = colon == std::string_view::npos ? std::string_view() : dirs.substr(colon + 1);
+        const std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + name;
+        struct stat st {};
+        if (stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+            access(candidate.c_str(), X_OK) == 0) {
+            return candidate;
+        }
+    }
+    return NotFoundError(name + ": not found in PATH");
+}
 
 Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
                                          const std::string& ready_prefix, std::string* ready_line,
@@ -150,11 +185,15 @@ Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
+    const std::vector<std::string> env = ChildEnvironment(options.env);
+    std::vector<char*> envp;
+    for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
     ChildProcess child;
     int rc = 0;
     if (options.die_with_parent) {
-        rc =
-            ForkExec(&child.pid_, argv[0].c_str(), args.data(), in[0], out[1], options.stderr_path);
+        rc = ForkExec(&child.pid_, argv[0].c_str(), args.data(), envp.data(), in[0], out[1],
+                      options.stderr_path);
     } else {
         // posix_spawn (clone with CLONE_VFORK): cheap even from a process with a large
         // address space, as a sanitizer build's is.
@@ -166,7 +205,7 @@ Result<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
             posix_spawn_file_actions_addopen(&fa, 2, options.stderr_path.c_str(),
                                              O_WRONLY | O_CREAT | O_APPEND, 0644);
         }
-        rc = posix_spawn(&child.pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+        rc = posix_spawn(&child.pid_, argv[0].c_str(), &fa, nullptr, args.data(), envp.data());
         posix_spawn_file_actions_destroy(&fa);
     }
     close(in[0]);

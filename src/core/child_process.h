@@ -21,7 +21,14 @@ struct ChildOptions {
     // The kernel sends the child SIGTERM when this process dies, even by SIGKILL (a benchmark
     // killed mid-run leaves no server behind).
     bool die_with_parent = false;
+    // "NAME=value" entries set in the child's environment, over this process's (which the child
+    // otherwise inherits unchanged).
+    std::vector<std::string> env;
 };
+
+// The path of program `name` as the shell would run it: `name` itself if it holds a '/', else
+// the first executable file of that name in a PATH directory. NotFound naming it otherwise.
+Result<std::string> FindProgram(const std::string& name);
 
 class ChildProcess {
   public:
@@ -40,7 +47,9 @@ class ChildProcess {
                                       const std::string& ready_prefix, std::string* ready_line,
                                       std::chrono::milliseconds timeout = std::chrono::seconds(10),
                                       const std::string& stderr_path = "") {
-        return Start(argv, ready_prefix, ready_line, timeout, ChildOptions{stderr_path});
+        ChildOptions options;
+        options.stderr_path = stderr_path;
+        return Start(argv, ready_prefix, ready_line, timeout, options);
     }
 
     pid_t pid() const { return pid_; }

@@ -47,6 +47,35 @@ TEST(ChildProcess, BothLaunchersGiveLinesTakeStdinAndEnd) {
     }
 }
 
+// ChildOptions::env sets variables for the child only, over the parent's, with either launcher;
+// FindProgram resolves a name as the shell would.
+TEST(ChildProcess, TheChildGetsTheEnvironmentItIsGivenOverOurs) {
+    ASSERT_EQ(setenv("FERRY_CHILD_TEST_KEPT", "kept", 1), 0);
+    ASSERT_EQ(setenv("FERRY_CHILD_TEST_SET", "ours", 1), 0);
+    for (bool die_with_parent : {false, true}) {
+        SCOPED_TRACE(die_with_parent ? "fork+exec" : "posix_spawn");
+        ChildOptions o;
+        o.die_with_parent = die_with_parent;
+        o.env = {"FERRY_CHILD_TEST_SET=theirs", "FERRY_CHILD_TEST_NEW=a=b"};
+        std::string rest;
+        auto c = ChildProcess::Start(
+            {"/bin/sh", "-c",
+             "echo env $FERRY_CHILD_TEST_KEPT $FERRY_CHILD_TEST_SET $FERRY_CHILD_TEST_NEW"},
+            "env ", &rest, std::chrono::seconds(10), o);
+        ASSERT_TRUE(c.ok()) << c.status().ToString();
+        EXPECT_EQ(rest, "kept theirs a=b");
+    }
+    EXPECT_STREQ(std::getenv("FERRY_CHILD_TEST_SET"), "ours");
+    unsetenv("FERRY_CHILD_TEST_KEPT");
+    unsetenv("FERRY_CHILD_TEST_SET");
+
+    auto sh = FindProgram("sh");
+    ASSERT_TRUE(sh.ok()) << sh.status().ToString();
+    EXPECT_EQ(access(sh->c_str(), X_OK), 0) << *sh;
+    EXPECT_EQ(*FindProgram("/bin/sh"), "/bin/sh");
+    EXPECT_THAT(FindProgram("ferry-no-such-program"), testing::StatusIs(Code::kNotFound));
+}
+
 TEST(ChildProcess, AChildThatExitsOrIsSilentIsAnError) {
     std::string rest;
     auto gone = ChildProcess::Start({"/bin/sh", "-c", "exit 3"}, "ready", &rest);

@@ -347,6 +347,32 @@ Result<Endpoint> ParseEndpoint(std::string_view url) {
     return ToEndpoint(std::move(hp));
 }
 
+Result<Endpoint> ParseServerUrl(std::string_view url) {
+    constexpr std::string_view kScheme = "http://";
+    if (url.substr(0, kScheme.size()) != kScheme) {
+        return InvalidArgumentError(fmt::format("'{}': only http://host[:port] is supported", url));
+    }
+    std::string_view rest = url.substr(kScheme.size());
+    while (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
+    if (rest.find('/') != std::string_view::npos) {
+        return InvalidArgumentError(fmt::format("'{}': give the server's root, no path", url));
+    }
+    if (rest.empty()) return InvalidArgumentError(fmt::format("'{}': no host", url));
+    // A port is given after the host: "host:port" or "[v6]:port"; "[v6]" or "host" alone is
+    // port 80.
+    const bool bracketed = rest.front() == '[';
+    const size_t close = bracketed ? rest.find(']') : std::string_view::npos;
+    const bool has_port = bracketed ? close != std::string_view::npos && close + 1 < rest.size()
+                                    : rest.find(':') != std::string_view::npos;
+    if (bracketed && close == rest.size() - 1) {
+        return Endpoint{std::string(rest.substr(1, close - 1)), 80};
+    }
+    if (!has_port && !bracketed) return Endpoint{std::string(rest), 80};
+    auto hp = ParseHostPort(rest, 1);
+    if (!hp.ok()) return InvalidArgumentError(fmt::format("'{}': {}", url, hp.status().message()));
+    return hp;
+}
+
 Result<Endpoint> ParseListenAddress(std::string_view address) {
     return ToEndpoint(ParseHostPort(address, 0));
 }

@@ -238,6 +238,10 @@ Result<ClientReply> FetchStreaming(const ClientRequest& request,
 // "host:port" or "http://host:port[/...]" -> host and port (core/host_port.h's type and parser).
 using Endpoint = ::ferry::HostPort;
 Result<Endpoint> ParseEndpoint(std::string_view url);
+// A server's root as a client names it (`--base-url`): "http://host[:port]" with port 80 by
+// default and no path (a trailing '/' is allowed). InvalidArgument naming the text and what is
+// wrong: another scheme, a path, no host, a bad port.
+Result<Endpoint> ParseServerUrl(std::string_view url);
 // "host:port" to listen on: port 0..65535 (0: any free port). InvalidArgument naming the text.
 Result<Endpoint> ParseListenAddress(std::string_view address);
 

@@ -417,5 +417,28 @@ TEST(HttpClient, ErrorsSayWhatFailed) {
     EXPECT_THAT(ParseListenAddress("127.0.0.1:65536"), StatusIs(Code::kInvalidArgument));
 }
 
+// `ferry bench serve --base-url`: a server's root, port 80 when none is given, IPv6 in brackets;
+// anything else is refused by name.
+TEST(HttpClient, AServerUrlIsARootWithAnOptionalPort) {
+    auto at = [](std::string_view url) {
+        auto e = ParseServerUrl(url);
+        return e.ok() ? FormatHostPort(e->host, e->port) : e.status().ToString();
+    };
+    EXPECT_EQ(at("http://127.0.0.1:8000"), "127.0.0.1:8000");
+    EXPECT_EQ(at("http://127.0.0.1:8000/"), "127.0.0.1:8000");
+    EXPECT_EQ(at("http://example.com"), "example.com:80");
+    EXPECT_EQ(at("http://[::1]:9000"), "[::1]:9000");
+    EXPECT_EQ(at("http://[::1]"), "[::1]:80");
+    EXPECT_EQ(at("http://[::1]/"), "[::1]:80");
+    for (std::string_view bad : {"https://h:1", "h:8000", "http://", "http:///", "http://h:8000/v1",
+                                 "http://h:0", "http://h:x", "http://[::1", "http://[::1]x"}) {
+        auto e = ParseServerUrl(bad);
+        EXPECT_THAT(e, StatusIs(Code::kInvalidArgument)) << bad;
+        if (!e.ok()) {
+            EXPECT_NE(e.status().message().find(bad), std::string::npos) << bad;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace ferry::http

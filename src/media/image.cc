@@ -399,4 +399,29 @@ Result<Image> DecodeImage(std::string_view encoded, const ImageLimits& limits) {
     return image;
 }
 
+Result<std::string> EncodePng(int width, int height, std::span<const uint8_t> rgb) {
+    if (width < 1 || height < 1 || width > 65535 || height > 65535 ||
+        rgb.size() != size_t(width) * size_t(height) * 3) {
+        return InvalidArgumentError(fmt::format(
+            "png: {} bytes of pixels for {}x{} RGB (1..65535 each side, 3 bytes a pixel)",
+            rgb.size(), width, height));
+    }
+    png_image img;
+    std::memset(&img, 0, sizeof(img));
+    img.version = PNG_IMAGE_VERSION;
+    img.width = static_cast<png_uint_32>(width);
+    img.height = static_cast<png_uint_32>(height);
+    img.format = PNG_FORMAT_RGB;
+    png_alloc_size_t size = 0;
+    if (!png_image_write_get_memory_size(img, size, 0, rgb.data(), 0, nullptr)) {
+        return InternalError(fmt::format("png: {}", img.message));
+    }
+    std::string out(size, '\0');
+    if (!png_image_write_to_memory(&img, out.data(), &size, 0, rgb.data(), 0, nullptr)) {
+        return InternalError(fmt::format("png: {}", img.message));
+    }
+    out.resize(size);
+    return out;
+}
+
 }  // namespace ferry::media

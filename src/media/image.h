@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -64,5 +65,9 @@ Result<std::string> ReadImageUrl(std::string_view url, const MediaOptions& optio
 // header, before decoding), and a truncated or corrupt file (a JPEG's "corrupt data" warnings
 // included: no grey-filled guesses).
 Result<Image> DecodeImage(std::string_view encoded, const ImageLimits& limits);
+
+// Encodes 8-bit RGB pixels (rows top to bottom, no padding) as a PNG, through libpng.
+// InvalidArgument for a size outside 1..65535 or pixels that do not match it.
+Result<std::string> EncodePng(int width, int height, std::span<const uint8_t> rgb);
 
 }  // namespace ferry::media

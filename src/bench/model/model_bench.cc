@@ -1,4 +1,4 @@
-#include "bench/model_bench.h"
+#include "bench/model/model_bench.h"
 
 #include <cblas.h>
 #include <fmt/core.h>
