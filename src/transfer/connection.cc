@@ -40,15 +40,6 @@ char* ScratchBuffer() {
 
 }  // namespace
 
-void Expectation::Fail(const Status& s) const {
-    if (op) {
-        op->ChunkDone(s);
-    }
-    if (callback) {
-        callback(s, {});
-    }
-}
-
 std::shared_ptr<Connection> Connection::Create(IoLoop* loop, ScopedFd fd, Role role,
                                                HandshakeConfig config, ConnectionOwner* owner,
                                                std::string label, bool connecting) {
@@ -65,12 +56,11 @@ Connection::Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig con
       owner_(owner),
       label_(std::move(label)),
       created_(std::chrono::steady_clock::now()),
-      state_(role == Role::kServer ? State::kAwaitHello
-                                   : (connecting ? State::kConnecting : State::kAwaitHelloAck)),
-      rbuf_(role == Role::kServer ? kHandshakeBufferSize : kReadBufferSize) {
-    purpose_ = config_.purpose;
-    my_nonce_ = RandomNonce();
-}
+      handshake_(role == Role::kServer ? Handshake::Side::kServer : Handshake::Side::kClient,
+                 config_, label_, [this](const wire::Hello& h) { return VerifyCmaProbe(h); }),
+      connecting_(connecting),
+      state_(role == Role::kServer ? State::kHandshake : State::kConnecting),
+      rbuf_(role == Role::kServer ? kHandshakeBufferSize : kReadBufferSize) {}
 
 Connection::~Connection() = default;
 
@@ -81,7 +71,7 @@ void Connection::Start() {
             return;
         }
         uint32_t events = EPOLLIN | EPOLLRDHUP;
-        if (self->state_ == State::kConnecting) {
+        if (self->state_ == State::kConnecting && self->connecting_) {
             events |= EPOLLOUT;
         }
         Status s = self->loop_->Watch(self->fd_.get(), events, self);
@@ -89,9 +79,8 @@ void Connection::Start() {
             self->CloseNow(s);
             return;
         }
-        if (self->state_ == State::kAwaitHelloAck) {
+        if (self->state_ == State::kConnecting && !self->connecting_) {
             // Client socket already connected (blocking connect or socketpair).
-            self->state_ = State::kConnecting;
             self->OnEvents(EPOLLOUT);
         }
     });
@@ -166,17 +155,19 @@ void Connection::Enqueue(OutFrame f) {
         return;
     }
     if (f.expects_response) {
-        pending_.emplace(f.request_id, std::move(f.expect));
+        pending_.Expect(f.request_id, std::move(f.expect));
         f.expects_response = false;
     }
     if (config_.counters) config_.counters->sent.fetch_add(1, std::memory_order_relaxed);
     sendq_.push_back(std::move(f));
 }
 
-void Connection::SendHandshakeFrame(wire::FrameType type, std::string_view body) {
-    OutFrame f;
-    f.head = wire::MakeFrame(type, 0, body);
-    sendq_.push_back(std::move(f));
+void Connection::SendHandshakeFrames(std::vector<std::string> frames) {
+    for (std::string& frame : frames) {
+        OutFrame f;
+        f.head = std::move(frame);
+        sendq_.push_back(std::move(f));
+    }
     TryWrite();
 }
 
@@ -251,9 +242,7 @@ void Connection::CloseNow(const Status& why) {
     std::vector<char>().swap(rbuf_);
     rpos_ = rlen_ = 0;
     ReleaseBudget();
-    auto pending = std::move(pending_);
-    pending_.clear();
-    for (auto& [id, e] : pending) {
+    for (auto& [id, e] : pending_.TakeAll()) {
         e.Fail(failure);
     }
     for (OutFrame& f : held_) {
@@ -425,17 +414,10 @@ void Connection::OnEvents(uint32_t events) {
                 CloseNow(UnavailableError(std::string("connect: ") + std::strerror(err)));
                 return;
             }
-            state_ = State::kAwaitHelloAck;
+            state_ = State::kHandshake;
             want_write_ = true;  // force UpdateInterest to recompute
-            wire::Hello hello;
-            hello.name = config_.name;
-            hello.epoch = config_.epoch;
-            hello.nonce = my_nonce_;
-            hello.purpose = config_.purpose;
-            hello.wants_auth = config_.secret.empty() ? 0 : 1;
-            hello.probe_addr = config_.probe_addr;
-            hello.probe_value = config_.probe_value;
-            SendHandshakeFrame(wire::FrameType::kHello, wire::EncodeHello(hello));
+            SendHandshakeFrames({handshake_.Hello()});
+            if (closed_.load()) return;
             UpdateInterest();
         }
         return;
@@ -577,7 +559,7 @@ bool Connection::CheckStalled(std::chrono::steady_clock::time_point now,
         now - partial_since_ > deadline) {
         CloseNow(DeadlineExceededError(fmt::format(
             "a frame from {} stayed incomplete for over {} ms (stalled); its bytes are dropped",
-            peer_name_.empty() ? label_ : peer_name_, deadline.count())));
+            handshake_.peer_name().empty() ? label_ : handshake_.peer_name(), deadline.count())));
         return true;
     }
     if (budget_paused_) {
@@ -670,20 +652,6 @@ void Connection::FinishPayload(const Status& s) {
     }
 }
 
-Status Connection::CheckPeerName(std::string_view name) const {
-    // Names end up in logs, metrics and maps: only the documented alphabet.
-    if (Status ok = ValidateAgentName(name); !ok.ok()) {
-        return InvalidArgumentError("handshake from " + label_ +
-                                    ": peer name refused: " + ok.message());
-    }
-    if (name == config_.name) {
-        return InvalidArgumentError("handshake from " + label_ +
-                                    ": the peer claims this agent's own name '" +
-                                    std::string(name) + "'");
-    }
-    return Status::Ok();
-}
-
 void Connection::ProtocolError(const std::string& why) {
     RefuseAndClose(InvalidArgumentError("protocol error from " + label_ + ": " + why));
 }
@@ -734,10 +702,6 @@ void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
         return;
     }
     if (state_ != State::kReady) {
-        if (h.payload_len > 0) {
-            ProtocolError("payload during the handshake");
-            return;
-        }
         HandleHandshake(h, body);
         return;
     }
@@ -766,197 +730,26 @@ void Connection::Dispatch(const wire::FrameHeader& h, std::string_view body) {
 }
 
 void Connection::HandleHandshake(const wire::FrameHeader& h, std::string_view body) {
-    switch (state_) {
-        case State::kAwaitHello: {
-            if (h.type != wire::FrameType::kHello) {
-                ProtocolError("expected hello, got " + std::string(wire::FrameTypeName(h.type)));
-                return;
-            }
-            Result<wire::Hello> hello = wire::DecodeHello(body);
-            if (!hello.ok()) {
-                ProtocolError(hello.status().message());
-                return;
-            }
-            if (Status named = CheckPeerName(hello->name); !named.ok()) {
-                RefuseAndClose(named);
-                return;
-            }
-            peer_name_ = hello->name;
-            peer_epoch_ = hello->epoch;
-            purpose_ = hello->purpose;
-            peer_nonce_ = hello->nonce;
-            if (hello->wants_auth && config_.secret.empty()) {
-                RefuseAndClose(PermissionDeniedError("agent " + config_.name +
-                                                     " has no deployment secret, but " +
-                                                     peer_name_ + " expects one"));
-                return;
-            }
-            if (config_.verify_cma && hello->purpose == wire::Purpose::kData) {
-                Status s = VerifyCmaProbe(*hello);
-                if (!s.ok()) {
-                    RefuseAndClose(s);
-                    return;
-                }
-            }
-            wire::HelloAck ack;
-            ack.name = config_.name;
-            ack.epoch = config_.epoch;
-            ack.nonce = my_nonce_;
-            ack.auth_required = config_.secret.empty() ? 0 : 1;
-            if (ack.auth_required) {
-                ack.proof = wire::ServerProof(config_.secret, peer_nonce_, my_nonce_);
-            }
-            SendHandshakeFrame(wire::FrameType::kHelloAck, wire::EncodeHelloAck(ack));
-            if (ack.auth_required) {
-                state_ = State::kAwaitAuth;
-            } else {
-                SendHandshakeFrame(wire::FrameType::kReady, {});
-                BecomeReady();
-            }
-            return;
+    Handshake::Step step = handshake_.OnFrame(h, body);
+    if (!step.error.ok()) {
+        if (step.tell_peer) {
+            RefuseAndClose(step.error);
+        } else {
+            CloseNow(step.error);
         }
-        case State::kAwaitAuth: {
-            Digest proof{};
-            if (h.type != wire::FrameType::kAuth || body.size() != proof.size()) {
-                RefuseAndClose(PermissionDeniedError("peer " + peer_name_ +
-                                                     " did not answer the secret challenge"));
-                return;
-            }
-            std::memcpy(proof.data(), body.data(), proof.size());
-            if (!DigestEqual(proof, wire::ClientProof(config_.secret, peer_nonce_, my_nonce_))) {
-                RefuseAndClose(PermissionDeniedError("peer " + peer_name_ +
-                                                     " does not know the deployment secret"));
-                return;
-            }
-            SendHandshakeFrame(wire::FrameType::kReady, {});
-            BecomeReady();
-            return;
-        }
-        case State::kAwaitHelloAck: {
-            if (h.type != wire::FrameType::kHelloAck) {
-                ProtocolError("expected hello-ack, got " +
-                              std::string(wire::FrameTypeName(h.type)));
-                return;
-            }
-            Result<wire::HelloAck> ack = wire::DecodeHelloAck(body);
-            if (!ack.ok()) {
-                ProtocolError(ack.status().message());
-                return;
-            }
-            if (Status named = CheckPeerName(ack->name); !named.ok()) {
-                CloseNow(named);
-                return;
-            }
-            peer_name_ = ack->name;
-            peer_epoch_ = ack->epoch;
-            peer_nonce_ = ack->nonce;
-            if (config_.expect_epoch != 0 && ack->epoch != config_.expect_epoch) {
-                CloseNow(UnavailableError(
-                    "peer " + peer_name_ + " restarted (epoch " +
-                    fmt::format("{:016x} -> {:016x}", config_.expect_epoch, ack->epoch) +
-                    "): transfers to the old process fail; refresh its metadata"));
-                return;
-            }
-            if (ack->auth_required && config_.secret.empty()) {
-                CloseNow(PermissionDeniedError("peer " + peer_name_ +
-                                               " requires a deployment secret and this agent "
-                                               "has none"));
-                return;
-            }
-            if (!config_.secret.empty()) {
-                if (!ack->auth_required ||
-                    !DigestEqual(ack->proof,
-                                 wire::ServerProof(config_.secret, my_nonce_, peer_nonce_))) {
-                    CloseNow(PermissionDeniedError("peer " + peer_name_ +
-                                                   " could not prove the deployment secret"));
-                    return;
-                }
-                Digest proof = wire::ClientProof(config_.secret, my_nonce_, peer_nonce_);
-                SendHandshakeFrame(
-                    wire::FrameType::kAuth,
-                    std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size()));
-            }
-            state_ = State::kAwaitReady;
-            return;
-        }
-        case State::kAwaitReady:
-            if (h.type != wire::FrameType::kReady) {
-                ProtocolError("expected ready, got " + std::string(wire::FrameTypeName(h.type)));
-                return;
-            }
-            BecomeReady();
-            return;
-        default:
-            ProtocolError("frame in an unexpected state");
-            return;
+        return;
     }
+    if (!step.send.empty()) SendHandshakeFrames(std::move(step.send));
+    if (step.ready && !closed_.load()) BecomeReady();
 }
 
 void Connection::HandleResponse(const wire::FrameHeader& h, std::string_view body) {
-    auto it = pending_.find(h.request_id);
-    if (it == pending_.end()) {
-        ProtocolError("response to unknown request " + std::to_string(h.request_id));
+    PendingResponses::Outcome o = pending_.OnAnswer(h, body, label_);
+    if (!o.protocol_error.empty()) {
+        ProtocolError(o.protocol_error);
         return;
     }
-    Expectation e = std::move(it->second);
-    pending_.erase(it);
-    if (e.callback) {
-        if (h.payload_len > 0) {
-            ProtocolError("unexpected payload on a metadata response");
-            e.callback(UnavailableError("protocol error"), {});
-            return;
-        }
-        if (h.type == wire::FrameType::kMetadata || h.type == wire::FrameType::kRegionGrant) {
-            e.callback(Status::Ok(), body);
-        } else {
-            Result<wire::Response> r = wire::DecodeResponse(body);
-            e.callback(r.ok() ? Status(r->code, r->message) : r.status(), {});
-        }
-        return;
-    }
-    if (h.type != wire::FrameType::kResponse) {
-        e.Fail(UnavailableError("protocol error"));
-        ProtocolError(std::string(wire::FrameTypeName(h.type)) + " frame answering a transfer");
-        return;
-    }
-    Result<wire::Response> r = wire::DecodeResponse(body);
-    if (!r.ok()) {
-        e.Fail(UnavailableError("malformed response from " + label_));
-        ProtocolError(r.status().message());
-        return;
-    }
-    Status s(r->code, r->code == Code::kOk ? "" : "target " + label_ + ": " + r->message);
-    if (h.payload_len > 0) {
-        // Must be exactly what we asked for (a read) or the object size (a pull that fits).
-        bool pull = e.op && e.op->kind() == TransferOp::Kind::kPull;
-        bool fits = pull ? (r->value == h.payload_len && h.payload_len <= e.local_bytes)
-                         : (h.payload_len == e.local_bytes);
-        if (r->code != Code::kOk || e.cma || !fits) {
-            e.Fail(DataLossError("target " + label_ + " sent " + std::to_string(h.payload_len) +
-                                 " payload bytes, expected " + std::to_string(e.local_bytes)));
-            ProtocolError("payload length does not match the request");
-            return;
-        }
-        // Clip the destination to the payload (a pull may be shorter than the buffer).
-        std::vector<iovec> dst;
-        uint64_t left = h.payload_len;
-        for (const iovec& v : e.local) {
-            if (left == 0) break;
-            size_t k = static_cast<size_t>(std::min<uint64_t>(left, v.iov_len));
-            dst.push_back(iovec{v.iov_base, k});
-            left -= k;
-        }
-        PayloadSink sink;
-        sink.iov = std::move(dst);
-        sink.op = e.op;
-        uint64_t value = r->value;
-        sink.done = [op = e.op, value](const Status& st) { op->ChunkDone(st, value); };
-        SetPayloadSink(std::move(sink));
-        return;
-    }
-    if (e.op) {
-        e.op->ChunkDone(s, r->value);
-    }
+    if (o.has_sink) SetPayloadSink(std::move(o.sink));
 }
 
 }  // namespace ferry::internal

@@ -23,27 +23,17 @@
 
 #include "core/crypto.h"
 #include "core/fd.h"
+#include "transfer/handshake.h"
 #include "transfer/io_loop.h"
 #include "transfer/iov_cursor.h"
 #include "transfer/region_table.h"
+#include "transfer/responses.h"
 #include "transfer/transfer_op.h"
 #include "transfer/wire.h"
 
 namespace ferry::internal {
 
 class Connection;
-
-// What a frame that expects an answer waits for.
-struct Expectation {
-    std::shared_ptr<TransferOp> op;  // the chunk of this op completes with the response
-    std::vector<iovec> local;        // inline READ / PULL: where the response payload goes
-    uint64_t local_bytes = 0;
-    bool cma = false;  // the peer copies into `op`'s memory directly
-    // Generic answer (metadata fetch): status, and the frame body when OK.
-    std::function<void(const Status&, std::string_view)> callback;
-
-    void Fail(const Status& s) const;
-};
 
 struct OutFrame {
     std::string head;            // header + body
@@ -59,14 +49,6 @@ struct OutFrame {
     uint64_t request_id = 0;
     bool expects_response = false;
     Expectation expect;
-};
-
-// Received payload destination.
-struct PayloadSink {
-    std::vector<iovec> iov;  // empty: discard everything
-    std::shared_ptr<TransferOp> op;
-    std::vector<RegionPin> pins;
-    std::function<void(const Status&)> done;
 };
 
 class ConnectionOwner {
@@ -112,21 +94,6 @@ struct WireCounters {
 inline constexpr size_t kMaxHandshakeBody = 1024;
 inline constexpr size_t kHandshakeBufferSize = 2048;
 
-struct HandshakeConfig {
-    std::string backend;  // "tcp", "shm": for messages
-    std::string name;     // ours
-    uint64_t epoch = 0;
-    std::string secret;
-    wire::Purpose purpose = wire::Purpose::kData;  // client
-    bool verify_cma = false;                       // server: probe the client's memory
-    uint64_t probe_addr = 0;                       // client
-    uint64_t expect_epoch = 0;  // client: refuse a peer whose epoch differs (0 = any)
-    uint64_t probe_value = 0;
-    std::shared_ptr<ReceiveBudget> budget;   // null: unbounded (tests)
-    std::shared_ptr<WireCounters> counters;  // null: not counted
-    std::string source;  // server: the peer's address ("ip" or "pid N"), for per-source bounds
-};
-
 class Connection final : public EventHandler, public std::enable_shared_from_this<Connection> {
   public:
     enum class Role { kClient, kServer };
@@ -156,8 +123,8 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     // Set once the handshake is done; read from any thread after that.
     bool ready() const { return ready_.load(); }
     bool closed() const { return closed_.load(); }
-    const std::string& peer_name() const { return peer_name_; }
-    uint64_t peer_epoch() const { return peer_epoch_; }
+    const std::string& peer_name() const { return handshake_.peer_name(); }
+    uint64_t peer_epoch() const { return handshake_.peer_epoch(); }
     pid_t cma_pid() const { return cma_pid_.load(std::memory_order_acquire); }
     // The process at the other end of a Unix socket (SO_PEERCRED), 0 for tcp; set when ready.
     // Unlike cma_pid() it proves nothing: opening that process's files still needs the kernel's
@@ -169,7 +136,7 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     IoLoop* loop() const { return loop_; }
     std::chrono::steady_clock::time_point created() const { return created_; }
     Role role() const { return role_; }
-    wire::Purpose purpose() const { return purpose_; }
+    wire::Purpose purpose() const { return handshake_.purpose(); }
     // Health check before a cma copy: false if the peer has hung up.
     bool PeerStillThere() const;
     // Loop thread (the agent's tick): closes the connection if a frame has been incomplete
@@ -181,7 +148,8 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     size_t budget_held() const { return charged_.load(std::memory_order_relaxed); }
 
   private:
-    enum class State { kConnecting, kAwaitHello, kAwaitHelloAck, kAwaitAuth, kAwaitReady, kReady };
+    // The socket connecting (client), then the handshake's frames, then requests and responses.
+    enum class State { kConnecting, kHandshake, kReady };
 
     Connection(IoLoop* loop, ScopedFd fd, Role role, HandshakeConfig config, ConnectionOwner* owner,
                std::string label, bool connecting);
@@ -201,11 +169,10 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     void FinishPayload(const Status& s);
     void Dispatch(const wire::FrameHeader& h, std::string_view body);
     void HandleHandshake(const wire::FrameHeader& h, std::string_view body);
+    void SendHandshakeFrames(std::vector<std::string> frames);
     void HandleResponse(const wire::FrameHeader& h, std::string_view body);
-    void SendHandshakeFrame(wire::FrameType type, std::string_view body);
     void BecomeReady();
     void ProtocolError(const std::string& why);
-    Status CheckPeerName(std::string_view name) const;
     void RefuseAndClose(const Status& why);
     Status VerifyCmaProbe(const wire::Hello& hello);
 
@@ -220,12 +187,11 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
     std::atomic<bool> ready_{false};
     std::atomic<bool> closed_{false};
 
-    // Written before ready_ is set, constant afterwards.
-    std::string peer_name_;
-    uint64_t peer_epoch_ = 0;
+    // The peer's name, epoch and purpose: written before ready_ is set, constant afterwards.
+    Handshake handshake_;
+    const bool connecting_;  // client: its non-blocking connect was in progress at Create
     std::atomic<pid_t> cma_pid_{0};
     std::atomic<pid_t> peer_pid_{0};
-    wire::Purpose purpose_ = wire::Purpose::kData;
 
     // Frames from other threads.
     std::mutex in_mu_;
@@ -236,14 +202,12 @@ class Connection final : public EventHandler, public std::enable_shared_from_thi
 
     // Loop thread state.
     State state_;
-    Nonce my_nonce_{};
-    Nonce peer_nonce_{};
     std::vector<OutFrame> held_;  // queued before the handshake completed
     std::deque<OutFrame> sendq_;
     size_t front_sent_ = 0;  // bytes of sendq_.front() already written
     bool front_started_ = false;
     bool want_write_ = false;
-    std::unordered_map<uint64_t, Expectation> pending_;
+    PendingResponses pending_;
 
     std::vector<char> rbuf_;
     std::atomic<size_t> charged_{0};  // of rbuf_, taken from config_.budget
