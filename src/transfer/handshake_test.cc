@@ -1,6 +1,6 @@
 // The handshake frame by frame, with no socket: two Handshake objects hand each other the
-// frames each step says to send. The socket-level trust tests (tests/integration/trust_test.cc)
-// run the same paths over real connections between processes.
+// frames each step says to send. The socket-level suites (tests/integration/multi_process_test.cc,
+// bounds_test.cc, wire_abuse_test.cc) run the same paths over real connections between processes.
 #include "transfer/handshake.h"
 
 #include <gtest/gtest.h>
