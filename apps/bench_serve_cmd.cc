@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -25,6 +26,7 @@
 #include "http/http.h"
 #include "model/model.h"
 #include "model/vision.h"
+#include "serve/serve_flags.h"
 
 namespace ferry::cli {
 
@@ -309,11 +311,19 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             std::filesystem::permissions(secret_path, std::filesystem::perms::owner_read |
                                                           std::filesystem::perms::owner_write);
         }
-        auto worker = [&](const std::string& role) {
-            std::vector<std::string> a = {SelfExe(), "serve", "--model",         model_path,
-                                          "--port",  "0",     "--max-model-len", "4096",
-                                          "--role",  role};
-            if (role != "colocated") a.insert(a.end(), {"--secret-file", secret_path});
+        // Each worker's command line from its flags (serve/serve_flags.h: what differs from
+        // `ferry serve`'s defaults).
+        auto worker = [&](const std::string& role,
+                          const std::function<void(serve::ServeFlags&)>& more = {}) {
+            serve::ServeFlags f;
+            f.model = model_path;
+            f.port = 0;
+            f.max_model_len = 4096;
+            f.role = role;
+            if (role != "colocated") f.secret_file = secret_path;
+            if (more) more(f);
+            std::vector<std::string> a = {SelfExe(), "serve"};
+            for (std::string& arg : serve::ServeArgs(f)) a.push_back(std::move(arg));
             return a;
         };
         auto proxy = [&](const std::string& mode) {
@@ -341,19 +351,21 @@ void AddDemoCommand(CLI::App& app, int* rc) {
             }
         }
         if (!mmproj.empty()) {
-            auto mm = [&](std::vector<std::string> a, std::vector<std::string> more) {
-                a.insert(a.end(), {"--mmproj", mmproj, "--max-pending-image-requests", "1024"});
-                a.insert(a.end(), more.begin(), more.end());
-                return a;
+            auto images = [&](serve::ServeFlags& f) {
+                f.mmproj = mmproj;
+                f.max_pending_image_requests = 1024;
             };
-            const std::vector<std::string> ec = {"--ec-connector", "transfer", "--kv-backend",
-                                                 "shm"};
-            std::vector<std::string> consumer = ec;
-            consumer.insert(consumer.end(), {"--secret-file", secret_path});
-            deployments.push_back({"colocated-mm", {mm(worker("colocated"), {})}, true});
+            // The encoder-cache connector over the transfer engine, on shm.
+            auto ec = [&](serve::ServeFlags& f) {
+                images(f);
+                f.ec_connector = "transfer";
+                f.kv_backend = "shm";
+                f.secret_file = secret_path;
+            };
+            deployments.push_back({"colocated-mm", {worker("colocated", images)}, true});
             deployments.push_back({"epd",
-                                   {mm(worker("encode"), ec),
-                                    mm(worker("colocated"), consumer),
+                                   {worker("encode", ec),
+                                    worker("colocated", ec),
                                     {SelfExe(), "proxy", "--encode", "{0}", "--decode", "{1}",
                                      "--port", "0", "--no-store", "--secret-file", secret_path}},
                                    true});

@@ -19,18 +19,9 @@ namespace {
 }  // namespace
 
 std::string LoadSecret(const std::string& file) {
-    if (file.empty()) {
-        const char* env = std::getenv("FERRY_SECRET");
-        return env ? env : "";
-    }
-    std::ifstream in(file);
-    if (!in) throw CLI::ValidationError("--secret-file", "cannot read '" + file + "'");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::string s = ss.str();
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-    if (s.empty()) throw CLI::ValidationError("--secret-file", "'" + file + "' is empty");
-    return s;
+    auto secret = LoadDeploymentSecret(file);
+    if (!secret.ok()) throw CLI::ValidationError(secret.status().message());
+    return *secret;
 }
 
 void AddRouterTokenCommand(CLI::App& app, int* rc) {

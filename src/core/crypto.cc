@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 namespace ferry {
 
@@ -99,6 +101,21 @@ bool HexDecode(std::string_view hex, std::string* out) {
         out->push_back(static_cast<char>(hi * 16 + lo));
     }
     return true;
+}
+
+Result<std::string> LoadDeploymentSecret(const std::string& file) {
+    if (file.empty()) {
+        const char* env = std::getenv("FERRY_SECRET");
+        return std::string(env != nullptr ? env : "");
+    }
+    std::ifstream in(file);
+    if (!in) return InvalidArgumentError("--secret-file: cannot read '" + file + "'");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string s = ss.str();
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    if (s.empty()) return InvalidArgumentError("--secret-file: '" + file + "' is empty");
+    return s;
 }
 
 }  // namespace ferry

@@ -6,6 +6,8 @@
 #include <string>
 #include <string_view>
 
+#include "ferry/status.h"
+
 namespace ferry {
 
 using Digest = std::array<uint8_t, 32>;
@@ -31,6 +33,11 @@ bool SecretEqual(std::string_view a, std::string_view b);
 // derived from the deployment secret: HMAC-SHA256(secret, "ferry/router-token/v1") in hex,
 // prefixed "ferry-rt1-". Empty for an empty secret.
 std::string RouterToken(std::string_view secret);
+
+// The deployment secret: the file's contents without trailing newlines, or $FERRY_SECRET when
+// `file` is empty ("" when neither is set). Never a command-line value, which `ps` shows.
+// InvalidArgument naming the file when it cannot be read or is empty.
+Result<std::string> LoadDeploymentSecret(const std::string& file);
 
 // Lower-case hexadecimal of `n` bytes.
 std::string HexEncode(const uint8_t* p, size_t n);

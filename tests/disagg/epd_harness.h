@@ -35,18 +35,18 @@ class EpdProcess : public PdProcess {
         PdProcess::TearDownTestSuite();
     }
     static std::vector<std::string> Args(const std::string& role, const std::string& backend,
-                                         std::vector<std::string> extra = {}) {
-        std::vector<std::string> a = WorkerArgs(role == "encode" ? "colocated" : role, backend, 1);
+                                         const std::vector<std::string>& extra = {}) {
+        serve::ServeFlags f = WorkerFlags(role == "encode" ? "colocated" : role, backend, 1);
         if (role == "encode") {
-            auto it = std::find(a.begin(), a.end(), "--role");
-            it[1] = "encode";
-            if (!backend.empty()) a.insert(a.end(), {"--kv-backend", backend});
-            // The language model does not run there: a small cache.
-            auto nb = std::find(a.begin(), a.end(), "--num-kv-blocks");
-            nb[1] = "300";
+            f.role = "encode";
+            if (!backend.empty()) f.kv_backend = backend;
+            f.num_kv_blocks = 300;  // the language model does not run there: a small cache
         }
-        a.insert(a.end(), {"--mmproj", *mmproj_});
-        a.insert(a.end(), extra.begin(), extra.end());
+        f.mmproj = *mmproj_;
+        Status parsed = serve::ParseServeArgs(extra, &f);
+        EXPECT_TRUE(parsed.ok()) << parsed.ToString();
+        std::vector<std::string> a = {"serve"};
+        for (std::string& arg : serve::ServeArgs(f)) a.push_back(std::move(arg));
         return a;
     }
     // 1 to 4 images a request from a pool of 7 (repeated across requests), text around them.

@@ -19,6 +19,7 @@
 
 #include "core/sanitizers.h"
 #include "http/http.h"
+#include "serve/serve_flags.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
 #include "testing/worker_process.h"
@@ -201,34 +202,29 @@ class PdProcess : public ::testing::Test {
         delete model_;
         model_ = nullptr;
     }
+    // `ferry serve`'s flags for a worker of this suite; `extra` (flags as on the command line)
+    // over them.
+    static serve::ServeFlags WorkerFlags(const std::string& role, const std::string& backend,
+                                         int tp, const std::vector<std::string>& extra = {}) {
+        serve::ServeFlags f;
+        f.model = model_->path();
+        f.port = 0;
+        f.block_size = 16;
+        f.num_kv_blocks = 6000;
+        f.tp = tp;
+        f.max_model_len = 4096;
+        f.role = role;
+        if (role != "colocated") f.kv_backend = backend;
+        Status parsed = serve::ParseServeArgs(extra, &f);
+        EXPECT_TRUE(parsed.ok()) << parsed.ToString();
+        return f;
+    }
     static std::vector<std::string> WorkerArgs(const std::string& role, const std::string& backend,
-                                               int tp, std::vector<std::string> extra = {}) {
-        std::vector<std::string> a = {"serve",
-                                      "--model",
-                                      model_->path(),
-                                      "--port",
-                                      "0",
-                                      "--block-size",
-                                      "16",
-                                      "--num-kv-blocks",
-                                      "6000",
-                                      "--tp",
-                                      std::to_string(tp),
-                                      "--max-model-len",
-                                      "4096",
-                                      "--role",
-                                      role};
-        if (role != "colocated") {
-            a.insert(a.end(), {"--kv-backend", backend});
+                                               int tp, const std::vector<std::string>& extra = {}) {
+        std::vector<std::string> a = {"serve"};
+        for (std::string& arg : serve::ServeArgs(WorkerFlags(role, backend, tp, extra))) {
+            a.push_back(std::move(arg));
         }
-        // A block size or cache size in `extra` replaces the default.
-        for (const char* flag : {"--num-kv-blocks", "--block-size"}) {
-            if (std::find(extra.begin(), extra.end(), flag) != extra.end()) {
-                auto it = std::find(a.begin(), a.end(), flag);
-                a.erase(it, it + 2);
-            }
-        }
-        a.insert(a.end(), extra.begin(), extra.end());
         return a;
     }
     // ferry proxy over `prefill` and `decode` (with the deployment's secret), pull and push.
