@@ -3,25 +3,16 @@
 #include <fmt/core.h>
 #include <signal.h>
 
-#include <cstdlib>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bench/model/model_bench.h"
-#include "core/crypto.h"
 #include "core/host_port.h"
-#include "discovery_cmd.h"
 #include "engine/engine.h"
 #include "ferry/agent.h"
-#include "http/http.h"
-#include "kv/agent_connector.h"
-#include "kv/connector_registry.h"
 #include "model/model.h"
 #include "model/vision.h"
-#include "serve/ec_connector.h"
 #include "serve/openai_server.h"
 #include "serve/serve_flags.h"
 #include "serve/worker.h"
