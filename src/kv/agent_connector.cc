@@ -3,8 +3,12 @@
 #include <set>
 
 #include "kv/agent_connector_parts.h"
+#include "kv/pull_protocol.h"
+#include "kv/push_protocol.h"
 
 namespace ferry::kv {
+
+using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
 
 void AgentKvConnector::Impl::WakeOnDone(Transfer& x) {
     x.OnDone([w = waker] { w->Kick(); });
@@ -40,8 +44,18 @@ void AgentKvConnector::Impl::OnMessage(const std::string& from, const std::strin
         return;
     }
     std::unique_lock lock(mu);
-    Status st = bound ? std::visit([&](auto& x) { return On(from, x); }, *m)
-                      : FailedPreconditionError("not bound");
+    // Each message to the part that owns what it is about: a protocol's to it, the rest (the
+    // handshake) here.
+    auto route = [&](auto& x) -> Status {
+        if constexpr (requires { pull->On(from, x); }) {
+            return pull->On(from, x);
+        } else if constexpr (requires { push->On(from, x); }) {
+            return push->On(from, x);
+        } else {
+            return On(from, x);
+        }
+    };
+    Status st = bound ? std::visit(route, *m) : FailedPreconditionError("not bound");
     if (!st.ok()) {
         FERRY_LOG(kWarn, "kv: '{}' message from '{}' refused: {}", Esc(type), Esc(from),
                   st.ToString());
@@ -77,6 +91,11 @@ void AgentKvConnector::Impl::PumpLoop() {
     }
 }
 
+TransferProtocol& AgentKvConnector::Impl::ProtocolOf(KvTransferMode mode) {
+    if (mode == KvTransferMode::kPush) return *push;
+    return *pull;
+}
+
 // --- AgentKvConnector ------------------------------------------------------------------------
 
 AgentKvConnector::AgentKvConnector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -88,8 +107,8 @@ Result<std::shared_ptr<AgentKvConnector>> AgentKvConnector::Create(std::shared_p
         return InvalidArgumentError("kv connector: the model fingerprint and kv heads are needed");
     }
     auto impl = std::make_unique<Impl>();
-    impl->pull = MakePullProtocol(*impl);
-    impl->push = MakePushProtocol(*impl);
+    impl->pull = std::make_unique<PullProtocol>(*impl);
+    impl->push = std::make_unique<PushProtocol>(*impl);
     impl->agent = std::move(agent);
     impl->cfg = std::move(config);
     impl->stats.transfer_seconds_buckets.assign(std::size(kTransferSecondsBuckets) + 1, 0);
@@ -159,9 +178,7 @@ Status AgentKvConnector::Bind(std::span<KvCache* const> caches, std::function<vo
     }
     m.tp = tp;
     m.wake = std::move(wake);
-    m.step_writes.assign(tp, std::vector<std::vector<PlannedWrite>>(m.layouts[0].spec.num_layers));
-    m.step_posted.clear();
-    m.step_posted.resize(tp);
+    m.push->Bind(tp, m.layouts[0].spec.num_layers);
     {
         std::lock_guard lock(m.mu);
         m.bound = true;
@@ -194,9 +211,7 @@ void AgentKvConnector::Unbind() {
     for (auto& [id, ld] : m.loads) {
         if (ld.xfer.valid()) (void)ld.xfer.Cancel();
     }
-    for (auto& [id, ps] : m.pushes) {
-        for (Transfer& x : ps.transfers) (void)x.Cancel();
-    }
+    m.push->CancelAll();
     for (auto& [name, p] : m.peers) {
         if (p.probe.valid()) (void)p.probe.Cancel();
     }
@@ -208,9 +223,8 @@ void AgentKvConnector::Unbind() {
     for (const RegionInfo& c : m.canaries) (void)m.agent->Deregister(c.id);
     m.canaries.clear();
     m.loads.clear();
-    m.pushes.clear();
-    m.push_by_xid.clear();
-    m.holds.clear();
+    m.push->Clear();
+    m.pull->Clear();
     m.peers.clear();
     m.connect_jobs.clear();
     for (RegionId id : m.registered) (void)m.agent->Deregister(id);
@@ -327,12 +341,12 @@ Status AgentKvConnector::Admit(const ConnectorRequest& r) {
             // or the prompt alone is larger than it. Which of its blocks the client's holds
             // already pin (a shared prefix) is known only when the hold would be made, where
             // RequestFinished checks again.
-            Status st = m.HoldShareLeft(p.requester, {}, 1);
-            if (st.ok() && blocks > m.HoldCap() && m.HoldCap() > 0) {
+            Status st = m.pull->HoldShareLeft(p.requester, {}, 1);
+            if (st.ok() && blocks > m.pull->HoldCap() && m.pull->HoldCap() > 0) {
                 st = ResourceExhaustedError(fmt::format(
                     "kv: a prompt of {} KV blocks is more than a client may hold for remote "
                     "decoders ({} blocks)",
-                    blocks, m.HoldCap()));
+                    blocks, m.pull->HoldCap()));
             }
             if (!st.ok()) return st;
         }
@@ -403,5 +417,11 @@ KvAllocator AgentKvAllocator(std::shared_ptr<Agent> agent) {
     };
     return a;
 }
+
+LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
+    return impl_->push->BeginStep(chunks);
+}
+
+void AgentKvConnector::EndStep() { impl_->push->EndStep(); }
 
 }  // namespace ferry::kv

@@ -4,6 +4,8 @@
 
 namespace ferry::kv {
 
+using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
+
 bool AgentKvConnector::Impl::RetryLoad(const std::string& id, const Status& st,
                                        const std::string& reason) {
     auto it = loads.find(id);

@@ -1,8 +1,12 @@
 // The connector's counters and their Prometheus text.
 #include "core/prometheus.h"
 #include "kv/agent_connector_parts.h"
+#include "kv/pull_protocol.h"
+#include "kv/push_protocol.h"
 
 namespace ferry::kv {
+
+using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
 
 void AgentKvConnector::Impl::CountFailure(const Status& s, const std::string& reason) {
     ++stats.failed;
@@ -44,10 +48,8 @@ KvConnectorStats AgentKvConnector::Stats() const {
                 break;
         }
     }
-    for (auto& [id, ps] : m.pushes) {
-        (ps.state == Push::State::kBootstrapping ? s.bootstrapping : s.transferring)++;
-    }
-    s.holding = static_cast<int>(m.holds.size());
+    m.push->Count(&s.bootstrapping, &s.transferring);
+    s.holding = m.pull->holding();
     return s;
 }
 

@@ -3,13 +3,14 @@
 //   agent_connector.cc          the facade (the KvConnector the engine calls), messages, threads
 //   agent_connector_peers.cc    peers: dialing, the handshake and what must match, liveness
 //   agent_connector_loads.cc    the receiving side's life cycle, both protocols
-//   agent_connector_pull.cc     pull: holds, claims, the READ
-//   agent_connector_push.cc     push: the decoder's target, layer-wise WRITEs, the end of a push
+//   pull_protocol.{h,cc}        pull: the holds and claims it owns, the READ
+//   push_protocol.{h,cc}        push: the pushes, targets and step writes it owns, the decoder's
+//                               target, layer-wise WRITEs, the end of a push
 //   agent_connector_metrics.cc  counters and their Prometheus text
 //   peer_messages.{h,cc}        the messages between peers, one codec
 //
 // Internal: included by those files only. Everything here is guarded by Impl::mu unless it says
-// otherwise.
+// otherwise. The parts' types are in connector_parts (the .cc files name them unqualified).
 #pragma once
 
 #include <fmt/core.h>
@@ -211,12 +212,21 @@ struct Waker {
 inline std::string DtypeName(const KvCacheSpec& s) { return std::string(KvDtypeName(s.dtype)); }
 
 }  // namespace connector_parts
-// The connector's files name these parts unqualified (this header is theirs alone).
-using namespace connector_parts;  // NOLINT(build/namespaces)
 
 class TransferProtocol;
+class PullProtocol;
+class PushProtocol;
 
-struct AgentKvConnector::Impl : LayerHook {
+struct AgentKvConnector::Impl {
+    using SteadyClock = connector_parts::SteadyClock;
+    using Peer = connector_parts::Peer;
+    using PeerRank = connector_parts::PeerRank;
+    using Load = connector_parts::Load;
+    using CanaryCheck = connector_parts::CanaryCheck;
+    using Admission = connector_parts::Admission;
+    using ConnectJob = connector_parts::ConnectJob;
+    using Waker = connector_parts::Waker;
+
     std::shared_ptr<Agent> agent;
     AgentConnectorConfig cfg;
 
@@ -239,30 +249,18 @@ struct AgentKvConnector::Impl : LayerHook {
     bool stop = false, bound = false;
     std::map<std::string, Peer> peers;
     std::map<std::string, Load> loads;
-    std::map<std::string, Hold> holds;
-    std::map<std::string, Push> pushes;
-    std::map<std::string, std::string> push_by_xid;
-    std::map<std::string, Target> targets;
     std::map<std::pair<std::string, bool>, CanaryCheck> canary_checks;  // by (peer, inbound)
-    // push: transfer ids a decoder cancelled before its prefill request came, until the
-    // bootstrap timeout (the request then fails at once instead of waiting for it).
-    std::map<std::string, SteadyClock::time_point> cancelled_xids;
     std::vector<ConnectorEvent> events;
     std::deque<ConnectJob> connect_jobs;
     std::map<std::string, Admission> admitted;
     KvConnectorStats stats;
     size_t next_probe_slot = 0;
 
-    // One step's writes (push): planned on the step thread, posted on the rank threads.
-    std::vector<std::vector<std::vector<PlannedWrite>>> step_writes;  // [rank][layer]
-    std::vector<std::vector<Posted>> step_posted;                     // [rank]
-    std::vector<std::pair<std::string, int>> step_advance;
-
-    // The two protocols (pull, push), each behind TransferProtocol.
-    std::unique_ptr<TransferProtocol> pull, push;
-    TransferProtocol& ProtocolOf(KvTransferMode mode) {
-        return mode == KvTransferMode::kPush ? *push : *pull;
-    }
+    // The two protocols, each owning its state (pull: holds; push: pushes, targets, a step's
+    // writes), both behind TransferProtocol.
+    std::unique_ptr<PullProtocol> pull;
+    std::unique_ptr<PushProtocol> push;
+    TransferProtocol& ProtocolOf(KvTransferMode mode);
 
     std::thread notify_thread, pump_thread;
     std::vector<std::thread> connect_threads;
@@ -301,14 +299,6 @@ struct AgentKvConnector::Impl : LayerHook {
     // One pass of the pump over each part's timers and transfers (each in its part's file).
     void PumpLoads(SteadyClock::time_point now);
     void PumpPeers(SteadyClock::time_point now);
-    void PumpPushes(SteadyClock::time_point now);
-    void PumpHolds(SteadyClock::time_point now);
-    bool PushReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p);
-    // RequestFinished of each protocol's sending side.
-    FinishAction FinishPush(const ConnectorRequest& r, std::span<const BlockId> blocks, bool ok,
-                            const FirstToken* first);
-    FinishAction HoldForReader(const ConnectorRequest& r, std::span<const BlockId> blocks,
-                               const FirstToken& first);
 
     // --- Peers and the handshake (agent_connector_peers.cc)
     // ----------------------------------------
@@ -384,55 +374,6 @@ struct AgentKvConnector::Impl : LayerHook {
 
     // The peer is ready: start moving.
     void ProceedLoad(const std::string& id);
-    void ProceedPush(const std::string& id, Load& ld);           // agent_connector_push.cc
-    void ProceedPull(const std::string& id, Load& ld, Peer& p);  // agent_connector_pull.cc
-
-    // --- pull: holds and claims on the prefill side, the READ on the decode side
-    // (agent_connector_pull.cc) ---
-
-    // A client's share of blocks held for remote decoders (unclaimed pull holds: those pin the
-    // cache; an honest router's are claimed within milliseconds).
-    int HoldCap() const;
-
-    // Whether `requester` may hold `blocks` more (those of its unclaimed holds count once) and
-    // `unknown_blocks` whose ids are not known yet.
-    Status HoldShareLeft(const std::string& requester, std::span<const BlockId> blocks,
-                         int unknown_blocks) const;
-
-    // Builds descriptor lists for moving `move` of every rank (local rank r <-> peer rank r).
-    Status PlanAllRanks(const Peer& p, const KvMove& move, std::vector<Descriptor>* local,
-                        std::vector<Descriptor>* remote, uint64_t* bytes) const;
-
-    // pull, holder: a hold that exists under this nonce and is not another decoder's.
-    Hold* FindHold(const std::string& from, const std::string& rid, const std::string& nonce,
-                   bool* exists);
-
-    Status On(const std::string& from, msg::Claim& m);
-
-    Status On(const std::string& from, msg::HoldEnd& m);
-
-    Status On(const std::string& from, msg::ClaimAck& m);
-
-    // --- push: layer-wise writes on the prefill side, the decoder's target and its end
-    // (agent_connector_push.cc) ---
-
-    Status SendPushFailed(const std::string& peer, const std::string& xid, const std::string& lid,
-                          std::string error);
-
-    // Binds a decoder's block list to a prefill request. Returns false if they do not belong
-    // together (the request then fails).
-    bool BindTarget(const std::string& id, Push& ps, Target t);
-
-    // A finished push: tell the decoder, free the blocks.
-    void EndPush(const std::string& id, bool ok, const Status& err);
-
-    Status On(const std::string& from, msg::PushTarget& m);
-
-    Status On(const std::string& from, msg::PushCancel& m);
-
-    Status On(const std::string& from, msg::PushEnd& m);
-
-    void OnLayerStored(int rank, int layer) override;
 
     // --- Counters (agent_connector_metrics.cc)
     // -----------------------------------------------------
@@ -444,9 +385,10 @@ struct AgentKvConnector::Impl : LayerHook {
     void CountPosted(size_t descriptors);
 };
 
-// One protocol's part of the connector, on both sides (pull: agent_connector_pull.cc, push:
-// agent_connector_push.cc). The facade calls the one a request's params name, with Impl::mu held;
-// what both share (peers, the load's life cycle, messages, threads) stays in Impl.
+// One protocol's part of the connector, on both sides (pull_protocol.h, push_protocol.h): each
+// owns its state and handles its own peer messages. The facade calls the one a request's params
+// name, with Impl::mu held; what both share (peers, the load's life cycle, messages, threads)
+// stays in Impl.
 class TransferProtocol {
   public:
     virtual ~TransferProtocol() = default;
@@ -460,11 +402,10 @@ class TransferProtocol {
     virtual int ExternalTokens(const KvTransferParams& p, int prompt_len,
                                int num_computed) const = 0;
     // Receiving side: the peer is ready; start moving.
-    virtual void Proceed(const std::string& id, Load& ld, Peer& p) = 0;
+    virtual void Proceed(const std::string& id, connector_parts::Load& ld,
+                         connector_parts::Peer& p) = 0;
     // This protocol's timers and transfers, once per pump pass.
-    virtual void Pump(SteadyClock::time_point now) = 0;
+    virtual void Pump(connector_parts::SteadyClock::time_point now) = 0;
 };
-std::unique_ptr<TransferProtocol> MakePullProtocol(AgentKvConnector::Impl& m);
-std::unique_ptr<TransferProtocol> MakePushProtocol(AgentKvConnector::Impl& m);
 
 }  // namespace ferry::kv

@@ -6,6 +6,8 @@
 
 namespace ferry::kv {
 
+using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
+
 bool AgentKvConnector::Impl::DeploymentPeers() const {
     return cfg.authenticated || cfg.by_store || !cfg.allowed_agents.empty();
 }

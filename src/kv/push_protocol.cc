@@ -1,16 +1,16 @@
-// push (layer-wise): the prefill side binds a decoder's block list to its request, WRITEs each
-// layer as it is stored, and ends the push; the decode side hears how it ended.
-#include "kv/agent_connector_parts.h"
+#include "kv/push_protocol.h"
 
 namespace ferry::kv {
 
-Status AgentKvConnector::Impl::SendPushFailed(const std::string& peer, const std::string& xid,
-                                              const std::string& lid, std::string error) {
-    return Send(
+using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
+
+Status PushProtocol::SendPushFailed(const std::string& peer, const std::string& xid,
+                                    const std::string& lid, std::string error) {
+    return m_.Send(
         peer, msg::PushEnd{msg::PushEnd::Kind::kFailed, xid, lid, std::nullopt, std::move(error)});
 }
 
-bool AgentKvConnector::Impl::BindTarget(const std::string& id, Push& ps, Target t) {
+bool PushProtocol::BindTarget(const std::string& id, Push& ps, Target t) {
     if (t.prompt_digest != ps.prompt_digest || t.len != ps.prompt_len) {
         Status st = FailedPreconditionError(fmt::format(
             "kv push {}: the decoder's prompt ({} tokens) is not this prefill's ({} tokens)",
@@ -20,10 +20,10 @@ bool AgentKvConnector::Impl::BindTarget(const std::string& id, Push& ps, Target 
         return false;
     }
     // The decoder's blocks are of its own size (the handshake said which).
-    auto peer = peers.find(t.peer);
-    const int dbt = peer != peers.end() && peer->second.state == Peer::State::kReady
+    auto peer = m_.peers.find(t.peer);
+    const int dbt = peer != m_.peers.end() && peer->second.state == Peer::State::kReady
                         ? peer->second.ranks[0].layout.spec.block_tokens
-                        : bt();
+                        : m_.bt();
     const int need = (ps.prompt_len + dbt - 1) / dbt;
     if (static_cast<int>(t.blocks.size()) < need || t.from < 0 || t.from % dbt != 0 ||
         t.from >= ps.prompt_len) {
@@ -45,16 +45,16 @@ bool AgentKvConnector::Impl::BindTarget(const std::string& id, Push& ps, Target 
     return true;
 }
 
-void AgentKvConnector::Impl::EndPush(const std::string& id, bool ok, const Status& err) {
-    auto it = pushes.find(id);
-    if (it == pushes.end()) return;
+void PushProtocol::EndPush(const std::string& id, bool ok, const Status& err) {
+    auto it = pushes_.find(id);
+    if (it == pushes_.end()) return;
     Push& ps = it->second;
     for (Transfer& x : ps.transfers) (void)x.Cancel();
     Status failed = err;
     msg::PushEnd done{msg::PushEnd::Kind::kDone, ps.xid, ps.lid, ps.first, "", {}};
     if (ok && ps.verify) {
         // --kv-verify: our checksums of what we wrote (our blocks are held until the push ends).
-        auto sums = SumsFor(*ps.verify, ps.blocks);
+        auto sums = m_.SumsFor(*ps.verify, ps.blocks);
         if (sums.ok()) {
             done.sums = std::move(*sums);
         } else {
@@ -63,28 +63,28 @@ void AgentKvConnector::Impl::EndPush(const std::string& id, bool ok, const Statu
         }
     }
     if (ok) {
-        (void)Send(ps.peer, done);
-        ++stats.succeeded;
-        stats.bytes_written += ps.bytes;
+        (void)m_.Send(ps.peer, done);
+        ++m_.stats.succeeded;
+        m_.stats.bytes_written += ps.bytes;
         if (ps.timing) {
-            RecordTime(ps.started);
-            stats.transfer_exposed_seconds_sum +=
+            m_.RecordTime(ps.started);
+            m_.stats.transfer_exposed_seconds_sum +=
                 std::chrono::duration<double>(SteadyClock::now() - ps.computed).count();
-            ++stats.transfer_exposed_count;
+            ++m_.stats.transfer_exposed_count;
         }
         FERRY_LOG(kInfo, "kv: request {} pushed {} bytes to '{}'", Esc(id), ps.bytes, Esc(ps.peer));
     } else {
         if (!ps.peer.empty()) {
             (void)SendPushFailed(ps.peer, ps.xid, ps.lid, failed.message());
         }
-        CountFailure(failed);
+        m_.CountFailure(failed);
         FERRY_LOG(kInfo, "kv: request {} push failed: {}", Esc(id), failed.ToString());
     }
-    push_by_xid.erase(ps.xid);
-    pushes.erase(it);
+    push_by_xid_.erase(ps.xid);
+    pushes_.erase(it);
 }
 
-Status AgentKvConnector::Impl::On(const std::string& from, msg::PushTarget& m) {
+Status PushProtocol::On(const std::string& from, msg::PushTarget& m) {
     Target tg;
     tg.peer = from;
     tg.lid = m.lid;
@@ -93,44 +93,44 @@ Status AgentKvConnector::Impl::On(const std::string& from, msg::PushTarget& m) {
     tg.len = m.len;
     tg.prompt_digest = m.prompt;
     tg.verify = std::move(m.verify);
-    auto pit = peers.find(from);
-    if (pit == peers.end() || pit->second.state != Peer::State::kReady) {
+    auto pit = m_.peers.find(from);
+    if (pit == m_.peers.end() || pit->second.state != Peer::State::kReady) {
         (void)SendPushFailed(from, m.xid, tg.lid, "no kv handshake with this prefill worker");
         return FailedPreconditionError("push-target before the handshake");
     }
-    auto bx = push_by_xid.find(m.xid);
-    if (bx == push_by_xid.end()) {
+    auto bx = push_by_xid_.find(m.xid);
+    if (bx == push_by_xid_.end()) {
         // The prefill request has not arrived yet: keep the target for it.
-        tg.deadline = SteadyClock::now() + cfg.bootstrap_timeout;
-        if (targets.size() >= 65536) return ResourceExhaustedError("too many targets");
-        targets[m.xid] = std::move(tg);
+        tg.deadline = SteadyClock::now() + m_.cfg.bootstrap_timeout;
+        if (targets_.size() >= 65536) return ResourceExhaustedError("too many targets");
+        targets_[m.xid] = std::move(tg);
         return Status::Ok();
     }
     const std::string id = bx->second;
-    Push& ps = pushes[id];
+    Push& ps = pushes_[id];
     if (ps.state != Push::State::kBootstrapping) {
         (void)SendPushFailed(from, m.xid, tg.lid, "transfer id already has a decoder");
         return AlreadyExistsError(fmt::format("transfer '{}' already bound", Esc(m.xid)));
     }
     if (BindTarget(id, ps, std::move(tg))) {
-        Emit({ConnectorEvent::Kind::kReady, id, Status::Ok(), std::nullopt});
+        m_.Emit({ConnectorEvent::Kind::kReady, id, Status::Ok(), std::nullopt});
     } else {
         Status err = ps.error;
-        push_by_xid.erase(ps.xid);
-        pushes.erase(id);
-        CountFailure(err);
-        Emit({ConnectorEvent::Kind::kFailed, id, err, std::nullopt});
+        push_by_xid_.erase(ps.xid);
+        pushes_.erase(id);
+        m_.CountFailure(err);
+        m_.Emit({ConnectorEvent::Kind::kFailed, id, err, std::nullopt});
     }
     return Status::Ok();
 }
 
-Status AgentKvConnector::Impl::On(const std::string& from, msg::PushCancel& m) {
-    if (targets.erase(m.xid) && cancelled_xids.size() < 65536) {
-        cancelled_xids[m.xid] = SteadyClock::now() + cfg.bootstrap_timeout;
+Status PushProtocol::On(const std::string& from, msg::PushCancel& m) {
+    if (targets_.erase(m.xid) && cancelled_xids_.size() < 65536) {
+        cancelled_xids_[m.xid] = SteadyClock::now() + m_.cfg.bootstrap_timeout;
     }
-    auto bx = push_by_xid.find(m.xid);
-    if (bx != push_by_xid.end()) {
-        Push& ps = pushes[bx->second];
+    auto bx = push_by_xid_.find(m.xid);
+    if (bx != push_by_xid_.end()) {
+        Push& ps = pushes_[bx->second];
         if (ps.peer == from) {
             for (Transfer& x : ps.transfers) (void)x.Cancel();
             ps.cancelled = true;
@@ -138,109 +138,108 @@ Status AgentKvConnector::Impl::On(const std::string& from, msg::PushCancel& m) {
                 CancelledError(fmt::format("kv push {}: the decoder cancelled it", Esc(m.xid)));
         }
     }
-    (void)Send(from, msg::PushEnd{msg::PushEnd::Kind::kCancelled, m.xid, m.lid, std::nullopt, ""});
+    (void)m_.Send(from,
+                  msg::PushEnd{msg::PushEnd::Kind::kCancelled, m.xid, m.lid, std::nullopt, ""});
     return Status::Ok();
 }
 
-Status AgentKvConnector::Impl::On(const std::string& from, msg::PushEnd& m) {
-    auto it = loads.find(m.lid);
-    if (it == loads.end() || it->second.peer != from ||
+Status PushProtocol::On(const std::string& from, msg::PushEnd& m) {
+    auto it = m_.loads.find(m.lid);
+    if (it == m_.loads.end() || it->second.peer != from ||
         it->second.params.mode != KvTransferMode::kPush) {
         return NotFoundError(fmt::format("no push load '{}' from this peer", Esc(m.lid)));
     }
     Load& ld = it->second;
     if (ld.state == Load::State::kCancelling) {
-        Emit({ConnectorEvent::Kind::kFailed, m.lid, CancelledError("kv transfer cancelled"),
-              std::nullopt});
-        loads.erase(it);
+        m_.Emit({ConnectorEvent::Kind::kFailed, m.lid, CancelledError("kv transfer cancelled"),
+                 std::nullopt});
+        m_.loads.erase(it);
         return Status::Ok();
     }
     if (m.kind != msg::PushEnd::Kind::kDone) {
-        CountFailure(UnavailableError(""), "remote_failed");
-        Emit({ConnectorEvent::Kind::kFailed, m.lid,
-              UnavailableError(
-                  fmt::format("prefill worker '{}' failed the transfer: {}", Esc(from),
-                              m.error.empty() ? std::string("no reason") : Esc(m.error))),
-              std::nullopt});
-        loads.erase(it);
+        m_.CountFailure(UnavailableError(""), "remote_failed");
+        m_.Emit({ConnectorEvent::Kind::kFailed, m.lid,
+                 UnavailableError(
+                     fmt::format("prefill worker '{}' failed the transfer: {}", Esc(from),
+                                 m.error.empty() ? std::string("no reason") : Esc(m.error))),
+                 std::nullopt});
+        m_.loads.erase(it);
         return Status::Ok();
     }
     ld.sums = std::move(m.sums);
-    CompleteLoad(m.lid, std::move(m.first));
+    m_.CompleteLoad(m.lid, std::move(m.first));
     return Status::Ok();
 }
 
-void AgentKvConnector::Impl::OnLayerStored(int rank, int layer) {
-    for (PlannedWrite& w : step_writes[rank][layer]) {
-        Result<Transfer> x = agent->PostWrite(
-            w.local, w.peer, w.remote, {.timeout = cfg.transfer_timeout, .backend = cfg.backend});
-        step_posted[rank].push_back({w.id, std::move(x), w.bytes, w.local.size()});
+void PushProtocol::OnLayerStored(int rank, int layer) {
+    for (PlannedWrite& w : step_writes_[rank][layer]) {
+        Result<Transfer> x =
+            m_.agent->PostWrite(w.local, w.peer, w.remote,
+                                {.timeout = m_.cfg.transfer_timeout, .backend = m_.cfg.backend});
+        step_posted_[rank].push_back({w.id, std::move(x), w.bytes, w.local.size()});
     }
 }
 
 // push, prefill side: a request runs once the decoder's blocks are known (its target may have
 // come first); until then it is parked.
-bool AgentKvConnector::Impl::PushReadyToSchedule(const ConnectorRequest& r,
-                                                 const KvTransferParams& p) {
-    Impl& m = *this;
-    auto it = m.pushes.find(r.id);
-    if (it != m.pushes.end()) return it->second.state != Push::State::kBootstrapping;
-    Push& ps = m.pushes[r.id];
+bool PushProtocol::ReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p) {
+    auto it = pushes_.find(r.id);
+    if (it != pushes_.end()) return it->second.state != Push::State::kBootstrapping;
+    Push& ps = pushes_[r.id];
     ps.xid = p.transfer_id;
     ps.prompt_digest = PromptDigest(r.prompt, r.mm);
     ps.prompt_len = static_cast<int>(r.prompt.size());
-    ps.deadline = SteadyClock::now() + m.cfg.bootstrap_timeout;
+    ps.deadline = SteadyClock::now() + m_.cfg.bootstrap_timeout;
     auto fail = [&](Status st) {
-        m.pushes.erase(r.id);
-        m.CountFailure(st);
-        m.Emit({ConnectorEvent::Kind::kFailed, r.id, std::move(st), std::nullopt});
+        pushes_.erase(r.id);
+        m_.CountFailure(st);
+        m_.Emit({ConnectorEvent::Kind::kFailed, r.id, std::move(st), std::nullopt});
         return false;
     };
     if (p.transfer_id.empty()) {
         return fail(InvalidArgumentError("kv_transfer_params: push needs a transfer_id"));
     }
-    if (m.push_by_xid.count(p.transfer_id)) {
+    if (push_by_xid_.count(p.transfer_id)) {
         return fail(AlreadyExistsError(
             fmt::format("kv_transfer_params: transfer_id '{}' is in use by another request",
                         Esc(p.transfer_id))));
     }
-    if (m.cancelled_xids.erase(p.transfer_id)) {
+    if (cancelled_xids_.erase(p.transfer_id)) {
         return fail(CancelledError(fmt::format(
             "kv push {}: the decoder cancelled it before this request came", Esc(p.transfer_id))));
     }
-    m.push_by_xid[p.transfer_id] = r.id;
-    auto t = m.targets.find(p.transfer_id);
-    if (t == m.targets.end()) {
+    push_by_xid_[p.transfer_id] = r.id;
+    auto t = targets_.find(p.transfer_id);
+    if (t == targets_.end()) {
         FERRY_LOG(kInfo, "kv: request {} bootstrapping (transfer {})", Esc(r.id),
                   Esc(p.transfer_id));
         return false;
     }
     Target tg = std::move(t->second);
-    m.targets.erase(t);
-    if (!m.BindTarget(r.id, ps, std::move(tg))) {
+    targets_.erase(t);
+    if (!BindTarget(r.id, ps, std::move(tg))) {
         Status err = ps.error;
-        m.push_by_xid.erase(p.transfer_id);
+        push_by_xid_.erase(p.transfer_id);
         return fail(err);
     }
     return true;
 }
 
-LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
-    Impl& m = *impl_;
-    std::lock_guard lock(m.mu);
-    if (!m.bound) return nullptr;
+LayerHook* PushProtocol::BeginStep(std::span<const StepChunk> chunks) {
+    std::lock_guard lock(m_.mu);
+    if (!m_.bound) return nullptr;
     bool any = false;
     for (const StepChunk& c : chunks) {
         const KvTransferParams& cp = AsKvTransferParams(*c.params);
         if (!cp.do_remote_decode || cp.mode != KvTransferMode::kPush) continue;
-        auto it = m.pushes.find(*c.id);
-        if (it == m.pushes.end()) continue;
+        auto it = pushes_.find(*c.id);
+        if (it == pushes_.end()) continue;
         Push& ps = it->second;
         if (ps.state != Push::State::kReady || ps.cancelled || !ps.error.ok()) continue;
         const int end = c.start_pos + c.num_tokens;
         if (end <= ps.next_send) continue;
-        auto pit = m.peers.find(ps.peer);
-        if (pit == m.peers.end() || pit->second.state != Peer::State::kReady) {
+        auto pit = m_.peers.find(ps.peer);
+        if (pit == m_.peers.end() || pit->second.state != Peer::State::kReady) {
             ps.error = UnavailableError(
                 fmt::format("kv push {}: no handshake with '{}'", Esc(ps.xid), Esc(ps.peer)));
             continue;
@@ -251,10 +250,10 @@ LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
         }
         // Each of our ranks writes its heads to every peer rank that holds some of them, layer
         // by layer as that rank computes them.
-        for (const auto& [r, pr] : m.RankPairs(pit->second.ranks, false)) {
-            for (int l = 0; l < m.layouts[r].spec.num_layers && ps.error.ok(); ++l) {
+        for (const auto& [r, pr] : m_.RankPairs(pit->second.ranks, false)) {
+            for (int l = 0; l < m_.layouts[r].spec.num_layers && ps.error.ok(); ++l) {
                 KvMove move{c.block_table, ps.target, ps.next_send, end, l, l + 1};
-                auto plan = PlanKvMove(m.layouts[r], pit->second.ranks[pr].layout, move);
+                auto plan = PlanKvMove(m_.layouts[r], pit->second.ranks[pr].layout, move);
                 if (!plan.ok()) {
                     ps.error = plan.status().WithContext(fmt::format("kv push {}", Esc(ps.xid)));
                     break;
@@ -265,30 +264,29 @@ LayerHook* AgentKvConnector::BeginStep(std::span<const StepChunk> chunks) {
                 for (size_t i = 0; i < plan->local.size(); ++i) {
                     const KvSpan& a = plan->local[i];
                     const KvSpan& b = plan->remote[i];
-                    w.local.push_back({m.regions[r], a.offset, a.length, a.stride, a.count});
+                    w.local.push_back({m_.regions[r], a.offset, a.length, a.stride, a.count});
                     w.remote.push_back(
                         {pit->second.ranks[pr].region, b.offset, b.length, b.stride, b.count});
                 }
                 w.bytes = plan->bytes;
                 if (!w.local.empty()) {
-                    m.step_writes[r][l].push_back(std::move(w));
+                    step_writes_[r][l].push_back(std::move(w));
                     any = true;
                 }
             }
         }
-        m.step_advance.emplace_back(*c.id, end);
+        step_advance_.emplace_back(*c.id, end);
     }
-    return any ? &m : nullptr;
+    return any ? this : nullptr;
 }
 
-void AgentKvConnector::EndStep() {
-    Impl& m = *impl_;
-    std::lock_guard lock(m.mu);
-    for (int r = 0; r < m.tp; ++r) {
-        for (Posted& p : m.step_posted[r]) {
-            m.CountPosted(p.descriptors);
-            auto it = m.pushes.find(p.id);
-            if (it == m.pushes.end()) {
+void PushProtocol::EndStep() {
+    std::lock_guard lock(m_.mu);
+    for (int r = 0; r < m_.tp; ++r) {
+        for (Posted& p : step_posted_[r]) {
+            m_.CountPosted(p.descriptors);
+            auto it = pushes_.find(p.id);
+            if (it == pushes_.end()) {
                 if (p.xfer.ok()) (void)p.xfer->Cancel();
                 continue;
             }
@@ -297,19 +295,19 @@ void AgentKvConnector::EndStep() {
                 continue;
             }
             it->second.bytes += p.bytes;
-            m.WakeOnDone(*p.xfer);
+            m_.WakeOnDone(*p.xfer);
             it->second.transfers.push_back(std::move(*p.xfer));
         }
-        m.step_posted[r].clear();
-        for (auto& layer : m.step_writes[r]) layer.clear();
+        step_posted_[r].clear();
+        for (auto& layer : step_writes_[r]) layer.clear();
     }
-    for (auto& [id, end] : m.step_advance) {
-        auto it = m.pushes.find(id);
-        if (it != m.pushes.end()) it->second.next_send = end;
+    for (auto& [id, end] : step_advance_) {
+        auto it = pushes_.find(id);
+        if (it != pushes_.end()) it->second.next_send = end;
     }
-    m.step_advance.clear();
+    step_advance_.clear();
     // Drop handles of writes already done, so a long prompt does not pile them up.
-    for (auto& entry : m.pushes) {
+    for (auto& entry : pushes_) {
         Push& ps = entry.second;
         std::erase_if(ps.transfers, [&ps](Transfer& x) {
             auto s = x.Poll();
@@ -324,10 +322,10 @@ void AgentKvConnector::EndStep() {
 
 // Pushes finished or failed, deadlines passed; targets and cancelled transfer ids nobody came
 // for.
-void AgentKvConnector::Impl::PumpPushes(SteadyClock::time_point now) {
+void PushProtocol::Pump(SteadyClock::time_point now) {
     // Sending side: pushes finished or failed, deadlines.
     std::vector<std::tuple<std::string, bool, Status>> ended;
-    for (auto& [id, ps] : pushes) {
+    for (auto& [id, ps] : pushes_) {
         if (ps.state == Push::State::kBootstrapping) {
             if (now > ps.deadline) {
                 ended.emplace_back(id, false,
@@ -359,31 +357,32 @@ void AgentKvConnector::Impl::PumpPushes(SteadyClock::time_point now) {
     }
     for (auto& [id, ok, st] : ended) {
         const bool was_bootstrapping =
-            pushes.count(id) && pushes[id].state == Push::State::kBootstrapping;
+            pushes_.count(id) && pushes_[id].state == Push::State::kBootstrapping;
         EndPush(id, ok, st);
-        Emit({was_bootstrapping ? ConnectorEvent::Kind::kFailed : ConnectorEvent::Kind::kReleased,
-              id, st, std::nullopt});
+        m_.Emit(
+            {was_bootstrapping ? ConnectorEvent::Kind::kFailed : ConnectorEvent::Kind::kReleased,
+             id, st, std::nullopt});
     }
-    for (auto it = targets.begin(); it != targets.end();) {
-        it = now > it->second.deadline ? targets.erase(it) : std::next(it);
+    for (auto it = targets_.begin(); it != targets_.end();) {
+        it = now > it->second.deadline ? targets_.erase(it) : std::next(it);
     }
-    for (auto it = cancelled_xids.begin(); it != cancelled_xids.end();) {
-        it = now > it->second ? cancelled_xids.erase(it) : std::next(it);
+    for (auto it = cancelled_xids_.begin(); it != cancelled_xids_.end();) {
+        it = now > it->second ? cancelled_xids_.erase(it) : std::next(it);
     }
 }
 
 // push, decode side: name our blocks to the prefill worker under the transfer id, then wait for
 // its writes.
-void AgentKvConnector::Impl::ProceedPush(const std::string& id, Load& ld) {
+void PushProtocol::Proceed(const std::string& id, Load& ld, Peer&) {
     ld.state = Load::State::kWaitingForInput;
-    ld.deadline = ld.started + cfg.bootstrap_timeout + cfg.transfer_timeout;
-    ld.verify = VerifyRequestFor(ld.num_computed, ld.prompt_len);
+    ld.deadline = ld.started + m_.cfg.bootstrap_timeout + m_.cfg.transfer_timeout;
+    ld.verify = m_.VerifyRequestFor(ld.num_computed, ld.prompt_len);
     Status sent =
-        Send(ld.peer, msg::PushTarget{ld.params.transfer_id, id, ld.blocks, ld.num_computed,
-                                      ld.prompt_len, ld.prompt_digest, ld.verify});
+        m_.Send(ld.peer, msg::PushTarget{ld.params.transfer_id, id, ld.blocks, ld.num_computed,
+                                         ld.prompt_len, ld.prompt_digest, ld.verify});
     if (!sent.ok()) {
-        FailLoad(id, UnavailableError(
-                         fmt::format("kv: prefill worker '{}' is not reachable", Esc(ld.peer))));
+        m_.FailLoad(id, UnavailableError(
+                            fmt::format("kv: prefill worker '{}' is not reachable", Esc(ld.peer))));
         return;
     }
     FERRY_LOG(kInfo, "kv: request {} waiting for input from '{}' (transfer {})", Esc(id),
@@ -392,12 +391,11 @@ void AgentKvConnector::Impl::ProceedPush(const std::string& id, Load& ld) {
 
 // push, prefill side: the request ended. If it went well the push finishes (its last writes
 // land, then the decoder hears of it) and the blocks stay until then; else it fails now.
-FinishAction AgentKvConnector::Impl::FinishPush(const ConnectorRequest& r,
-                                                std::span<const BlockId> blocks, bool ok,
-                                                const FirstToken* first) {
+FinishAction PushProtocol::Finished(const ConnectorRequest& r, std::span<const BlockId> blocks,
+                                    bool ok, const FirstToken* first) {
     FinishAction a;
-    auto it = pushes.find(r.id);
-    if (it == pushes.end()) return a;
+    auto it = pushes_.find(r.id);
+    if (it == pushes_.end()) return a;
     Push& ps = it->second;
     if (!ok || !first || ps.state != Push::State::kReady || ps.cancelled) {
         Status err = !ps.error.ok() ? ps.error : CancelledError("the prefill request ended");
@@ -408,39 +406,35 @@ FinishAction AgentKvConnector::Impl::FinishPush(const ConnectorRequest& r,
     ps.blocks.assign(blocks.begin(), blocks.end());
     ps.state = Push::State::kFinishing;
     ps.computed = SteadyClock::now();
-    ps.deadline = (ps.timing ? ps.started : SteadyClock::now()) + cfg.transfer_timeout;
+    ps.deadline = (ps.timing ? ps.started : SteadyClock::now()) + m_.cfg.transfer_timeout;
     a.hold_blocks = true;
-    waker->Kick();
+    m_.waker->Kick();
     return a;
 }
 
-namespace {
+void PushProtocol::Bind(int tp, int layers) {
+    step_writes_.assign(tp, std::vector<std::vector<PlannedWrite>>(layers));
+    step_posted_.clear();
+    step_posted_.resize(tp);
+}
 
-class PushProtocol final : public TransferProtocol {
-  public:
-    explicit PushProtocol(AgentKvConnector::Impl& m) : m_(m) {}
-    bool ReadyToSchedule(const ConnectorRequest& r, const KvTransferParams& p) override {
-        return m_.PushReadyToSchedule(r, p);
+void PushProtocol::CancelAll() {
+    for (auto& [id, ps] : pushes_) {
+        for (Transfer& x : ps.transfers) (void)x.Cancel();
     }
-    FinishAction Finished(const ConnectorRequest& r, std::span<const BlockId> blocks, bool ok,
-                          const FirstToken* first) override {
-        return m_.FinishPush(r, blocks, ok, first);
+}
+
+void PushProtocol::Clear() {
+    pushes_.clear();
+    push_by_xid_.clear();
+    targets_.clear();
+    cancelled_xids_.clear();
+}
+
+void PushProtocol::Count(int* bootstrapping, int* transferring) const {
+    for (const auto& [id, ps] : pushes_) {
+        ++*(ps.state == Push::State::kBootstrapping ? bootstrapping : transferring);
     }
-    // Every prompt token not already here is written by the prefill worker.
-    int ExternalTokens(const KvTransferParams&, int prompt_len, int num_computed) const override {
-        return prompt_len - num_computed;
-    }
-    void Proceed(const std::string& id, Load& ld, Peer&) override { m_.ProceedPush(id, ld); }
-    void Pump(SteadyClock::time_point now) override { m_.PumpPushes(now); }
-
-  private:
-    AgentKvConnector::Impl& m_;
-};
-
-}  // namespace
-
-std::unique_ptr<TransferProtocol> MakePushProtocol(AgentKvConnector::Impl& m) {
-    return std::make_unique<PushProtocol>(m);
 }
 
 }  // namespace ferry::kv
