@@ -5,6 +5,8 @@
 
 namespace ferry::serve {
 
+using namespace server_parts;  // NOLINT(build/namespaces): the server's own parts
+
 void OpenAiServer::Impl::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                      ParsedRequest pr, std::shared_ptr<router::Ticket> ticket,
                                      std::string base, int attempt) {

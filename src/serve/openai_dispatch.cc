@@ -5,6 +5,8 @@
 
 namespace ferry::serve {
 
+using namespace server_parts;  // NOLINT(build/namespaces): the server's own parts
+
 std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                          ParsedRequest pr, std::function<bool(const Status&)> retry,
                                          std::string base) {

@@ -2,9 +2,12 @@
 
 #include "core/host_port.h"
 #include "core/json_fields.h"
+#include "serve/image_pipeline.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
+
+using namespace server_parts;  // NOLINT(build/namespaces): the server's own parts
 
 http::Reply OpenAiServer::Impl::Error(int status, const BadRequest& e,
                                       const std::string& request_id) {
@@ -129,7 +132,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
     ParsedRequest pr;
     BadRequest bad;
     if (!ParseOpenAiRequest(ex->request().body, chat, tk, model_name, engine->max_model_len(), &pr,
-                            &bad, config.vision ? &image_tokens : nullptr)) {
+                            &bad, images ? images->tokens() : nullptr)) {
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400, bad, x && ValidRequestId(*x) ? *x : ""));
     }
@@ -191,7 +194,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
         pr.stream = false;
     }
-    if (!pr.images.empty()) return ServeImages(ex, chat, std::move(pr));
+    if (!pr.images.empty()) return images->Serve(ex, chat, std::move(pr));
     Route(ex, chat, std::move(pr));
 }
 
@@ -213,6 +216,9 @@ void OpenAiServer::Impl::Route(const std::shared_ptr<http::Exchange>& ex, bool c
     }
     Dispatch(ex, chat, std::move(pr));
 }
+
+OpenAiServer::Impl::Impl() = default;
+OpenAiServer::Impl::~Impl() = default;
 
 OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -249,41 +255,11 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     if (!config.vision && !config.encoder_cache_dir.empty()) {
         return InvalidArgumentError("serve: an encoder cache directory needs a vision encoder");
     }
-    if (config.vision) {
-        const model::VisionConfig& vc = config.vision->config();
-        const int dim = impl->engine->model().config().dim;
-        if (vc.out_dim != dim) {
-            return InvalidArgumentError(fmt::format(
-                "serve: the vision encoder projects to width {}, the model's embeddings are {} "
-                "wide (a projector for another model?)",
-                vc.out_dim, dim));
-        }
-        if (vc.tokens_per_image() >= impl->engine->max_model_len()) {
-            return InvalidArgumentError(
-                fmt::format("serve: an image takes {} tokens, the context only {}",
-                            vc.tokens_per_image(), impl->engine->max_model_len()));
-        }
-        if (config.max_pending_image_requests < 1) {
-            return InvalidArgumentError("serve: max pending image requests must be at least 1");
-        }
-        impl->image_tokens = {vc.tokens_per_image(),
-                              tokenizer::ImagePlaceholder(impl->engine->model().tokenizer())};
-        FERRY_ASSIGN_OR_RETURN(
-            impl->encoder_cache,
-            media::EncoderCache::Open(
-                config.encoder_cache_bytes,
-                {.dir = config.encoder_cache_dir,
-                 .capacity_bytes = config.encoder_cache_disk_bytes,
-                 .encoder = config.vision->fingerprint(),
-                 .entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim),
-                 .width = size_t(vc.out_dim)}));
-        impl->media_queue = std::make_unique<MediaQueue>(size_t(config.max_pending_image_requests));
-    }
     impl->client = http::Client::Create(1);
     impl->quarantine = std::make_unique<router::Quarantine>(impl->client.get());
-    impl->encode_step = std::make_unique<router::EncodeStep>(
-        router::EncodeStepConfig{config.router_token, config.encoder_timeout}, impl->client.get(),
-        impl->quarantine.get());
+    if (config.vision) {
+        FERRY_ASSIGN_OR_RETURN(impl->images, ImagePipeline::Create(*impl));
+    }
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     impl->http_ready = impl->http.get();
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
@@ -298,12 +274,12 @@ const std::string& OpenAiServer::model_name() const { return impl_->model_name; 
 void OpenAiServer::Stop() {
     if (impl_->stopping.exchange(true)) return;
     // Requests still waiting for the encoder get 503 (their jobs see `stopping`).
-    if (impl_->media_queue) impl_->media_queue->Stop();
+    if (impl_->images) impl_->images->StopQueue();
     impl_->http->Stop();
     // The client first: its calls end (their callbacks may still reach the quarantine and the
     // encode step); the quarantine's probes hold only a weak reference to it.
     impl_->client.reset();
-    impl_->encode_step.reset();
+    impl_->images.reset();
     impl_->quarantine.reset();
     std::lock_guard lock(impl_->stop_mu);
     impl_->stopped = true;

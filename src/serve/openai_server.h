@@ -124,8 +124,10 @@ class OpenAiServer {
     // stop sending); requests that still come are served as before.
     void SetDraining();
 
-  private:
+    // The inside (openai_server_parts.h), named by its parts (ImagePipeline).
     struct Impl;
+
+  private:
     explicit OpenAiServer(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
 };

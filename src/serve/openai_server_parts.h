@@ -2,10 +2,12 @@
 //
 //   openai_server.cc    routes, authentication, the completions entry, start and stop
 //   openai_dispatch.cc  a parsed request into the engine, its answer streamed or whole
+//   image_pipeline.cc   the images of a request (ImagePipeline, image_pipeline.h)
 //   decode_first.cc     decode-first: prompts sent to prefill workers, /add_remote_prefill_eps
 //   server_metrics.cc   /metrics
 //
-// Internal: included by those files only.
+// Internal: included by those files only. The parts' types are in server_parts (the .cc files
+// name them unqualified).
 #pragma once
 
 #include <fmt/core.h>
@@ -112,70 +114,6 @@ struct Metrics {
     }
 };
 
-// Requests with images wait here for their decoding and encoding, off the I/O threads: one
-// thread (the encoder runs one image at a time), a bounded queue.
-class MediaQueue {
-  public:
-    explicit MediaQueue(size_t capacity) : capacity_(capacity) {}
-    ~MediaQueue() { Stop(); }
-    // False if the queue is full or stopped (the job is not run).
-    bool Post(std::function<void()> job) {
-        std::lock_guard lock(mu_);
-        if (stopped_ || jobs_.size() >= capacity_) return false;
-        jobs_.push_back(std::move(job));
-        if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
-        cv_.notify_one();
-        return true;
-    }
-    // Runs what was queued, then joins the thread; later posts are refused.
-    void Stop() {
-        {
-            std::lock_guard lock(mu_);
-            stopped_ = true;
-            cv_.notify_one();
-        }
-        if (thread_.joinable()) thread_.join();
-    }
-    size_t Waiting() {
-        std::lock_guard lock(mu_);
-        return jobs_.size();
-    }
-
-  private:
-    void Run() {
-        std::unique_lock lock(mu_);
-        for (;;) {
-            cv_.wait(lock, [&] { return stopped_ || !jobs_.empty(); });
-            if (jobs_.empty()) return;
-            std::function<void()> job = std::move(jobs_.front());
-            jobs_.pop_front();
-            lock.unlock();
-            job();
-            lock.lock();
-        }
-    }
-    const size_t capacity_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<std::function<void()>> jobs_;
-    bool stopped_ = false;
-    std::thread thread_;
-};
-
-// What the image path counts (/metrics).
-struct ImageMetrics {
-    std::atomic<uint64_t> images{0};         // decoded
-    std::atomic<uint64_t> encoded{0};        // run through the encoder
-    std::atomic<uint64_t> refused{0};        // requests refused for an image
-    std::atomic<uint64_t> busy{0};           // requests refused: the queue was full
-    std::atomic<uint64_t> encode_micros{0};  // in the encoder
-    std::atomic<uint64_t> decode_micros{0};  // reading and decoding
-    std::atomic<uint64_t> ec_fallbacks{0};   // encoded here: the ec connector could not load
-    std::atomic<uint64_t> encoder_calls{0};  // --encoder-urls: requests an encode worker took
-    std::atomic<uint64_t> encoder_call_failures{0};  // ... that failed there
-    std::atomic<uint64_t> dropped{0};  // requests whose client left before their images were done
-};
-
 // One request's state between the engine's step thread and the connection.
 struct Pending {
     std::mutex mu;
@@ -218,14 +156,17 @@ inline int HttpStatusOf(const Status& st) {
 }
 
 }  // namespace server_parts
-// The server's files name these parts unqualified (this header is theirs alone).
-using namespace server_parts;  // NOLINT(build/namespaces)
+
+class ImagePipeline;
 
 struct OpenAiServer::Impl {
+    Impl();
+    ~Impl();
+
     std::shared_ptr<engine::Engine> engine;
     ServerConfig config;
     std::string model_name;
-    int64_t created = UnixSeconds();
+    int64_t created = server_parts::UnixSeconds();
     std::unique_ptr<http::Server> http;
     // The same, for handlers: they may run before Start has stored `http`.
     std::atomic<http::Server*> http_ready{nullptr};
@@ -234,7 +175,7 @@ struct OpenAiServer::Impl {
     std::mutex stop_mu;
     std::condition_variable stop_cv;
     bool stopped = false;
-    Metrics metrics;
+    server_parts::Metrics metrics;
 
     // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
     std::shared_ptr<router::Router> remote_prefill;  // made in Start, with the agent lookup
@@ -242,33 +183,9 @@ struct OpenAiServer::Impl {
     // Workers whose calls ran past their deadline: --encoder-urls encode workers, and
     // decode-first prefill workers (back in remote_prefill when they answer a probe).
     std::unique_ptr<router::Quarantine> quarantine;
-    // --encoder-urls: the encode step, as the router runs it.
-    std::unique_ptr<router::EncodeStep> encode_step;
-
-    // Images (with config.vision).
-    tokenizer::ImageTokens image_tokens;
-    std::unique_ptr<media::EncoderCache> encoder_cache;
-    std::unique_ptr<MediaQueue> media_queue;
-    ImageMetrics image_metrics;
-    // Reads, decodes and encodes a parsed request's images on the media queue, then dispatches
-    // it; a bad image gets a 400 naming its part.
-    void ServeImages(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
-    // The embeddings of pr->images into pr->mm: from the encoder cache, the ec connector or
-    // the encoder; an encode worker publishes them through its connector. An error names the
-    // image's part (InvalidArgument: a bad image; otherwise the connector's).
-    // Cancelled, with nothing more done, once `ex` (if given) has closed: the client left.
-    Status EncodeImages(ParsedRequest* pr, BadRequest* bad, const http::Exchange* ex = nullptr);
-    // --encoder-urls: asks one of `encoders` to publish the request's images, then
-    // EnqueueImages with where they are (or, if it failed, without: they are encoded here).
-    void CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                     const std::string& rid, const std::vector<http::Endpoint>& encoders);
-    // Queues the request for the media thread (503 when the queue is full).
-    void EnqueueImages(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                       const std::string& rid);
-    // The encode role's answer: a chat.completion with no tokens and the ec_transfer_params
-    // that say where the embeddings wait.
-    void ReplyEncoded(const std::shared_ptr<http::Exchange>& ex, const ParsedRequest& pr,
-                      const std::string& rid);
+    // Images (with config.vision): reading, decoding, the encoder cache, the encoder or the
+    // encode workers (image_pipeline.h).
+    std::unique_ptr<ImagePipeline> images;
 
     std::vector<http::Route> Routes();
     // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body

@@ -1,8 +1,11 @@
 // The worker's /metrics: the engine's counters, the connector's, the HTTP layer's and the
 // latencies clients saw.
+#include "serve/image_pipeline.h"
 #include "serve/openai_server_parts.h"
 
 namespace ferry::serve {
+
+using namespace server_parts;  // NOLINT(build/namespaces): the server's own parts
 
 std::string OpenAiServer::Impl::RenderMetrics() {
     engine::EngineStats s = engine->Stats();
@@ -61,8 +64,10 @@ std::string OpenAiServer::Impl::RenderMetrics() {
              "Prefix cache hits, in terms of number of cached tokens.",
              double(s.prefix_hit_tokens));
     }
-    if (encoder_cache) {
-        const media::EncoderCacheStats ec = encoder_cache->Stats();
+    static const ImageMetrics kNoImages;
+    const ImageMetrics& image_metrics = images ? images->metrics() : kNoImages;
+    if (images) {
+        const media::EncoderCacheStats ec = images->cache().Stats();
         const ImageMetrics& im = image_metrics;
         counter("ferry_mm_images_total", "Images read and decoded.", double(im.images.load()));
         counter("ferry_mm_images_encoded_total", "Images run through the vision encoder.",
@@ -80,7 +85,7 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         counter("ferry_mm_encode_seconds_total", "Time in the vision encoder.",
                 double(im.encode_micros.load()) / 1e6);
         gauge("ferry_mm_requests_waiting", "Requests with images waiting for the encoder.",
-              double(media_queue->Waiting()));
+              double(images->waiting()));
         // Per tier (memory; disk with --encoder-cache-dir): a miss is one in both.
         auto tiers = [&](const char* name, const char* type, const char* help, double memory,
                          double disk) {
