@@ -4,6 +4,7 @@
 #include "core/json_fields.h"
 #include "serve/image_pipeline.h"
 #include "serve/openai_server_parts.h"
+#include "serve/remote_prefill.h"
 
 namespace ferry::serve {
 
@@ -87,7 +88,8 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
          },
          config.max_body_bytes});
     r.push_back({"POST", "/add_remote_prefill_eps",
-                 [this](std::shared_ptr<http::Exchange> ex) { AddRemotePrefill(ex); }, 1u << 20});
+                 [this](std::shared_ptr<http::Exchange> ex) { remote_prefill->AddWorkers(ex); },
+                 1u << 20});
     r.push_back({"POST", "/v1/completions",
                  [this](std::shared_ptr<http::Exchange> ex) { Completions(ex, false); },
                  config.max_body_bytes});
@@ -200,20 +202,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
 
 void OpenAiServer::Impl::Route(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                ParsedRequest pr) {
-    // Decode-first sends the prompt as token ids, which cannot carry images: those prompts
-    // are prefilled here.
-    if (!pr.kv_transfer && pr.mm.empty() && config.kv_agent_info &&
-        static_cast<int>(pr.prompt.size()) >= config.remote_prefill_min_tokens) {
-        const std::string base = RequestIdOr(ex->request().Find("X-Request-Id"));
-        Result<router::Ticket> t =
-            remote_prefill->Route(router::Role::kPrefill, {base, pr.prompt.size()});
-        if (t.ok() && quarantine->Contains(t->endpoint())) {
-            t->End(router::Outcome::kCancelled);  // it timed out lately: prefilled here
-        } else if (t.ok()) {
-            return DecodeFirst(ex, chat, std::move(pr),
-                               std::make_shared<router::Ticket>(std::move(*t)), base);
-        }
-    }
+    if (remote_prefill->Take(ex, chat, pr)) return;
     Dispatch(ex, chat, std::move(pr));
 }
 
@@ -246,12 +235,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     hc.error_reply = [p](int status, const std::string& message) {
         return p->Error(status, {message, "", ""});
     };
-    router::RouterConfig rc;
-    rc.agent_directory = config.remote_prefill_agents;
-    impl->remote_prefill = std::make_shared<router::Router>(std::move(rc));
-    for (const http::Endpoint& ep : config.remote_prefill) {
-        impl->remote_prefill->AddWorker(router::Role::kPrefill, ep);
-    }
+    impl->remote_prefill = std::make_unique<RemotePrefill>(*impl);
     if (!config.vision && !config.encoder_cache_dir.empty()) {
         return InvalidArgumentError("serve: an encoder cache directory needs a vision encoder");
     }

@@ -3,7 +3,8 @@
 //   openai_server.cc    routes, authentication, the completions entry, start and stop
 //   openai_dispatch.cc  a parsed request into the engine, its answer streamed or whole
 //   image_pipeline.cc   the images of a request (ImagePipeline, image_pipeline.h)
-//   decode_first.cc     decode-first: prompts sent to prefill workers, /add_remote_prefill_eps
+//   remote_prefill.cc   decode-first: prompts sent to prefill workers (RemotePrefill,
+//                       remote_prefill.h)
 //   server_metrics.cc   /metrics
 //
 // Internal: included by those files only. The parts' types are in server_parts (the .cc files
@@ -158,6 +159,7 @@ inline int HttpStatusOf(const Status& st) {
 }  // namespace server_parts
 
 class ImagePipeline;
+class RemotePrefill;
 
 struct OpenAiServer::Impl {
     Impl();
@@ -177,12 +179,12 @@ struct OpenAiServer::Impl {
     bool stopped = false;
     server_parts::Metrics metrics;
 
-    // Decode-first: the prefill workers this decoder sends its prompts to, and how they do.
-    std::shared_ptr<router::Router> remote_prefill;  // made in Start, with the agent lookup
-    std::unique_ptr<http::Client> client;            // for the prefill and encode workers
+    std::unique_ptr<http::Client> client;  // for the prefill and encode workers
     // Workers whose calls ran past their deadline: --encoder-urls encode workers, and
     // decode-first prefill workers (back in remote_prefill when they answer a probe).
     std::unique_ptr<router::Quarantine> quarantine;
+    // Decode-first: the prefill workers this decoder sends its prompts to (remote_prefill.h).
+    std::unique_ptr<RemotePrefill> remote_prefill;
     // Images (with config.vision): reading, decoding, the encoder cache, the encoder or the
     // encode workers (image_pipeline.h).
     std::unique_ptr<ImagePipeline> images;
@@ -201,23 +203,11 @@ struct OpenAiServer::Impl {
     // or a random one).
     std::string Dispatch(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                          std::function<bool(const Status&)> retry = nullptr, std::string base = "");
-    // Sends the prompt to the prefill worker `ticket` routed it to, to prefill and push here,
-    // then dispatches locally under `base` (the request's id). A first attempt whose prefill
-    // worker turns out unreachable (it restarted: the agent it had is gone) asks it again where
-    // its agent is and tries once more. The ticket ends with the prefill worker's answer.
-    void DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                     std::shared_ptr<router::Ticket> ticket, std::string base, int attempt = 0);
     // Who is asking: kRouterRequester for a holder of the router token, else the client's
     // address. An error reply if the request must be refused (a wrong token, or a token where
     // one is required).
     std::optional<http::Reply> Authenticate(const http::Request& req, bool internal,
                                             std::string* requester);
-    void SendToRemotePrefill(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
-                             std::shared_ptr<router::Ticket> ticket, const std::string& base,
-                             int attempt, const router::PushPlan& plan);
-    // Decode-first: the prefill worker of `ticket` did not answer a call in time.
-    void TimedOut(const router::Ticket& ticket);
-    void AddRemotePrefill(const std::shared_ptr<http::Exchange>& ex);
     std::string RenderMetrics();
 };
 

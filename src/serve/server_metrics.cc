@@ -2,6 +2,7 @@
 // latencies clients saw.
 #include "serve/image_pipeline.h"
 #include "serve/openai_server_parts.h"
+#include "serve/remote_prefill.h"
 
 namespace ferry::serve {
 
@@ -170,8 +171,8 @@ std::string OpenAiServer::Impl::RenderMetrics() {
     }
     if (config.extra_metrics) w.Append(config.extra_metrics());
     // Decode-first: the prefill workers this decoder routes to, as a proxy reports them.
-    if (!remote_prefill->Workers(router::Role::kPrefill).empty()) {
-        w.Append(remote_prefill->RenderMetrics());
+    if (std::string workers = remote_prefill->RenderMetrics(); !workers.empty()) {
+        w.Append(workers);
     }
     if (http::Server* server = http_ready.load()) {
         http::ServerStats hs = server->Stats();
