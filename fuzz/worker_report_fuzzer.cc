@@ -44,7 +44,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else {
         ferry::Result<ferry::WorkerRecord> r = ferry::DecodeWorkerRecord(text);
         if (r.ok()) {
-            if (r->tp_size < 1 || r->agent_port < 0 || r->agent_port > 65535) std::abort();
+            if (r->tp_size < 1 || r->agent.port < 0 || r->agent.port > 65535) std::abort();
             if (r->url.size() > 300 || r->model.size() > 1024) std::abort();
         } else if (r.status().message().empty()) {
             std::abort();

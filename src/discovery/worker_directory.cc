@@ -18,9 +18,9 @@ std::string EncodeWorkerRecord(const WorkerRecord& r) {
            {"role", r.role},
            {"model", r.model},
            {"tp_size", r.tp_size},
-           {"engine_id", r.engine_id},
-           {"agent_host", r.agent_host},
-           {"agent_port", r.agent_port}};
+           {"engine_id", r.agent.engine_id},
+           {"agent_host", r.agent.host},
+           {"agent_port", r.agent.port}};
     if (r.block_size > 0) {
         j["block_hash"] = {{"version", kBlockHashSpecVersion},
                            {"algorithm", kBlockHashAlgorithm},
@@ -43,10 +43,10 @@ Result<WorkerRecord> DecodeWorkerRecord(std::string_view json) {
     FERRY_ASSIGN_OR_RETURN(r.model, f.String("model", 1024));
     FERRY_ASSIGN_OR_RETURN(int64_t tp, f.Int("tp_size", 1, 1024));
     r.tp_size = static_cast<int>(tp);
-    FERRY_ASSIGN_OR_RETURN(r.engine_id, f.String("engine_id", 128));
-    FERRY_ASSIGN_OR_RETURN(r.agent_host, f.String("agent_host", 256));
+    FERRY_ASSIGN_OR_RETURN(r.agent.engine_id, f.String("engine_id", 128));
+    FERRY_ASSIGN_OR_RETURN(r.agent.host, f.String("agent_host", 256));
     FERRY_ASSIGN_OR_RETURN(int64_t port, f.Int("agent_port", 0, 65535));
-    r.agent_port = static_cast<int>(port);
+    r.agent.port = static_cast<int>(port);
     if (j.contains("block_hash")) {
         const Json& bh = j["block_hash"];
         if (!bh.is_object()) return InvalidArgumentError("'block_hash' must be an object");

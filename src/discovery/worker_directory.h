@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/agent_address.h"
 #include "ferry/discovery.h"
 #include "ferry/status.h"
 
@@ -27,9 +28,8 @@ struct WorkerRecord {
     std::string role;  // "prefill", "decode", ...
     std::string model;
     int tp_size = 1;
-    // Its transfer agent (empty engine_id: none).
-    std::string engine_id, agent_host;
-    int agent_port = 0;
+    // Its transfer agent (none: empty).
+    AgentAddress agent;
     // Its prefix cache's block hashes, so that a router recomputes them (core/block_hash.h):
     // "block_hash": {"version", "algorithm", "seed", "block_size", "extra_keys"}; absent in
     // records of older workers (block_size 0).

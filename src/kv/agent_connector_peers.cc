@@ -18,8 +18,8 @@ bool AgentKvConnector::Impl::Allowed(const std::string& address) const {
 }
 
 Result<std::string> AgentKvConnector::Impl::DialAddress(const KvTransferParams& kp) const {
-    const std::string address =
-        kp.remote_host.empty() ? "" : FormatHostPort(kp.remote_host, kp.remote_port);
+    const AgentAddress remote = kp.remote_agent();
+    const std::string address = remote.host.empty() ? "" : remote.HostPort();
     if (!cfg.allowed_agents.empty()) {
         if (!Allowed(address)) {
             return PermissionDeniedError(

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/agent_address.h"
 #include "ferry/status.h"
 #include "kv/connector.h"
 
@@ -37,6 +38,14 @@ struct KvTransferParams final : ConnectorParams {
     std::string transfer_id;
     // pull: which hold remote_request_id names: 128 random bits (32 hex characters).
     std::string hold_nonce;
+
+    // remote_engine_id, remote_host and remote_port as one (core/agent_address.h).
+    AgentAddress remote_agent() const { return {remote_engine_id, remote_host, remote_port}; }
+    void set_remote_agent(AgentAddress a) {
+        remote_engine_id = std::move(a.engine_id);
+        remote_host = std::move(a.host);
+        remote_port = a.port;
+    }
 
     bool prefill_only() const override { return do_remote_decode; }
     bool loads_kv() const override { return do_remote_prefill; }

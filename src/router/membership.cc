@@ -275,8 +275,8 @@ void Membership::Sync(const std::vector<WorkerRecord>& records) {
             ++stats_.joined;
             FERRY_LOG(kInfo, "router: {} worker {} joined", RoleName(role), rec.url);
         }
-        if (!rec.engine_id.empty() && rec.agent_port > 0) {
-            AgentInfo a{rec.engine_id, rec.agent_host, rec.agent_port, rec.tp_size};
+        if (!rec.agent.empty() && rec.agent.port > 0) {
+            AgentInfo a{rec.agent, rec.tp_size};
             std::optional<AgentInfo> known = router_->Agent(role, i);
             if (!known || known->engine_id != a.engine_id || known->host != a.host ||
                 known->port != a.port || known->tp_size != a.tp_size) {

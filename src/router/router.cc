@@ -579,8 +579,8 @@ std::function<std::optional<AgentInfo>(const http::Endpoint&)> AgentsFromDirecto
     std::shared_ptr<const WorkerDirectory> directory) {
     return [d = std::move(directory)](const http::Endpoint& ep) -> std::optional<AgentInfo> {
         std::optional<WorkerRecord> r = d->Find(FormatHostPort(ep.host, ep.port));
-        if (!r || r->engine_id.empty() || r->agent_port <= 0) return std::nullopt;
-        return AgentInfo{r->engine_id, r->agent_host, r->agent_port, r->tp_size};
+        if (!r || r->agent.empty() || r->agent.port <= 0) return std::nullopt;
+        return AgentInfo{r->agent, r->tp_size};
     };
 }
 

@@ -24,6 +24,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/agent_address.h"
 #include "core/block_hash.h"
 #include "discovery/worker_directory.h"
 #include "ferry/status.h"
@@ -36,9 +37,8 @@ enum class Role { kPrefill, kDecode };
 const char* RoleName(Role role);
 
 // Where a prefill worker's transfer agent listens (its GET /v1/kv/agent answer).
-struct AgentInfo {
-    std::string engine_id, host;
-    int port = 0, tp_size = 1;
+struct AgentInfo : AgentAddress {
+    int tp_size = 1;
 };
 
 // How a routed request ended, as the router counts it.

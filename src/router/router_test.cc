@@ -599,7 +599,7 @@ TEST(RouterDriver, AnAgentInTheDirectoryIsUsedWithoutAskingTheWorker) {
     RouterConfig rc;
     rc.agent_directory = [&asked](const http::Endpoint&) -> std::optional<AgentInfo> {
         ++asked;
-        return AgentInfo{"p-store", "127.0.0.8", 7200, 1};
+        return AgentInfo{{"p-store", "127.0.0.8", 7200}, 1};
     };
     DriverHarness h(Protocol::kPush, std::move(rc));
     DecoderWaitsForItsPrefill(h);
@@ -625,10 +625,10 @@ TEST(RouterDriver, AnAgentInTheDirectoryIsUsedWithoutAskingTheWorker) {
 
 TEST(WorkerDirectory, FollowsTheWorkersRecordsInTheStoreAndIgnoresBadOnes) {
     auto store = std::move(StoreServer::Start({})).value();
-    WorkerRecord rec{"127.0.0.1:9001", "prefill", "tiny", 2, "p0", "127.0.0.1", 7301};
+    WorkerRecord rec{"127.0.0.1:9001", "prefill", "tiny", 2, {"p0", "127.0.0.1", 7301}};
     auto back = DecodeWorkerRecord(EncodeWorkerRecord(rec));
     ASSERT_TRUE(back.ok());
-    EXPECT_EQ(back->engine_id, "p0");
+    EXPECT_EQ(back->agent.engine_id, "p0");
     EXPECT_EQ(back->tp_size, 2);
     // A newer worker's block hashes: the record stands, its blocks get no prefix credit.
     auto newer = DecodeWorkerRecord(
@@ -660,7 +660,7 @@ TEST(WorkerDirectory, FollowsTheWorkersRecordsInTheStoreAndIgnoresBadOnes) {
         return pred();
     };
     EXPECT_TRUE(until([&] { return dir->Find("127.0.0.1:9001").has_value(); }));
-    EXPECT_EQ(dir->Find("127.0.0.1:9001")->agent_port, 7301);
+    EXPECT_EQ(dir->Find("127.0.0.1:9001")->agent.port, 7301);
     EXPECT_FALSE(dir->Find("127.0.0.1:9002"));
     EXPECT_FALSE(dir->Find("127.0.0.1:9003"));
     // A clean stop removes the record; the directory follows.
@@ -677,7 +677,7 @@ TEST(WorkerDirectory, OnlyTheDeploymentFilesWorkerRecordsInASecretStore) {
     auto store = std::move(StoreServer::Start(sc)).value();
     StoreOptions signed_opts;
     signed_opts.secret = sc.secret;
-    WorkerRecord rec{"127.0.0.1:9101", "prefill", "tiny", 1, "p0", "127.0.0.1", 7401};
+    WorkerRecord rec{"127.0.0.1:9101", "prefill", "tiny", 1, {"p0", "127.0.0.1", 7401}};
     auto dir = std::move(WorkerDirectory::Start(store->url(), signed_opts)).value();
     auto reg = std::move(WorkerRegistration::Start(store->url(), signed_opts, rec,
                                                    std::chrono::milliseconds(3000)))
@@ -685,8 +685,8 @@ TEST(WorkerDirectory, OnlyTheDeploymentFilesWorkerRecordsInASecretStore) {
 
     // An attacker's record pointing the router at an agent of its own: refused as it is filed.
     WorkerRecord evil = rec;
-    evil.agent_host = "10.9.9.9";
-    evil.engine_id = "attacker";
+    evil.agent.host = "10.9.9.9";
+    evil.agent.engine_id = "attacker";
     auto unsigned_reg =
         WorkerRegistration::Start(store->url(), {}, evil, std::chrono::milliseconds(3000));
     ASSERT_FALSE(unsigned_reg.ok());
@@ -710,8 +710,8 @@ TEST(WorkerDirectory, OnlyTheDeploymentFilesWorkerRecordsInASecretStore) {
         return pred();
     };
     ASSERT_TRUE(until([&] { return dir->Find("127.0.0.1:9101").has_value(); }));
-    EXPECT_EQ(dir->Find("127.0.0.1:9101")->engine_id, "p0");
-    EXPECT_EQ(dir->Find("127.0.0.1:9101")->agent_host, "127.0.0.1");
+    EXPECT_EQ(dir->Find("127.0.0.1:9101")->agent.engine_id, "p0");
+    EXPECT_EQ(dir->Find("127.0.0.1:9101")->agent.host, "127.0.0.1");
     EXPECT_FALSE(dir->Find("127.0.0.1:9102"));
     EXPECT_FALSE(dir->Find("127.0.0.1:9103"));
     EXPECT_EQ(dir->size(), 1u);
@@ -1360,7 +1360,7 @@ TEST(RouterWorkerCall, APushPlanGivesBothSidesOneFreshTransferIdAndTheAgent) {
     auto client = http::Client::Create(1);
     auto router = std::make_shared<Router>(RouterConfig{});
     router->AddWorker(Role::kPrefill, {"127.0.0.1", 1});  // nothing listens there
-    router->SetAgent(Role::kPrefill, 0, AgentInfo{"engine-7", "10.0.0.7", 7000, 2});
+    router->SetAgent(Role::kPrefill, 0, AgentInfo{{"engine-7", "10.0.0.7", 7000}, 2});
     std::vector<PushPlan> plans;
     for (int i = 0; i < 2; ++i) {
         auto call = PlanPush(*client, router, 0, "", std::chrono::milliseconds(500),

@@ -185,13 +185,9 @@ class TransferEcConnector final : public EcConnector {
 
     Json Params() const override {
         if (!cfg_.producer) return nullptr;
-        // The host without brackets (an IPv6 address is written "[::1]:port" only as a whole).
-        const Result<HostPort> parsed = ParseHostPort(cfg_.agent->ListenAddress(), 0);
-        const HostPort a = parsed.ok() ? *parsed : HostPort{};
-        return Json{{"engine_id", cfg_.agent->name()},
-                    {"host", a.host},
-                    {"port", a.port},
-                    {"encoder", cfg_.encoder}};
+        Json j = AgentAddressJson(AgentAt(cfg_.agent->name(), cfg_.agent->ListenAddress()));
+        j["encoder"] = cfg_.encoder;
+        return j;
     }
 
     EcConnectorStats Stats() const override {

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/agent_address.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
 #include "media/encoder_cache.h"
@@ -41,10 +42,7 @@ Result<EcLoadFailure> ParseEcLoadFailure(std::string_view name);  // "encode" | 
 // Where an image's embeddings wait: the producer's agent (its engine_id, and where its listener
 // is), from the ec_transfer_params of an encode worker's answer, which the router copies into
 // the requests it sends on. Checked field by field; unknown fields are refused by name.
-struct EcSource {
-    std::string engine_id;
-    std::string host;
-    int port = 0;
+struct EcSource : AgentAddress {
     // The producer's vision encoder (model::VisionEncoder::fingerprint); optional, "" when not
     // given. A consumer with another encoder does not pull (the slot's own copy is checked too).
     std::string encoder;

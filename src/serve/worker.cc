@@ -112,10 +112,9 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             return conn->ParseParams(params);
         };
         c.server.kv_agent_info = [agent = w->agent_, tp = c.model->tp()] {
-            const HostPort a = ParseHostPort(agent->ListenAddress(), 0).value();
-            return nlohmann::json{
-                {"engine_id", agent->name()}, {"host", a.host}, {"port", a.port}, {"tp_size", tp}}
-                .dump();
+            nlohmann::json j = AgentAddressJson(AgentAt(agent->name(), agent->ListenAddress()));
+            j["tp_size"] = tp;
+            return j.dump();
         };
         c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
         if (c.role == WorkerRole::kDecode && by_store) {
@@ -169,10 +168,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             r.role = WorkerRoleName(c.role);
             r.model = w->server_->model_name();
             r.tp_size = c.model->tp();
-            r.engine_id = w->agent_->name();
-            const HostPort a = ParseHostPort(w->agent_->ListenAddress(), 0).value();
-            r.agent_host = a.host;
-            r.agent_port = a.port;
+            r.agent = AgentAt(w->agent_->name(), w->agent_->ListenAddress());
             r.block_size = c.engine.block_tokens;
             r.hash_seed = c.engine.prefix_hash_seed;
             if (w->kv_events_) {
