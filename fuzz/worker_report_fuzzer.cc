@@ -1,6 +1,6 @@
 // What a router takes from its workers: the text of a worker's /metrics (vLLM's load gauges,
 // router/membership.h), a worker's record in the discovery store, and a batch of its KV events
-// (msgpack, router/kv_index.h). The first byte picks which.
+// (msgpack, router/kv_events_wire.h). The first byte picks which.
 // A parsed load must be finite and non-negative with a KV usage in 0..1; a decoded record must
 // have the bounds its decoder promises; neither may crash or read out of bounds.
 #include <cmath>

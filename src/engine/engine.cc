@@ -463,7 +463,7 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
 bool Engine::Step() {
     bool more = StepBatch();
     if (config_.on_kv_events) {
-        std::vector<kv::KvCacheEvent> events = pool_->TakeEvents();
+        std::vector<KvCacheEvent> events = pool_->TakeEvents();
         if (!events.empty()) config_.on_kv_events(std::move(events));
     }
     PublishStats();

@@ -16,21 +16,12 @@
 #include <vector>
 
 #include "core/block_hash.h"
+#include "core/kv_event.h"
 #include "ferry/status.h"
 
 namespace ferry::kv {
 
 using BlockId = int32_t;
-
-// What changed in the prefix cache (vLLM's KV events: BlockStored, BlockRemoved,
-// AllBlocksCleared), in order.
-struct KvCacheEvent {
-    enum class Kind { kStored, kRemoved, kAllCleared };
-    Kind kind = Kind::kStored;
-    std::vector<BlockHash> hashes;    // stored or removed, in chain order for stored
-    std::optional<BlockHash> parent;  // stored: the first block's parent; none for a prompt's first
-    std::vector<int32_t> tokens;      // stored: every block's tokens, in order
-};
 
 class KvBlockPool {
   public:

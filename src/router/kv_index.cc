@@ -10,145 +10,12 @@
 
 namespace ferry::router {
 
-namespace {
-
-Result<std::vector<BlockHash>> ReadHashes(MsgpackReader& r) {
-    FERRY_ASSIGN_OR_RETURN(size_t n, r.ReadArray());
-    std::vector<BlockHash> out(n);
-    for (size_t i = 0; i < n; ++i) {
-        FERRY_ASSIGN_OR_RETURN(MsgpackReader::Type t, r.Peek());
-        if (t != MsgpackReader::Type::kBin) {
-            return InvalidArgumentError(
-                "kv events: a block hash is not 32 bytes (the router reads layout vllm, not "
-                "legacy's integers)");
-        }
-        FERRY_ASSIGN_OR_RETURN(std::string_view h, r.ReadBin());
-        if (h.size() != out[i].size()) {
-            return InvalidArgumentError(
-                fmt::format("kv events: a block hash of {} bytes, not 32", h.size()));
-        }
-        std::memcpy(out[i].data(), h.data(), h.size());
-    }
-    return out;
-}
-
-Result<KvEvent> ReadEvent(MsgpackReader& r, bool* known) {
-    FERRY_ASSIGN_OR_RETURN(size_t pairs, r.ReadMap());
-    KvEvent e;
-    std::string type;
-    bool have_hashes = false;
-    for (size_t i = 0; i < pairs; ++i) {
-        FERRY_ASSIGN_OR_RETURN(std::string_view key, r.ReadStr());
-        if (key == "type") {
-            FERRY_ASSIGN_OR_RETURN(std::string_view t, r.ReadStr());
-            type = std::string(t.substr(0, 64));
-        } else if (key == "block_hashes") {
-            FERRY_ASSIGN_OR_RETURN(e.hashes, ReadHashes(r));
-            have_hashes = true;
-        } else {
-            FERRY_RETURN_IF_ERROR(r.Skip());
-        }
-    }
-    *known = true;
-    if (type == "BlockStored") {
-        e.kind = KvEvent::Kind::kStored;
-    } else if (type == "BlockRemoved") {
-        e.kind = KvEvent::Kind::kRemoved;
-    } else if (type == "AllBlocksCleared") {
-        e.kind = KvEvent::Kind::kAllCleared;
-    } else if (type.empty()) {
-        return InvalidArgumentError("kv events: an event without a 'type'");
-    } else {
-        *known = false;
-        return e;
-    }
-    if (e.kind != KvEvent::Kind::kAllCleared && !have_hashes) {
-        return InvalidArgumentError(fmt::format("kv events: {} without 'block_hashes'", type));
-    }
-    return e;
-}
-
-}  // namespace
-
-std::string KvEventSeqBytes(int64_t seq) {
-    std::string s(8, '\0');
-    for (int i = 0; i < 8; ++i) s[7 - i] = char((uint64_t(seq) >> (8 * i)) & 0xff);
-    return s;
-}
-
-std::optional<int64_t> KvEventSeqOf(std::string_view frame) {
-    if (frame.size() != 8) return std::nullopt;
-    uint64_t v = 0;
-    for (unsigned char c : frame) v = (v << 8) | c;
-    return int64_t(v);
-}
-
-void BoundZmqSocket(void* socket, int64_t max_message_bytes) {
-    int linger = 0;
-    zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(socket, ZMQ_MAXMSGSIZE, &max_message_bytes, sizeof max_message_bytes);
-}
-
-std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max) {
-    std::vector<std::string> frames;
-    for (;;) {
-        zmq_msg_t msg;
-        zmq_msg_init(&msg);
-        if (zmq_msg_recv(&msg, socket, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&msg);
-            return frames;
-        }
-        if (frames.size() < max) {
-            frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
-        }
-        const bool more = zmq_msg_more(&msg);
-        zmq_msg_close(&msg);
-        if (!more) return frames;
-    }
-}
-
-Result<std::vector<KvEvent>> DecodeKvEventBatch(std::string_view payload, size_t* unknown) {
-    MsgpackReader r(payload);
-    FERRY_ASSIGN_OR_RETURN(MsgpackReader::Type top, r.Peek());
-    if (top != MsgpackReader::Type::kMap) {
-        return InvalidArgumentError(
-            "kv events: the batch is not a map (the router reads layout vllm, not legacy)");
-    }
-    FERRY_ASSIGN_OR_RETURN(size_t pairs, r.ReadMap());
-    std::vector<KvEvent> out;
-    bool have_events = false;
-    for (size_t i = 0; i < pairs; ++i) {
-        FERRY_ASSIGN_OR_RETURN(std::string_view key, r.ReadStr());
-        if (key != "events") {
-            FERRY_RETURN_IF_ERROR(r.Skip());
-            continue;
-        }
-        have_events = true;
-        FERRY_ASSIGN_OR_RETURN(size_t n, r.ReadArray());
-        for (size_t k = 0; k < n; ++k) {
-            bool known = true;
-            FERRY_ASSIGN_OR_RETURN(KvEvent e, ReadEvent(r, &known));
-            if (known) {
-                out.push_back(std::move(e));
-            } else if (unknown) {
-                ++*unknown;
-            }
-        }
-    }
-    if (!have_events) return InvalidArgumentError("kv events: the batch has no 'events'");
-    if (!r.done()) {
-        return InvalidArgumentError(
-            fmt::format("kv events: {} bytes after the batch", payload.size() - r.position()));
-    }
-    return out;
-}
-
-void KvIndex::Apply(const std::string& worker, const std::vector<KvEvent>& events) {
+void KvIndex::Apply(const std::string& worker, const std::vector<KvCacheEvent>& events) {
     std::lock_guard lock(mu_);
     auto& blocks = by_worker_[worker];
-    for (const KvEvent& e : events) {
+    for (const KvCacheEvent& e : events) {
         switch (e.kind) {
-            case KvEvent::Kind::kStored:
+            case KvCacheEvent::Kind::kStored:
                 for (const BlockHash& h : e.hashes) {
                     if (blocks.size() >= max_blocks_) {
                         // More than any real cache: forget it all rather than grow without
@@ -159,10 +26,10 @@ void KvIndex::Apply(const std::string& worker, const std::vector<KvEvent>& event
                     blocks.insert(h);
                 }
                 break;
-            case KvEvent::Kind::kRemoved:
+            case KvCacheEvent::Kind::kRemoved:
                 for (const BlockHash& h : e.hashes) blocks.erase(h);
                 break;
-            case KvEvent::Kind::kAllCleared:
+            case KvCacheEvent::Kind::kAllCleared:
                 blocks.clear();
                 break;
         }
@@ -290,7 +157,7 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
 
 void KvEventFollower::Apply(Worker& w, uint64_t seq, std::string_view payload) {
     size_t unknown = 0;
-    Result<std::vector<KvEvent>> events = DecodeKvEventBatch(payload, &unknown);
+    Result<std::vector<KvCacheEvent>> events = DecodeKvEventBatch(payload, &unknown);
     std::lock_guard lock(mu_);
     stats_.unknown_events += unknown;
     if (!events.ok()) {

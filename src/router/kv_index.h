@@ -28,43 +28,16 @@
 
 #include "core/block_hash.h"
 #include "ferry/status.h"
+#include "router/kv_events_wire.h"
 
 namespace ferry::router {
-
-// The events' framing, shared by the publisher (serve/kv_events.h) and the follower: an 8-byte
-// big-endian sequence number (-1: the end of a replay), and one ZeroMQ message's frames.
-std::string KvEventSeqBytes(int64_t seq);
-std::optional<int64_t> KvEventSeqOf(std::string_view frame);  // none unless 8 bytes
-// The frames of the next message waiting on `socket` (a ZeroMQ socket; at most `max` kept, the
-// rest read and dropped); empty when none is waiting.
-std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max = 8);
-
-// What a peer may send one of ferry's ZeroMQ sockets in one frame (ZMQ_MAXMSGSIZE): a peer that
-// declares more is disconnected by libzmq before anything is allocated for it. Event batches
-// (the router's SUB and replay DEALER) are split by the publisher to stay within the first;
-// subscriptions and replay requests (the worker's PUB and ROUTER) are a few bytes.
-inline constexpr int64_t kMaxKvEventBatchBytes = 16 << 20;
-inline constexpr int64_t kMaxKvEventRequestBytes = 4 << 10;
-// Sets ZMQ_MAXMSGSIZE on `socket` (and ZMQ_LINGER 0: nothing waits at close).
-void BoundZmqSocket(void* socket, int64_t max_message_bytes);
-
-struct KvEvent {
-    enum class Kind { kStored, kRemoved, kAllCleared };
-    Kind kind = Kind::kStored;
-    std::vector<BlockHash> hashes;
-};
-
-// One batch's payload in the "vllm" layout (32-byte hashes): InvalidArgument naming what is
-// wrong. Events of a type it does not know are skipped (counted in *unknown when given).
-Result<std::vector<KvEvent>> DecodeKvEventBatch(std::string_view payload,
-                                                size_t* unknown = nullptr);
 
 // The blocks each worker ("host:port") holds. Thread-safe.
 class KvIndex {
   public:
     explicit KvIndex(size_t max_blocks_per_worker = size_t{1} << 22)
         : max_blocks_(max_blocks_per_worker) {}
-    void Apply(const std::string& worker, const std::vector<KvEvent>& events);
+    void Apply(const std::string& worker, const std::vector<KvCacheEvent>& events);
     void Clear(const std::string& worker);
     // How many of `hashes`, from the first, the worker holds.
     size_t Matched(const std::string& worker, std::span<const BlockHash> hashes) const;

@@ -908,6 +908,32 @@ std::string Batch(const std::vector<std::pair<std::string, std::vector<int>>>& e
     return m.Take();
 }
 
+// The codec both ends use (router/kv_events_wire.h): what a worker's publisher encodes in vLLM's
+// layout, the router's follower decodes to the same kinds and hashes, in order; the legacy
+// layout (for vLLM's example subscriber) is one the follower refuses by name.
+TEST(RouterKvEvents, WhatAWorkerEncodesTheRouterDecodes) {
+    std::vector<KvCacheEvent> events = {
+        {KvCacheEvent::Kind::kStored, {H(1), H(2)}, H(9), {1, 2, 3, 4}},
+        {KvCacheEvent::Kind::kStored, {H(3)}, std::nullopt, {5, 6}},
+        {KvCacheEvent::Kind::kRemoved, {H(2)}},
+        {KvCacheEvent::Kind::kAllCleared, {}},
+    };
+    const std::string payload = EncodeKvEventBatch(12.5, events, KvEventsLayout::kVllm, 2);
+    size_t unknown = 0;
+    auto back = DecodeKvEventBatch(payload, &unknown);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    ASSERT_EQ(back->size(), events.size());
+    for (size_t i = 0; i < events.size(); ++i) {
+        EXPECT_EQ((*back)[i].kind, events[i].kind) << i;
+        EXPECT_EQ((*back)[i].hashes, events[i].hashes) << i;
+    }
+    EXPECT_EQ(unknown, 0u);
+    auto legacy = DecodeKvEventBatch(EncodeKvEventBatch(1, events, KvEventsLayout::kLegacy, 2));
+    EXPECT_EQ(legacy.status().code(), Code::kInvalidArgument);
+    EXPECT_EQ(*ParseKvEventsLayout("legacy"), KvEventsLayout::kLegacy);
+    EXPECT_EQ(ParseKvEventsLayout("v1").status().code(), Code::kInvalidArgument);
+}
+
 TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
     size_t unknown = 0;
     auto ev = DecodeKvEventBatch(Batch({{"BlockStored", {1, 2}},
@@ -918,10 +944,10 @@ TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
                                  &unknown);
     ASSERT_TRUE(ev.ok()) << ev.status().ToString();
     ASSERT_EQ(ev->size(), 3u);
-    EXPECT_EQ((*ev)[0].kind, KvEvent::Kind::kStored);
+    EXPECT_EQ((*ev)[0].kind, KvCacheEvent::Kind::kStored);
     EXPECT_EQ((*ev)[0].hashes, (std::vector<BlockHash>{H(1), H(2)}));
-    EXPECT_EQ((*ev)[1].kind, KvEvent::Kind::kRemoved);
-    EXPECT_EQ((*ev)[2].kind, KvEvent::Kind::kAllCleared);
+    EXPECT_EQ((*ev)[1].kind, KvCacheEvent::Kind::kRemoved);
+    EXPECT_EQ((*ev)[2].kind, KvCacheEvent::Kind::kAllCleared);
     EXPECT_EQ(unknown, 1u) << "an event type it does not know is skipped, not an error";
     // The legacy layout, a short hash, a truncated batch, trailing bytes, no events: each an
     // error that says what.
@@ -958,19 +984,19 @@ TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
 
 TEST(RouterKvEvents, TheIndexKnowsEachWorkersBlocksAndForgetsAll) {
     KvIndex index(/*max_blocks_per_worker=*/8);
-    index.Apply("w0", {{KvEvent::Kind::kStored, {H(1), H(2), H(3)}}});
-    index.Apply("w1", {{KvEvent::Kind::kStored, {H(1)}}});
+    index.Apply("w0", {{KvCacheEvent::Kind::kStored, {H(1), H(2), H(3)}}});
+    index.Apply("w1", {{KvCacheEvent::Kind::kStored, {H(1)}}});
     const std::vector<BlockHash> prompt = {H(1), H(2), H(3), H(4)};
     EXPECT_EQ(index.Matched("w0", prompt), 3u);
     EXPECT_EQ(index.Matched("w1", prompt), 1u);
     EXPECT_EQ(index.Matched("nobody", prompt), 0u);
-    index.Apply("w0", {{KvEvent::Kind::kRemoved, {H(2)}}});
+    index.Apply("w0", {{KvCacheEvent::Kind::kRemoved, {H(2)}}});
     EXPECT_EQ(index.Matched("w0", prompt), 1u) << "a consecutive prefix only";
-    index.Apply("w0", {{KvEvent::Kind::kAllCleared, {}}});
+    index.Apply("w0", {{KvCacheEvent::Kind::kAllCleared, {}}});
     EXPECT_EQ(index.Blocks("w0"), 0u);
     std::vector<BlockHash> many;
     for (int i = 0; i < 20; ++i) many.push_back(H(100 + i));
-    index.Apply("liar", {{KvEvent::Kind::kStored, many}});
+    index.Apply("liar", {{KvCacheEvent::Kind::kStored, many}});
     EXPECT_LE(index.Blocks("liar"), 8u) << "bounded per worker";
     EXPECT_GE(index.overflows(), 1u);
     index.Clear("w1");
@@ -988,7 +1014,7 @@ TEST(RouterKvEvents, CacheAwareWeighsTheBlocksAWorkerHoldsAgainstItsLoad) {
     r.AddWorker(Role::kDecode, Ep(2000));
     r.AddWorker(Role::kDecode, Ep(2001));
     const std::vector<BlockHash> prompt = {H(1), H(2), H(3), H(4)};
-    index->Apply("127.0.0.1:2001", {{KvEvent::Kind::kStored, prompt}});
+    index->Apply("127.0.0.1:2001", {{KvCacheEvent::Kind::kStored, prompt}});
     const RouteRequest rq{"x", 64, prompt};
     EXPECT_EQ(r.Route(Role::kDecode, rq)->worker(), 0u) << "not in step: no credit, a tie in turn";
     r.SetKvInSync("127.0.0.1:2001", true);

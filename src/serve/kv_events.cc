@@ -19,73 +19,6 @@ namespace ferry::serve {
 
 namespace {
 
-using Msgpack = MsgpackWriter;
-
-void Hash(Msgpack& m, const BlockHash& h, KvEventsLayout layout) {
-    if (layout == KvEventsLayout::kLegacy) {
-        m.Uint(BlockHashToInt(h));
-    } else {
-        m.Bin(h.data(), h.size());
-    }
-}
-
-void Hashes(Msgpack& m, const std::vector<BlockHash>& hs, KvEventsLayout layout) {
-    m.Array(hs.size());
-    for (const BlockHash& h : hs) Hash(m, h, layout);
-}
-
-void Event(Msgpack& m, const kv::KvCacheEvent& e, KvEventsLayout layout, int block_size) {
-    using Kind = kv::KvCacheEvent::Kind;
-    const bool legacy = layout == KvEventsLayout::kLegacy;
-    auto key = [&](const char* k) {
-        if (!legacy) m.Str(k);
-    };
-    switch (e.kind) {
-        case Kind::kStored:
-            legacy ? m.Array(7) : m.Map(9);
-            key("type");
-            m.Str("BlockStored");
-            key("block_hashes");
-            Hashes(m, e.hashes, layout);
-            key("parent_block_hash");
-            e.parent ? Hash(m, *e.parent, layout) : m.Nil();
-            key("token_ids");
-            m.Array(e.tokens.size());
-            for (int32_t t : e.tokens) m.Int(t);
-            key("block_size");
-            m.Int(block_size);
-            key("lora_id");
-            m.Nil();
-            key("medium");
-            m.Str("GPU");
-            if (!legacy) {
-                m.Str("lora_name");
-                m.Nil();
-                m.Str("group_idx");
-                m.Uint(0);
-            }
-            break;
-        case Kind::kRemoved:
-            legacy ? m.Array(3) : m.Map(4);
-            key("type");
-            m.Str("BlockRemoved");
-            key("block_hashes");
-            Hashes(m, e.hashes, layout);
-            key("medium");
-            m.Str("GPU");
-            if (!legacy) {
-                m.Str("group_idx");
-                m.Uint(0);
-            }
-            break;
-        case Kind::kAllCleared:
-            legacy ? m.Array(1) : m.Map(1);
-            key("type");
-            m.Str("AllBlocksCleared");
-            break;
-    }
-}
-
 bool Send(void* socket, const std::string& frame, bool more) {
     return zmq_send(socket, frame.data(), frame.size(), more ? ZMQ_SNDMORE : 0) >= 0;
 }
@@ -98,34 +31,6 @@ std::string LastEndpoint(void* socket) {
 }
 
 }  // namespace
-
-Result<KvEventsLayout> ParseKvEventsLayout(std::string_view name) {
-    if (name == "vllm") return KvEventsLayout::kVllm;
-    if (name == "legacy") return KvEventsLayout::kLegacy;
-    return InvalidArgumentError(
-        fmt::format("kv events layout '{}' is not one of vllm, legacy", name));
-}
-
-std::string EncodeKvEventBatch(double ts, std::span<const kv::KvCacheEvent> events,
-                               KvEventsLayout layout, int block_size) {
-    Msgpack m;
-    const bool legacy = layout == KvEventsLayout::kLegacy;
-    if (legacy) {
-        m.Array(2);
-    } else {
-        m.Map(3);
-        m.Str("ts");
-    }
-    m.Float(ts);
-    if (!legacy) m.Str("events");
-    m.Array(events.size());
-    for (const kv::KvCacheEvent& e : events) Event(m, e, layout, block_size);
-    if (!legacy) {
-        m.Str("data_parallel_rank");
-        m.Uint(0);
-    }
-    return m.Take();
-}
 
 Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig config) {
     std::unique_ptr<KvEventPublisher> p(new KvEventPublisher());
@@ -196,7 +101,7 @@ KvEventPublisher::~KvEventPublisher() {
     if (ctx_) zmq_ctx_term(ctx_);
 }
 
-void KvEventPublisher::Publish(std::vector<kv::KvCacheEvent> events) {
+void KvEventPublisher::Publish(std::vector<KvCacheEvent> events) {
     if (events.empty()) return;
     const double ts =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -240,7 +145,7 @@ void KvEventPublisher::Loop() {
             while (zmq_poll(&item, 1, 0) > 0 && (item.revents & ZMQ_POLLIN)) ServeReplay();
         }
         for (;;) {
-            std::pair<double, std::vector<kv::KvCacheEvent>> batch;
+            std::pair<double, std::vector<KvCacheEvent>> batch;
             {
                 std::lock_guard lock(mu_);
                 if (queue_.empty()) {
@@ -250,15 +155,15 @@ void KvEventPublisher::Loop() {
                 batch = std::move(queue_.front());
                 queue_.pop_front();
             }
-            std::string payload =
-                EncodeKvEventBatch(batch.first, batch.second, config_.layout, config_.block_size);
+            std::string payload = router::EncodeKvEventBatch(batch.first, batch.second,
+                                                             config_.layout, config_.block_size);
             if (payload.size() > config_.max_batch_bytes && batch.second.size() > 1) {
                 // Larger than a subscriber takes: two batches, in order.
                 const auto half = batch.second.begin() + long(batch.second.size() / 2);
-                std::vector<kv::KvCacheEvent> first(std::make_move_iterator(batch.second.begin()),
-                                                    std::make_move_iterator(half));
-                std::vector<kv::KvCacheEvent> second(std::make_move_iterator(half),
-                                                     std::make_move_iterator(batch.second.end()));
+                std::vector<KvCacheEvent> first(std::make_move_iterator(batch.second.begin()),
+                                                std::make_move_iterator(half));
+                std::vector<KvCacheEvent> second(std::make_move_iterator(half),
+                                                 std::make_move_iterator(batch.second.end()));
                 std::lock_guard lock(mu_);
                 queue_.emplace_front(batch.first, std::move(second));
                 queue_.emplace_front(batch.first, std::move(first));

@@ -38,13 +38,10 @@
 
 #include "ferry/status.h"
 #include "kv/block_pool.h"
+#include "router/kv_events_wire.h"
 #include "router/kv_index.h"
 
 namespace ferry::serve {
-
-enum class KvEventsLayout { kVllm, kLegacy };
-// "vllm" or "legacy"; InvalidArgument naming the choices otherwise.
-Result<KvEventsLayout> ParseKvEventsLayout(std::string_view name);
 
 struct KvEventsConfig {
     std::string endpoint;         // PUB: "tcp://*:5557" binds (a '*', "::", ipc:// or inproc://)
@@ -52,7 +49,7 @@ struct KvEventsConfig {
     bool bind = false;            // this says to bind it (one interface: "tcp://10.0.0.5:5557")
     std::string replay_endpoint;  // ROUTER, bound ("" = no replay)
     std::string topic;            // vLLM's default: ""
-    KvEventsLayout layout = KvEventsLayout::kVllm;
+    router::KvEventsLayout layout = router::KvEventsLayout::kVllm;
     int block_size = 16;
     size_t buffer_batches = 10000;  // kept for replay
     size_t max_queue = 100000;      // batches waiting for the publisher thread; more are dropped
@@ -66,10 +63,6 @@ struct KvEventsConfig {
     double replays_per_second = 20;
 };
 
-// One batch as msgpack, in `layout`.
-std::string EncodeKvEventBatch(double ts, std::span<const kv::KvCacheEvent> events,
-                               KvEventsLayout layout, int block_size);
-
 struct KvEventsStats {
     uint64_t batches = 0, events = 0, dropped = 0, replays = 0;
     uint64_t replays_refused = 0;  // beyond replays_per_second
@@ -81,7 +74,7 @@ class KvEventPublisher {
     // Binds (or connects) the sockets: InvalidArgument naming the endpoint that failed.
     static Result<std::unique_ptr<KvEventPublisher>> Start(KvEventsConfig config);
     ~KvEventPublisher();
-    void Publish(std::vector<kv::KvCacheEvent> events);
+    void Publish(std::vector<KvCacheEvent> events);
     KvEventsStats Stats() const;
     // Where the sockets are (with the port a "tcp://*:0" endpoint got).
     const std::string& endpoint() const { return bound_endpoint_; }
@@ -107,7 +100,7 @@ class KvEventPublisher {
     bool stop_ = false;
     double replay_tokens_ = 0;  // publisher thread only
     std::chrono::steady_clock::time_point replay_refill_;
-    std::deque<std::pair<double, std::vector<kv::KvCacheEvent>>> queue_;
+    std::deque<std::pair<double, std::vector<KvCacheEvent>>> queue_;
     std::deque<std::pair<uint64_t, std::string>> buffer_;  // publisher thread only
     uint64_t next_seq_ = 0;
     KvEventsStats stats_;

@@ -25,10 +25,10 @@ TEST(KvEventPublisher, ABatchLargerThanSubscribersTakeGoesOutSplitInOrder) {
     c.max_batch_bytes = 600;
     auto pub = testing::ValueOrDie(KvEventPublisher::Start(c));
     // 20 stored blocks of 16 tokens, one event each: ~120 bytes an event, ~2.4 KB in all.
-    std::vector<kv::KvCacheEvent> events;
+    std::vector<KvCacheEvent> events;
     BlockHash parent = RootBlockHash("0");
     for (int i = 0; i < 20; ++i) {
-        kv::KvCacheEvent e;
+        KvCacheEvent e;
         std::vector<int32_t> tokens(16, i);
         e.hashes = {HashBlockTokens(parent, tokens)};
         e.parent = parent;
@@ -36,7 +36,7 @@ TEST(KvEventPublisher, ABatchLargerThanSubscribersTakeGoesOutSplitInOrder) {
         parent = e.hashes[0];
         events.push_back(std::move(e));
     }
-    const std::vector<kv::KvCacheEvent> sent = events;
+    const std::vector<KvCacheEvent> sent = events;
     pub->Publish(std::move(events));
     ASSERT_TRUE(testing::WaitUntil([&] { return pub->Stats().events == 20; }));
     EXPECT_GE(pub->Stats().batches, 4u);  // ~2.4 KB in batches of at most 600 bytes
@@ -63,7 +63,7 @@ TEST(KvEventPublisher, ABatchLargerThanSubscribersTakeGoesOutSplitInOrder) {
         EXPECT_LE(frames[2].size(), c.max_batch_bytes);
         auto batch = router::DecodeKvEventBatch(frames[2]);
         ASSERT_TRUE(batch.ok()) << batch.status().ToString();
-        for (const router::KvEvent& e : *batch)
+        for (const KvCacheEvent& e : *batch)
             got.insert(got.end(), e.hashes.begin(), e.hashes.end());
     }
     zmq_close(dealer);

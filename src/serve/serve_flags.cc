@@ -537,7 +537,7 @@ Result<WorkerConfig> ToWorkerConfig(const ServeFlags& f) {
     wc.kv_events.replay_endpoint = f.kv_events_replay_endpoint;
     wc.kv_events.topic = f.kv_events_topic;
     wc.kv_events.replays_per_second = f.kv_events_replays_per_second;
-    FERRY_ASSIGN_OR_RETURN(wc.kv_events.layout, ParseKvEventsLayout(f.kv_events_layout));
+    FERRY_ASSIGN_OR_RETURN(wc.kv_events.layout, router::ParseKvEventsLayout(f.kv_events_layout));
     // The encoder-cache connector.
     wc.ec.kind = f.ec_connector;
     wc.ec.dir = f.ec_dir;

@@ -132,7 +132,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         auto pub = KvEventPublisher::Start(c.kv_events);
         if (!pub.ok()) return pub.status();
         w->kv_events_ = std::move(pub).value();
-        c.engine.on_kv_events = [pub = w->kv_events_](std::vector<kv::KvCacheEvent> events) {
+        c.engine.on_kv_events = [pub = w->kv_events_](std::vector<KvCacheEvent> events) {
             pub->Publish(std::move(events));
         };
         auto extra = std::move(c.server.extra_metrics);
