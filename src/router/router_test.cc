@@ -184,7 +184,7 @@ TEST(Router, AWorkerThatLeftGetsNothingNewAndComesBackFresh) {
     Router r({.policy = nullptr, .unhealthy_after = 1, .probe_after = std::chrono::hours(1)});
     r.AddWorker(Role::kDecode, Ep(2000));
     r.AddWorker(Role::kDecode, Ep(2001));
-    r.SetAgent(Role::kDecode, 0, {"d0", "127.0.0.1", 7000, 1});
+    r.SetAgent(Role::kDecode, 0, {{"d0", "127.0.0.1", 7000}, 1});
     r.Route(Role::kDecode, {"x", 0})->End(Outcome::kWorkerFailed);  // worker 0 unhealthy
     Result<Ticket> held = r.Route(Role::kDecode, {"held", 10});
     ASSERT_EQ(held->worker(), 1u);
@@ -328,7 +328,7 @@ TEST(RouterProtocol, BodiesAndParamsAreVllmsAndFerrysFields) {
     Json pull = PullPrefillParams();
     EXPECT_EQ(pull["do_remote_decode"], true);
     EXPECT_TRUE(pull["remote_engine_id"].is_null());
-    AgentInfo a{"eng", "10.0.0.1", 7000, 2};
+    AgentInfo a{{"eng", "10.0.0.1", 7000}, 2};
     Json d = PushDecodeParams("xid", a);
     EXPECT_EQ(d["do_remote_prefill"], true);
     EXPECT_EQ(d["transfer_mode"], "push");
@@ -770,11 +770,11 @@ TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
     auto reg = [&](const WorkerRecord& r) {
         return std::move(WorkerRegistration::Start(store->url(), {}, r, ttl)).value();
     };
-    auto rp0 = reg({p0.url(), "prefill", "tiny", 1, "p0", "127.0.0.1", 7301});
-    auto rd0 = reg({d0.url(), "decode", "tiny", 1, "d0", "127.0.0.1", 7302});
-    auto other_model = reg({"127.0.0.1:9", "decode", "llama", 1, "x", "127.0.0.1", 7303});
-    auto other_role = reg({"127.0.0.1:10", "encode", "tiny", 1, "", "", 0});
-    auto no_address = reg({"nowhere", "prefill", "tiny", 1, "", "", 0});
+    auto rp0 = reg({p0.url(), "prefill", "tiny", 1, {"p0", "127.0.0.1", 7301}});
+    auto rd0 = reg({d0.url(), "decode", "tiny", 1, {"d0", "127.0.0.1", 7302}});
+    auto other_model = reg({"127.0.0.1:9", "decode", "llama", 1, {"x", "127.0.0.1", 7303}});
+    auto other_role = reg({"127.0.0.1:10", "encode", "tiny", 1, {"", "", 0}});
+    auto no_address = reg({"nowhere", "prefill", "tiny", 1, {"", "", 0}});
     auto m = Membership::Start(
         {.directory = dir, .model = "tiny", .poll = std::chrono::milliseconds(50)}, router);
     // Every record seen: records come as store events, one at a time, so the two decode workers
@@ -799,7 +799,7 @@ TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
     EXPECT_EQ(st.records_ignored["address"], 1u);
     // A new worker takes requests within moments of registering (a store event, then one poll).
     auto start = std::chrono::steady_clock::now();
-    auto rd1 = reg({d1.url(), "decode", "tiny", 1, "d1", "127.0.0.1", 7304});
+    auto rd1 = reg({d1.url(), "decode", "tiny", 1, {"d1", "127.0.0.1", 7304}});
     ASSERT_TRUE(Until([&] {
         auto ws = router->Workers(Role::kDecode);
         return ws.size() == 3 && ws[2].member && ws[2].answering;
@@ -815,7 +815,7 @@ TEST(RouterMembership, WorkersJoinAndLeaveWithTheirRecordsInTheStore) {
     EXPECT_TRUE(router->Workers(Role::kDecode)[0].member);
     EXPECT_EQ(m->Stats().left, 1u);
     // Back under the same address with a new agent (a restart): a member again, the new agent.
-    auto rd1b = reg({d1.url(), "decode", "tiny", 1, "d1-restarted", "127.0.0.1", 7305});
+    auto rd1b = reg({d1.url(), "decode", "tiny", 1, {"d1-restarted", "127.0.0.1", 7305}});
     ASSERT_TRUE(Until([&] {
         auto a = router->Agent(Role::kDecode, 2);
         return router->Workers(Role::kDecode)[2].member && a && a->engine_id == "d1-restarted";
@@ -840,10 +840,10 @@ TEST(RouterMembership, EncodeWorkersRecordsFeedTheEncoderSet) {
     auto reg = [&](const WorkerRecord& r) {
         return std::move(WorkerRegistration::Start(store->url(), {}, r, ttl)).value();
     };
-    auto rd0 = reg({d0.url(), "decode", "tiny", 1, "d0", "127.0.0.1", 7302});
-    auto e0 = reg({"127.0.0.1:7401", "encode", "tiny", 1, "e0", "127.0.0.1", 7402});
-    auto e1 = reg({"127.0.0.1:7403", "encode", "tiny", 1, "e1", "127.0.0.1", 7404});
-    auto other = reg({"127.0.0.1:7405", "encode", "llama", 1, "e2", "127.0.0.1", 7406});
+    auto rd0 = reg({d0.url(), "decode", "tiny", 1, {"d0", "127.0.0.1", 7302}});
+    auto e0 = reg({"127.0.0.1:7401", "encode", "tiny", 1, {"e0", "127.0.0.1", 7402}});
+    auto e1 = reg({"127.0.0.1:7403", "encode", "tiny", 1, {"e1", "127.0.0.1", 7404}});
+    auto other = reg({"127.0.0.1:7405", "encode", "llama", 1, {"e2", "127.0.0.1", 7406}});
     auto m = Membership::Start({.directory = dir,
                                 .model = "tiny",
                                 .poll = std::chrono::milliseconds(50),
