@@ -72,10 +72,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::abort();
     }
     Connector().DeliverForTesting(data[0] % 2 ? "peer-a" : "peer-b", payload);
-    auto params = ferry::kv::ParseKvTransferParamsText(payload, ferry::kv::KvTransferMode::kPull);
+    auto params = ferry::kv::ParseConnectorKvParamsText(payload, ferry::kv::KvTransferMode::kPull);
     if (params.ok() && *params) {
         const std::string once = (*params)->ToJson().dump();
-        auto again = ferry::kv::ParseKvTransferParamsText(once, ferry::kv::KvTransferMode::kPull);
+        auto again = ferry::kv::ParseConnectorKvParamsText(once, ferry::kv::KvTransferMode::kPull);
         if (!again.ok() || !*again || (*again)->ToJson().dump() != once) std::abort();
     } else if (!params.ok() && params.status().message().empty()) {
         std::abort();

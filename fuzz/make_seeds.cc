@@ -23,6 +23,9 @@
 #include "kv/kv_transfer_params.h"
 #include "kv/peer_messages.h"
 #include "media/embeddings_file.h"
+#include "schema/ec_transfer_params.h"
+#include "schema/kv_transfer_params.h"
+#include "schema/openai_error.h"
 #include "transfer/metadata.h"
 #include "transfer/wire.h"
 #ifdef FERRY_SEED_UCX
@@ -226,6 +229,24 @@ int main(int argc, char** argv) {
         Put(root + "/kv_messages", "params-push",
             std::string(1, 0) +
                 R"({"do_remote_decode":true,"transfer_mode":"push","transfer_id":"x1"})");
+    }
+    // schema: first byte picks the decoder (schema_fuzzer.cc).
+    {
+        const std::string dir = root + "/schema";
+        Put(dir, "kv-pull-request", std::string(1, 0) + schema::PullPrefillRequestParams().dump());
+        Put(dir, "kv-push-decode",
+            std::string(1, 1) +
+                schema::PushDecodeRequestParams("x1", {"p0", "::1", 7001}, 2).dump());
+        schema::EcTransferParams ec;
+        static_cast<schema::AgentAddress&>(ec) = {"enc-0", "127.0.0.1", 7400};
+        ec.encoder = "vit";
+        Put(dir, "ec-params", std::string(1, 2) + schema::EcTransferParamsJson(ec).dump());
+        Put(dir, "agent", std::string(1, 3) + R"({"engine_id":"p","port":7001,"tp_size":2})");
+        Put(dir, "error",
+            std::string(1, 4) +
+                schema::OpenAiErrorJson(400, {"too long", "messages", "context_length_exceeded"},
+                                        "req-1")
+                    .dump());
     }
     fmt::print("seeds written under {}\n", root);
 #ifdef FERRY_SEED_UCX

@@ -40,7 +40,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             end = im.token_offset + 4;
         }
         if (!out.ec_transfer_params.is_null()) {
-            auto src = ferry::serve::ParseEcTransferParams(out.ec_transfer_params);
+            auto src = ferry::schema::ParseEcTransferParams(out.ec_transfer_params);
             if (src.ok() && (src->engine_id.empty() || src->host.empty() || src->port < 1 ||
                              src->port > 65535 || src->encoder.size() > 128)) {
                 std::abort();  // accepted params are whole and in range

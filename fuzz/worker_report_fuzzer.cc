@@ -1,6 +1,6 @@
 // What a router takes from its workers: the text of a worker's /metrics (vLLM's load gauges,
 // router/membership.h), a worker's record in the discovery store, and a batch of its KV events
-// (msgpack, router/kv_events_wire.h). The first byte picks which.
+// (msgpack, schema/kv_events.h). The first byte picks which.
 // A parsed load must be finite and non-negative with a KV usage in 0..1; a decoded record must
 // have the bounds its decoder promises; neither may crash or read out of bounds.
 #include <cmath>
@@ -19,7 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
     if (data[0] % 3 == 2) {
         size_t unknown = 0;
-        auto events = ferry::router::DecodeKvEventBatch(text, &unknown);
+        auto events = ferry::schema::DecodeKvEventBatch(text, &unknown);
         if (events.ok()) {
             for (const auto& e : *events) {
                 if (e.hashes.size() > text.size()) std::abort();  // 32 bytes each, at least

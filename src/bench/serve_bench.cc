@@ -25,6 +25,7 @@
 #include "discovery/http_json.h"
 #include "gguf/gguf.h"
 #include "http/http.h"
+#include "schema/openai_error.h"
 #include "tokenizer/tokenizer.h"
 
 namespace ferry::bench {
@@ -184,13 +185,9 @@ void StreamingRun::Finish(Conn* c, const Status& st) {
         } else if (!st.ok()) {
             r.error = st.message();
         } else if (c->status != 200) {
-            Json j = Json::parse(c->body, nullptr, false);
-            std::string msg = c->body;
-            if (j.is_object() && j.contains("error") && j["error"].is_object() &&
-                j["error"].contains("message")) {
-                msg = DumpJson(j["error"]["message"]);
-            }
-            r.error = fmt::format("HTTP {}: {}", c->status, msg);
+            // The server's own words when it wrote OpenAI's error body, else the body as is.
+            Result<schema::ParsedOpenAiError> e = schema::ParseOpenAiError(c->body);
+            r.error = fmt::format("HTTP {}: {}", c->status, e.ok() ? e->message : c->body);
         } else {
             r.error = c->error_body;  // an error event in the stream
         }
@@ -213,9 +210,8 @@ void StreamingRun::ParseEvents(Conn* c, Clock::time_point now) {
         Json j = Json::parse(data, nullptr, false);
         if (!j.is_object()) continue;
         if (j.contains("error")) {
-            const Json& e = j["error"];
-            c->error_body =
-                e.is_object() && e.contains("message") ? DumpJson(e["message"]) : DumpJson(e);
+            Result<schema::ParsedOpenAiError> e = schema::ParseOpenAiError(data);
+            c->error_body = e.ok() ? e->message : DumpJson(j["error"]);
             continue;
         }
         if (j.contains("usage") && j["usage"].is_object()) {

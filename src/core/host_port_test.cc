@@ -2,8 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include "core/agent_address.h"
-
 namespace ferry {
 namespace {
 
@@ -59,23 +57,6 @@ TEST(HostPort, FormatsWhatItParsesAndFindsAPeersHost) {
     EXPECT_EQ(HostOf("10.0.0.7:51234"), "10.0.0.7");
     EXPECT_EQ(HostOf("[::1]:51234"), "::1");
     EXPECT_EQ(HostOf("unix-socket"), "unix-socket");
-}
-
-// One agent address for every place that names one: from an agent's name and listen address
-// (IPv6 without its brackets), written as GET /v1/kv/agent and ec_transfer_params write it.
-TEST(AgentAddress, IsMadeFromAListenAddressAndWrittenAsJson) {
-    const AgentAddress v4 = AgentAt("prefill-0", "10.0.0.5:7301");
-    EXPECT_EQ(v4, (AgentAddress{"prefill-0", "10.0.0.5", 7301}));
-    EXPECT_EQ(v4.HostPort(), "10.0.0.5:7301");
-    const AgentAddress v6 = AgentAt("p", "[::1]:9");
-    EXPECT_EQ(v6.host, "::1");
-    EXPECT_EQ(v6.HostPort(), "[::1]:9");
-    EXPECT_EQ(AgentAddressJson(v6).dump(), R"({"engine_id":"p","host":"::1","port":9})");
-    const AgentAddress bad = AgentAt("p", "no port");
-    EXPECT_EQ(bad.port, 0);
-    EXPECT_TRUE(bad.host.empty());
-    EXPECT_FALSE(bad.empty());
-    EXPECT_TRUE(AgentAddress{}.empty());
 }
 
 }  // namespace

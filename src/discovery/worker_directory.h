@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "core/agent_address.h"
 #include "ferry/discovery.h"
 #include "ferry/status.h"
+#include "schema/agent_address.h"
 
 namespace ferry {
 
@@ -29,7 +29,7 @@ struct WorkerRecord {
     std::string model;
     int tp_size = 1;
     // Its transfer agent (none: empty).
-    AgentAddress agent;
+    schema::AgentAddress agent;
     // Its prefix cache's block hashes, so that a router recomputes them (core/block_hash.h):
     // "block_hash": {"version", "algorithm", "seed", "block_size", "extra_keys"}; absent in
     // records of older workers (block_size 0).

@@ -50,7 +50,7 @@ struct EngineConfig {
     std::string prefix_hash_seed = "0";
     // Called on the step thread after a step that changed the prefix cache, with what changed
     // in order (vLLM's KV events). Must not block. Null: no events are recorded.
-    std::function<void(std::vector<KvCacheEvent>)> on_kv_events;
+    std::function<void(std::vector<schema::KvCacheEvent>)> on_kv_events;
     int max_model_len = 0;  // 0: the model's context length
     // No step thread: the owner calls Step() (deterministic batching for tests and benchmarks).
     bool manual_steps = false;

@@ -237,7 +237,7 @@ void AgentKvConnector::Unbind() {
 Result<std::shared_ptr<ConnectorParams>> AgentKvConnector::ParseParams(
     const nlohmann::json& params) const {
     FERRY_ASSIGN_OR_RETURN(std::shared_ptr<KvTransferParams> p,
-                           ParseKvTransferParams(params, impl_->cfg.default_mode));
+                           ParseConnectorKvParams(params, impl_->cfg.default_mode));
     return std::shared_ptr<ConnectorParams>(std::move(p));
 }
 

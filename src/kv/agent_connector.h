@@ -28,9 +28,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "core/peer_trust.h"
 #include "ferry/agent.h"
 #include "kv/connector.h"
 #include "kv/kv_transfer_params.h"
@@ -38,13 +40,9 @@
 
 namespace ferry::kv {
 
-struct AgentConnectorConfig {
-    // Model::fingerprint() and the model's total kv heads (all ranks): checked at handshake.
-    std::string model_fingerprint;
-    int model_kv_heads = 0;
-    // The worker's TP, reported as kv_transfer_params' tp_size (vLLM's meaning); 0: the caches
-    // bound. They differ for MLA, whose ranks share one latent cache.
-    int model_tp = 0;
+// The built-in kind's own options (KvConnectorContext::options, `ferry serve`'s --kv-* flags):
+// AgentConnectorOptionsJson writes them, ParseAgentConnectorOptions reads them back.
+struct AgentConnectorOptions {
     // pull: a held request's blocks are freed if no decoder claims them within this time.
     std::chrono::milliseconds hold_lease{10000};
     // A load or push not finished this long after it started fails (DeadlineExceeded).
@@ -59,18 +57,7 @@ struct AgentConnectorConfig {
     // The protocol of kv_transfer_params that do not name one ("transfer_mode").
     KvTransferMode default_mode = KvTransferMode::kPull;
     // Backend for KV transfers ("" = the agent's choice for the peer).
-    std::string backend;
-
-    // Which agents this worker dials, and whether KV that arrives may be cached
-    // (docs/security.md). The peers are the deployment's when the agent has the deployment
-    // secret (`authenticated`: every peer proved it in the agent handshake), when peers are found
-    // by name in the deployment's store (`by_store`: the address in params is not used), or when
-    // only the `allowed_agents` ("host:port") are dialed. With none of these (vLLM's open
-    // behaviour) any address the params name is dialed, and KV that arrives from it serves its
-    // own request only: it never enters the prefix cache.
-    bool authenticated = false;
-    bool by_store = false;
-    std::vector<std::string> allowed_agents;
+    std::string backend = "";
     // Caps (0: none). Per client (ConnectorParams::requester; the router is exempt): KV blocks
     // of its unclaimed pull holds (-1: a quarter of the cache; checked at Admit and again when
     // the hold would be made, which then fails the request with ResourceExhausted), its loads in
@@ -87,8 +74,29 @@ struct AgentConnectorConfig {
     // The handshake canary (kv_verify.h): a peer is ready only once its canary, read through the
     // mapping requests use, arrived right.
     bool canary = true;
+};
+
+// {"hold_lease_ms", "transfer_timeout_ms", "bootstrap_timeout_ms", "handshake_timeout_ms",
+//  "liveness_interval_ms", "transfer_mode", "backend", "max_client_hold_blocks",
+//  "max_client_loads", "max_client_dials", "max_peer_loads", "connect_threads", "verify",
+//  "canary"}: every option.
+nlohmann::json AgentConnectorOptionsJson(const AgentConnectorOptions& o);
+// The options a JSON object names, the defaults for the rest. An operator's setting, so stricter
+// than a peer's message: InvalidArgument naming an unknown key (and the known ones), a mistyped
+// or out-of-range value.
+Result<AgentConnectorOptions> ParseAgentConnectorOptions(const nlohmann::json& options);
+
+struct AgentConnectorConfig : AgentConnectorOptions {
+    // Model::fingerprint() and the model's total kv heads (all ranks): checked at handshake.
+    std::string model_fingerprint;
+    int model_kv_heads = 0;
+    // The worker's TP, reported as kv_transfer_params' tp_size (vLLM's meaning); 0: the caches
+    // bound. They differ for MLA, whose ranks share one latent cache.
+    int model_tp = 0;
+    // Which agents this worker dials, and whether KV that arrives may enter the prefix cache.
+    PeerTrust trust = {};
     // Tests only: a mapping bug on purpose. Each peer rank's heads are taken to begin this many
-    // heads later than they do (what the canary and --kv-verify must catch).
+    // heads later than they do (what the canary and --kv-verify must catch). Not an option.
     int fault_head_offset_for_testing = 0;
 };
 

@@ -8,19 +8,16 @@ namespace ferry::kv {
 
 using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
 
-bool AgentKvConnector::Impl::DeploymentPeers() const {
-    return cfg.authenticated || cfg.by_store || !cfg.allowed_agents.empty();
-}
+bool AgentKvConnector::Impl::DeploymentPeers() const { return cfg.trust.deployment_only(); }
 
 bool AgentKvConnector::Impl::Allowed(const std::string& address) const {
-    return std::find(cfg.allowed_agents.begin(), cfg.allowed_agents.end(), address) !=
-           cfg.allowed_agents.end();
+    return cfg.trust.Listed(address);
 }
 
 Result<std::string> AgentKvConnector::Impl::DialAddress(const KvTransferParams& kp) const {
-    const AgentAddress remote = kp.remote_agent();
+    const schema::AgentAddress remote = kp.remote_agent();
     const std::string address = remote.host.empty() ? "" : remote.HostPort();
-    if (!cfg.allowed_agents.empty()) {
+    if (!cfg.trust.allowed_agents.empty()) {
         if (!Allowed(address)) {
             return PermissionDeniedError(
                 fmt::format("kv_transfer_params: the agent at '{}' is not one this worker may dial "
@@ -29,7 +26,7 @@ Result<std::string> AgentKvConnector::Impl::DialAddress(const KvTransferParams& 
         }
         return address;
     }
-    if (cfg.by_store) return std::string();
+    if (cfg.trust.by_store) return std::string();
     return address;
 }
 
@@ -224,12 +221,12 @@ void AgentKvConnector::Impl::EnsurePeer(const std::string& id, const KvTransferP
 Status AgentKvConnector::Impl::On(const std::string& from, msg::Hello& m) {
     if (m.ack) return OnHelloAck(from, m);
     // Answering needs a connection back: to an agent this worker may dial only.
-    if (!cfg.allowed_agents.empty() && !Allowed(m.addr)) {
+    if (!cfg.trust.allowed_agents.empty() && !Allowed(m.addr)) {
         return PermissionDeniedError(
             fmt::format("hello from an agent at '{}', which this worker may not dial (--kv-peers)",
                         Esc(m.addr)));
     }
-    std::string addr = cfg.by_store ? "" : m.addr;  // by name through the store, if so
+    std::string addr = cfg.trust.by_store ? "" : m.addr;  // by name through the store, if so
     connect_jobs.push_back({true, from, std::move(addr), std::move(m)});
     connect_cv.notify_one();
     return Status::Ok();

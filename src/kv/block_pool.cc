@@ -93,14 +93,14 @@ void KvBlockPool::Cache(BlockId block, const BlockHash& hash, const BlockHash& p
     b.tokens.assign(tokens.begin(), tokens.end());
     by_hash_[hash] = block;
     if (!record_events_) return;
-    if (!events_.empty() && events_.back().kind == KvCacheEvent::Kind::kStored &&
+    if (!events_.empty() && events_.back().kind == schema::KvCacheEvent::Kind::kStored &&
         events_.back().hashes.back() == parent) {
         events_.back().hashes.push_back(hash);  // the next block of the same chain
         events_.back().tokens.insert(events_.back().tokens.end(), tokens.begin(), tokens.end());
         return;
     }
-    KvCacheEvent e;
-    e.kind = KvCacheEvent::Kind::kStored;
+    schema::KvCacheEvent e;
+    e.kind = schema::KvCacheEvent::Kind::kStored;
     e.hashes.push_back(hash);
     if (parent != root_) e.parent = parent;
     e.tokens.assign(tokens.begin(), tokens.end());
@@ -113,8 +113,8 @@ void KvBlockPool::Uncache(BlockId b) {
     blk.cached = false;
     blk.tokens.clear();
     if (!record_events_) return;
-    if (events_.empty() || events_.back().kind != KvCacheEvent::Kind::kRemoved) {
-        events_.push_back({KvCacheEvent::Kind::kRemoved, {}, std::nullopt, {}});
+    if (events_.empty() || events_.back().kind != schema::KvCacheEvent::Kind::kRemoved) {
+        events_.push_back({schema::KvCacheEvent::Kind::kRemoved, {}, std::nullopt, {}});
     }
     events_.back().hashes.push_back(blk.hash);
 }
@@ -126,11 +126,12 @@ void KvBlockPool::ResetCache() {
         if (blocks_[b].cached) Uncache(b);
     }
     record_events_ = record;
-    if (record_events_) events_.push_back({KvCacheEvent::Kind::kAllCleared, {}, std::nullopt, {}});
+    if (record_events_)
+        events_.push_back({schema::KvCacheEvent::Kind::kAllCleared, {}, std::nullopt, {}});
 }
 
-std::vector<KvCacheEvent> KvBlockPool::TakeEvents() {
-    std::vector<KvCacheEvent> out;
+std::vector<schema::KvCacheEvent> KvBlockPool::TakeEvents() {
+    std::vector<schema::KvCacheEvent> out;
     out.swap(events_);
     return out;
 }

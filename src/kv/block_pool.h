@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "core/block_hash.h"
-#include "core/kv_event.h"
 #include "ferry/status.h"
+#include "schema/kv_event.h"
 
 namespace ferry::kv {
 
@@ -60,7 +60,7 @@ class KvBlockPool {
     // Events: off until asked for. Consecutive stores of one chain merge into one event, as
     // consecutive removals do.
     void set_record_events(bool on) { record_events_ = on; }
-    std::vector<KvCacheEvent> TakeEvents();
+    std::vector<schema::KvCacheEvent> TakeEvents();
 
     int refcount(BlockId b) const { return blocks_[b].refs; }
 
@@ -83,7 +83,7 @@ class KvBlockPool {
     std::list<BlockId> free_;  // front = next to reuse
     std::unordered_map<BlockHash, BlockId, BlockHashKey> by_hash_;
     bool record_events_ = false;
-    std::vector<KvCacheEvent> events_;
+    std::vector<schema::KvCacheEvent> events_;
 };
 
 }  // namespace ferry::kv

@@ -99,9 +99,9 @@ TEST(KvBlockPool, HashesAreTheSeedsChainAndChangesAreEvents) {
     auto t = Tokens(6, 1);
     auto a = *pool.Allocate(3);
     CacheAll(&pool, a, t);
-    std::vector<KvCacheEvent> ev = pool.TakeEvents();
+    std::vector<schema::KvCacheEvent> ev = pool.TakeEvents();
     ASSERT_EQ(ev.size(), 1u);
-    EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kStored);
+    EXPECT_EQ(ev[0].kind, schema::KvCacheEvent::Kind::kStored);
     EXPECT_EQ(ev[0].hashes, HashFullBlocks(RootBlockHash("7"), t, 2));
     EXPECT_FALSE(ev[0].parent) << "a prompt's first block has no parent (vLLM: None)";
     EXPECT_EQ(ev[0].tokens, t);
@@ -119,12 +119,12 @@ TEST(KvBlockPool, HashesAreTheSeedsChainAndChangesAreEvents) {
     auto fresh = *pool.Allocate(6);  // evicts every cached block
     ev = pool.TakeEvents();
     ASSERT_EQ(ev.size(), 1u);
-    EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kRemoved);
+    EXPECT_EQ(ev[0].kind, schema::KvCacheEvent::Kind::kRemoved);
     EXPECT_EQ(ev[0].hashes.size(), 4u);
     pool.ResetCache();
     ev = pool.TakeEvents();
     ASSERT_EQ(ev.size(), 1u);
-    EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kAllCleared);
+    EXPECT_EQ(ev[0].kind, schema::KvCacheEvent::Kind::kAllCleared);
     EXPECT_TRUE(pool.TakeEvents().empty());
 }
 

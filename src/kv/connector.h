@@ -32,16 +32,13 @@
 #include "ferry/status.h"
 #include "kv/block_pool.h"
 #include "kv/kv_cache.h"
+#include "schema/kv_transfer_params.h"
 
 namespace ferry::kv {
 
 // The first token the sending side sampled, and its log-probabilities: the receiver continues
-// from it instead of recomputing the last prompt token.
-struct FirstToken {
-    int32_t token = 0;
-    float logprob = 0;
-    std::vector<std::pair<int32_t, float>> top;
-};
+// from it instead of recomputing the last prompt token (kv_transfer_params carries it).
+using FirstToken = schema::FirstToken;
 
 // A request's kv_transfer_params as its connector parsed them (vLLM's design: the engine passes
 // them through unread, and each connector defines its own; src/kv/kv_transfer_params.h is the

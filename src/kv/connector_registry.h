@@ -6,10 +6,12 @@
 
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "core/peer_trust.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
 #include "kv/agent_connector.h"
@@ -17,23 +19,39 @@
 
 namespace ferry::kv {
 
-// What a connector is made from: the worker's transfer agent and the connector settings of
-// `ferry serve` (trust, timeouts, caps, the default protocol).
+// What a connector is made from: what the worker knows that any kind may need (its transfer
+// agent, the model's identity at a KV handshake, which peers it trusts) and the kind's own
+// options, a JSON object that only the kind reads (vLLM's kv_connector_extra_config; `ferry serve
+// --kv-connector-config`; for the built-in kind also its --kv-* flags, AgentConnectorOptions).
 struct KvConnectorContext {
-    std::shared_ptr<Agent> agent;
-    AgentConnectorConfig config;
+    std::shared_ptr<Agent> agent;  // null for a worker without one
+    // The model's weights' fingerprint (and its vision encoder's, for a worker that takes
+    // images), its total KV heads and its TP size.
+    std::string model_fingerprint;
+    int model_kv_heads = 0;
+    int model_tp = 0;
+    PeerTrust trust = {};
+    nlohmann::json options = nlohmann::json::object();
 };
 
 struct KvConnectorKind {
     std::string name;
     std::string description;  // one line, for --help
-    // Parses kv_transfer_params as this kind does, with no connector at hand (a worker without
-    // one still names a malformed field before it refuses the params). As KvConnector::ParseParams.
+    // Checks the kind's options before anything starts (a worker refuses to start on a bad
+    // one, naming it). Optional: a kind without it takes any options.
+    std::function<Status(const nlohmann::json& options)> check_options = {};
+    // Parses kv_transfer_params as this kind does under its options, with no connector at hand
+    // (a worker without one still names a malformed field before it refuses the params). As
+    // KvConnector::ParseParams.
     std::function<Result<std::shared_ptr<ConnectorParams>>(const nlohmann::json& params,
-                                                           const AgentConnectorConfig& config)>
+                                                           const nlohmann::json& options)>
         parse;
     std::function<Result<std::shared_ptr<KvConnector>>(const KvConnectorContext& context)> create;
 };
+
+// The built-in kind's config from a context: its options (ParseAgentConnectorOptions) with the
+// context's model and trust. For kinds that wrap the built-in one.
+Result<AgentConnectorConfig> AgentConnectorConfigOf(const KvConnectorContext& context);
 
 // The kind every worker uses unless told otherwise: the transfer engine's (AgentKvConnector).
 inline constexpr char kDefaultKvConnector[] = "ferry";

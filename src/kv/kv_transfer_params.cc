@@ -1,167 +1,27 @@
 #include "kv/kv_transfer_params.h"
 
-#include <fmt/core.h>
-
-#include <climits>
-#include <nlohmann/json.hpp>
-
-#include "core/json_depth.h"
-#include "core/json_fields.h"
-
 namespace ferry::kv {
 
 namespace {
 
-using Json = nlohmann::json;
-
-constexpr char kParam[] = "kv_transfer_params";
+Result<std::shared_ptr<KvTransferParams>> Wrap(Result<schema::KvTransferParams> p) {
+    if (!p.ok()) return p.status();
+    if (!p->do_remote_decode && !p->do_remote_prefill) {
+        return std::shared_ptr<KvTransferParams>();
+    }
+    return std::make_shared<KvTransferParams>(std::move(*p));
+}
 
 }  // namespace
 
-nlohmann::json KvTransferParams::ToJson() const {
-    Json j = {{"do_remote_decode", do_remote_decode},
-              {"do_remote_prefill", do_remote_prefill},
-              {"remote_engine_id", remote_engine_id},
-              {"remote_block_ids", remote_block_ids},
-              {"remote_host", remote_host},
-              {"remote_port", remote_port},
-              {"remote_request_id", remote_request_id},
-              {"tp_size", tp_size},
-              {"transfer_mode", mode == KvTransferMode::kPush ? "push" : "pull"}};
-    if (!transfer_id.empty()) j["transfer_id"] = transfer_id;
-    if (!hold_nonce.empty()) j["ferry_hold_nonce"] = hold_nonce;
-    if (first_token) {
-        Json top = Json::array();
-        for (auto [t, lp] : first_token->top) top.push_back({t, lp});
-        j["ferry_first_token"] = {
-            {"token", first_token->token}, {"logprob", first_token->logprob}, {"top", top}};
-    }
-    return j;
+Result<std::shared_ptr<KvTransferParams>> ParseConnectorKvParams(const nlohmann::json& params,
+                                                                 KvTransferMode default_mode) {
+    return Wrap(schema::ParseKvTransferParams(params, default_mode));
 }
 
-Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParamsText(std::string_view json,
-                                                                    KvTransferMode default_mode) {
-    if (!JsonDepthWithin(json, 8)) {
-        return InvalidArgumentError(fmt::format("'{}' nests too deep", kParam));
-    }
-    const Json v = Json::parse(json.begin(), json.end(), nullptr, false);
-    if (v.is_discarded()) {
-        return InvalidArgumentError(fmt::format("'{}' must be an object, not valid JSON", kParam));
-    }
-    return ParseKvTransferParams(v, default_mode);
-}
-
-Result<std::shared_ptr<KvTransferParams>> ParseKvTransferParams(const Json& v,
-                                                                KvTransferMode default_mode) {
-    if (!v.is_object()) {
-        return InvalidArgumentError(
-            fmt::format("'{}' must be an object, not {}", kParam, JsonFields::KindOf(v)));
-    }
-    auto p = std::make_shared<KvTransferParams>();
-    Status error;
-    // Typed reads through JsonFields; the errors keep the wording clients already match.
-    const JsonFields f(v, kParam);
-    auto bad = [&](const char* key, const char* want) {
-        if (error.ok()) {
-            error = InvalidArgumentError(fmt::format("'{}.{}' must be {}", kParam, key, want));
-        }
-    };
-    auto get = [&](const char* key) { return f.Given(key); };
-    auto boolean = [&](const char* key, bool* dst) {
-        auto x = f.OptBool(key);
-        if (!x.ok()) return bad(key, "a boolean");
-        if (*x) *dst = **x;
-    };
-    auto string = [&](const char* key, std::string* dst) {
-        auto x = f.OptString(key, 1024);
-        if (!x.ok()) return bad(key, "a string of at most 1024 bytes");
-        if (*x) *dst = std::move(**x);
-    };
-    auto integer = [&](const char* key, int* dst, int64_t lo, int64_t hi) {
-        auto x = f.OptInt(key, lo, hi);
-        if (!x.ok()) return bad(key, "an integer in range");
-        if (*x) *dst = static_cast<int>(**x);
-    };
-    boolean("do_remote_decode", &p->do_remote_decode);
-    boolean("do_remote_prefill", &p->do_remote_prefill);
-    string("remote_engine_id", &p->remote_engine_id);
-    string("remote_host", &p->remote_host);
-    integer("remote_port", &p->remote_port, 0, 65535);
-    string("remote_request_id", &p->remote_request_id);
-    integer("tp_size", &p->tp_size, 1, 1024);
-    string("transfer_id", &p->transfer_id);
-    p->mode = default_mode;
-    if (get("transfer_mode")) {
-        std::string mode;
-        string("transfer_mode", &mode);
-        if (mode == "push") {
-            p->mode = KvTransferMode::kPush;
-        } else if (mode == "pull") {
-            p->mode = KvTransferMode::kPull;
-        } else {
-            bad("transfer_mode", "\"pull\" or \"push\"");
-        }
-    }
-    if (get("remote_block_ids")) {
-        auto ids = f.IntArray<BlockId>("remote_block_ids", 0, INT32_MAX, 1u << 24);
-        if (ids.ok()) {
-            p->remote_block_ids = std::move(*ids);
-        } else {
-            bad("remote_block_ids", "an array of block ids");
-        }
-    }
-    if (const Json* n = get("ferry_hold_nonce")) {
-        if (!n->is_string() || n->get_ref<const std::string&>().size() != 32 ||
-            n->get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
-                std::string::npos) {
-            bad("ferry_hold_nonce", "32 hex characters, as the prefill worker gave it");
-        } else {
-            p->hold_nonce = n->get<std::string>();
-        }
-    }
-    if (const Json* t = get("ferry_first_token")) {
-        FirstToken ft;
-        auto tok = t->is_object() ? t->find("token") : Json::const_iterator();
-        if (!t->is_object() || tok == t->end() || !tok->is_number_integer() ||
-            JsonFields::ClampedInt(*tok) < 0 || JsonFields::ClampedInt(*tok) > INT32_MAX ||
-            !t->contains("logprob") || !(*t)["logprob"].is_number()) {
-            bad("ferry_first_token", "an object with an integer token and a logprob");
-        } else {
-            ft.token = static_cast<int32_t>(JsonFields::ClampedInt(*tok));
-            ft.logprob = (*t)["logprob"].get<float>();
-            if (t->contains("top")) {
-                const Json& top = (*t)["top"];
-                if (!top.is_array() || top.size() > 1024) {
-                    bad("ferry_first_token", "valid");
-                } else {
-                    for (const Json& e : top) {
-                        if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
-                            !e[1].is_number() || JsonFields::ClampedInt(e[0]) < 0 ||
-                            JsonFields::ClampedInt(e[0]) > INT32_MAX) {
-                            bad("ferry_first_token", "valid (top: [[token, logprob], ...])");
-                            break;
-                        }
-                        ft.top.emplace_back(static_cast<int32_t>(JsonFields::ClampedInt(e[0])),
-                                            e[1].get<float>());
-                    }
-                }
-            }
-            p->first_token = std::move(ft);
-        }
-    }
-    if (!error.ok()) return error;
-    if (p->do_remote_prefill && p->mode == KvTransferMode::kPull && p->hold_nonce.empty()) {
-        return InvalidArgumentError(
-            fmt::format("'{}.ferry_hold_nonce' must be present: a pull decode request carries the "
-                        "kv_transfer_params of a ferry prefill worker's answer, unchanged",
-                        kParam));
-    }
-    if (p->do_remote_decode && p->do_remote_prefill) {
-        return InvalidArgumentError(
-            "kv_transfer_params: do_remote_decode and do_remote_prefill are both true");
-    }
-    if (!p->do_remote_decode && !p->do_remote_prefill) return std::shared_ptr<KvTransferParams>();
-    return p;
+Result<std::shared_ptr<KvTransferParams>> ParseConnectorKvParamsText(std::string_view json,
+                                                                     KvTransferMode default_mode) {
+    return Wrap(schema::ParseKvTransferParamsText(json, default_mode));
 }
 
 }  // namespace ferry::kv

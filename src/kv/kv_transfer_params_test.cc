@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kv/connector_registry.h"
+#include "testing/testing.h"
 
 namespace ferry::kv {
 namespace {
@@ -18,8 +19,8 @@ Result<std::shared_ptr<KvTransferParams>> Parse(const Json& j,
                                                 KvTransferMode mode = KvTransferMode::kPull) {
     // The server hands the connector the parsed object; a peer's message or a fuzzer gives
     // text: both read the same.
-    auto parsed = ParseKvTransferParams(j, mode);
-    auto text = ParseKvTransferParamsText(j.dump(), mode);
+    auto parsed = ParseConnectorKvParams(j, mode);
+    auto text = ParseConnectorKvParamsText(j.dump(), mode);
     EXPECT_EQ(parsed.status().ToString(), text.status().ToString());
     if (parsed.ok() && text.ok() && *parsed && *text) {
         EXPECT_EQ((*parsed)->ToJson(), (*text)->ToJson());
@@ -38,7 +39,7 @@ TEST(KvTransferParams, WhatAPrefillWorkerAnswersParsesBackToTheSame) {
     p.tp_size = 2;
     p.hold_nonce = std::string(32, 'f');
     p.first_token = FirstToken{42, -0.5f, {{42, -0.5f}, {7, -1.25f}}};
-    auto back = ParseKvTransferParams(p.ToJson(), KvTransferMode::kPush);
+    auto back = ParseConnectorKvParams(p.ToJson(), KvTransferMode::kPush);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     ASSERT_TRUE(*back);
     EXPECT_EQ((*back)->ToJson(), p.ToJson());
@@ -96,20 +97,20 @@ TEST(KvTransferParams, EveryBadFieldIsNamed) {
         EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
         EXPECT_THAT(r.status().message(), HasSubstr(want)) << j.dump();
     }
-    EXPECT_FALSE(ParseKvTransferParamsText("{not json", KvTransferMode::kPull).ok());
-    EXPECT_FALSE(ParseKvTransferParamsText(std::string(100, '[') + std::string(100, ']'),
-                                           KvTransferMode::kPull)
+    EXPECT_FALSE(ParseConnectorKvParamsText("{not json", KvTransferMode::kPull).ok());
+    EXPECT_FALSE(ParseConnectorKvParamsText(std::string(100, '[') + std::string(100, ']'),
+                                            KvTransferMode::kPull)
                      .ok());
 }
 
 TEST(KvConnectorRegistry, TheBuiltInKindIsFoundAndAnUnknownOneNamesTheKnown) {
     auto k = FindKvConnector(kDefaultKvConnector);
     ASSERT_TRUE(k.ok());
-    AgentConnectorConfig cc;
-    cc.default_mode = KvTransferMode::kPush;
-    auto p = k->parse(Json::parse(R"({"do_remote_decode":true})"), cc);
+    auto p = k->parse(Json::parse(R"({"do_remote_decode":true})"), {{"transfer_mode", "push"}});
     ASSERT_TRUE(p.ok() && *p);
-    EXPECT_EQ(AsKvTransferParams(**p).mode, KvTransferMode::kPush);
+    EXPECT_EQ(AsKvTransferParams(**p).mode, KvTransferMode::kPush) << "the options' default";
+    auto bad = k->parse(Json::parse(R"({"do_remote_decode":true})"), {{"transfer_mod", "push"}});
+    EXPECT_THAT(bad.status().message(), HasSubstr("unknown option 'transfer_mod'"));
     auto missing = FindKvConnector("LMCacheConnector");
     ASSERT_FALSE(missing.ok());
     EXPECT_EQ(missing.status().code(), Code::kNotFound);
@@ -120,8 +121,7 @@ TEST(KvConnectorRegistry, AKindIsAddedOnceWithEverythingItNeeds) {
     KvConnectorKind k;
     k.name = "unit-test-kind";
     EXPECT_EQ(RegisterKvConnector(k).code(), Code::kInvalidArgument);
-    k.parse = [](const Json&,
-                 const AgentConnectorConfig&) -> Result<std::shared_ptr<ConnectorParams>> {
+    k.parse = [](const Json&, const Json&) -> Result<std::shared_ptr<ConnectorParams>> {
         return InvalidArgumentError("unit-test-kind parsed it");
     };
     k.create = [](const KvConnectorContext&) -> Result<std::shared_ptr<KvConnector>> {
@@ -133,6 +133,74 @@ TEST(KvConnectorRegistry, AKindIsAddedOnceWithEverythingItNeeds) {
     EXPECT_NE(std::find(names.begin(), names.end(), "unit-test-kind"), names.end());
     EXPECT_THAT(FindKvConnector("unit-test-kind")->parse("{}", {}).status().message(),
                 HasSubstr("unit-test-kind parsed it"));
+}
+
+// The built-in kind's options: every one written reads back; the defaults are
+// AgentConnectorOptions'; an unknown, mistyped or out-of-range one is named.
+TEST(KvConnectorOptions, EveryOptionReadsBackAndABadOneIsNamed) {
+    AgentConnectorOptions o;
+    o.hold_lease = std::chrono::milliseconds(1234);
+    o.transfer_timeout = std::chrono::milliseconds(2345);
+    o.bootstrap_timeout = std::chrono::milliseconds(3456);
+    o.handshake_timeout = std::chrono::milliseconds(4567);
+    o.liveness_interval = std::chrono::milliseconds(78);
+    o.default_mode = KvTransferMode::kPush;
+    o.backend = "tcp";
+    o.max_client_hold_blocks = 9;
+    o.max_client_loads = 8;
+    o.max_client_dials = 7;
+    o.max_peer_loads = 6;
+    o.connect_threads = 5;
+    o.verify = KvVerifyMode::kAll;
+    o.canary = false;
+    Result<AgentConnectorOptions> back = ParseAgentConnectorOptions(AgentConnectorOptionsJson(o));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(AgentConnectorOptionsJson(*back), AgentConnectorOptionsJson(o));
+    EXPECT_EQ(AgentConnectorOptionsJson(testing::ValueOrDie(ParseAgentConnectorOptions(Json()))),
+              AgentConnectorOptionsJson(AgentConnectorOptions{}));
+    EXPECT_EQ(
+        AgentConnectorOptionsJson(testing::ValueOrDie(ParseAgentConnectorOptions(Json::object()))),
+        AgentConnectorOptionsJson(AgentConnectorOptions{}));
+    const std::pair<Json, const char*> cases[] = {
+        {Json::array(), "must be a JSON object, not an array"},
+        {{{"hold_lease", 5}}, "unknown option 'hold_lease' (the built-in kind's: hold_lease_ms"},
+        {{{"hold_lease_ms", "5"}}, "'kv connector options.hold_lease_ms' must be an integer"},
+        {{{"hold_lease_ms", 0}}, "'kv connector options.hold_lease_ms' = 0 is outside"},
+        {{{"transfer_mode", "teleport"}}, "transfer_mode' must be \"pull\" or \"push\""},
+        {{{"verify", "some"}}, "verify' must be \"off\", \"sample\" or \"all\""},
+        {{{"connect_threads", 0}}, "connect_threads' = 0 is outside 1..256"},
+        {{{"canary", 1}}, "canary' must be a boolean"},
+        {{{"fault_head_offset_for_testing", 1}}, "unknown option 'fault_head_offset_for_testing'"},
+    };
+    for (const auto& [j, want] : cases) {
+        Result<AgentConnectorOptions> r = ParseAgentConnectorOptions(j);
+        ASSERT_FALSE(r.ok()) << j.dump();
+        EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+        EXPECT_THAT(r.status().message(), HasSubstr(want)) << j.dump();
+    }
+}
+
+// A context becomes the built-in connector's config: its options with the worker's model and
+// trust, which no option can set.
+TEST(KvConnectorOptions, AContextGivesTheBuiltInConfigItsModelAndTrust) {
+    KvConnectorContext c;
+    c.model_fingerprint = "fp";
+    c.model_kv_heads = 4;
+    c.model_tp = 2;
+    c.trust.allowed_agents = {"10.0.0.1:7000"};
+    c.options = {{"hold_lease_ms", 50}};
+    AgentConnectorConfig config = testing::ValueOrDie(AgentConnectorConfigOf(c));
+    EXPECT_EQ(config.model_fingerprint, "fp");
+    EXPECT_EQ(config.model_kv_heads, 4);
+    EXPECT_EQ(config.model_tp, 2);
+    EXPECT_TRUE(config.trust.Listed("10.0.0.1:7000"));
+    EXPECT_FALSE(config.trust.Listed("10.0.0.1:7001"));
+    EXPECT_TRUE(config.trust.deployment_only());
+    EXPECT_EQ(config.hold_lease, std::chrono::milliseconds(50));
+    EXPECT_EQ(config.fault_head_offset_for_testing, 0);
+    c.options = {{"allowed_agents", {"x:1"}}};
+    EXPECT_THAT(AgentConnectorConfigOf(c).status().message(),
+                HasSubstr("unknown option 'allowed_agents'"));
 }
 
 }  // namespace

@@ -238,7 +238,7 @@ FinishAction PullProtocol::HoldForReader(const ConnectorRequest& r, std::span<co
     out->mode = KvTransferMode::kPull;
     out->do_remote_prefill = true;
     out->do_remote_decode = false;
-    out->set_remote_agent(AgentAt(m_.agent->name(), m_.agent->ListenAddress()));
+    out->set_remote_agent(schema::AgentAt(m_.agent->name(), m_.agent->ListenAddress()));
     out->remote_block_ids.assign(blocks.begin(), blocks.begin() + nblocks);
     out->remote_request_id = r.id;
     out->tp_size = m_.cfg.model_tp > 0 ? m_.cfg.model_tp : m_.tp;

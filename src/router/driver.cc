@@ -12,6 +12,7 @@
 #include "core/json_fields.h"
 #include "core/log.h"
 #include "core/request_id.h"
+#include "schema/kv_transfer_params.h"
 #include "tokenizer/prompt.h"
 
 namespace ferry::router {
@@ -258,7 +259,7 @@ void Driver::Prefill(const std::shared_ptr<Flow>& f, const Json& body,
 
 void Driver::Pull(const std::shared_ptr<Flow>& f) {
     Json pb = PrefillBody(f->body);
-    pb["kv_transfer_params"] = PullPrefillParams();
+    pb["kv_transfer_params"] = schema::PullPrefillRequestParams();
     auto self = shared_from_this();
     Prefill(f, pb, [self, f](http::ClientReply r) {
         Json answer = Json::parse(r.body, nullptr, false);

@@ -7,15 +7,16 @@
 
 #include "core/log.h"
 #include "core/msgpack.h"
+#include "router/zmq_socket.h"
 
 namespace ferry::router {
 
-void KvIndex::Apply(const std::string& worker, const std::vector<KvCacheEvent>& events) {
+void KvIndex::Apply(const std::string& worker, const std::vector<schema::KvCacheEvent>& events) {
     std::lock_guard lock(mu_);
     auto& blocks = by_worker_[worker];
-    for (const KvCacheEvent& e : events) {
+    for (const schema::KvCacheEvent& e : events) {
         switch (e.kind) {
-            case KvCacheEvent::Kind::kStored:
+            case schema::KvCacheEvent::Kind::kStored:
                 for (const BlockHash& h : e.hashes) {
                     if (blocks.size() >= max_blocks_) {
                         // More than any real cache: forget it all rather than grow without
@@ -26,10 +27,10 @@ void KvIndex::Apply(const std::string& worker, const std::vector<KvCacheEvent>& 
                     blocks.insert(h);
                 }
                 break;
-            case KvCacheEvent::Kind::kRemoved:
+            case schema::KvCacheEvent::Kind::kRemoved:
                 for (const BlockHash& h : e.hashes) blocks.erase(h);
                 break;
-            case KvCacheEvent::Kind::kAllCleared:
+            case schema::KvCacheEvent::Kind::kAllCleared:
                 blocks.clear();
                 break;
         }
@@ -123,12 +124,12 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
     }
     if (w.source.replay.empty()) return false;
     void* s = zmq_socket(ctx_, ZMQ_DEALER);
-    BoundZmqSocket(s, kMaxKvEventBatchBytes);
+    BoundZmqSocket(s, schema::kMaxKvEventBatchBytes);
     if (zmq_connect(s, w.source.replay.c_str()) != 0) {
         zmq_close(s);
         return false;
     }
-    const std::string start = KvEventSeqBytes(int64_t(from));
+    const std::string start = schema::KvEventSeqBytes(int64_t(from));
     zmq_send(s, "", 0, ZMQ_SNDMORE);
     zmq_send(s, start.data(), start.size(), 0);
     bool covered = false, first = true, ended = false;
@@ -138,7 +139,7 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
         if (zmq_poll(&item, 1, 50) <= 0) continue;
         std::vector<std::string> frames = ReceiveZmqFrames(s);
         if (frames.size() != 3 || !frames[0].empty()) break;  // not a replay answer
-        std::optional<int64_t> seq = KvEventSeqOf(frames[1]);
+        std::optional<int64_t> seq = schema::KvEventSeqOf(frames[1]);
         if (!seq) break;
         if (*seq == -1) {
             ended = true;
@@ -157,7 +158,8 @@ bool KvEventFollower::Replay(Worker& w, uint64_t from) {
 
 void KvEventFollower::Apply(Worker& w, uint64_t seq, std::string_view payload) {
     size_t unknown = 0;
-    Result<std::vector<KvCacheEvent>> events = DecodeKvEventBatch(payload, &unknown);
+    Result<std::vector<schema::KvCacheEvent>> events =
+        schema::DecodeKvEventBatch(payload, &unknown);
     std::lock_guard lock(mu_);
     stats_.unknown_events += unknown;
     if (!events.ok()) {
@@ -232,7 +234,7 @@ void KvEventFollower::Loop() {
                 w->key = key;
                 w->source = source;
                 w->sub = zmq_socket(ctx_, ZMQ_SUB);
-                BoundZmqSocket(w->sub, kMaxKvEventBatchBytes);
+                BoundZmqSocket(w->sub, schema::kMaxKvEventBatchBytes);
                 zmq_setsockopt(w->sub, ZMQ_SUBSCRIBE, "", 0);
                 if (zmq_connect(w->sub, source.events.c_str()) != 0) {
                     FERRY_LOG(kWarn, "router: kv events of {}: cannot subscribe to '{}': {}", key,
@@ -262,7 +264,7 @@ void KvEventFollower::Loop() {
                 std::vector<std::string> frames = ReceiveZmqFrames(w.sub, 4);
                 if (frames.empty()) break;
                 std::optional<int64_t> seq =
-                    frames.size() == 3 ? KvEventSeqOf(frames[1]) : std::nullopt;
+                    frames.size() == 3 ? schema::KvEventSeqOf(frames[1]) : std::nullopt;
                 if (!seq || *seq < 0) {
                     std::lock_guard lock(mu_);
                     ++stats_.malformed;

@@ -28,7 +28,7 @@
 
 #include "core/block_hash.h"
 #include "ferry/status.h"
-#include "router/kv_events_wire.h"
+#include "schema/kv_events.h"
 
 namespace ferry::router {
 
@@ -37,7 +37,7 @@ class KvIndex {
   public:
     explicit KvIndex(size_t max_blocks_per_worker = size_t{1} << 22)
         : max_blocks_(max_blocks_per_worker) {}
-    void Apply(const std::string& worker, const std::vector<KvCacheEvent>& events);
+    void Apply(const std::string& worker, const std::vector<schema::KvCacheEvent>& events);
     void Clear(const std::string& worker);
     // How many of `hashes`, from the first, the worker holds.
     size_t Matched(const std::string& worker, std::span<const BlockHash> hashes) const;

@@ -12,24 +12,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-Json ErrorJson(int status, const OpenAiError& error, const std::string& request_id) {
-    const char* type = status == 400 || status == 413 ? "invalid_request_error"
-                       : status == 401                ? "authentication_error"
-                       : status == 403                ? "permission_error"
-                       : status == 404                ? "not_found_error"
-                       : status == 409                ? "conflict_error"
-                       : status == 429                ? "rate_limit_error"
-                       : status == 503                ? "service_unavailable"
-                       : status < 500                 ? "invalid_request_error"
-                                                      : "server_error";
-    Json err = {{"message", error.message},
-                {"type", type},
-                {"param", error.param.empty() ? Json() : Json(error.param)},
-                {"code", error.code.empty() ? Json(status) : Json(error.code)}};
-    if (!request_id.empty()) err["request_id"] = request_id;
-    return {{"error", err}};
-}
-
 }  // namespace
 
 const char* ProtocolName(Protocol protocol) {
@@ -37,13 +19,17 @@ const char* ProtocolName(Protocol protocol) {
 }
 
 http::Reply ErrorReply(int status, const OpenAiError& error, const std::string& request_id) {
-    http::Reply r{status, "application/json", DumpJson(ErrorJson(status, error, request_id)), {}};
+    http::Reply r{status,
+                  "application/json",
+                  DumpJson(schema::OpenAiErrorJson(status, error, request_id)),
+                  {}};
     if (!request_id.empty()) r.headers.push_back({"X-Request-Id", request_id});
     return r;
 }
 
 std::string ErrorEvent(int status, const OpenAiError& error, const std::string& request_id) {
-    return "data: " + DumpJson(ErrorJson(status, error, request_id)) + "\n\ndata: [DONE]\n\n";
+    return "data: " + DumpJson(schema::OpenAiErrorJson(status, error, request_id)) +
+           "\n\ndata: [DONE]\n\n";
 }
 
 Json PrefillBody(Json body) {
@@ -93,52 +79,28 @@ size_t PickEncoder(const std::vector<std::string_view>& urls,
     return best;
 }
 
-Json PullPrefillParams() {
-    return {{"do_remote_decode", true},    {"do_remote_prefill", false},
-            {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
-            {"remote_host", nullptr},      {"remote_port", nullptr}};
-}
-
-Json PushPrefillParams(const std::string& transfer_id) {
-    return {{"do_remote_decode", true},
-            {"do_remote_prefill", false},
-            {"transfer_mode", "push"},
-            {"transfer_id", transfer_id}};
-}
-
-Json PushDecodeParams(const std::string& transfer_id, const AgentInfo& agent) {
-    return {{"do_remote_decode", false},
-            {"do_remote_prefill", true},
-            {"transfer_mode", "push"},
-            {"transfer_id", transfer_id},
-            {"remote_engine_id", agent.engine_id},
-            {"remote_host", agent.host},
-            {"remote_port", agent.port},
-            {"tp_size", agent.tp_size}};
-}
-
 Result<AgentInfo> ParseAgentInfo(int status, const std::string& body,
                                  const http::Endpoint& worker) {
     Json j = status == 200 ? Json::parse(body, nullptr, false) : Json();
-    if (!j.is_object() || !j.contains("engine_id") || !j["engine_id"].is_string() ||
-        !j.contains("port") || !j["port"].is_number_integer()) {
-        return UnavailableError(
-            fmt::format("prefill worker {} has no KV agent (GET /v1/kv/agent answered {}): "
-                        "start it with --role prefill",
-                        FormatHostPort(worker.host, worker.port), status));
+    Result<schema::AgentAddress> address = j.is_object()
+                                               ? schema::ParseAgentAddress(j, "agent", worker.host)
+                                               : InvalidArgumentError("not a JSON object");
+    if (!address.ok()) {
+        return UnavailableError(fmt::format(
+            "prefill worker {} has no usable KV agent (GET /v1/kv/agent answered {}: "
+            "{}): start it with --role prefill",
+            FormatHostPort(worker.host, worker.port), status, address.status().message()));
     }
     AgentInfo a;
-    a.engine_id = j["engine_id"].get<std::string>();
-    a.host =
-        j.contains("host") && j["host"].is_string() ? j["host"].get<std::string>() : worker.host;
-    a.port = j["port"].get<int>();
-    a.tp_size =
-        j.contains("tp_size") && j["tp_size"].is_number_integer() ? j["tp_size"].get<int>() : 1;
-    if (a.port <= 0 || a.port > 65535 || a.tp_size < 1) {
-        return UnavailableError(
-            fmt::format("prefill worker {} names an agent at port {} with tp_size {}: not usable",
-                        FormatHostPort(worker.host, worker.port), a.port, a.tp_size));
+    static_cast<schema::AgentAddress&>(a) = std::move(*address);
+    const JsonFields f(j, "agent");
+    Result<std::optional<int64_t>> tp = f.OptInt("tp_size", 1, 1024);
+    if (!tp.ok()) {
+        return UnavailableError(fmt::format("prefill worker {} names an agent with {}: not usable",
+                                            FormatHostPort(worker.host, worker.port),
+                                            tp.status().message()));
     }
+    a.tp_size = static_cast<int>(tp->value_or(1));
     return a;
 }
 

@@ -1,7 +1,8 @@
-// The disaggregation protocols' HTTP messages as the router writes them (docs/disaggregation.md):
-// the bodies each kind of worker gets, the kv_transfer_params of pull and push, a prefill
-// worker's agent, and OpenAI error replies. Written once: `ferry proxy` and decode-first
-// workers both build their requests here.
+// The disaggregation protocols' HTTP messages as the router sends them (docs/disaggregation.md):
+// the bodies each kind of worker gets, a prefill worker's agent, and OpenAI error replies.
+// Written once: `ferry proxy` and decode-first workers both build their requests here. The
+// objects inside them (kv_transfer_params, ec_transfer_params, an agent's address, the error
+// body) have their one codec in src/schema/.
 #pragma once
 
 #include <chrono>
@@ -15,6 +16,7 @@
 #include "ferry/status.h"
 #include "http/http.h"
 #include "router/router.h"
+#include "schema/openai_error.h"
 
 namespace ferry::router {
 
@@ -27,20 +29,9 @@ const char* ProtocolName(Protocol protocol);
 // Request bodies nesting deeper than this are refused before they are parsed.
 inline constexpr size_t kMaxJsonDepth = 64;
 
-// The one OpenAI error reply of every ferry server (the workers' OpenAI server, `ferry proxy`,
-// the HTTP layer's own refusals through ServerConfig::error_reply):
-//   {"error": {"message", "type", "param", "code"[, "request_id"]}}
-// `type` follows the status (400/413 invalid_request_error, 401 authentication_error, 403
-// permission_error, 404 not_found_error, 409 conflict_error, 429 rate_limit_error, 503
-// service_unavailable, other 4xx invalid_request_error, 5xx server_error); `param` is the
-// request field at fault or null; `code` a stable string naming the fault, else the HTTP status
-// as a number (vLLM's ErrorResponse). With `request_id` the body names it and the X-Request-Id
-// header carries it.
-struct OpenAiError {
-    std::string message;
-    std::string param = "";
-    std::string code = "";
-};
+// The one OpenAI error reply of every ferry server: schema::OpenAiErrorJson's body
+// (schema/openai_error.h) with the status; with `request_id` the X-Request-Id header carries it.
+using schema::OpenAiError;
 http::Reply ErrorReply(int status, const OpenAiError& error, const std::string& request_id = "");
 inline http::Reply ErrorReply(int status, const std::string& message,
                               const std::string& request_id = "") {
@@ -60,13 +51,6 @@ std::vector<std::string_view> ImageUrls(const nlohmann::json& body);
 // `encoders` is not empty.
 size_t PickEncoder(const std::vector<std::string_view>& urls,
                    const std::vector<http::Endpoint>& encoders);
-
-// kv_transfer_params of a pull prefill request (vLLM's: the prefill worker fills them in).
-nlohmann::json PullPrefillParams();
-// ... of a push prefill request: write the KV to whichever decoder names `transfer_id`.
-nlohmann::json PushPrefillParams(const std::string& transfer_id);
-// ... of a push decode request: name your blocks to `agent` under `transfer_id`.
-nlohmann::json PushDecodeParams(const std::string& transfer_id, const AgentInfo& agent);
 
 // A worker's GET /v1/kv/agent answer; Unavailable naming the worker when it has no agent.
 Result<AgentInfo> ParseAgentInfo(int status, const std::string& body, const http::Endpoint& worker);

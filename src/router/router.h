@@ -24,12 +24,12 @@
 #include <string_view>
 #include <vector>
 
-#include "core/agent_address.h"
 #include "core/block_hash.h"
 #include "discovery/worker_directory.h"
 #include "ferry/status.h"
 #include "http/http.h"
 #include "router/kv_index.h"
+#include "schema/agent_address.h"
 
 namespace ferry::router {
 
@@ -37,7 +37,7 @@ enum class Role { kPrefill, kDecode };
 const char* RoleName(Role role);
 
 // Where a prefill worker's transfer agent listens (its GET /v1/kv/agent answer).
-struct AgentInfo : AgentAddress {
+struct AgentInfo : schema::AgentAddress {
     int tp_size = 1;
 };
 

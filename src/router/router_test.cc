@@ -26,6 +26,7 @@
 #include "router/protocol.h"
 #include "router/quarantine.h"
 #include "router/worker_call.h"
+#include "schema/kv_transfer_params.h"
 #include "testing/zmtp_liar.h"
 
 namespace ferry::router {
@@ -325,20 +326,6 @@ TEST(RouterProtocol, BodiesAndParamsAreVllmsAndFerrysFields) {
     EXPECT_FALSE(pb.contains("stream_options"));
     EXPECT_FALSE(pb.contains("min_tokens"));
     EXPECT_EQ(pb["prompt"], "hi");
-    Json pull = PullPrefillParams();
-    EXPECT_EQ(pull["do_remote_decode"], true);
-    EXPECT_TRUE(pull["remote_engine_id"].is_null());
-    AgentInfo a{{"eng", "10.0.0.1", 7000}, 2};
-    Json d = PushDecodeParams("xid", a);
-    EXPECT_EQ(d["do_remote_prefill"], true);
-    EXPECT_EQ(d["transfer_mode"], "push");
-    EXPECT_EQ(d["transfer_id"], "xid");
-    EXPECT_EQ(d["remote_engine_id"], "eng");
-    EXPECT_EQ(d["remote_host"], "10.0.0.1");
-    EXPECT_EQ(d["remote_port"], 7000);
-    EXPECT_EQ(d["tp_size"], 2);
-    EXPECT_EQ(PushPrefillParams("xid")["transfer_id"], "xid");
-
     Result<AgentInfo> ok = ParseAgentInfo(200, R"({"engine_id":"e","port":7001})", Ep(9000));
     ASSERT_TRUE(ok.ok());
     EXPECT_EQ(ok->host, "127.0.0.1") << "no host: the worker's";
@@ -519,7 +506,7 @@ TEST(RouterDriver, PullSendsThePrefillWorkersParamsToTheDecoderUnderOneRequestId
     ASSERT_EQ(d.size(), 1u);
     Json pb = Json::parse(p[0].body), db = Json::parse(d[0].body);
     EXPECT_EQ(pb["max_tokens"], 1);
-    EXPECT_EQ(pb["kv_transfer_params"], PullPrefillParams());
+    EXPECT_EQ(pb["kv_transfer_params"], schema::PullPrefillRequestParams());
     EXPECT_EQ(db["max_tokens"], 4);
     EXPECT_EQ(db["kv_transfer_params"]["remote_engine_id"], "p0");
     for (const http::Request& r : {p[0], d[0]}) {
@@ -908,19 +895,20 @@ std::string Batch(const std::vector<std::pair<std::string, std::vector<int>>>& e
     return m.Take();
 }
 
-// The codec both ends use (router/kv_events_wire.h): what a worker's publisher encodes in vLLM's
+// The codec both ends use (schema/kv_events.h): what a worker's publisher encodes in vLLM's
 // layout, the router's follower decodes to the same kinds and hashes, in order; the legacy
 // layout (for vLLM's example subscriber) is one the follower refuses by name.
 TEST(RouterKvEvents, WhatAWorkerEncodesTheRouterDecodes) {
-    std::vector<KvCacheEvent> events = {
-        {KvCacheEvent::Kind::kStored, {H(1), H(2)}, H(9), {1, 2, 3, 4}},
-        {KvCacheEvent::Kind::kStored, {H(3)}, std::nullopt, {5, 6}},
-        {KvCacheEvent::Kind::kRemoved, {H(2)}},
-        {KvCacheEvent::Kind::kAllCleared, {}},
+    std::vector<schema::KvCacheEvent> events = {
+        {schema::KvCacheEvent::Kind::kStored, {H(1), H(2)}, H(9), {1, 2, 3, 4}},
+        {schema::KvCacheEvent::Kind::kStored, {H(3)}, std::nullopt, {5, 6}},
+        {schema::KvCacheEvent::Kind::kRemoved, {H(2)}},
+        {schema::KvCacheEvent::Kind::kAllCleared, {}},
     };
-    const std::string payload = EncodeKvEventBatch(12.5, events, KvEventsLayout::kVllm, 2);
+    const std::string payload =
+        schema::EncodeKvEventBatch(12.5, events, schema::KvEventsLayout::kVllm, 2);
     size_t unknown = 0;
-    auto back = DecodeKvEventBatch(payload, &unknown);
+    auto back = schema::DecodeKvEventBatch(payload, &unknown);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     ASSERT_EQ(back->size(), events.size());
     for (size_t i = 0; i < events.size(); ++i) {
@@ -928,26 +916,27 @@ TEST(RouterKvEvents, WhatAWorkerEncodesTheRouterDecodes) {
         EXPECT_EQ((*back)[i].hashes, events[i].hashes) << i;
     }
     EXPECT_EQ(unknown, 0u);
-    auto legacy = DecodeKvEventBatch(EncodeKvEventBatch(1, events, KvEventsLayout::kLegacy, 2));
+    auto legacy = schema::DecodeKvEventBatch(
+        schema::EncodeKvEventBatch(1, events, schema::KvEventsLayout::kLegacy, 2));
     EXPECT_EQ(legacy.status().code(), Code::kInvalidArgument);
-    EXPECT_EQ(*ParseKvEventsLayout("legacy"), KvEventsLayout::kLegacy);
-    EXPECT_EQ(ParseKvEventsLayout("v1").status().code(), Code::kInvalidArgument);
+    EXPECT_EQ(*schema::ParseKvEventsLayout("legacy"), schema::KvEventsLayout::kLegacy);
+    EXPECT_EQ(schema::ParseKvEventsLayout("v1").status().code(), Code::kInvalidArgument);
 }
 
 TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
     size_t unknown = 0;
-    auto ev = DecodeKvEventBatch(Batch({{"BlockStored", {1, 2}},
-                                        {"BlockSomethingNew", {3}},
-                                        {"BlockRemoved", {1}},
-                                        {"AllBlocksCleared", {}}},
-                                       true),
-                                 &unknown);
+    auto ev = schema::DecodeKvEventBatch(Batch({{"BlockStored", {1, 2}},
+                                                {"BlockSomethingNew", {3}},
+                                                {"BlockRemoved", {1}},
+                                                {"AllBlocksCleared", {}}},
+                                               true),
+                                         &unknown);
     ASSERT_TRUE(ev.ok()) << ev.status().ToString();
     ASSERT_EQ(ev->size(), 3u);
-    EXPECT_EQ((*ev)[0].kind, KvCacheEvent::Kind::kStored);
+    EXPECT_EQ((*ev)[0].kind, schema::KvCacheEvent::Kind::kStored);
     EXPECT_EQ((*ev)[0].hashes, (std::vector<BlockHash>{H(1), H(2)}));
-    EXPECT_EQ((*ev)[1].kind, KvCacheEvent::Kind::kRemoved);
-    EXPECT_EQ((*ev)[2].kind, KvCacheEvent::Kind::kAllCleared);
+    EXPECT_EQ((*ev)[1].kind, schema::KvCacheEvent::Kind::kRemoved);
+    EXPECT_EQ((*ev)[2].kind, schema::KvCacheEvent::Kind::kAllCleared);
     EXPECT_EQ(unknown, 1u) << "an event type it does not know is skipped, not an error";
     // The legacy layout, a short hash, a truncated batch, trailing bytes, no events: each an
     // error that says what.
@@ -975,7 +964,7 @@ TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
         {std::string("\xdd\xff\xff\xff\xff", 5), "not a map"},
         {"", "msgpack"}};
     for (const auto& [bytes, says] : bad) {
-        auto r = DecodeKvEventBatch(bytes);
+        auto r = schema::DecodeKvEventBatch(bytes);
         ASSERT_FALSE(r.ok()) << says;
         EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
         EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().ToString();
@@ -984,19 +973,19 @@ TEST(RouterKvEvents, DecodesVllmsBatchAndRefusesWhatIsNotOne) {
 
 TEST(RouterKvEvents, TheIndexKnowsEachWorkersBlocksAndForgetsAll) {
     KvIndex index(/*max_blocks_per_worker=*/8);
-    index.Apply("w0", {{KvCacheEvent::Kind::kStored, {H(1), H(2), H(3)}}});
-    index.Apply("w1", {{KvCacheEvent::Kind::kStored, {H(1)}}});
+    index.Apply("w0", {{schema::KvCacheEvent::Kind::kStored, {H(1), H(2), H(3)}}});
+    index.Apply("w1", {{schema::KvCacheEvent::Kind::kStored, {H(1)}}});
     const std::vector<BlockHash> prompt = {H(1), H(2), H(3), H(4)};
     EXPECT_EQ(index.Matched("w0", prompt), 3u);
     EXPECT_EQ(index.Matched("w1", prompt), 1u);
     EXPECT_EQ(index.Matched("nobody", prompt), 0u);
-    index.Apply("w0", {{KvCacheEvent::Kind::kRemoved, {H(2)}}});
+    index.Apply("w0", {{schema::KvCacheEvent::Kind::kRemoved, {H(2)}}});
     EXPECT_EQ(index.Matched("w0", prompt), 1u) << "a consecutive prefix only";
-    index.Apply("w0", {{KvCacheEvent::Kind::kAllCleared, {}}});
+    index.Apply("w0", {{schema::KvCacheEvent::Kind::kAllCleared, {}}});
     EXPECT_EQ(index.Blocks("w0"), 0u);
     std::vector<BlockHash> many;
     for (int i = 0; i < 20; ++i) many.push_back(H(100 + i));
-    index.Apply("liar", {{KvCacheEvent::Kind::kStored, many}});
+    index.Apply("liar", {{schema::KvCacheEvent::Kind::kStored, many}});
     EXPECT_LE(index.Blocks("liar"), 8u) << "bounded per worker";
     EXPECT_GE(index.overflows(), 1u);
     index.Clear("w1");
@@ -1014,7 +1003,7 @@ TEST(RouterKvEvents, CacheAwareWeighsTheBlocksAWorkerHoldsAgainstItsLoad) {
     r.AddWorker(Role::kDecode, Ep(2000));
     r.AddWorker(Role::kDecode, Ep(2001));
     const std::vector<BlockHash> prompt = {H(1), H(2), H(3), H(4)};
-    index->Apply("127.0.0.1:2001", {{KvCacheEvent::Kind::kStored, prompt}});
+    index->Apply("127.0.0.1:2001", {{schema::KvCacheEvent::Kind::kStored, prompt}});
     const RouteRequest rq{"x", 64, prompt};
     EXPECT_EQ(r.Route(Role::kDecode, rq)->worker(), 0u) << "not in step: no credit, a tie in turn";
     r.SetKvInSync("127.0.0.1:2001", true);
@@ -1400,8 +1389,9 @@ TEST(RouterWorkerCall, APushPlanGivesBothSidesOneFreshTransferIdAndTheAgent) {
     EXPECT_NE(plans[0].transfer_id, plans[1].transfer_id);
     EXPECT_EQ(plans[0].transfer_id.size(), 32u);
     for (const PushPlan& p : plans) {
-        EXPECT_EQ(p.prefill_params, PushPrefillParams(p.transfer_id));
-        EXPECT_EQ(p.decode_params, PushDecodeParams(p.transfer_id, p.agent));
+        EXPECT_EQ(p.prefill_params, schema::PushPrefillRequestParams(p.transfer_id));
+        EXPECT_EQ(p.decode_params,
+                  schema::PushDecodeRequestParams(p.transfer_id, p.agent, p.agent.tp_size));
         EXPECT_EQ(p.decode_params["remote_engine_id"], "engine-7");
         EXPECT_EQ(p.decode_params["remote_host"], "10.0.0.7");
         EXPECT_EQ(p.decode_params["tp_size"], 2);

@@ -6,6 +6,7 @@
 #include "core/host_port.h"
 #include "core/json_fields.h"
 #include "router/protocol.h"
+#include "schema/kv_transfer_params.h"
 
 namespace ferry::router {
 
@@ -44,8 +45,9 @@ std::shared_ptr<http::ClientCall> PlanPush(http::Client& client, std::shared_ptr
                          PushPlan plan;
                          plan.agent = std::move(*agent);
                          plan.transfer_id = RandomId128();
-                         plan.prefill_params = PushPrefillParams(plan.transfer_id);
-                         plan.decode_params = PushDecodeParams(plan.transfer_id, plan.agent);
+                         plan.prefill_params = schema::PushPrefillRequestParams(plan.transfer_id);
+                         plan.decode_params = schema::PushDecodeRequestParams(
+                             plan.transfer_id, plan.agent, plan.agent.tp_size);
                          done(std::move(plan));
                      });
 }

@@ -179,15 +179,15 @@ class TransferEcConnector final : public EcConnector {
         }
     }
 
-    bool Cacheable() const override {
-        return cfg_.authenticated || cfg_.by_store || !cfg_.allowed_agents.empty();
-    }
+    bool Cacheable() const override { return cfg_.trust.deployment_only(); }
 
     Json Params() const override {
         if (!cfg_.producer) return nullptr;
-        Json j = AgentAddressJson(AgentAt(cfg_.agent->name(), cfg_.agent->ListenAddress()));
-        j["encoder"] = cfg_.encoder;
-        return j;
+        EcSource p;
+        static_cast<schema::AgentAddress&>(p) =
+            schema::AgentAt(cfg_.agent->name(), cfg_.agent->ListenAddress());
+        p.encoder = cfg_.encoder;
+        return schema::EcTransferParamsJson(p);
     }
 
     EcConnectorStats Stats() const override {
@@ -217,9 +217,8 @@ class TransferEcConnector final : public EcConnector {
         }
         const std::string address = FormatHostPort(src.host, src.port);
         Result<std::string> name = [&]() -> Result<std::string> {
-            if (!cfg_.allowed_agents.empty()) {
-                if (std::find(cfg_.allowed_agents.begin(), cfg_.allowed_agents.end(), address) ==
-                    cfg_.allowed_agents.end()) {
+            if (!cfg_.trust.allowed_agents.empty()) {
+                if (!cfg_.trust.Listed(address)) {
                     return PermissionDeniedError(fmt::format(
                         "ec_transfer_params: the agent at {} is not one this worker may dial "
                         "(--kv-peers)",
@@ -227,7 +226,7 @@ class TransferEcConnector final : public EcConnector {
                 }
                 return cfg_.agent->Connect(address, cfg_.pull_timeout);
             }
-            if (cfg_.by_store) return cfg_.agent->ConnectByName(src.engine_id);
+            if (cfg_.trust.by_store) return cfg_.agent->ConnectByName(src.engine_id);
             return cfg_.agent->Connect(address, cfg_.pull_timeout);
         }();
         if (!name.ok()) {
@@ -452,43 +451,6 @@ Result<EcLoadFailure> ParseEcLoadFailure(std::string_view name) {
     if (name == "fail") return EcLoadFailure::kFail;
     return InvalidArgumentError(
         fmt::format("--ec-load-failure '{}' is not one of encode, fail", name));
-}
-
-Result<EcSource> ParseEcTransferParams(const Json& p) {
-    if (!p.is_object()) return InvalidArgumentError("ec_transfer_params: not an object");
-    EcSource s;
-    for (const auto& [k, v] : p.items()) {
-        if (k == "engine_id") {
-            if (!v.is_string() || v.get<std::string>().empty() ||
-                v.get<std::string>().size() > 256) {
-                return InvalidArgumentError("ec_transfer_params.engine_id: 1..256 characters");
-            }
-            s.engine_id = v.get<std::string>();
-        } else if (k == "host") {
-            if (!v.is_string() || v.get<std::string>().empty() ||
-                v.get<std::string>().size() > 255) {
-                return InvalidArgumentError("ec_transfer_params.host: 1..255 characters");
-            }
-            s.host = v.get<std::string>();
-        } else if (k == "port") {
-            if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > 65535) {
-                return InvalidArgumentError("ec_transfer_params.port: 1..65535");
-            }
-            s.port = v.get<int>();
-        } else if (k == "encoder") {
-            if (!v.is_string() || v.get<std::string>().size() > 128) {
-                return InvalidArgumentError("ec_transfer_params.encoder: at most 128 characters");
-            }
-            s.encoder = v.get<std::string>();
-        } else {
-            return InvalidArgumentError(
-                fmt::format("ec_transfer_params: unknown field '{}'", k.substr(0, 64)));
-        }
-    }
-    if (s.engine_id.empty() || s.host.empty() || s.port == 0) {
-        return InvalidArgumentError("ec_transfer_params: engine_id, host and port are required");
-    }
-    return s;
 }
 
 namespace {

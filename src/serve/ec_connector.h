@@ -29,25 +29,20 @@
 #include <string_view>
 #include <vector>
 
-#include "core/agent_address.h"
+#include "core/peer_trust.h"
 #include "ferry/agent.h"
 #include "ferry/status.h"
 #include "media/encoder_cache.h"
+#include "schema/ec_transfer_params.h"
 
 namespace ferry::serve {
 
 enum class EcLoadFailure { kEncode, kFail };
 Result<EcLoadFailure> ParseEcLoadFailure(std::string_view name);  // "encode" | "fail"
 
-// Where an image's embeddings wait: the producer's agent (its engine_id, and where its listener
-// is), from the ec_transfer_params of an encode worker's answer, which the router copies into
-// the requests it sends on. Checked field by field; unknown fields are refused by name.
-struct EcSource : AgentAddress {
-    // The producer's vision encoder (model::VisionEncoder::fingerprint); optional, "" when not
-    // given. A consumer with another encoder does not pull (the slot's own copy is checked too).
-    std::string encoder;
-};
-Result<EcSource> ParseEcTransferParams(const nlohmann::json& params);
+// Where an image's embeddings wait: the producer's agent and its vision encoder, from the
+// ec_transfer_params of an encode worker's answer (schema/ec_transfer_params.h).
+using EcSource = schema::EcTransferParams;
 
 struct EcConnectorConfig {
     std::string kind;  // a registered kind: "transfer", "disk", ...
@@ -65,12 +60,9 @@ struct EcConnectorConfig {
     std::string encoder = {};
     std::chrono::milliseconds lease{30000};
     std::chrono::milliseconds pull_timeout{5000};
-    // transfer, consumer: the only producer agents (HOST:PORT) it dials; empty: with a store,
-    // those found there by name, else any the params name (docs/security.md).
-    std::vector<std::string> allowed_agents = {};
-    bool by_store = false;
-    // The deployment has a secret: every peer proved it.
-    bool authenticated = false;
+    // transfer, consumer: which producer agents it dials (the KV connector's setting; with no
+    // allowed agents, no store and no secret, any the params name: docs/security.md).
+    PeerTrust trust = {};
     // disk: the shared directory.
     std::string dir = {};
 };

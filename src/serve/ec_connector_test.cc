@@ -54,7 +54,7 @@ class EcTransfer : public ::testing::TestWithParam<std::string> {
         c.entry_floats = kFloats;
         c.width = 100;
         consumer_ = testing::ValueOrDie(MakeEcConnector(c));
-        source_ = testing::ValueOrDie(ParseEcTransferParams(producer_->Params()));
+        source_ = testing::ValueOrDie(schema::ParseEcTransferParams(producer_->Params()));
         ASSERT_EQ(producer_->Stats().slots, slots);
     }
 
@@ -203,7 +203,7 @@ TEST(EcTransferIdentity, OverIpv6AndAnotherEncodersEntriesAreRefusedByName) {
     auto producer = testing::ValueOrDie(MakeEcConnector(config(pa, true, "enc-a")));
     auto consumer = testing::ValueOrDie(MakeEcConnector(config(ca, false, "enc-a")));
     auto other = testing::ValueOrDie(MakeEcConnector(config(oa, false, "enc-b")));
-    const EcSource source = testing::ValueOrDie(ParseEcTransferParams(producer->Params()));
+    const EcSource source = testing::ValueOrDie(schema::ParseEcTransferParams(producer->Params()));
     EXPECT_EQ(source.host, "::1");
     EXPECT_EQ(source.encoder, "enc-a");
     FERRY_ASSERT_OK(producer->Save(Hash('a'), Rows(1)));

@@ -185,7 +185,7 @@ void ImagePipeline::CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool 
             if (e.kind == Kind::kEncoded) {
                 ++metrics_.encoder_calls;
                 if (!e.ec_transfer_params.empty()) {
-                    Result<EcSource> src = ParseEcTransferParams(e.ec_transfer_params);
+                    Result<EcSource> src = schema::ParseEcTransferParams(e.ec_transfer_params);
                     if (src.ok()) shared->ec_source = std::make_shared<const EcSource>(*src);
                 }
             } else if (e.kind == Kind::kFailed) {

@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "core/msgpack.h"
 #include "router/kv_index.h"
+#include "router/zmq_socket.h"
 
 namespace ferry::serve {
 
@@ -42,7 +43,7 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig
     int hwm = 100000;
     zmq_setsockopt(p->pub_, ZMQ_SNDHWM, &hwm, sizeof hwm);
     // What subscribers send it (subscriptions) is a few bytes: a peer that declares more is cut.
-    router::BoundZmqSocket(p->pub_, router::kMaxKvEventRequestBytes);
+    router::BoundZmqSocket(p->pub_, schema::kMaxKvEventRequestBytes);
     // vLLM's convention: bind a wildcard or local transport, connect to anything else.
     const std::string& ep = c.endpoint;
     const bool bind = c.bind || ep.find('*') != std::string::npos ||
@@ -71,7 +72,7 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig
     }
     if (!c.replay_endpoint.empty()) {
         p->replay_ = zmq_socket(p->ctx_, ZMQ_ROUTER);
-        router::BoundZmqSocket(p->replay_, router::kMaxKvEventRequestBytes);
+        router::BoundZmqSocket(p->replay_, schema::kMaxKvEventRequestBytes);
         if (zmq_bind(p->replay_, c.replay_endpoint.c_str()) != 0) {
             return InvalidArgumentError(fmt::format("--kv-events-replay-endpoint '{}': {}",
                                                     c.replay_endpoint, zmq_strerror(zmq_errno())));
@@ -101,7 +102,7 @@ KvEventPublisher::~KvEventPublisher() {
     if (ctx_) zmq_ctx_term(ctx_);
 }
 
-void KvEventPublisher::Publish(std::vector<KvCacheEvent> events) {
+void KvEventPublisher::Publish(std::vector<schema::KvCacheEvent> events) {
     if (events.empty()) return;
     const double ts =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -145,7 +146,7 @@ void KvEventPublisher::Loop() {
             while (zmq_poll(&item, 1, 0) > 0 && (item.revents & ZMQ_POLLIN)) ServeReplay();
         }
         for (;;) {
-            std::pair<double, std::vector<KvCacheEvent>> batch;
+            std::pair<double, std::vector<schema::KvCacheEvent>> batch;
             {
                 std::lock_guard lock(mu_);
                 if (queue_.empty()) {
@@ -155,15 +156,15 @@ void KvEventPublisher::Loop() {
                 batch = std::move(queue_.front());
                 queue_.pop_front();
             }
-            std::string payload = router::EncodeKvEventBatch(batch.first, batch.second,
+            std::string payload = schema::EncodeKvEventBatch(batch.first, batch.second,
                                                              config_.layout, config_.block_size);
             if (payload.size() > config_.max_batch_bytes && batch.second.size() > 1) {
                 // Larger than a subscriber takes: two batches, in order.
                 const auto half = batch.second.begin() + long(batch.second.size() / 2);
-                std::vector<KvCacheEvent> first(std::make_move_iterator(batch.second.begin()),
-                                                std::make_move_iterator(half));
-                std::vector<KvCacheEvent> second(std::make_move_iterator(half),
-                                                 std::make_move_iterator(batch.second.end()));
+                std::vector<schema::KvCacheEvent> first(
+                    std::make_move_iterator(batch.second.begin()), std::make_move_iterator(half));
+                std::vector<schema::KvCacheEvent> second(
+                    std::make_move_iterator(half), std::make_move_iterator(batch.second.end()));
                 std::lock_guard lock(mu_);
                 queue_.emplace_front(batch.first, std::move(second));
                 queue_.emplace_front(batch.first, std::move(first));
@@ -171,7 +172,7 @@ void KvEventPublisher::Loop() {
             }
             const uint64_t seq = next_seq_++;
             const bool sent = Send(pub_, config_.topic, true) &&
-                              Send(pub_, router::KvEventSeqBytes(int64_t(seq)), true) &&
+                              Send(pub_, schema::KvEventSeqBytes(int64_t(seq)), true) &&
                               Send(pub_, payload, false);
             if (!sent) {
                 FERRY_LOG(kWarn, "kv events: batch {} not sent: {}", seq,
@@ -198,7 +199,7 @@ void KvEventPublisher::ServeReplay() {
         if (frames.size() >= 2 && frames[1].empty()) {
             // Still answer a REQ client (it waits for a reply): the end marker alone.
             Send(replay_, frames[0], true) && Send(replay_, "", true) &&
-                Send(replay_, router::KvEventSeqBytes(-1), true) && Send(replay_, "", false);
+                Send(replay_, schema::KvEventSeqBytes(-1), true) && Send(replay_, "", false);
         }
         return;
     }
@@ -228,11 +229,11 @@ void KvEventPublisher::ServeReplay() {
     for (const auto& [seq, payload] : buffer_) {
         if (seq < start) continue;
         Send(replay_, frames[0], true) && Send(replay_, "", true) &&
-            Send(replay_, router::KvEventSeqBytes(int64_t(seq)), true) &&
+            Send(replay_, schema::KvEventSeqBytes(int64_t(seq)), true) &&
             Send(replay_, payload, false);
     }
     Send(replay_, frames[0], true) && Send(replay_, "", true) &&
-        Send(replay_, router::KvEventSeqBytes(-1), true) && Send(replay_, "", false);
+        Send(replay_, schema::KvEventSeqBytes(-1), true) && Send(replay_, "", false);
     std::lock_guard lock(mu_);
     ++stats_.replays;
 }

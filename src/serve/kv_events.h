@@ -38,8 +38,8 @@
 
 #include "ferry/status.h"
 #include "kv/block_pool.h"
-#include "router/kv_events_wire.h"
 #include "router/kv_index.h"
+#include "schema/kv_events.h"
 
 namespace ferry::serve {
 
@@ -49,13 +49,13 @@ struct KvEventsConfig {
     bool bind = false;            // this says to bind it (one interface: "tcp://10.0.0.5:5557")
     std::string replay_endpoint;  // ROUTER, bound ("" = no replay)
     std::string topic;            // vLLM's default: ""
-    router::KvEventsLayout layout = router::KvEventsLayout::kVllm;
+    schema::KvEventsLayout layout = schema::KvEventsLayout::kVllm;
     int block_size = 16;
     size_t buffer_batches = 10000;  // kept for replay
     size_t max_queue = 100000;      // batches waiting for the publisher thread; more are dropped
     // A batch that encodes larger is sent as two (each with its own sequence number), so that
-    // subscribers bounded by ZMQ_MAXMSGSIZE take it (router::kMaxKvEventBatchBytes).
-    size_t max_batch_bytes = size_t(router::kMaxKvEventBatchBytes);
+    // subscribers bounded by ZMQ_MAXMSGSIZE take it (schema::kMaxKvEventBatchBytes).
+    size_t max_batch_bytes = size_t(schema::kMaxKvEventBatchBytes);
     // Replay requests served per second (a token bucket of this many, refilled at this rate):
     // each one sends up to the whole buffer, so a client that asks again and again would keep
     // the publisher from the live events. Requests beyond it get no answer (a subscriber's
@@ -74,7 +74,7 @@ class KvEventPublisher {
     // Binds (or connects) the sockets: InvalidArgument naming the endpoint that failed.
     static Result<std::unique_ptr<KvEventPublisher>> Start(KvEventsConfig config);
     ~KvEventPublisher();
-    void Publish(std::vector<KvCacheEvent> events);
+    void Publish(std::vector<schema::KvCacheEvent> events);
     KvEventsStats Stats() const;
     // Where the sockets are (with the port a "tcp://*:0" endpoint got).
     const std::string& endpoint() const { return bound_endpoint_; }
@@ -100,7 +100,7 @@ class KvEventPublisher {
     bool stop_ = false;
     double replay_tokens_ = 0;  // publisher thread only
     std::chrono::steady_clock::time_point replay_refill_;
-    std::deque<std::pair<double, std::vector<KvCacheEvent>>> queue_;
+    std::deque<std::pair<double, std::vector<schema::KvCacheEvent>>> queue_;
     std::deque<std::pair<uint64_t, std::string>> buffer_;  // publisher thread only
     uint64_t next_seq_ = 0;
     KvEventsStats stats_;

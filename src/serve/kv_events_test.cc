@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "router/kv_index.h"
+#include "router/zmq_socket.h"
 #include "testing/testing.h"
 
 namespace ferry::serve {
@@ -25,10 +26,10 @@ TEST(KvEventPublisher, ABatchLargerThanSubscribersTakeGoesOutSplitInOrder) {
     c.max_batch_bytes = 600;
     auto pub = testing::ValueOrDie(KvEventPublisher::Start(c));
     // 20 stored blocks of 16 tokens, one event each: ~120 bytes an event, ~2.4 KB in all.
-    std::vector<KvCacheEvent> events;
+    std::vector<schema::KvCacheEvent> events;
     BlockHash parent = RootBlockHash("0");
     for (int i = 0; i < 20; ++i) {
-        KvCacheEvent e;
+        schema::KvCacheEvent e;
         std::vector<int32_t> tokens(16, i);
         e.hashes = {HashBlockTokens(parent, tokens)};
         e.parent = parent;
@@ -36,16 +37,16 @@ TEST(KvEventPublisher, ABatchLargerThanSubscribersTakeGoesOutSplitInOrder) {
         parent = e.hashes[0];
         events.push_back(std::move(e));
     }
-    const std::vector<KvCacheEvent> sent = events;
+    const std::vector<schema::KvCacheEvent> sent = events;
     pub->Publish(std::move(events));
     ASSERT_TRUE(testing::WaitUntil([&] { return pub->Stats().events == 20; }));
     EXPECT_GE(pub->Stats().batches, 4u);  // ~2.4 KB in batches of at most 600 bytes
 
     void* ctx = zmq_ctx_new();
     void* dealer = zmq_socket(ctx, ZMQ_DEALER);
-    router::BoundZmqSocket(dealer, router::kMaxKvEventBatchBytes);
+    router::BoundZmqSocket(dealer, schema::kMaxKvEventBatchBytes);
     ASSERT_EQ(zmq_connect(dealer, pub->replay_endpoint().c_str()), 0);
-    const std::string from = router::KvEventSeqBytes(0);
+    const std::string from = schema::KvEventSeqBytes(0);
     zmq_send(dealer, "", 0, ZMQ_SNDMORE);
     zmq_send(dealer, from.data(), from.size(), 0);
     std::vector<BlockHash> got;
@@ -56,14 +57,14 @@ TEST(KvEventPublisher, ABatchLargerThanSubscribersTakeGoesOutSplitInOrder) {
         if (zmq_poll(&item, 1, 100) <= 0) continue;
         const std::vector<std::string> frames = router::ReceiveZmqFrames(dealer);
         ASSERT_EQ(frames.size(), 3u);
-        const std::optional<int64_t> seq = router::KvEventSeqOf(frames[1]);
+        const std::optional<int64_t> seq = schema::KvEventSeqOf(frames[1]);
         ASSERT_TRUE(seq.has_value());
         if (*seq == -1) break;
         EXPECT_EQ(*seq, next++) << "in order, no gap";
         EXPECT_LE(frames[2].size(), c.max_batch_bytes);
-        auto batch = router::DecodeKvEventBatch(frames[2]);
+        auto batch = schema::DecodeKvEventBatch(frames[2]);
         ASSERT_TRUE(batch.ok()) << batch.status().ToString();
-        for (const KvCacheEvent& e : *batch)
+        for (const schema::KvCacheEvent& e : *batch)
             got.insert(got.end(), e.hashes.begin(), e.hashes.end());
     }
     zmq_close(dealer);

@@ -14,6 +14,7 @@
 #include "engine/engine.h"
 #include "kv/connector.h"
 #include "model/sampler.h"
+#include "schema/ec_transfer_params.h"
 #include "tokenizer/prompt.h"
 #include "tokenizer/tokenizer.h"
 
@@ -24,8 +25,6 @@ struct BadRequest {
     std::string param;
     std::string code;
 };
-
-struct EcSource;  // serve/ec_connector.h
 
 struct ParsedRequest {
     bool chat = false;
@@ -45,7 +44,7 @@ struct ParsedRequest {
     // embeddings (serve/ec_connector.h), as the router copied it from the encode worker's
     // answer; null when absent.
     nlohmann::json ec_transfer_params;
-    std::shared_ptr<const EcSource> ec_source;  // the server's reading of it
+    std::shared_ptr<const schema::EcTransferParams> ec_source;  // the server's reading of it
     // Some of its image embeddings came from a peer outside the deployment: neither they nor
     // the KV computed from them are cached (engine::Request::no_cache).
     bool no_cache = false;

@@ -182,7 +182,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         // Internal, as kv_transfer_params: from the router alone where there is a secret.
         const std::string* x = ex->request().Find("X-Request-Id");
         const std::string rid = x && ValidRequestId(*x) ? *x : "";
-        Result<EcSource> src = ParseEcTransferParams(pr.ec_transfer_params);
+        Result<EcSource> src = schema::ParseEcTransferParams(pr.ec_transfer_params);
         if (!src.ok()) {
             return ex->Reply(Error(400, {src.status().message(), "ec_transfer_params", ""}, rid));
         }

@@ -11,6 +11,7 @@
 
 #include "core/crypto.h"
 #include "core/host_port.h"
+#include "core/json_depth.h"
 #include "http/http.h"
 #include "kv/connector_registry.h"
 #include "model/vision.h"
@@ -44,11 +45,14 @@ ServeFlags::ServeFlags() {
     max_inflight_body_mib = s.max_inflight_body_bytes >> 20;
     request_deadline_ms = s.request_deadline.count();
     kv_connector = w.kv_connector;
-    kv_hold_lease_ms = w.connector.hold_lease.count();
-    kv_transfer_timeout_ms = w.connector.transfer_timeout.count();
-    kv_handshake_timeout_ms = w.connector.handshake_timeout.count();
-    kv_client_hold_blocks = w.connector.max_client_hold_blocks;
-    kv_client_loads = w.connector.max_client_loads;
+    const kv::AgentConnectorOptions o;  // the built-in kind's
+    kv_transfer = o.default_mode == kv::KvTransferMode::kPush ? "push" : "pull";
+    kv_hold_lease_ms = o.hold_lease.count();
+    kv_transfer_timeout_ms = o.transfer_timeout.count();
+    kv_handshake_timeout_ms = o.handshake_timeout.count();
+    kv_verify = std::string(kv::KvVerifyModeName(o.verify));
+    kv_client_hold_blocks = o.max_client_hold_blocks;
+    kv_client_loads = o.max_client_loads;
     ec_buffer_mib = w.ec.buffer_bytes >> 20;
     ec_lease_ms = w.ec.lease.count();
     ec_transfer_timeout_ms = w.ec.pull_timeout.count();
@@ -261,6 +265,9 @@ const std::vector<Flag>& Flags() {
          {},
          kv::KvConnectorNames(),
          true},
+        {"--kv-connector-config", &ServeFlags::kv_connector_config,
+         "the KV connector kind's own options, a JSON object (vLLM's kv_connector_extra_config); "
+         "for the built-in kind its keys override the --kv-* flags (docs/disaggregation.md)"},
         {"--kv-backend",
          &ServeFlags::kv_backend,
          "transfer backend for KV: auto, shm, tcp, ucx",
@@ -537,7 +544,7 @@ Result<WorkerConfig> ToWorkerConfig(const ServeFlags& f) {
     wc.kv_events.replay_endpoint = f.kv_events_replay_endpoint;
     wc.kv_events.topic = f.kv_events_topic;
     wc.kv_events.replays_per_second = f.kv_events_replays_per_second;
-    FERRY_ASSIGN_OR_RETURN(wc.kv_events.layout, router::ParseKvEventsLayout(f.kv_events_layout));
+    FERRY_ASSIGN_OR_RETURN(wc.kv_events.layout, schema::ParseKvEventsLayout(f.kv_events_layout));
     // The encoder-cache connector.
     wc.ec.kind = f.ec_connector;
     wc.ec.dir = f.ec_dir;
@@ -559,21 +566,40 @@ Result<WorkerConfig> ToWorkerConfig(const ServeFlags& f) {
             wc.agent.backends = AvailableBackends();
         }
         wc.agent.store = f.store;
-        kv::AgentConnectorConfig& cc = wc.connector;
-        cc.hold_lease = std::chrono::milliseconds(f.kv_hold_lease_ms);
-        cc.transfer_timeout = std::chrono::milliseconds(f.kv_transfer_timeout_ms);
-        cc.handshake_timeout = std::chrono::milliseconds(f.kv_handshake_timeout_ms);
-        FERRY_ASSIGN_OR_RETURN(cc.verify, kv::ParseKvVerifyMode(f.kv_verify));
         for (const std::string& p : f.kv_peers) {
             auto ep = http::ParseEndpoint(p);
             if (!ep.ok()) return ep.status().WithContext("--kv-peers");
-            cc.allowed_agents.push_back(FormatHostPort(ep->host, ep->port));
+            wc.allowed_agents.push_back(FormatHostPort(ep->host, ep->port));
         }
-        cc.max_client_hold_blocks = f.kv_client_hold_blocks;
-        cc.max_client_loads = f.kv_client_loads;
-        wc.kv_mode =
-            f.kv_transfer == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
     }
+    // The KV connector's options: the built-in kind's from its flags, then --kv-connector-config
+    // over them; another kind's from --kv-connector-config alone. Checked when the worker
+    // starts (the kind's check_options).
+    nlohmann::json options = nlohmann::json::object();
+    if (f.kv_connector == kv::kDefaultKvConnector) {
+        kv::AgentConnectorOptions o;
+        o.hold_lease = std::chrono::milliseconds(f.kv_hold_lease_ms);
+        o.transfer_timeout = std::chrono::milliseconds(f.kv_transfer_timeout_ms);
+        o.handshake_timeout = std::chrono::milliseconds(f.kv_handshake_timeout_ms);
+        FERRY_ASSIGN_OR_RETURN(o.verify, kv::ParseKvVerifyMode(f.kv_verify));
+        o.max_client_hold_blocks = f.kv_client_hold_blocks;
+        o.max_client_loads = f.kv_client_loads;
+        o.default_mode =
+            f.kv_transfer == "push" ? kv::KvTransferMode::kPush : kv::KvTransferMode::kPull;
+        options = kv::AgentConnectorOptionsJson(o);
+    }
+    if (!f.kv_connector_config.empty()) {
+        if (!JsonDepthWithin(f.kv_connector_config, 16)) {
+            return InvalidArgumentError("--kv-connector-config: nests too deep");
+        }
+        nlohmann::json given = nlohmann::json::parse(f.kv_connector_config, nullptr, false);
+        if (!given.is_object()) {
+            return InvalidArgumentError(
+                "--kv-connector-config: must be a JSON object (the kind's options)");
+        }
+        for (auto& [key, value] : given.items()) options[key] = value;
+    }
+    wc.kv_connector_options = std::move(options);
     // The secret ($FERRY_SECRET without --secret-file): the agent's; a colocated worker without
     // an agent takes it only from --secret-file, for its router token (what --encoder-urls
     // calls carry).

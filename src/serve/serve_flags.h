@@ -60,10 +60,11 @@ struct ServeFlags {
     int max_connections;
     uint64_t max_inflight_body_mib;
     int64_t request_deadline_ms;
-    // Disaggregation (AgentConfig, kv::AgentConnectorConfig).
+    // Disaggregation (AgentConfig, the built-in KV connector's kv::AgentConnectorOptions).
     std::string role = "colocated";
-    std::string kv_transfer = "pull";
+    std::string kv_transfer;
     std::string kv_connector;
+    std::string kv_connector_config;  // the kind's options, a JSON object
     std::string kv_backend = "auto";
     std::string agent_listen = "127.0.0.1:0";
     std::string agent_name;
@@ -72,7 +73,7 @@ struct ServeFlags {
     int64_t kv_hold_lease_ms;
     int64_t kv_transfer_timeout_ms;
     int64_t kv_handshake_timeout_ms;
-    std::string kv_verify = "sample";
+    std::string kv_verify;
     std::vector<std::string> kv_peers;
     int kv_client_hold_blocks;
     int kv_client_loads;

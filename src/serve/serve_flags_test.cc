@@ -87,15 +87,52 @@ TEST(ServeFlags, TheDefaultsAreTheConfigsOwn) {
     flags.role = "prefill";
     got = ToWorkerConfig(flags);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
-    EXPECT_EQ(got->connector.hold_lease, want.connector.hold_lease);
-    EXPECT_EQ(got->connector.transfer_timeout, want.connector.transfer_timeout);
-    EXPECT_EQ(got->connector.handshake_timeout, want.connector.handshake_timeout);
-    EXPECT_EQ(got->connector.verify, want.connector.verify);
-    EXPECT_EQ(got->connector.max_client_hold_blocks, want.connector.max_client_hold_blocks);
-    EXPECT_EQ(got->connector.max_client_loads, want.connector.max_client_loads);
-    EXPECT_EQ(got->kv_mode, kv::KvTransferMode::kPull);
+    EXPECT_EQ(got->kv_connector_options, kv::AgentConnectorOptionsJson({}))
+        << "the built-in kind's own defaults";
     EXPECT_EQ(got->agent.listen_host, "127.0.0.1");
     EXPECT_FALSE(got->agent.backends.empty());
+    EXPECT_TRUE(got->allowed_agents.empty());
+}
+
+// The KV connector's options: the built-in kind's flags, --kv-connector-config over them, and
+// --kv-peers as the worker's trust (no option sets it).
+TEST(ServeFlags, TheKvConnectorsOptionsComeFromItsFlagsAndItsJson) {
+    ServeFlags flags;
+    flags.model = Model().path();
+    flags.role = "decode";
+    flags.kv_transfer = "push";
+    flags.kv_hold_lease_ms = 2000;
+    flags.kv_verify = "all";
+    flags.kv_peers = {"127.0.0.1:7000", "[::1]:7001"};
+    flags.kv_connector_config = R"({"hold_lease_ms": 3000, "liveness_interval_ms": 250})";
+    Result<WorkerConfig> got = ToWorkerConfig(flags);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    kv::AgentConnectorOptions o =
+        testing::ValueOrDie(kv::ParseAgentConnectorOptions(got->kv_connector_options));
+    EXPECT_EQ(o.default_mode, kv::KvTransferMode::kPush);
+    EXPECT_EQ(o.verify, kv::KvVerifyMode::kAll);
+    EXPECT_EQ(o.hold_lease, std::chrono::milliseconds(3000)) << "the JSON's key wins";
+    EXPECT_EQ(o.liveness_interval, std::chrono::milliseconds(250));
+    EXPECT_EQ(got->allowed_agents, (std::vector<std::string>{"127.0.0.1:7000", "[::1]:7001"}));
+
+    for (const char* bad : {"[1]", "{not json", "\"x\""}) {
+        flags.kv_connector_config = bad;
+        Result<WorkerConfig> r = ToWorkerConfig(flags);
+        ASSERT_FALSE(r.ok()) << bad;
+        EXPECT_NE(r.status().message().find("--kv-connector-config"), std::string::npos)
+            << r.status().message();
+    }
+    // An unknown option is named when the worker starts, before anything does.
+    flags.kv_connector_config = R"({"hold_lease": 5})";
+    got = ToWorkerConfig(flags);
+    ASSERT_TRUE(got.ok());
+    got->serve_http = false;
+    Result<std::unique_ptr<Worker>> w = Worker::Start(std::move(*got));
+    ASSERT_FALSE(w.ok());
+    EXPECT_NE(w.status().message().find("unknown option 'hold_lease'"), std::string::npos)
+        << w.status().message();
+    EXPECT_NE(w.status().message().find("--kv-connector ferry"), std::string::npos)
+        << w.status().message();
 }
 
 // What ServeArgs writes, the command parses back to the same flags: every kind of field, and

@@ -54,7 +54,16 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     std::unique_ptr<Worker> w(new Worker());
     w->role_ = c.role;
     if (!c.agent.secret.empty()) c.server.router_token = RouterToken(c.agent.secret);
-    c.connector.default_mode = c.kv_mode;
+    if (kind.check_options) {
+        Status options = kind.check_options(c.kv_connector_options);
+        if (!options.ok()) {
+            return options.WithContext(fmt::format("--kv-connector {}", c.kv_connector));
+        }
+    }
+    // Which peers this worker trusts, for KV and image embeddings alike.
+    const PeerTrust trust{.authenticated = !c.agent.secret.empty(),
+                          .by_store = !c.agent.store.empty(),
+                          .allowed_agents = c.allowed_agents};
     bool ec_needs_agent = false;
     if (!c.ec.kind.empty()) {
         Result<EcConnectorKind> ec_kind = FindEcConnector(c.ec.kind);
@@ -77,9 +86,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         c.ec.entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim);
         c.ec.width = size_t(vc.out_dim);
         c.ec.encoder = c.server.vision->fingerprint();
-        c.ec.by_store = !c.agent.store.empty();
-        c.ec.authenticated = !c.agent.secret.empty();
-        c.ec.allowed_agents = c.connector.allowed_agents;
+        c.ec.trust = trust;
         auto ec = MakeEcConnector(c.ec);
         if (!ec.ok()) return ec.status().WithContext("encoder-cache connector");
         w->ec_connector_ = *ec;
@@ -88,22 +95,24 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
     }
     if (!kv_role) {
         // No connector: malformed params are named the default kind's way, then refused.
-        c.server.parse_kv_params = [parse = kind.parse, cc = c.connector](
-                                       const nlohmann::json& params) { return parse(params, cc); };
+        c.server.parse_kv_params =
+            [parse = kind.parse, options = c.kv_connector_options](const nlohmann::json& params) {
+                return parse(params, options);
+            };
     } else {
-        const bool by_store = !c.agent.store.empty();
-        const bool authenticated = !c.agent.secret.empty();
+        kv::KvConnectorContext context;
+        context.agent = w->agent_;
         // The model's identity at the KV handshake: its weights, and for a worker that takes
         // images its vision encoder's too (KV computed from one projector's embeddings means
         // nothing to a worker with another).
-        c.connector.model_fingerprint =
+        context.model_fingerprint =
             c.server.vision ? c.model->fingerprint() + "+mmproj:" + c.server.vision->fingerprint()
                             : c.model->fingerprint();
-        c.connector.model_kv_heads = c.model->config().num_kv_heads;
-        c.connector.model_tp = c.model->tp();
-        c.connector.authenticated = authenticated;
-        c.connector.by_store = by_store;
-        auto conn = kind.create({w->agent_, c.connector});
+        context.model_kv_heads = c.model->config().num_kv_heads;
+        context.model_tp = c.model->tp();
+        context.trust = trust;
+        context.options = c.kv_connector_options;
+        auto conn = kind.create(context);
         if (!conn.ok()) return conn.status().WithContext("kv connector");
         w->connector_ = *conn;
         c.engine.connector = w->connector_;
@@ -112,12 +121,13 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             return conn->ParseParams(params);
         };
         c.server.kv_agent_info = [agent = w->agent_, tp = c.model->tp()] {
-            nlohmann::json j = AgentAddressJson(AgentAt(agent->name(), agent->ListenAddress()));
+            nlohmann::json j =
+                schema::AgentAddressJson(schema::AgentAt(agent->name(), agent->ListenAddress()));
             j["tp_size"] = tp;
             return j.dump();
         };
         c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
-        if (c.role == WorkerRole::kDecode && by_store) {
+        if (c.role == WorkerRole::kDecode && trust.by_store) {
             // Decode-first finds its prefill workers' agents in their store records.
             StoreOptions so;
             so.secret = c.agent.secret;
@@ -132,7 +142,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         auto pub = KvEventPublisher::Start(c.kv_events);
         if (!pub.ok()) return pub.status();
         w->kv_events_ = std::move(pub).value();
-        c.engine.on_kv_events = [pub = w->kv_events_](std::vector<KvCacheEvent> events) {
+        c.engine.on_kv_events = [pub = w->kv_events_](std::vector<schema::KvCacheEvent> events) {
             pub->Publish(std::move(events));
         };
         auto extra = std::move(c.server.extra_metrics);
@@ -168,7 +178,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             r.role = WorkerRoleName(c.role);
             r.model = w->server_->model_name();
             r.tp_size = c.model->tp();
-            r.agent = AgentAt(w->agent_->name(), w->agent_->ListenAddress());
+            r.agent = schema::AgentAt(w->agent_->name(), w->agent_->ListenAddress());
             r.block_size = c.engine.block_tokens;
             r.hash_seed = c.engine.prefix_hash_seed;
             if (w->kv_events_) {

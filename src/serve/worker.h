@@ -42,14 +42,19 @@ struct WorkerConfig {
     // The engine's settings; the assembly sets its connector and allocator.
     engine::EngineConfig engine;
     // Disaggregated roles only. The agent's name defaults to "ferry-ROLE-PID"; its secret also
-    // makes the server's router token and the connector's `authenticated`. The connector's model
-    // fingerprint and KV heads come from the model, `by_store` from the agent's store.
+    // makes the server's router token, and with its store makes the peers the deployment's
+    // (PeerTrust).
     AgentConfig agent;
-    // The connector's kind (kv/connector_registry.h) and settings.
+    // The KV connector's kind (kv/connector_registry.h) and its options: a JSON object only the
+    // kind reads (vLLM's kv_connector_extra_config; the built-in kind's are
+    // kv::AgentConnectorOptions, AgentConnectorOptionsJson). The assembly adds the model's
+    // identity and the trust below (kv::KvConnectorContext).
     std::string kv_connector = kv::kDefaultKvConnector;
-    kv::AgentConnectorConfig connector;
-    // The protocol of kv_transfer_params that do not name one.
-    kv::KvTransferMode kv_mode = kv::KvTransferMode::kPull;
+    nlohmann::json kv_connector_options = nlohmann::json::object();
+    // The only peer agents ("host:port") this worker dials, for KV and image embeddings alike;
+    // empty: with a store, those found there by name, else any the params name
+    // (docs/security.md).
+    std::vector<std::string> allowed_agents;
     // The OpenAI server; the assembly sets kv_agent_info, extra_metrics, router_token and
     // parse_kv_params. Decode-first prefill workers (server.remote_prefill) need role decode.
     ServerConfig server;
@@ -58,8 +63,8 @@ struct WorkerConfig {
     // size is the engine's.
     KvEventsConfig kv_events;
     // The encoder-cache connector (EPD): its kind ("transfer", "disk"; "": none; required for
-    // role encode) and settings. The assembly sets its agent, producer side, entry shape,
-    // allowed peers (the KV connector's) and whether peers are found in the store.
+    // role encode) and settings. The assembly sets its agent, producer side, entry shape and
+    // trust (the KV connector's).
     EcConnectorConfig ec;
     // With a store (agent.store) and a server: how long the worker's record there outlives it.
     std::chrono::milliseconds registration_ttl{10000};

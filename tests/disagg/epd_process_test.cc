@@ -287,9 +287,10 @@ TEST_F(EpdProcess, EcTransferParamsAreTheRoutersAndTheEncodeRoleTakesImagesOnly)
     EXPECT_NE(text.find("ec_transfer_params are the proxy's"), std::string::npos) << text;
     EXPECT_EQ(status_of(consumer->port(), body, false, &text), 401) << text;
     Json bad = body;
-    bad["ec_transfer_params"]["path"] = "/etc";
+    bad["ec_transfer_params"]["port"] = "1";
     EXPECT_EQ(status_of(consumer->port(), bad, true, &text), 400);
-    EXPECT_NE(text.find("unknown field 'path'"), std::string::npos) << text;
+    EXPECT_NE(text.find("field 'ec_transfer_params.port' must be an integer"), std::string::npos)
+        << text;
     bad["ec_transfer_params"] = "somewhere";
     EXPECT_EQ(status_of(consumer->port(), bad, true, &text), 400);
     EXPECT_NE(text.find("'ec_transfer_params' must be an object"), std::string::npos) << text;

@@ -106,6 +106,25 @@ struct Worker {
     int port() const { return ParseHostPort(agent->ListenAddress()).value().port; }
 };
 
+// A connector kind registered by the tests only: the built-in one with a mapping bug on purpose
+// (AgentConnectorConfig::fault_head_offset_for_testing, which no option can set).
+std::string WrongHeadsKind(int offset) {
+    const std::string name = fmt::format("ferry-wrong-heads-{}", offset);
+    if (kv::FindKvConnector(name).ok()) return name;
+    kv::KvConnectorKind k = testing::ValueOrDie(kv::FindKvConnector(kv::kDefaultKvConnector));
+    k.name = name;
+    k.create =
+        [offset](const kv::KvConnectorContext& c) -> Result<std::shared_ptr<kv::KvConnector>> {
+        FERRY_ASSIGN_OR_RETURN(kv::AgentConnectorConfig config, kv::AgentConnectorConfigOf(c));
+        config.fault_head_offset_for_testing = offset;
+        FERRY_ASSIGN_OR_RETURN(std::shared_ptr<kv::AgentKvConnector> conn,
+                               kv::AgentKvConnector::Create(c.agent, config));
+        return std::shared_ptr<kv::KvConnector>(std::move(conn));
+    };
+    EXPECT_TRUE(kv::RegisterKvConnector(std::move(k)).ok());
+    return name;
+}
+
 // A worker named "prefill-..." has the prefill role, any other the decode role.
 Worker MakeWorker(const std::string& name, const std::string& backend,
                   std::shared_ptr<model::Model> model, const WorkerOptions& o = {}) {
@@ -114,11 +133,13 @@ Worker MakeWorker(const std::string& name, const std::string& backend,
         name.rfind("prefill", 0) == 0 ? serve::WorkerRole::kPrefill : serve::WorkerRole::kDecode;
     c.model = std::move(model);
     c.agent = testing::TestConfig(name, backend);
-    c.connector.hold_lease = o.hold_lease;
-    c.connector.transfer_timeout = o.transfer_timeout;
-    c.connector.verify = o.verify;
-    c.connector.canary = o.canary;
-    c.connector.fault_head_offset_for_testing = o.fault_head_offset;
+    kv::AgentConnectorOptions options;
+    options.hold_lease = o.hold_lease;
+    options.transfer_timeout = o.transfer_timeout;
+    options.verify = o.verify;
+    options.canary = o.canary;
+    c.kv_connector_options = kv::AgentConnectorOptionsJson(options);
+    if (o.fault_head_offset != 0) c.kv_connector = WrongHeadsKind(o.fault_head_offset);
     c.engine.block_tokens = o.block_tokens;
     c.engine.num_blocks = o.num_blocks;
     c.engine.max_batched_tokens = o.max_batched_tokens;

@@ -1,5 +1,5 @@
 // A change to a worker's prefix cache, as its block pool emits it and as KV events carry it in
-// vLLM's wire format (router/kv_events_wire.h): blocks stored (with their parent and tokens),
+// vLLM's wire format (schema/kv_events.h): blocks stored (with their parent and tokens),
 // blocks removed, everything cleared.
 #pragma once
 
@@ -9,7 +9,7 @@
 
 #include "core/block_hash.h"
 
-namespace ferry {
+namespace ferry::schema {
 
 // What changed in the prefix cache (vLLM's KV events: BlockStored, BlockRemoved,
 // AllBlocksCleared), in order.
@@ -22,4 +22,4 @@ struct KvCacheEvent {
     std::vector<int32_t> tokens = {};  // stored: every block's tokens, in order
 };
 
-}  // namespace ferry
+}  // namespace ferry::schema

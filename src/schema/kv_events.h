@@ -14,10 +14,10 @@
 #include <string_view>
 #include <vector>
 
-#include "core/kv_event.h"
 #include "ferry/status.h"
+#include "schema/kv_event.h"
 
-namespace ferry::router {
+namespace ferry::schema {
 
 enum class KvEventsLayout { kVllm, kLegacy };
 // "vllm" or "legacy"; InvalidArgument naming the choices otherwise.
@@ -27,22 +27,18 @@ Result<KvEventsLayout> ParseKvEventsLayout(std::string_view name);
 std::string EncodeKvEventBatch(double ts, std::span<const KvCacheEvent> events,
                                KvEventsLayout layout, int block_size);
 
-// The events' framing, shared by the publisher (serve/kv_events.h) and the follower: an 8-byte
-// big-endian sequence number (-1: the end of a replay), and one ZeroMQ message's frames.
+// The events' framing, shared by the publisher (serve/kv_events.h) and the follower: a ZeroMQ
+// message of three frames (topic, sequence, payload); the sequence number is 8 bytes big-endian
+// (-1: the end of a replay).
 std::string KvEventSeqBytes(int64_t seq);
 std::optional<int64_t> KvEventSeqOf(std::string_view frame);  // none unless 8 bytes
-// The frames of the next message waiting on `socket` (a ZeroMQ socket; at most `max` kept, the
-// rest read and dropped); empty when none is waiting.
-std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max = 8);
-
 // What a peer may send one of ferry's ZeroMQ sockets in one frame (ZMQ_MAXMSGSIZE): a peer that
 // declares more is disconnected by libzmq before anything is allocated for it. Event batches
 // (the router's SUB and replay DEALER) are split by the publisher to stay within the first;
-// subscriptions and replay requests (the worker's PUB and ROUTER) are a few bytes.
+// subscriptions and replay requests (the worker's PUB and ROUTER) are a few bytes. The sockets
+// are set so in router/zmq_socket.h.
 inline constexpr int64_t kMaxKvEventBatchBytes = 16 << 20;
 inline constexpr int64_t kMaxKvEventRequestBytes = 4 << 10;
-// Sets ZMQ_MAXMSGSIZE on `socket` (and ZMQ_LINGER 0: nothing waits at close).
-void BoundZmqSocket(void* socket, int64_t max_message_bytes);
 
 // One batch's payload in the "vllm" layout (32-byte hashes): each event's kind and hashes (what
 // an index needs; a stored block's parent and tokens are not read). InvalidArgument naming what
@@ -50,4 +46,4 @@ void BoundZmqSocket(void* socket, int64_t max_message_bytes);
 Result<std::vector<KvCacheEvent>> DecodeKvEventBatch(std::string_view payload,
                                                      size_t* unknown = nullptr);
 
-}  // namespace ferry::router
+}  // namespace ferry::schema

@@ -2,7 +2,12 @@
 // and proves in its handshake) and its listener. One type for every place that says so: the
 // router's view of a prefill worker (router::AgentInfo), an encode worker's ec_transfer_params
 // (serve::EcSource), a worker's record in the store (discovery::WorkerRecord) and
-// kv_transfer_params' remote_* fields (kv::KvTransferParams::remote_agent).
+// kv_transfer_params' remote_* fields (schema::KvTransferParams::remote_agent).
+//
+// The schema layer's rules (src/schema/): each message has one typed struct and one codec here;
+// a decoder ignores fields it does not know (a newer peer, or a vLLM router that adds its own,
+// passes through an older one), refuses a known field of the wrong type or out of range by its
+// name, and bounds what it reads; an encoder writes what its decoder reads.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -11,8 +16,9 @@
 #include <utility>
 
 #include "core/host_port.h"
+#include "ferry/status.h"
 
-namespace ferry {
+namespace ferry::schema {
 
 struct AgentAddress {
     std::string engine_id;  // "" = none
@@ -35,8 +41,12 @@ inline AgentAddress AgentAt(std::string engine_id, std::string_view listen) {
 
 // {"engine_id", "host", "port"}: how GET /v1/kv/agent and ec_transfer_params write it (the
 // host without brackets).
-inline nlohmann::json AgentAddressJson(const AgentAddress& a) {
-    return {{"engine_id", a.engine_id}, {"host", a.host}, {"port", a.port}};
-}
+nlohmann::json AgentAddressJson(const AgentAddress& a);
 
-}  // namespace ferry
+// The same read back: engine_id (1..256 characters) and port (1..65535) are required; host
+// (1..255 characters) too unless `default_host` is given (GET /v1/kv/agent's answer may leave it
+// out: the worker's own host). Errors name the field under `path` ("ec_transfer_params.port").
+Result<AgentAddress> ParseAgentAddress(const nlohmann::json& j, std::string_view path,
+                                       std::string_view default_host = "");
+
+}  // namespace ferry::schema

@@ -1,13 +1,12 @@
-#include "router/kv_events_wire.h"
+#include "schema/kv_events.h"
 
 #include <fmt/core.h>
-#include <zmq.h>
 
 #include <cstring>
 
 #include "core/msgpack.h"
 
-namespace ferry::router {
+namespace ferry::schema {
 
 // --- encoding (the worker's publisher) ----------------------------------------------------
 
@@ -185,30 +184,6 @@ std::optional<int64_t> KvEventSeqOf(std::string_view frame) {
     return int64_t(v);
 }
 
-void BoundZmqSocket(void* socket, int64_t max_message_bytes) {
-    int linger = 0;
-    zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(socket, ZMQ_MAXMSGSIZE, &max_message_bytes, sizeof max_message_bytes);
-}
-
-std::vector<std::string> ReceiveZmqFrames(void* socket, size_t max) {
-    std::vector<std::string> frames;
-    for (;;) {
-        zmq_msg_t msg;
-        zmq_msg_init(&msg);
-        if (zmq_msg_recv(&msg, socket, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&msg);
-            return frames;
-        }
-        if (frames.size() < max) {
-            frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
-        }
-        const bool more = zmq_msg_more(&msg);
-        zmq_msg_close(&msg);
-        if (!more) return frames;
-    }
-}
-
 Result<std::vector<KvCacheEvent>> DecodeKvEventBatch(std::string_view payload, size_t* unknown) {
     MsgpackReader r(payload);
     FERRY_ASSIGN_OR_RETURN(MsgpackReader::Type top, r.Peek());
@@ -245,4 +220,4 @@ Result<std::vector<KvCacheEvent>> DecodeKvEventBatch(std::string_view payload, s
     return out;
 }
 
-}  // namespace ferry::router
+}  // namespace ferry::schema

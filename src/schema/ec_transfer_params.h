@@ -1,0 +1,32 @@
+// ec_transfer_params, the object an encode worker's answer carries and the router copies into
+// the requests it sends on (EPD, docs/disaggregation.md "Encoder disaggregation"): where the
+// image embeddings wait (the producer's agent) and which vision encoder made them. Written by
+// the producer (serve::EcConnector::Params), read by every consumer. The layer's rules:
+// schema/agent_address.h.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+#include "ferry/status.h"
+#include "schema/agent_address.h"
+
+namespace ferry::schema {
+
+struct EcTransferParams : AgentAddress {
+    // The producer's vision encoder (model::VisionEncoder::fingerprint); optional, "" when not
+    // given. A consumer with another encoder does not pull (the slot's own copy is checked too).
+    std::string encoder;
+};
+
+// {"engine_id", "host", "port", "encoder"}.
+nlohmann::json EcTransferParamsJson(const EcTransferParams& p);
+// engine_id, host and port required (schema::ParseAgentAddress), encoder at most 128
+// characters; unknown fields ignored. InvalidArgument naming the field.
+Result<EcTransferParams> ParseEcTransferParams(const nlohmann::json& params);
+// The same from text (a fuzzer's input): nesting past 8 levels and text that is not JSON are
+// refused by name first.
+Result<EcTransferParams> ParseEcTransferParamsText(std::string_view json);
+
+}  // namespace ferry::schema
