@@ -1,6 +1,7 @@
 // The MetadataStore implementations behind MetadataStore::Open.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -8,6 +9,10 @@
 #include "ferry/discovery.h"
 
 namespace ferry::discovery {
+
+// The embedded store's longest watch poll (POST /v1/watch's timeout_ms): the server refuses more,
+// the client asks for no more.
+inline constexpr std::chrono::milliseconds kMaxWatchPoll = std::chrono::seconds(60);
 
 std::unique_ptr<MetadataStore> MakeHttpStore(std::string url, Endpoint ep, StoreOptions options);
 std::unique_ptr<MetadataStore> MakeEtcdStore(std::string url, Endpoint ep, StoreOptions options);

@@ -7,43 +7,9 @@
 #include <random>
 
 #include "core/log.h"
-#include "core/utf8.h"
+#include "engine/output_text.h"
 
 namespace ferry::engine {
-
-namespace {
-
-// Moves the complete UTF-8 characters at the front of `pending` to `out`; an incomplete
-// character at the end stays. Bytes that can never form a character become U+FFFD.
-void TakeCompleteUtf8(std::string* pending, std::string* out, bool flush) {
-    size_t i = 0;
-    const std::string& p = *pending;
-    while (i < p.size()) {
-        auto c = static_cast<unsigned char>(p[i]);
-        size_t n = Utf8SequenceLength(c);
-        if (n == 0) {
-            out->append("\xef\xbf\xbd");
-            ++i;
-            continue;
-        }
-        size_t k = 1;
-        while (k < n && i + k < p.size() && (static_cast<unsigned char>(p[i + k]) & 0xc0) == 0x80) {
-            ++k;
-        }
-        if (k == n) {
-            out->append(p, i, n);
-            i += n;
-        } else if (i + k == p.size() && !flush) {
-            break;  // wait for the rest of the character
-        } else {
-            out->append("\xef\xbf\xbd");
-            i += k;
-        }
-    }
-    pending->erase(0, i);
-}
-
-}  // namespace
 
 const char* FinishReasonName(FinishReason r) {
     switch (r) {
@@ -71,9 +37,7 @@ struct Engine::Sequence {
     int cached_tokens = 0;
     int num_output = 0;
     model::Sampler sampler;
-    std::string pending_bytes;  // an incomplete UTF-8 character
-    std::string held;           // text held back while a stop string may be forming
-    size_t max_stop = 0;
+    OutputText text;
     bool aborted = false;
     // Disaggregation: parked (the connector does not allow scheduling yet) or loading remote KV
     // (num_external tokens after num_computed), both in remote_.
@@ -87,7 +51,8 @@ struct Engine::Sequence {
     std::vector<MmSpan> mm_spans;
     std::vector<model::InputEmbeds> embeds;
 
-    Sequence(Request r, uint64_t seed) : req(std::move(r)), sampler(req.sampling, seed) {
+    Sequence(Request r, uint64_t seed)
+        : req(std::move(r)), sampler(req.sampling, seed), text(req.sampling.stop) {
         tokens = req.prompt;
         for (const MmInput& m : req.mm) {
             mm_spans.push_back({m.offset, m.length, m.hash});
@@ -95,7 +60,6 @@ struct Engine::Sequence {
         }
         prompt_len = static_cast<int>(tokens.size());
         no_cache = req.no_cache;
-        for (const std::string& s : req.sampling.stop) max_stop = std::max(max_stop, s.size());
     }
 };
 
@@ -463,7 +427,7 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
 bool Engine::Step() {
     bool more = StepBatch();
     if (config_.on_kv_events) {
-        std::vector<KvCacheEvent> events = pool_->TakeEvents();
+        std::vector<schema::KvCacheEvent> events = pool_->TakeEvents();
         if (!events.empty()) config_.on_kv_events(std::move(events));
     }
     PublishStats();
@@ -585,35 +549,16 @@ void Engine::ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOu
         Finish(s, FinishReason::kStop, out);
         return;
     }
-    std::string text;
-    s->pending_bytes += tk.TokenBytes(tok.token);
-    TakeCompleteUtf8(&s->pending_bytes, &text, false);
-    s->held += text;
-    for (const std::string& stop : sp.stop) {
-        size_t at = s->held.find(stop);
-        if (at != std::string::npos) {
-            s->held.resize(at);
-            s->pending_bytes.clear();
-            Finish(s, FinishReason::kStop, out);
-            return;
-        }
+    if (s->text.Append(tk.TokenBytes(tok.token))) {
+        Finish(s, FinishReason::kStop, out);
+        return;
     }
     if (s->num_output >= sp.max_tokens ||
         static_cast<int>(s->tokens.size()) >= config_.max_model_len) {
         Finish(s, FinishReason::kLength, out);
         return;
     }
-    // Emit all but what could still be the start of a stop string (whole characters only).
-    size_t keep = s->max_stop > 0 ? s->max_stop - 1 : 0;
-    if (s->held.size() > keep) {
-        size_t cut = s->held.size() - keep;
-        while (cut > 0 && (static_cast<unsigned char>(s->held[cut]) & 0xc0) == 0x80 &&
-               cut < s->held.size()) {
-            --cut;
-        }
-        out->text = s->held.substr(0, cut);
-        s->held.erase(0, cut);
-    }
+    out->text = s->text.TakeReady();
     out->prompt_tokens = s->prompt_len;
     out->completion_tokens = s->num_output;
     out->cached_tokens = s->cached_tokens;
@@ -622,9 +567,7 @@ void Engine::ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOu
 }
 
 void Engine::Finish(Sequence* s, FinishReason reason, RequestOutput* out) {
-    TakeCompleteUtf8(&s->pending_bytes, &s->held, true);
-    out->text += s->held;
-    s->held.clear();
+    out->text += s->text.TakeRest();
     out->finish = reason;
     out->prompt_tokens = s->prompt_len;
     out->completion_tokens = s->num_output;

@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "engine/output_text.h"
 #include "ferry/agent.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
@@ -107,6 +108,35 @@ class EngineTest : public ::testing::Test {
 };
 std::string EngineTest::path_;
 std::shared_ptr<model::Model> EngineTest::model1_, EngineTest::model2_;
+
+// A request's text as it streams: whole characters only, a stop string found across tokens and
+// cut off, what could begin one held back, an unfinished character at the end made U+FFFD.
+TEST(OutputText, StreamsWholeCharactersAndStopsBeforeAStopString) {
+    OutputText plain({});
+    EXPECT_FALSE(plain.Append("h\xc3"));  // "hé" split inside the é
+    EXPECT_EQ(plain.TakeReady(), "h");
+    EXPECT_FALSE(plain.Append("\xa9!"));
+    EXPECT_EQ(plain.TakeReady(), "\xc3\xa9!");
+    EXPECT_FALSE(plain.Append("\xe4\xb8"));
+    EXPECT_EQ(plain.TakeReady(), "");
+    EXPECT_EQ(plain.TakeRest(), "\xef\xbf\xbd") << "an unfinished character at the end";
+    EXPECT_FALSE(plain.Append("\xff"));
+    EXPECT_EQ(plain.TakeReady(), "\xef\xbf\xbd") << "a byte that never starts a character";
+
+    OutputText stop({"END", "\n\n"});
+    EXPECT_FALSE(stop.Append("abc E"));
+    EXPECT_EQ(stop.TakeReady(), "abc") << "the longest stop's length less one is held back";
+    EXPECT_FALSE(stop.Append("N"));
+    EXPECT_EQ(stop.TakeReady(), " ");
+    EXPECT_TRUE(stop.Append("Dxyz")) << "END completed across three tokens";
+    EXPECT_EQ(stop.TakeRest(), "") << "the text ends before the stop string";
+
+    OutputText miss({"END"});
+    EXPECT_FALSE(miss.Append("EN"));
+    EXPECT_FALSE(miss.Append("x"));
+    EXPECT_EQ(miss.TakeReady(), "E") << "no longer a stop string's start but the last 2 bytes";
+    EXPECT_EQ(miss.TakeRest(), "Nx");
+}
 
 TEST_F(EngineTest, ChunkedPrefillMatchesWholePrefill) {
     auto whole_cfg = Config();

@@ -14,8 +14,10 @@
 
 #include "core/cpu.h"
 #include "core/host_port.h"
+#include "core/json_fields.h"
 #include "core/log.h"
 #include "http/http.h"
+#include "schema/openai_error.h"
 
 namespace ferry::http {
 
@@ -27,60 +29,12 @@ namespace bhttp = beast::http;
 using tcp = asio::ip::tcp;
 using SteadyClock = std::chrono::steady_clock;
 
-std::string JsonEscape(std::string_view s) {
-    std::string out;
-    for (char c : s) {
-        auto u = static_cast<unsigned char>(c);
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += c;
-        } else if (u < 0x20) {
-            out += fmt::format("\\u{:04x}", u);
-        } else {
-            out += c;
-        }
-    }
-    return out;
-}
-
-const char* Reason(int status) {
-    switch (status) {
-        case 200:
-            return "OK";
-        case 201:
-            return "Created";
-        case 204:
-            return "No Content";
-        case 400:
-            return "Bad Request";
-        case 401:
-            return "Unauthorized";
-        case 403:
-            return "Forbidden";
-        case 404:
-            return "Not Found";
-        case 405:
-            return "Method Not Allowed";
-        case 408:
-            return "Request Timeout";
-        case 409:
-            return "Conflict";
-        case 413:
-            return "Payload Too Large";
-        case 429:
-            return "Too Many Requests";
-        case 431:
-            return "Request Header Fields Too Large";
-        case 500:
-            return "Internal Server Error";
-        case 502:
-            return "Bad Gateway";
-        case 503:
-            return "Service Unavailable";
-        case 504:
-            return "Gateway Timeout";
-    }
-    return "Status";
+// The status line's reason phrase (RFC 9110's, as Beast knows them).
+std::string_view Reason(int status) {
+    const bhttp::status known = bhttp::int_to_status(static_cast<unsigned>(status));
+    if (known == bhttp::status::unknown) return "Status";
+    const beast::string_view r = bhttp::obsolete_reason(known);
+    return {r.data(), r.size()};
 }
 
 std::string Head(int status, const std::string& content_type, const std::vector<Header>& headers,
@@ -162,11 +116,9 @@ struct Server::Impl {
 
     http::Reply ErrorReply(int status, const std::string& message) const {
         if (cfg.error_reply) return cfg.error_reply(status, message);
-        http::Reply r;
-        r.status = status;
-        r.body = fmt::format("{{\"error\":{{\"message\":\"{}\",\"code\":{}}}}}",
-                             JsonEscape(message), status);
-        return r;
+        // OpenAI's error body (schema/openai_error.h), for a server that words none itself.
+        return http::Reply{
+            status, "application/json", DumpJson(schema::OpenAiErrorJson(status, {message})), {}};
     }
     void Accept();
 };

@@ -189,19 +189,20 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
         {
             std::lock_guard lock(f->mu);
             // push: the decoder could not reach the prefill worker's agent before any token
-            // (503): that agent may have moved. Once: ask again, then retry on the same workers.
+            // (503): that agent may have moved (router/worker_call.h). Claimed under the lock,
+            // so one callback retries.
             retry = self->config_.protocol == Protocol::kPush && f->prefill_routed &&
                     f->attempt == 0 && f->status == 503 && !f->started && !f->cancelled &&
                     !f->answered;
             if (retry) f->attempt = 1;
         }
-        if (retry) {
+        if (retry && ReplanAfterUnreachableAgent(*self->router_, f->prefill_worker, 0,
+                                                 UnavailableError("decode worker: 503"))) {
             FERRY_LOG(kInfo,
                       "proxy: request {}: the decode worker could not reach the prefill worker's "
                       "agent; asking it again and retrying",
                       f->request_id);
             f->CancelAttempt();
-            self->router_->ForgetAgent(Role::kPrefill, f->prefill_worker);
             return self->Push(f);
         }
         if (!f->Claim()) return;

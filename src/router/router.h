@@ -7,8 +7,8 @@
 // every path (success, error, client gone, another stage's failure): a ticket destroyed without
 // `End` ends as kAbandoned, so load is never left counted on a worker.
 //
-// This library links core, http, discovery, the tokenizer (to tokenize prompts as the workers
-// do) and libzmq (KV events): no model math, no KV cache, no engine.
+// This library links core, http, the schema layer, discovery, the tokenizer (to tokenize prompts
+// as the workers do) and libzmq (KV events): no model math, no KV cache, no engine.
 #pragma once
 
 #include <atomic>

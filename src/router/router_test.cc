@@ -1407,5 +1407,19 @@ TEST(RouterWorkerCall, APushPlanGivesBothSidesOneFreshTransferIdAndTheAgent) {
     EXPECT_NE(st.message().find("prefill worker 127.0.0.1:1"), std::string::npos) << st.ToString();
 }
 
+// Push's one retry: only a first attempt whose decoder could not reach the agent (Unavailable)
+// forgets the agent and plans again; any other failure, or a second, ends the request.
+TEST(RouterWorkerCall, OnlyAFirstUnreachableAgentIsForgottenAndPlannedAgain) {
+    Router router(RouterConfig{});
+    router.AddWorker(Role::kPrefill, {"127.0.0.1", 1});
+    const AgentInfo agent{{"engine-7", "10.0.0.7", 7000}, 1};
+    router.SetAgent(Role::kPrefill, 0, agent);
+    EXPECT_FALSE(ReplanAfterUnreachableAgent(router, 0, 0, InternalError("boom")));
+    EXPECT_FALSE(ReplanAfterUnreachableAgent(router, 0, 1, UnavailableError("again")));
+    EXPECT_TRUE(router.KnownAgent(Role::kPrefill, 0).has_value()) << "kept: not its fault";
+    EXPECT_TRUE(ReplanAfterUnreachableAgent(router, 0, 0, UnavailableError("unreachable")));
+    EXPECT_FALSE(router.KnownAgent(Role::kPrefill, 0).has_value()) << "asked again next time";
+}
+
 }  // namespace
 }  // namespace ferry::router

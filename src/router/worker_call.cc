@@ -112,4 +112,11 @@ std::shared_ptr<http::ClientCall> EncodeStep::Call(const nlohmann::json& body,
         kMaxEncodeAnswerBytes);
 }
 
+bool ReplanAfterUnreachableAgent(Router& router, size_t prefill_worker, int attempt,
+                                 const Status& load_failure) {
+    if (attempt != 0 || load_failure.code() != Code::kUnavailable) return false;
+    router.ForgetAgent(Role::kPrefill, prefill_worker);
+    return true;
+}
+
 }  // namespace ferry::router

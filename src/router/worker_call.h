@@ -56,6 +56,15 @@ std::shared_ptr<http::ClientCall> PlanPush(http::Client& client, std::shared_ptr
                                            std::chrono::milliseconds timeout,
                                            std::function<void(Result<PushPlan>)> done);
 
+// Push's one retry, as `ferry proxy` and a decode-first worker both make it: a decoder that could
+// not reach the prefill worker's agent before any token (`load_failure` Unavailable: the decode
+// worker answered 503, or a decode-first worker's own load failed so) may have been given an
+// agent that moved (the prefill worker restarted). On the first attempt the agent is forgotten
+// (the next PlanPush asks again) and the caller plans the hand-off once more on the same
+// workers; true when it is to. Any other failure, or a second one, ends the request.
+bool ReplanAfterUnreachableAgent(Router& router, size_t prefill_worker, int attempt,
+                                 const Status& load_failure);
+
 // What an encode worker's answer means for the request (EPD).
 struct Encoded {
     enum class Kind {

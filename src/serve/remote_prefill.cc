@@ -95,12 +95,14 @@ void RemotePrefill::Send(const std::shared_ptr<http::Exchange>& ex, bool chat, P
     if (attempt == 0) {
         retry = [this, ex, chat, key, original, prefill_call, call_mu, ticket,
                  base](const Status& st) {
-            if (st.code() != Code::kUnavailable || m_.stopping) return false;
+            if (m_.stopping ||
+                !router::ReplanAfterUnreachableAgent(*router_, ticket->worker(), 0, st)) {
+                return false;
+            }
             {
                 std::lock_guard lock(*call_mu);
                 if (*prefill_call) (*prefill_call)->Cancel();
             }
-            router_->ForgetAgent(router::Role::kPrefill, ticket->worker());
             FERRY_LOG(kInfo,
                       "serve: request {}: remote prefill via {} failed ({}); asking it again", base,
                       key, st.ToString());
