@@ -45,7 +45,7 @@ ferry::kv::AgentKvConnector& Connector() {
         cc.connect_threads = 1;
         cc.handshake_timeout = std::chrono::milliseconds(50);
         // A hello is answered by dialing back: only this address, where nothing listens.
-        cc.allowed_agents = {"127.0.0.1:1"};
+        cc.trust.allowed_agents = {"127.0.0.1:1"};
         auto conn = ferry::kv::AgentKvConnector::Create(w->agent, cc);
         if (!conn.ok()) std::abort();
         w->conn = std::move(*conn);

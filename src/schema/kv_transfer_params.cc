@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include <cfloat>
 #include <climits>
 
 #include "core/json_depth.h"
@@ -119,28 +120,35 @@ Result<KvTransferParams> ParseKvTransferParams(const Json& v, KvTransferMode def
     }
     if (const Json* t = get("ferry_first_token")) {
         FirstToken ft;
+        // A log-probability is a float: a number beyond its range would become infinite.
+        auto logprob = [](const Json& v, float* out) {
+            if (!v.is_number()) return false;
+            const double d = v.get<double>();
+            if (!(d >= -FLT_MAX && d <= FLT_MAX)) return false;
+            *out = static_cast<float>(d);
+            return true;
+        };
         auto tok = t->is_object() ? t->find("token") : Json::const_iterator();
         if (!t->is_object() || tok == t->end() || !tok->is_number_integer() ||
             JsonFields::ClampedInt(*tok) < 0 || JsonFields::ClampedInt(*tok) > INT32_MAX ||
-            !t->contains("logprob") || !(*t)["logprob"].is_number()) {
-            bad("ferry_first_token", "an object with an integer token and a logprob");
+            !t->contains("logprob") || !logprob((*t)["logprob"], &ft.logprob)) {
+            bad("ferry_first_token", "an object with an integer token and a finite logprob");
         } else {
             ft.token = static_cast<int32_t>(JsonFields::ClampedInt(*tok));
-            ft.logprob = (*t)["logprob"].get<float>();
             if (t->contains("top")) {
                 const Json& top = (*t)["top"];
                 if (!top.is_array() || top.size() > 1024) {
                     bad("ferry_first_token", "valid");
                 } else {
                     for (const Json& e : top) {
+                        float lp = 0;
                         if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() ||
-                            !e[1].is_number() || JsonFields::ClampedInt(e[0]) < 0 ||
+                            !logprob(e[1], &lp) || JsonFields::ClampedInt(e[0]) < 0 ||
                             JsonFields::ClampedInt(e[0]) > INT32_MAX) {
                             bad("ferry_first_token", "valid (top: [[token, logprob], ...])");
                             break;
                         }
-                        ft.top.emplace_back(static_cast<int32_t>(JsonFields::ClampedInt(e[0])),
-                                            e[1].get<float>());
+                        ft.top.emplace_back(static_cast<int32_t>(JsonFields::ClampedInt(e[0])), lp);
                     }
                 }
             }
