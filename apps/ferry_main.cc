@@ -13,6 +13,7 @@
 #include "discovery_cmd.h"
 #include "model_cmd.h"
 #include "proxy_cmd.h"
+#include "serve/vllm_cli.h"
 #include "transfer/backend.h"
 
 namespace {
@@ -180,8 +181,25 @@ int main(int argc, char** argv) {
         rc = ferry::bench::RunTransferBench(o);
     });
 
+    // `ferry serve` also takes `vllm serve`'s command line (serve/vllm_cli.h): rewritten into
+    // ferry's flags before they are parsed, each vLLM setting taken or ignored said on stderr.
+    std::vector<std::string> args(argv, argv + argc);
+    if (args.size() >= 2 && args[1] == "serve") {
+        auto translated = ferry::serve::TranslateVllmServeArgs({args.begin() + 2, args.end()});
+        if (!translated.ok()) {
+            fmt::print(stderr, "ferry serve: {}\n", translated.status().message());
+            return 2;
+        }
+        for (const std::string& note : translated->notes) {
+            fmt::print(stderr, "ferry serve: vLLM's {}\n", note);
+        }
+        args.resize(2);
+        args.insert(args.end(), translated->args.begin(), translated->args.end());
+    }
+    std::vector<char*> argv2;
+    for (std::string& a : args) argv2.push_back(a.data());
     try {
-        app.parse(argc, argv);
+        app.parse(static_cast<int>(argv2.size()), argv2.data());
     } catch (const CLI::ParseError& e) {
         return app.exit(e);
     }

@@ -1,6 +1,8 @@
 #include "core/host_port.h"
 
+#include <arpa/inet.h>
 #include <fmt/core.h>
+#include <netinet/in.h>
 
 namespace ferry {
 
@@ -49,6 +51,16 @@ std::string FormatHostPort(std::string_view host, int port) {
 std::string HostOf(std::string_view address) {
     if (auto hp = ParseHostPort(address, 0); hp.ok()) return hp->host;
     return std::string(address);
+}
+
+bool IsLoopbackHost(std::string_view host) {
+    in6_addr v6{};
+    in_addr v4{};
+    const std::string h(host);
+    if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, h.c_str(), &v6) != 1) return false;
+    if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
 }
 
 }  // namespace ferry

@@ -27,4 +27,9 @@ std::string FormatHostPort(std::string_view host, int port);
 // "[::1]:51234" -> "::1"); the whole text when it has no port.
 std::string HostOf(std::string_view address);
 
+// Whether a peer's host (as HostOf gives it: a numeric address) is this machine's loopback:
+// 127.0.0.0/8, ::1, or 127.0.0.0/8 mapped into IPv6 (::ffff:127.x.y.z). Names are not resolved:
+// "localhost" is not a peer address.
+bool IsLoopbackHost(std::string_view host);
+
 }  // namespace ferry

@@ -59,5 +59,18 @@ TEST(HostPort, FormatsWhatItParsesAndFindsAPeersHost) {
     EXPECT_EQ(HostOf("unix-socket"), "unix-socket");
 }
 
+// The peers a worker without a secret takes admin routes from: this machine's loopback only.
+TEST(HostPort, OnlyLoopbackPeersAreLoopback) {
+    for (const char* h : {"127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"}) {
+        EXPECT_TRUE(IsLoopbackHost(h)) << h;
+    }
+    for (const char* h : {"10.0.0.7", "128.0.0.1", "126.255.255.255", "::2", "::ffff:10.0.0.1",
+                          "fe80::1", "localhost", "", "127.0.0.1:80", "0.0.0.0", "::"}) {
+        EXPECT_FALSE(IsLoopbackHost(h)) << h;
+    }
+    EXPECT_TRUE(IsLoopbackHost(HostOf("[::1]:51234")));
+    EXPECT_FALSE(IsLoopbackHost(HostOf("10.0.0.7:51234")));
+}
+
 }  // namespace
 }  // namespace ferry

@@ -74,6 +74,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Model> mod
     if (c.max_model_len <= 0 || c.max_model_len > mc.context_length) {
         c.max_model_len = mc.context_length;
     }
+    if (c.max_batched_tokens == 0) {
+        c.max_batched_tokens = c.chunked_prefill ? 2048 : std::max(2048, c.max_model_len);
+    }
     if (c.block_tokens <= 0 || c.block_tokens > 1024 || c.max_num_seqs <= 0 ||
         c.max_batched_tokens <= 0 || c.max_prefill_chunk < 0) {
         return InvalidArgumentError(fmt::format(

@@ -42,7 +42,9 @@ struct EngineConfig {
     uint64_t kv_cache_bytes = 256ull << 20;  // all ranks together
     kv::KvDtype kv_dtype = kv::KvDtype::kF32;
     int max_num_seqs = 64;
-    int max_batched_tokens = 2048;
+    // The tokens of one step; 0: 2048, raised to the max model length without chunked prefill
+    // (vLLM's default: a whole prompt must fit one step).
+    int max_batched_tokens = 0;
     bool chunked_prefill = true;
     int max_prefill_chunk = 0;  // > 0: at most this many prompt tokens of one sequence per step
     bool prefix_caching = true;

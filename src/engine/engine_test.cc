@@ -138,6 +138,23 @@ TEST(OutputText, StreamsWholeCharactersAndStopsBeforeAStopString) {
     EXPECT_EQ(miss.TakeRest(), "Nx");
 }
 
+// The token budget of a step: 2048 unless set, and never under the max model length without
+// chunked prefill (vLLM's rule: a whole prompt fits one step); one set under it is refused.
+// (A model longer than 2048 tokens raises the default: PdProcess.SeedFourCommandLines...)
+TEST_F(EngineTest, TheDefaultBatchLimitFitsAWholePromptWithoutChunkedPrefill) {
+    EngineConfig c = Config();
+    c.max_batched_tokens = 0;
+    EXPECT_EQ(Make(c)->config().max_batched_tokens, 2048);
+    c.chunked_prefill = false;
+    EXPECT_EQ(Make(c)->config().max_batched_tokens, 2048);
+    c.max_batched_tokens = 100;
+    Result<std::unique_ptr<Engine>> small = Engine::Create(model1_, c);
+    ASSERT_FALSE(small.ok());
+    EXPECT_NE(small.status().message().find("must be at least the max model length (512)"),
+              std::string::npos)
+        << small.status().ToString();
+}
+
 TEST_F(EngineTest, ChunkedPrefillMatchesWholePrefill) {
     auto whole_cfg = Config();
     whole_cfg.chunked_prefill = false;

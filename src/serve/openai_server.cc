@@ -103,10 +103,12 @@ std::optional<http::Reply> OpenAiServer::Impl::Authenticate(const http::Request&
                                                             std::string* requester) {
     const std::string* auth = req.Find("Authorization");
     if (config.router_token.empty()) {
-        if (internal) {
-            return Error(403, {"this route changes where the worker sends prompts: it is served "
-                               "only to the router of a deployment with a secret (start the "
-                               "worker with --secret-file)",
+        // Without a secret an internal route is this machine's alone (seed 004 curls
+        // /add_remote_prefill_eps from the worker's own host): a peer on loopback.
+        if (internal && !IsLoopbackHost(HostOf(req.remote))) {
+            return Error(403, {"this route changes where the worker sends prompts: without a "
+                               "secret it is served only to this host (loopback); with one, to "
+                               "the deployment's router (start the worker with --secret-file)",
                                "", "admin_route_disabled"});
         }
         *requester = HostOf(req.remote);

@@ -65,8 +65,8 @@ struct ServerConfig {
     // one, kv_transfer_params and the internal routes (/add_remote_prefill_eps, /v1/kv/agent)
     // are honoured only with "Authorization: Bearer <token>" (401 without it, 403 for a wrong
     // one), and decode-first calls to prefill workers carry it. Without one, kv_transfer_params
-    // are taken from anyone (vLLM's behaviour) and /add_remote_prefill_eps is refused (403):
-    // docs/security.md.
+    // are taken from anyone (vLLM's behaviour) and /add_remote_prefill_eps only from this host (a
+    // loopback peer; 403 for any other): docs/security.md.
     std::string router_token;
     // Images in chat requests (docs/inference.md): the vision encoder that turns each into
     // embedding rows of the model's width (null: image parts are refused by name), how image

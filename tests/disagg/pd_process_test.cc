@@ -283,6 +283,74 @@ TEST_F(PdProcess, SeedFourDeploymentDecodeTp2PrefillTp1BlockSize128EqualsColocat
               0);
 }
 
+// Seed 004's commands as its author wrote them for `vllm serve` (vLLM's flag spellings, its
+// --kv-transfer-config, flags with no meaning here, chunked prefill off with the default batch
+// limit), with `ferry serve`, the model file and a free port; then its curl of
+// /add_remote_prefill_eps without a token, from this host. Answers equal a colocated worker's and
+// the decode worker computes no prompt token.
+TEST_F(PdProcess, SeedFourCommandLinesRunAsVllmsWordsSayThem) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 2, {"--block-size", "128"}));
+    auto decode = StartOrDie({"serve", model_->path(), "--tensor_parallel-size", "2", "--port", "0",
+                              "--max-model-len", "131072", "--swap-space", "0", "--block-size",
+                              "128", "--trust-remote-code", "--kv-transfer-config",
+                              R"({"kv_connector":"DynamoNixlConnector"})",
+                              "--enable-chunked-prefill", "false"});
+    auto prefill = StartOrDie(
+        {"serve",
+         model_->path(),
+         "--tensor_parallel-size",
+         "1",
+         "--port",
+         "0",
+         "--max-model-len",
+         "65536",
+         "--swap-space",
+         "0",
+         "--block-size",
+         "128",
+         "--gpu-memory-utilization",
+         "0.95",
+         "--trust-remote-code",
+         "--enforce-eager",
+         "--kv-transfer-config",
+         R"({"kv_connector":"DynamoNixlConnector", "kv_connector_extra_config":{"skip_sampling":true}})",
+         "--enable-chunked-prefill",
+         "false"});
+    ASSERT_TRUE(colocated && decode && prefill);
+    EXPECT_NE(decode->agent(), "") << "a decode worker with a KV agent";
+    EXPECT_NE(prefill->agent(), "");
+    auto added = http::Fetch(Post(
+        decode->port(), Json{{"endpoints", {fmt::format("http://127.0.0.1:{}", prefill->port())}}},
+        "/add_remote_prefill_eps"));
+    ASSERT_TRUE(added.ok() && added->status == 200) << (added.ok() ? added->body : "");
+    std::vector<Json> bodies;
+    int64_t prompt_tokens = 0;
+    const auto prompts = Prompts();
+    for (size_t i = 0; i < prompts.size() && i < 12; ++i) {
+        bodies.push_back(CompletionBody(prompts[i], 6, i % 2 == 0));
+        prompt_tokens += static_cast<int64_t>(prompts[i].size());
+    }
+    ExpectSameTokens(SendAll(decode->port(), bodies), SendAll(colocated->port(), bodies));
+    EXPECT_EQ(decode->Metric("ferry_kv_external_tokens_total"), double(prompt_tokens));
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    // The seed's own request: a chat completion at temperature 0.
+    const Json chat = {{"model", model_->path()},
+                       {"temperature", 0},
+                       {"messages", {{{"role", "user"}, {"content", "San Francisco is "}}}},
+                       {"max_tokens", 12},
+                       {"stream", false}};
+    Json unnamed = chat;  // the colocated worker is served under the model's own name
+    unnamed.erase("model");
+    auto a = http::Fetch(Post(decode->port(), chat, "/v1/chat/completions"));
+    auto b = http::Fetch(Post(colocated->port(), unnamed, "/v1/chat/completions"));
+    ASSERT_TRUE(a.ok() && b.ok() && a->status == 200 && b->status == 200)
+        << (a.ok() ? a->body : a.status().ToString());
+    EXPECT_EQ(Json::parse(a->body)["choices"][0]["message"]["content"],
+              Json::parse(b->body)["choices"][0]["message"]["content"]);
+    EXPECT_EQ(decode->Metric("ferry_prompt_tokens_total"), 0);
+    EXPECT_TRUE(decode->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
 // MLA between processes: a TP-1 prefill worker and a TP-2 decode worker of an MLA model (each
 // with one latent cache), pull and push through the proxy, then decode-first; every answer equals
 // a colocated TP-2 worker's, the decoder computes no prompt token, every request's latent is

@@ -1,0 +1,173 @@
+// `vllm serve`'s command line as `ferry serve` takes it (serve/vllm_cli.h): seed 004's two
+// commands as written, each vLLM spelling, and what is refused by name.
+#include "serve/vllm_cli.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "serve/serve_flags.h"
+#include "testing/testing.h"
+
+namespace ferry::serve {
+namespace {
+
+using ::testing::HasSubstr;
+using Args = std::vector<std::string>;
+
+Args Translate(const Args& in) {
+    Result<TranslatedArgs> t = TranslateVllmServeArgs(in);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? t->args : Args{};
+}
+
+// What ferry serve parses from vLLM's words.
+ServeFlags Flags(const Args& in) {
+    ServeFlags f;
+    Status st = ParseServeArgs(Translate(in), &f);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return f;
+}
+
+// Seed 004, as its author ran it, with a GGUF file for the model.
+TEST(VllmCli, SeedFoursTwoCommandsParseAsWritten) {
+    const Args decode = {"/m.gguf",
+                         "--tensor_parallel-size",
+                         "2",
+                         "--port",
+                         "8080",
+                         "--max-model-len",
+                         "131072",
+                         "--swap-space",
+                         "0",
+                         "--block-size",
+                         "128",
+                         "--trust-remote-code",
+                         "--kv-transfer-config",
+                         R"({"kv_connector":"DynamoNixlConnector"})",
+                         "--enable-chunked-prefill",
+                         "false"};
+    ServeFlags d = Flags(decode);
+    EXPECT_EQ(d.model, "/m.gguf");
+    EXPECT_EQ(d.served_model_name, "/m.gguf") << "vLLM's name for it: what its clients send";
+    EXPECT_EQ(d.tp, 2);
+    EXPECT_EQ(d.port, 8080);
+    EXPECT_EQ(d.max_model_len, 131072);
+    EXPECT_EQ(d.block_size, 128);
+    EXPECT_TRUE(d.no_chunked_prefill);
+    EXPECT_EQ(d.role, "decode");
+    EXPECT_EQ(d.kv_transfer, "pull");
+
+    const Args prefill = {
+        "/m.gguf",
+        "--tensor_parallel-size",
+        "1",
+        "--port",
+        "8090",
+        "--max-model-len",
+        "65536",
+        "--swap-space",
+        "0",
+        "--block-size",
+        "128",
+        "--gpu-memory-utilization",
+        "0.95",
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--kv-transfer-config",
+        R"({"kv_connector":"DynamoNixlConnector", "kv_connector_extra_config":{"skip_sampling":true}})",
+        "--enable-chunked-prefill",
+        "false"};
+    Result<TranslatedArgs> t = TranslateVllmServeArgs(prefill);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ServeFlags p;
+    FERRY_ASSERT_OK(ParseServeArgs(t->args, &p));
+    EXPECT_EQ(p.tp, 1);
+    EXPECT_EQ(p.role, "prefill") << "skip_sampling: the worker prefills for another";
+    EXPECT_TRUE(p.no_chunked_prefill);
+    // Each vLLM setting with no meaning here is said once.
+    std::string notes;
+    for (const std::string& n : t->notes) notes += n + "\n";
+    for (const char* said :
+         {"--swap-space 0: no meaning", "--gpu-memory-utilization 0.95",
+          "--trust-remote-code: no meaning", "--enforce-eager: no meaning",
+          "DynamoNixlConnector is ferry's transfer engine, protocol pull", "skip_sampling"}) {
+        EXPECT_THAT(notes, HasSubstr(said));
+    }
+}
+
+TEST(VllmCli, EachSpellingMeansFerrysFlag) {
+    EXPECT_EQ(Flags({"--model", "m", "-tp", "2"}).tp, 2);
+    EXPECT_EQ(Flags({"--model", "m", "--tensor-parallel-size=4"}).tp, 4);
+    EXPECT_EQ(Flags({"--model", "m", "--max_model_len", "512"}).max_model_len, 512);
+    EXPECT_EQ(Flags({"--model=m", "--served_model_name", "a_b"}).served_model_name, "a_b")
+        << "a value keeps its underscores";
+    EXPECT_TRUE(Flags({"m", "--no-enable-chunked-prefill"}).no_chunked_prefill);
+    EXPECT_FALSE(Flags({"m", "--enable-chunked-prefill"}).no_chunked_prefill);
+    EXPECT_FALSE(Flags({"m", "--enable-chunked-prefill", "true"}).no_chunked_prefill);
+    EXPECT_TRUE(Flags({"m", "--enable-chunked-prefill=False"}).no_chunked_prefill);
+    EXPECT_TRUE(Flags({"m", "--no-enable-prefix-caching"}).no_prefix_caching);
+    EXPECT_TRUE(Flags({"m", "--enable-prefix-caching", "false"}).no_prefix_caching);
+    EXPECT_EQ(Flags({"m", "-pp", "1", "--seed", "0"}).model, "m");
+    // The connectors and roles of KVTransferConfig.
+    ServeFlags mooncake = Flags(
+        {"m", "--kv-transfer-config",
+         R"({"kv_connector":"MooncakeConnector","kv_role":"kv_producer","engine_id":"p-0"})"});
+    EXPECT_EQ(mooncake.kv_transfer, "push");
+    EXPECT_EQ(mooncake.role, "prefill");
+    EXPECT_EQ(mooncake.agent_name, "p-0");
+    ServeFlags nixl =
+        Flags({"m", "--kv-transfer-config",
+               R"({"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cuda",
+             "kv_connector_extra_config":{"backends":["TCP"]}})"});
+    EXPECT_EQ(nixl.kv_transfer, "pull");
+    EXPECT_EQ(nixl.role, "decode");
+    EXPECT_EQ(nixl.kv_backend, "tcp");
+    EXPECT_EQ(Flags({"m", "--kv-transfer-config", R"({"kv_connector":"NixlConnector",
+                     "kv_role":"kv_consumer"})",
+                     "--role", "decode"})
+                  .role,
+              "decode");
+    // ferry's own flags pass through unchanged.
+    const Args ferry = {"--model", "m", "--role", "prefill", "--kv-peers", "127.0.0.1:7000"};
+    EXPECT_EQ(Translate(ferry), ferry);
+}
+
+TEST(VllmCli, WhatHasNoEquivalentIsRefusedByName) {
+    const std::pair<Args, const char*> cases[] = {
+        {{"m", "--kv-transfer-config", "[1]"}, "--kv-transfer-config: must be a JSON object"},
+        {{"m", "--kv-transfer-config", "{"}, "must be a JSON object"},
+        {{"m", "--kv-transfer-config", R"({"kv_role":"kv_both"})"}, "kv_connector is required"},
+        {{"m", "--kv-transfer-config", R"({"kv_connector":"LMCacheConnectorV1"})"},
+         "kv_connector 'LMCacheConnectorV1' has no equivalent on ferry"},
+        {{"m", "--kv-transfer-config", R"({"kv_connector":"NixlConnector","kv_rol":"x"})"},
+         "unknown field 'kv_rol'"},
+        {{"m", "--kv-transfer-config", R"({"kv_connector":"NixlConnector","kv_role":"kv_all"})"},
+         "kv_role' must be kv_producer, kv_consumer or kv_both"},
+        {{"m", "--kv-transfer-config",
+          R"({"kv_connector":"NixlConnector","kv_connector_extra_config":{"backends":["RDMA"]}})"},
+         "must name UCX, TCP or SHM"},
+        {{"m", "--kv-transfer-config",
+          R"({"kv_connector":"NixlConnector","kv_role":"kv_producer"})", "--role", "decode"},
+         "asks for a prefill worker, --role for a decode one"},
+        {{"m", "--pipeline-parallel-size", "2"}, "ferry has tensor parallelism only"},
+        {{"m", "--kv-transfer-config"}, "--kv-transfer-config needs a value"},
+        {{"m", "--enable-chunked-prefill=maybe"}, "true or false"},
+    };
+    for (const auto& [args, want] : cases) {
+        Result<TranslatedArgs> t = TranslateVllmServeArgs(args);
+        ASSERT_FALSE(t.ok()) << args.back();
+        EXPECT_EQ(t.status().code(), Code::kInvalidArgument);
+        EXPECT_THAT(t.status().message(), HasSubstr(want)) << args.back();
+    }
+    // A flag neither ferry nor vLLM's table knows passes through, and ferry serve names it.
+    ServeFlags f;
+    const Status st = ParseServeArgs(Translate({"m", "--speculative-config", "{}"}), &f);
+    EXPECT_FALSE(st.ok());
+    EXPECT_THAT(st.message(), HasSubstr("--speculative-config"));
+}
+
+}  // namespace
+}  // namespace ferry::serve
