@@ -34,7 +34,8 @@ constexpr std::string_view kIgnoredFlags[] = {"--enforce-eager",
                                               "--disable-log-stats",
                                               "--disable-custom-all-reduce",
                                               "--enable-log-requests",
-                                              "--disable-frontend-multiprocessing"};
+                                              "--disable-frontend-multiprocessing",
+                                              "--enable-request-id-headers"};
 
 // vLLM's connectors that move KV between instances, and ferry's protocol for each.
 struct Connector {
@@ -160,12 +161,80 @@ Result<KvTransfer> ParseKvTransferConfig(std::string_view text, std::vector<std:
     return kt;
 }
 
+// What --ec-transfer-config (vLLM's ECTransferConfig) asks of the command.
+struct EcTransfer {
+    bool producer = false;  // ec_producer: an encode worker
+    std::string dir;        // the shared directory
+};
+
+constexpr std::string_view kEcTakenFields[] = {"ec_connector", "ec_role",
+                                               "ec_connector_extra_config"};
+constexpr std::string_view kEcUnusedFields[] = {
+    "engine_id", "ec_buffer_device", "ec_buffer_size",          "ec_rank", "ec_parallel_size",
+    "ec_ip",     "ec_port",          "ec_connector_module_path"};
+
+Result<EcTransfer> ParseEcTransferConfig(std::string_view text, std::vector<std::string>* notes) {
+    constexpr char kFlag[] = "--ec-transfer-config";
+    if (!JsonDepthWithin(text, 8)) {
+        return InvalidArgumentError(fmt::format("{}: nests too deep", kFlag));
+    }
+    const Json j = Json::parse(text.begin(), text.end(), nullptr, false);
+    if (!j.is_object()) {
+        return InvalidArgumentError(
+            fmt::format("{}: must be a JSON object (vLLM's ECTransferConfig)", kFlag));
+    }
+    for (const auto& [key, value] : j.items()) {
+        if (In(kEcTakenFields, key)) continue;
+        if (In(kEcUnusedFields, key)) {
+            notes->push_back(fmt::format("{}: {} has no meaning on ferry; ignored", kFlag, key));
+            continue;
+        }
+        return InvalidArgumentError(
+            fmt::format("{}: unknown field '{}' (ECTransferConfig has ec_connector, ec_role, "
+                        "ec_connector_extra_config, ...)",
+                        kFlag, key.substr(0, 64)));
+    }
+    const JsonFields f(j, "ec-transfer-config");
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> connector, f.OptString("ec_connector", 128));
+    if (!connector) return InvalidArgumentError(fmt::format("{}: ec_connector is required", kFlag));
+    if (*connector != "ECExampleConnector" && *connector != "ECSharedStorageConnector") {
+        return InvalidArgumentError(fmt::format(
+            "{}: ec_connector '{}' has no equivalent on ferry (ECExampleConnector and "
+            "ECSharedStorageConnector map to its disk connector; ferry's own is --ec-connector "
+            "transfer)",
+            kFlag, connector->substr(0, 64)));
+    }
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> role, f.OptString("ec_role", 32));
+    if (!role) {
+        return InvalidArgumentError(
+            fmt::format("{}: ec_role is required with ec_connector (as vLLM's)", kFlag));
+    }
+    EcTransfer ec;
+    if (*role == "ec_producer") {
+        ec.producer = true;
+    } else if (*role == "ec_both") {
+        notes->push_back(fmt::format(
+            "{}: ec_both: this worker loads embeddings from the directory; what it encodes "
+            "itself stays in its own encoder cache",
+            kFlag));
+    } else if (*role != "ec_consumer") {
+        return f.Bad("ec_role", "must be ec_producer, ec_consumer or ec_both");
+    }
+    FERRY_ASSIGN_OR_RETURN(JsonFields extra, f.Object("ec_connector_extra_config"));
+    FERRY_ASSIGN_OR_RETURN(ec.dir, extra.String("shared_storage_path", 4096));
+    if (ec.dir.empty()) return extra.Bad("shared_storage_path", "must not be empty");
+    notes->push_back(
+        fmt::format("{}: {} is ferry's disk connector on {}", kFlag, *connector, ec.dir));
+    return ec;
+}
+
 }  // namespace
 
 Result<TranslatedArgs> TranslateVllmServeArgs(const std::vector<std::string>& in) {
     TranslatedArgs out;
     std::vector<std::string>& a = out.args;
     std::optional<KvTransfer> kv;
+    std::optional<EcTransfer> ec;
     std::string role_given;
     bool model_given = false, name_given = false;
     std::string positional_model;
@@ -234,6 +303,9 @@ Result<TranslatedArgs> TranslateVllmServeArgs(const std::vector<std::string>& in
         } else if (arg == "--kv-transfer-config") {
             FERRY_ASSIGN_OR_RETURN(std::string v, value());
             FERRY_ASSIGN_OR_RETURN(kv, ParseKvTransferConfig(v, &out.notes));
+        } else if (arg == "--ec-transfer-config") {
+            FERRY_ASSIGN_OR_RETURN(std::string v, value());
+            FERRY_ASSIGN_OR_RETURN(ec, ParseEcTransferConfig(v, &out.notes));
         } else if (In(kIgnoredWithValue, arg)) {
             FERRY_ASSIGN_OR_RETURN(std::string v, value());
             out.notes.push_back(fmt::format("{} {}: no meaning on ferry; ignored", arg, v));
@@ -251,6 +323,19 @@ Result<TranslatedArgs> TranslateVllmServeArgs(const std::vector<std::string>& in
         a.insert(a.end(), {"--served-model-name", positional_model});
         out.notes.push_back(
             fmt::format("serve MODEL: served as '{}', as vLLM names it", positional_model));
+    }
+    if (ec) {
+        if (ec->producer && kv) {
+            return InvalidArgumentError(
+                "--ec-transfer-config ec_producer is an encode worker: it takes no "
+                "--kv-transfer-config");
+        }
+        if (ec->producer && !role_given.empty() && role_given != "encode") {
+            return InvalidArgumentError(fmt::format(
+                "--ec-transfer-config asks for an encode worker, --role for a {} one", role_given));
+        }
+        if (ec->producer && role_given.empty()) a.insert(a.end(), {"--role", "encode"});
+        a.insert(a.end(), {"--ec-connector", "disk", "--ec-dir", ec->dir});
     }
     if (kv) {
         if (!role_given.empty() && !kv->role.empty() && role_given != kv->role) {

@@ -15,6 +15,11 @@
 //     `kv_connector_extra_config.backends` the transfer backend and `skip_sampling` a prefill
 //     worker; the fields with no meaning on ferry are noted, an unknown field or connector is
 //     refused by name;
+//   - `--ec-transfer-config JSON` (vLLM's ECTransferConfig, EPD): ECExampleConnector and
+//     ECSharedStorageConnector are ferry's disk connector on `shared_storage_path` (vLLM's file
+//     layout, so consumers need no ec_transfer_params); `ec_role` ec_producer is an encode worker
+//     (it needs ferry's --mmproj: vLLM's model holds its vision tower, a GGUF file does not),
+//     ec_consumer and ec_both load from the directory;
 //   - flags with no meaning on ferry (GPU memory, swap space, CUDA graphs, remote code) are
 //     dropped, each with a note.
 // Every other argument passes through unchanged, so a flag neither ferry nor this table knows

@@ -135,6 +135,32 @@ TEST(VllmCli, EachSpellingMeansFerrysFlag) {
     EXPECT_EQ(Translate(ferry), ferry);
 }
 
+// vLLM's EPD example (disagg_1e1p1d_example.sh): the encode worker's and a consumer's
+// --ec-transfer-config with the shared-storage connector.
+TEST(VllmCli, TheEpdExamplesEcTransferConfigIsTheDiskConnector) {
+    const std::string producer = R"({"ec_connector": "ECSharedStorageConnector",
+        "ec_role": "ec_producer", "ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}})";
+    ServeFlags e =
+        Flags({"m", "--mmproj", "v.gguf", "--gpu-memory-utilization", "0.0", "--port", "19534",
+               "--enable-request-id-headers", "--no-enable-prefix-caching", "--max-num-seqs", "128",
+               "--max-num-batched-tokens", "4096", "--ec-transfer-config", producer});
+    EXPECT_EQ(e.role, "encode");
+    EXPECT_EQ(e.ec_connector, "disk");
+    EXPECT_EQ(e.ec_dir, "/tmp/ec");
+    EXPECT_TRUE(e.no_prefix_caching);
+    EXPECT_EQ(e.max_num_batched_tokens, 4096);
+    const std::string consumer = R"({"ec_connector": "ECExampleConnector",
+        "ec_role": "ec_consumer", "ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}})";
+    ServeFlags p = Flags({"m", "--ec-transfer-config", consumer, "--kv-transfer-config",
+                          R"({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})"});
+    EXPECT_EQ(p.role, "prefill");
+    EXPECT_EQ(p.ec_connector, "disk");
+    EXPECT_EQ(p.ec_dir, "/tmp/ec");
+    ServeFlags pd = Flags({"m", "--ec-transfer-config", consumer});
+    EXPECT_EQ(pd.role, "colocated") << "1E1PD: the PD worker is colocated";
+    EXPECT_EQ(pd.ec_connector, "disk");
+}
+
 TEST(VllmCli, WhatHasNoEquivalentIsRefusedByName) {
     const std::pair<Args, const char*> cases[] = {
         {{"m", "--kv-transfer-config", "[1]"}, "--kv-transfer-config: must be a JSON object"},
@@ -155,6 +181,21 @@ TEST(VllmCli, WhatHasNoEquivalentIsRefusedByName) {
         {{"m", "--pipeline-parallel-size", "2"}, "ferry has tensor parallelism only"},
         {{"m", "--kv-transfer-config"}, "--kv-transfer-config needs a value"},
         {{"m", "--enable-chunked-prefill=maybe"}, "true or false"},
+        {{"m", "--ec-transfer-config",
+          R"({"ec_connector":"SHMConnector","ec_role":"ec_producer"})"},
+         "ec_connector 'SHMConnector' has no equivalent on ferry"},
+        {{"m", "--ec-transfer-config", R"({"ec_connector":"ECExampleConnector"})"},
+         "ec_role is required"},
+        {{"m", "--ec-transfer-config",
+          R"({"ec_connector":"ECExampleConnector","ec_role":"ec_consumer"})"},
+         "'ec-transfer-config.ec_connector_extra_config' is missing"},
+        {{"m", "--ec-transfer-config",
+          R"({"ec_connector":"ECExampleConnector","ec_role":"ec_producer",
+              "ec_connector_extra_config":{"shared_storage_path":"/d"}})",
+          "--role", "decode"},
+         "asks for an encode worker, --role for a decode one"},
+        {{"m", "--ec-transfer-config", R"({"ec_connector":"ECExampleConnector","ec_rol":1})"},
+         "unknown field 'ec_rol'"},
     };
     for (const auto& [args, want] : cases) {
         Result<TranslatedArgs> t = TranslateVllmServeArgs(args);

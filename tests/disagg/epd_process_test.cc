@@ -312,6 +312,47 @@ TEST_F(EpdProcess, EcTransferParamsAreTheRoutersAndTheEncodeRoleTakesImagesOnly)
     EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), 1);
 }
 
+// vLLM's EPD example as its commands write it (disagg_1e1pd_example.sh: an encode worker and a
+// PD worker sharing ECSharedStorageConnector's directory), with `ferry serve`, the model file and
+// ferry's --mmproj for the vision encoder a GGUF file does not hold. Driven as vLLM's
+// disagg_epd_proxy.py drives it: the request to the encode worker with max_tokens 1, then the
+// original request, no ec_transfer_params, to the PD worker, which finds every image's embeddings
+// by its hash and encodes none; the answers equal a colocated worker's.
+TEST_F(EpdProcess, VllmsEpdCommandLinesRunAsWrittenAndTheConsumerNeedsNoParams) {
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / fmt::format("ferry-epd-vllm-{}", getpid()))
+            .string();
+    std::filesystem::create_directories(dir);
+    auto ec_config = [&](const char* role) {
+        return Json{{"ec_connector", "ECSharedStorageConnector"},
+                    {"ec_role", role},
+                    {"ec_connector_extra_config", {{"shared_storage_path", dir}}}}
+            .dump();
+    };
+    auto encode = StartOrDie(
+        {"serve", model_->path(), "--mmproj", *mmproj_, "--gpu-memory-utilization", "0.0", "--port",
+         "0", "--enable-request-id-headers", "--no-enable-prefix-caching", "--max-num-seqs", "128",
+         "--max-num-batched-tokens", "4096", "--ec-transfer-config", ec_config("ec_producer")});
+    auto pd = StartOrDie({"serve", model_->path(), "--mmproj", *mmproj_, "--gpu-memory-utilization",
+                          "0.7", "--port", "0", "--enable-request-id-headers", "--max-num-seqs",
+                          "128", "--ec-transfer-config", ec_config("ec_consumer")});
+    auto colocated = StartOrDie(Args("colocated", ""));
+    ASSERT_TRUE(encode && pd && colocated);
+    std::vector<Json> bodies = Bodies(6, 1300);
+    for (const Json& b : bodies) {
+        Json first = b;
+        first["max_tokens"] = 1;
+        first["stream"] = false;
+        auto got = http::Fetch(Post(encode->port(), first, "/v1/chat/completions"));
+        ASSERT_TRUE(got.ok() && got->status == 200) << (got.ok() ? got->body : "");
+    }
+    ExpectSameTokens(SendAll(pd->port(), bodies, 2), SendAll(colocated->port(), bodies, 2),
+                     "vllm-epd");
+    EXPECT_GE(pd->Metric("ferry_ec_loads_total"), 1);
+    EXPECT_EQ(pd->Metric("ferry_ec_local_encodes_total"), 0) << "every image came from the disk";
+    std::filesystem::remove_all(dir);
+}
+
 // The disk connector's files are input like any other: a flipped byte or a truncated file is
 // refused (its checksum, its size), the image encoded here with the colocated answer, or the
 // request refused with --ec-load-failure fail; nothing crashes.
