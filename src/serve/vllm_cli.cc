@@ -71,6 +71,37 @@ std::optional<bool> BoolWord(std::string_view s) {
     return std::nullopt;
 }
 
+// One of vLLM's config objects given on the command line (--kv-transfer-config,
+// --ec-transfer-config): JSON nesting at most 8 deep, an object, each field either one ferry takes
+// (`taken`), one it has no use for (`unused`: noted), or refused by name. `kind` names the vLLM
+// class in errors.
+template <size_t T, size_t U>
+Result<Json> ReadConfigObject(std::string_view flag, std::string_view kind, std::string_view text,
+                              const std::string_view (&taken)[T],
+                              const std::string_view (&unused)[U],
+                              std::vector<std::string>* notes) {
+    if (!JsonDepthWithin(text, 8)) {
+        return InvalidArgumentError(fmt::format("{}: nests too deep", flag));
+    }
+    Json j = Json::parse(text.begin(), text.end(), nullptr, false);
+    if (!j.is_object()) {
+        return InvalidArgumentError(
+            fmt::format("{}: must be a JSON object (vLLM's {})", flag, kind));
+    }
+    for (const auto& [key, value] : j.items()) {
+        if (In(taken, key)) continue;
+        if (In(unused, key)) {
+            notes->push_back(fmt::format("{}: {} has no meaning on ferry; ignored", flag, key));
+            continue;
+        }
+        std::string names;
+        for (std::string_view t : taken) names += fmt::format("{}, ", t);
+        return InvalidArgumentError(fmt::format("{}: unknown field '{}' ({} has {}...)", flag,
+                                                key.substr(0, 64), kind, names));
+    }
+    return j;
+}
+
 // What --kv-transfer-config asks of the command.
 struct KvTransfer {
     std::string transfer;  // pull | push
@@ -81,24 +112,8 @@ struct KvTransfer {
 
 Result<KvTransfer> ParseKvTransferConfig(std::string_view text, std::vector<std::string>* notes) {
     constexpr char kFlag[] = "--kv-transfer-config";
-    if (!JsonDepthWithin(text, 8))
-        return InvalidArgumentError(fmt::format("{}: nests too deep", kFlag));
-    const Json j = Json::parse(text.begin(), text.end(), nullptr, false);
-    if (!j.is_object()) {
-        return InvalidArgumentError(
-            fmt::format("{}: must be a JSON object (vLLM's KVTransferConfig)", kFlag));
-    }
-    for (const auto& [key, value] : j.items()) {
-        if (In(kTakenFields, key)) continue;
-        if (In(kUnusedFields, key)) {
-            notes->push_back(fmt::format("{}: {} has no meaning on ferry; ignored", kFlag, key));
-            continue;
-        }
-        return InvalidArgumentError(
-            fmt::format("{}: unknown field '{}' (KVTransferConfig has kv_connector, kv_role, "
-                        "engine_id, kv_connector_extra_config, ...)",
-                        kFlag, key.substr(0, 64)));
-    }
+    FERRY_ASSIGN_OR_RETURN(const Json j, ReadConfigObject(kFlag, "KVTransferConfig", text,
+                                                          kTakenFields, kUnusedFields, notes));
     const JsonFields f(j, "kv-transfer-config");
     KvTransfer kt;
     FERRY_ASSIGN_OR_RETURN(std::optional<std::string> connector, f.OptString("kv_connector", 128));
@@ -175,25 +190,8 @@ constexpr std::string_view kEcUnusedFields[] = {
 
 Result<EcTransfer> ParseEcTransferConfig(std::string_view text, std::vector<std::string>* notes) {
     constexpr char kFlag[] = "--ec-transfer-config";
-    if (!JsonDepthWithin(text, 8)) {
-        return InvalidArgumentError(fmt::format("{}: nests too deep", kFlag));
-    }
-    const Json j = Json::parse(text.begin(), text.end(), nullptr, false);
-    if (!j.is_object()) {
-        return InvalidArgumentError(
-            fmt::format("{}: must be a JSON object (vLLM's ECTransferConfig)", kFlag));
-    }
-    for (const auto& [key, value] : j.items()) {
-        if (In(kEcTakenFields, key)) continue;
-        if (In(kEcUnusedFields, key)) {
-            notes->push_back(fmt::format("{}: {} has no meaning on ferry; ignored", kFlag, key));
-            continue;
-        }
-        return InvalidArgumentError(
-            fmt::format("{}: unknown field '{}' (ECTransferConfig has ec_connector, ec_role, "
-                        "ec_connector_extra_config, ...)",
-                        kFlag, key.substr(0, 64)));
-    }
+    FERRY_ASSIGN_OR_RETURN(const Json j, ReadConfigObject(kFlag, "ECTransferConfig", text,
+                                                          kEcTakenFields, kEcUnusedFields, notes));
     const JsonFields f(j, "ec-transfer-config");
     FERRY_ASSIGN_OR_RETURN(std::optional<std::string> connector, f.OptString("ec_connector", 128));
     if (!connector) return InvalidArgumentError(fmt::format("{}: ec_connector is required", kFlag));
