@@ -226,6 +226,37 @@ Result<EcTransfer> ParseEcTransferConfig(std::string_view text, std::vector<std:
     return ec;
 }
 
+constexpr std::string_view kEventsTakenFields[] = {"enable_kv_cache_events", "publisher",
+                                                   "endpoint", "replay_endpoint", "topic"};
+constexpr std::string_view kEventsUnusedFields[] = {"buffer_steps", "hwm", "max_queue_size"};
+
+// --kv-events-config (vLLM's KVEventsConfig) as ferry's --kv-events-* flags, appended to `a`.
+Status TranslateKvEventsConfig(std::string_view text, std::vector<std::string>* a,
+                               std::vector<std::string>* notes) {
+    constexpr char kFlag[] = "--kv-events-config";
+    FERRY_ASSIGN_OR_RETURN(const Json j,
+                           ReadConfigObject(kFlag, "KVEventsConfig", text, kEventsTakenFields,
+                                            kEventsUnusedFields, notes));
+    const JsonFields f(j, "kv-events-config");
+    FERRY_ASSIGN_OR_RETURN(std::optional<bool> enabled, f.OptBool("enable_kv_cache_events"));
+    // vLLM's publisher defaults to zmq when events are enabled, null otherwise.
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> publisher, f.OptString("publisher", 16));
+    if (publisher && *publisher != "zmq" && *publisher != "null") {
+        return f.Bad("publisher", "must be \"zmq\" or \"null\"");
+    }
+    if (!enabled.value_or(false) || publisher.value_or("zmq") == "null") {
+        notes->push_back(fmt::format("{}: events off", kFlag));
+        return Status::Ok();
+    }
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> endpoint, f.OptString("endpoint", 256));
+    a->insert(a->end(), {"--kv-events-endpoint", endpoint.value_or("tcp://*:5557")});
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> replay, f.OptString("replay_endpoint", 256));
+    if (replay) a->insert(a->end(), {"--kv-events-replay-endpoint", *replay});
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> topic, f.OptString("topic", 256));
+    if (topic) a->insert(a->end(), {"--kv-events-topic", *topic});
+    return Status::Ok();
+}
+
 }  // namespace
 
 Result<TranslatedArgs> TranslateVllmServeArgs(const std::vector<std::string>& in) {
@@ -301,6 +332,9 @@ Result<TranslatedArgs> TranslateVllmServeArgs(const std::vector<std::string>& in
         } else if (arg == "--kv-transfer-config") {
             FERRY_ASSIGN_OR_RETURN(std::string v, value());
             FERRY_ASSIGN_OR_RETURN(kv, ParseKvTransferConfig(v, &out.notes));
+        } else if (arg == "--kv-events-config") {
+            FERRY_ASSIGN_OR_RETURN(std::string v, value());
+            FERRY_RETURN_IF_ERROR(TranslateKvEventsConfig(v, &a, &out.notes));
         } else if (arg == "--ec-transfer-config") {
             FERRY_ASSIGN_OR_RETURN(std::string v, value());
             FERRY_ASSIGN_OR_RETURN(ec, ParseEcTransferConfig(v, &out.notes));

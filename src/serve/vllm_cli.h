@@ -20,6 +20,9 @@
 //     layout, so consumers need no ec_transfer_params); `ec_role` ec_producer is an encode worker
 //     (it needs ferry's --mmproj: vLLM's model holds its vision tower, a GGUF file does not),
 //     ec_consumer and ec_both load from the directory;
+//   - `--kv-events-config JSON` (vLLM's KVEventsConfig): with enable_kv_cache_events and the zmq
+//     publisher (vLLM's default when enabled), ferry's --kv-events-endpoint (vLLM's default
+//     tcp://*:5557), --kv-events-replay-endpoint and --kv-events-topic;
 //   - flags with no meaning on ferry (GPU memory, swap space, CUDA graphs, remote code) are
 //     dropped, each with a note.
 // Every other argument passes through unchanged, so a flag neither ferry nor this table knows

@@ -161,6 +161,32 @@ TEST(VllmCli, TheEpdExamplesEcTransferConfigIsTheDiskConnector) {
     EXPECT_EQ(pd.ec_connector, "disk");
 }
 
+// vLLM's --kv-events-config as ferry's --kv-events-* flags (docs/routing.md's events).
+TEST(VllmCli, KvEventsConfigIsFerrysKvEventsFlags) {
+    ServeFlags on = Flags({"m", "--kv-events-config",
+                           R"({"enable_kv_cache_events": true, "publisher": "zmq",
+                               "endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558",
+                               "topic": "kv", "buffer_steps": 100})"});
+    EXPECT_EQ(on.kv_events_endpoint, "tcp://*:6557");
+    EXPECT_EQ(on.kv_events_replay_endpoint, "tcp://*:6558");
+    EXPECT_EQ(on.kv_events_topic, "kv");
+    ServeFlags defaults = Flags({"m", "--kv-events-config", R"({"enable_kv_cache_events": true})"});
+    EXPECT_EQ(defaults.kv_events_endpoint, "tcp://*:5557") << "vLLM's default endpoint";
+    EXPECT_TRUE(defaults.kv_events_replay_endpoint.empty());
+    EXPECT_TRUE(Flags({"m", "--kv-events-config", R"({"endpoint": "tcp://*:1"})"})
+                    .kv_events_endpoint.empty())
+        << "not enabled: off, as vLLM";
+    EXPECT_TRUE(Flags({"m", "--kv-events-config",
+                       R"({"enable_kv_cache_events": true, "publisher": "null"})"})
+                    .kv_events_endpoint.empty());
+    for (const char* bad : {R"({"enable_kv_cache_events": true, "publisher": "kafka"})",
+                            R"({"enable_kv_cache_events": "yes"})", R"({"endpont": "x"})", "[]"}) {
+        Result<TranslatedArgs> t = TranslateVllmServeArgs({"m", "--kv-events-config", bad});
+        EXPECT_FALSE(t.ok()) << bad;
+        EXPECT_THAT(t.status().message(), HasSubstr("kv-events-config")) << bad;
+    }
+}
+
 TEST(VllmCli, WhatHasNoEquivalentIsRefusedByName) {
     const std::pair<Args, const char*> cases[] = {
         {{"m", "--kv-transfer-config", "[1]"}, "--kv-transfer-config: must be a JSON object"},
