@@ -12,6 +12,7 @@ blocks into its own block ids by index.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,8 +49,10 @@ def prefill():
 
 
 def decode():
+    # NIXL's logging writes INFO to stdout, which the child answers on: WARN keeps it quiet.
     child = subprocess.Popen([sys.executable, __file__, "prefill"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, NIXL_LOG_LEVEL="WARN"))
     info = json.loads(child.stdout.readline())
     agent = nixl_agent("decode-0", None)
     kv = caches()

@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import (nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle,
+                       nixl_xfer_handle)
 import nixl._bindings as nixlBind
 
 N = 1 << 16
@@ -128,8 +129,9 @@ def test_vllm_nixl_connector_flow(agents):
     decode.release_xfer_handle(x)
     decode.release_dlist_handle(local_h)
     decode.release_dlist_handle(remote_h)
+    decode.release_dlist_handle(local_h)  # again: nothing, as NIXL's handle.release()
     with pytest.raises(nixlBind.nixlInvalidParamError):
-        decode.release_dlist_handle(local_h)
+        decode.make_prepped_xfer("READ", local_h, [0], remote_h, [0])
 
 
 def test_the_errors_a_nixl_caller_expects(agents):
@@ -206,8 +208,10 @@ TARGET = textwrap.dedent("""
 
 
 def test_two_processes_as_vllm_runs_them():
+    # NIXL logs INFO to stdout, which this child also answers on: WARN keeps stdout to answers.
     p = subprocess.Popen([sys.executable, "-c", TARGET, uniq("p-target")],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         env=dict(os.environ, NIXL_LOG_LEVEL="WARN"))
     try:
         md_hex, addr = p.stdout.readline().split()
         a = nixl_agent(uniq("p-init"))
@@ -300,94 +304,323 @@ def test_the_listener_metadata_exchange_of_nixls_example():
     assert not target.check_remote_metadata(initiator.name)
 
 
-# NIXL's current examples/python/blocking_send_recv_example.py, step for step (its agent calls,
-# names, arguments and the `nixl.logging` import), with numpy arrays where it allocates torch
-# tensors: a target process that listens and an initiator that READs from it.
-BLOCKING_SEND_RECV = textwrap.dedent("""
-    import logging, sys
+# NIXL's current examples/python/expanded_two_peers.py (which extends basic_two_peers.py), step
+# for step: a listening target and an initiator, torch tensors (the CPU stand-in in standins/),
+# row tensors as descriptors, prepared READs with reversed remote indices, a WRITE from tuples and
+# one from an N x 3 uint64 NumPy array, READs reposted with new notifications, and the results
+# printed through nixl.logging. scripts/run-nixl-examples runs NIXL's own files the same way.
+EXPANDED_TWO_PEERS = textwrap.dedent("""
+    import pickle, random, sys
     import numpy as np
-    from nixl._api import nixl_agent, nixl_agent_config
+    import torch
+    from nixl._api import (nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle,
+                       nixl_xfer_handle)
     from nixl.logging import get_logger
 
-    logging.basicConfig(level=logging.INFO)
     logger = get_logger(__name__)
     mode, ip, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    listen_port = port if mode == "target" else 0
-    config = nixl_agent_config(True, True, listen_port)
-    agent = nixl_agent(mode, config)
-    if mode == "target":
-        tensors = [np.ones(10, dtype=np.float32) for _ in range(2)]
-    else:
-        tensors = [np.zeros(10, dtype=np.float32) for _ in range(2)]
-    reg_descs = agent.register_memory(tensors)
+    torch.set_default_device("cpu")
+    agent = nixl_agent(mode, nixl_agent_config(True, True, port if mode == "target" else 0,
+                                               backends=["UCX"]))
+    tensor = (torch.ones if mode == "target" else torch.zeros)((16, 32), dtype=torch.float32)
+    reg_descs = agent.register_memory(tensor)
     assert reg_descs
+    rows = [tensor[i, :] for i in range(tensor.shape[0])]
+    row_bytes = int(tensor.shape[1] * tensor.element_size())
     if mode == "target":
-        target_descs = reg_descs.trim()
-        target_desc_str = agent.get_serialized_descs(target_descs)
-        print("ready", flush=True)
+        descs = agent.get_xfer_descs(rows)
         while not agent.check_remote_metadata("initiator"):
             pass
-        agent.send_notif("initiator", target_desc_str)
-        while not agent.check_remote_xfer_done("initiator", b"UUID"):
-            continue
+        agent.send_notif("initiator", pickle.dumps(
+            (agent.get_serialized_descs(descs), (tensor.data_ptr(), row_bytes))))
+        reads = {f"Read idx {s},{s + 4},{s + 8}{a}".encode() for s in range(4)
+                 for a in ("", " again")}
+        writes = 2
+        while reads or writes:
+            for msg in agent.get_new_notifs().get("initiator", []):
+                if msg in reads:
+                    reads.remove(msg)
+                elif msg.startswith(b"Write"):
+                    writes -= 1
+        assert torch.any(tensor[12:, :] == 0.0)
+        logger.info("Target data verification passed (zeros found in last 4 tensors)")
     else:
-        agent.fetch_remote_metadata("target", ip, port)
         agent.send_local_metadata(ip, port)
+        agent.fetch_remote_metadata("target", ip, port)
         notifs = agent.get_new_notifs()
-        while len(notifs) == 0:
+        while not notifs:
             notifs = agent.get_new_notifs()
-        target_descs = agent.deserialize_descs(notifs["target"][0])
-        initiator_descs = reg_descs.trim()
+        ser, (base, rb) = pickle.loads(notifs["target"][0])
+        target_descs = agent.deserialize_descs(ser)
         while not agent.check_remote_metadata("target"):
             pass
-        xfer_handle = agent.initialize_xfer("READ", initiator_descs, target_descs, "target",
-                                            "UUID")
-        assert xfer_handle
-        assert agent.transfer(xfer_handle) != "ERR"
-        while True:
-            state = agent.check_xfer_state(xfer_handle)
-            assert state != "ERR"
-            if state == "DONE":
-                break
-        for t in tensors:
-            assert (t == np.ones(10, dtype=np.float32)).all()
-        logger.info("%s Data verification passed", mode)
-    if mode != "target":
+        local_side = agent.prep_xfer_dlist("", agent.get_xfer_descs(rows))
+        remote_side = agent.prep_xfer_dlist("target", target_descs)
+        reads = [agent.make_prepped_xfer("READ", local_side, [s, s + 4, s + 8], remote_side,
+                                         [s + 8, s + 4, s], f"Read idx {s},{s + 4},{s + 8}".encode())
+                 for s in range(4)]
+        random.seed(0)
+        half = rb // 2
+        offs = {r: random.choice((0, half)) for r in range(12, 16)}
+        w0 = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs([(rows[r].data_ptr() + offs[r], half, 0) for r in (12, 13)],
+                                 mem_type="cpu"),
+            agent.get_xfer_descs([(base + r * rb + offs[r], half, 0) for r in (12, 13)],
+                                 mem_type="cpu"), "target", b"Write 12,13")
+        w1 = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(np.array([[rows[r].data_ptr() + offs[r], half, 0]
+                                           for r in (14, 15)], dtype=np.uint64), mem_type="cpu"),
+            agent.get_xfer_descs(np.array([[base + r * rb + offs[r], half, 0]
+                                           for r in (14, 15)], dtype=np.uint64), mem_type="cpu"),
+            "target", b"Write 14,15")
+        def run(handles, notifs=None):
+            for i, h in enumerate(handles):
+                assert agent.transfer(h, *([notifs[i]] if notifs else [])) != "ERR"
+            pending = list(handles)
+            while pending:
+                for h in list(pending):
+                    st = agent.check_xfer_state(h)
+                    assert st != "ERR"
+                    if st == "DONE":
+                        pending.remove(h)
+        run(reads)
+        run([w0, w1])
+        run(reads, [f"Read idx {s},{s + 4},{s + 8} again".encode() for s in range(4)])
+        check = torch.zeros_like(tensor)
+        check[:12, :] = 1.0
+        assert torch.allclose(tensor, check)
+        logger.info("Initiator final data verification passed")
         agent.remove_remote_agent("target")
-        agent.release_xfer_handle(xfer_handle)
+        for h in reads + [w0, w1]:
+            agent.release_xfer_handle(h)
+        agent.release_dlist_handle(local_side)
+        agent.release_dlist_handle(remote_side)
         agent.invalidate_local_metadata(ip, port)
     agent.deregister_memory(reg_descs)
     logger.info("Test Complete.")
-    print("complete", logger.name, flush=True)
 """)
 
 
-def test_nixls_blocking_send_recv_example_flow():
+def standins_env():
+    here = os.path.dirname(os.path.abspath(__file__))
+    return dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", "") + os.pathsep +
+                os.path.join(here, "standins"))
+
+
+def test_nixls_expanded_two_peers_example_flow():
     port = free_port()
-    target = subprocess.Popen([sys.executable, "-c", BLOCKING_SEND_RECV, "target", "127.0.0.1",
-                               str(port)], stdout=subprocess.PIPE, text=True)
+    target = subprocess.Popen([sys.executable, "-c", EXPANDED_TWO_PEERS, "target", "127.0.0.1",
+                               str(port)], stdout=subprocess.PIPE, text=True, env=standins_env())
     try:
-        assert target.stdout.readline().strip() == "ready"
-        init = subprocess.run([sys.executable, "-c", BLOCKING_SEND_RECV, "initiator",
+        # NIXL's logging writes to stdout; the target's first line says the agent is up.
+        assert "Initialized NIXL agent: target" in target.stdout.readline()
+        init = subprocess.run([sys.executable, "-c", EXPANDED_TWO_PEERS, "initiator",
                                "127.0.0.1", str(port)], capture_output=True, text=True,
-                              timeout=60)
+                              timeout=60, env=standins_env())
         assert init.returncode == 0, init.stderr
-        assert "complete nixl.main__" in init.stdout  # NIXL strips leading underscores
-        assert "initiator Data verification passed" in init.stderr
+        assert "Initiator final data verification passed" in init.stdout, init.stdout
         assert target.wait(30) == 0
-        assert "complete" in target.stdout.read()
+        out = target.stdout.read()
+        assert "Target data verification passed" in out and "Test Complete." in out
     finally:
         if target.poll() is None:
             target.kill()
 
 
 def test_nixl_logging_as_nixls():
+    """NIXL's configuration: INFO and above to stdout in NIXL's format, the "nixl" hierarchy not
+    propagating, NIXL_LOG_LEVEL's names (TRACE..FATAL), NIXL_DEBUG_LOGGING -> raiseExceptions."""
     from nixl.logging import get_logger
     assert get_logger("_api").name == "nixl.api"
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    script = textwrap.dedent("""
         import logging
         from nixl.logging import get_logger
-        get_logger("x")
-        print(logging.getLogger("nixl").level == logging.DEBUG)
-    """)], capture_output=True, text=True, env=dict(os.environ, NIXL_LOG_LEVEL="debug"))
-    assert out.stdout.strip() == "True", out.stderr
+        log = get_logger("__main__")
+        log.debug("a debug line")
+        log.info("Data verification passed")
+        log.warning("a warning")
+        print(logging.getLogger("nixl").level, logging.getLogger("nixl").propagate,
+              logging.raiseExceptions, log.name)
+    """)
+
+    def run(**env):
+        base = {k: v for k, v in os.environ.items() if not k.startswith("NIXL_")}
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=dict(base, **env))
+
+    out = run()
+    lines = out.stdout.splitlines()
+    assert out.stderr == ""
+    assert len(lines) == 3, lines
+    # "2026-12-07 11:00:00 NIXL INFO    <string>:6 Data verification passed"
+    import re
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d NIXL INFO    <string>:6 "
+                        r"Data verification passed", lines[0]), lines[0]
+    assert " NIXL WARNING <string>:7 a warning" in lines[1]
+    assert lines[2] == "20 False False nixl.main__"
+    out = run(NIXL_LOG_LEVEL="trace", NIXL_DEBUG_LOGGING="yes")
+    assert "Log level set to TRACE from NIXL_LOG_LEVEL" in out.stdout
+    # The logger's level drops to DEBUG; NIXL's console handler stays at INFO, so no debug line.
+    assert "a debug line" not in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("10 False True")
+    out = run(NIXL_LOG_LEVEL="WARN")
+    assert "Data verification passed" not in out.stdout and "a warning" in out.stdout
+    out = run(NIXL_LOG_LEVEL="loud")
+    assert "Invalid NIXL_LOG_LEVEL value 'loud'" in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("20 ")
+
+
+def test_numpy_nx3_descriptor_arrays_as_nixls():
+    """NIXL's get_xfer_descs / get_reg_descs take an N x 3 integer array of (addr, len, dev)
+    rows with a memory type: N descriptors, not the array's own 48 bytes."""
+    a = nixl_agent(uniq("np"), None)
+    buf = np.arange(N, dtype=np.uint8)
+    rows = np.array([[buf.ctypes.data + i * 4096, 4096, 0] for i in range(4)], dtype=np.uint64)
+    x = a.get_xfer_descs(rows, "DRAM")
+    assert isinstance(x, nixlBind.nixlXferDList) and len(x) == 4
+    assert x[1] == (buf.ctypes.data + 4096, 4096, 0)
+    r = a.get_reg_descs(rows, "DRAM")
+    assert isinstance(r, nixlBind.nixlRegDList) and r[3] == (buf.ctypes.data + 3 * 4096, 4096,
+                                                             0, "")
+    assert a.register_memory(rows, "DRAM") is not None
+    # Anything else with a memory type is refused as NIXL refuses it: logged, None.
+    assert a.get_xfer_descs(np.zeros((4, 4), dtype=np.uint64), "DRAM") is None
+    assert a.get_xfer_descs(np.zeros(12, dtype=np.uint64), "DRAM") is None
+    with pytest.raises(nixlBind.nixlInvalidParamError, match="integers"):
+        a.get_xfer_descs(np.zeros((2, 3), dtype=np.float32), "DRAM")
+    # Without a memory type an array is host memory (ferry's reading, as a CPU tensor's).
+    one = a.get_xfer_descs(buf)
+    assert len(one) == 1 and one[0] == (buf.ctypes.data, N, 0)
+    # Indices for make_prepped_xfer may be int32 arrays, as NIXL's signature says.
+    h = a.prep_xfer_dlist("", rows, "DRAM")
+    self_h = a.prep_xfer_dlist(a.name, rows, "DRAM")
+    x = a.make_prepped_xfer("WRITE", h, np.array([0, 1], dtype=np.int32), self_h,
+                            np.array([3, 2], dtype=np.int32))
+    assert isinstance(x, nixl_xfer_handle)
+
+
+def test_handles_are_nixls_objects(agents):
+    target, initiator = agents
+    buf = np.zeros(N, dtype=np.uint8)
+    initiator.register_memory(buf)
+    h = initiator.prep_xfer_dlist("", [(buf.ctypes.data, 8, 0)], "DRAM")
+    assert isinstance(h, nixl_prepped_dlist_handle) and "released=False" in repr(h)
+    x = initiator.make_prepped_xfer("WRITE", h, [0], h, [0])
+    assert isinstance(x, nixl_xfer_handle)
+    x.release()
+    initiator.release_xfer_handle(x)  # a second release is nothing, as on NIXL
+    with pytest.raises(nixlBind.nixlInvalidParamError):
+        initiator.transfer(x)
+    initiator.release_dlist_handle(h)
+    with pytest.raises(nixlBind.nixlInvalidParamError):
+        initiator.make_prepped_xfer("WRITE", h, [0], h, [0])
+    # The garbage collector releases what the caller drops.
+    h2 = initiator.prep_xfer_dlist("", [(buf.ctypes.data, 8, 0)], "DRAM")
+    before = len(initiator._prepped)
+    del h2
+    assert len(initiator._prepped) == before - 1
+
+
+def test_partial_metadata_as_nixls_example():
+    """NIXL's partial_md_example: the target sends metadata of some registrations only; the
+    initiator can reach those and gets nixlNotFoundError for the rest until they are sent."""
+    from nixl import _utils as nixl_utils
+    tport, iport = free_port(), free_port()
+    target = nixl_agent(uniq("t"), nixl_agent_config(True, True, tport))
+    init = nixl_agent(uniq("i"), nixl_agent_config(True, True, iport))
+    addrs = [nixl_utils.malloc_passthru(256) for _ in range(6)]
+    try:
+        for a in addrs[:4]:
+            nixl_utils.ba_buf(a, 256)
+        t1 = target.get_reg_descs([(a, 256, 0, "test") for a in addrs[:2]], "DRAM")
+        t2 = target.get_reg_descs([(a, 256, 0, "test") for a in addrs[2:4]], "DRAM")
+        mine = init.get_reg_descs([(a, 256, 0, "test") for a in addrs[4:]], "DRAM")
+        for agent, descs in ((target, t1), (target, t2), (init, mine)):
+            assert agent.register_memory(descs) is not None
+        target.send_partial_agent_metadata(t1, True, ["UCX"], "127.0.0.1", iport)
+        deadline = time.time() + 10
+        while not init.check_remote_metadata(target.name, t1.trim()):
+            assert time.time() < deadline
+        x = init.initialize_xfer("READ", mine.trim(), t1.trim(), target.name, b"UUID1")
+        assert init.transfer(x) != "ERR" and wait_done(init, x) == "DONE"
+        nixl_utils.verify_transfer(addrs[0], addrs[4], 256)
+        assert not init.check_remote_metadata(target.name, t2.trim())
+        with pytest.raises(nixlBind.nixlNotFoundError):
+            init.initialize_xfer("READ", mine.trim(), t2.trim(), target.name, b"UUID1")
+        target.send_partial_agent_metadata(t2, True, ["UCX"], "127.0.0.1", iport,
+                                           label="label_2")
+        deadline = time.time() + 10
+        while True:  # the example's retry loop: the second half arrives in the background
+            try:
+                x2 = init.initialize_xfer("READ", mine.trim(), t2.trim(), target.name, b"U2")
+                break
+            except nixlBind.nixlNotFoundError:
+                assert time.time() < deadline
+        assert init.transfer(x2) != "ERR" and wait_done(init, x2) == "DONE"
+        deadline = time.time() + 10
+        while not target.check_remote_xfer_done(init.name, b"U2"):
+            assert time.time() < deadline
+        # Partial metadata of memory that is not registered is refused, naming it.
+        with pytest.raises(nixlBind.nixlNotFoundError, match="not registered"):
+            target.get_partial_agent_metadata([(12345, 8, 0, "")], True)
+    finally:
+        for a in addrs:
+            nixl_utils.free_passthru(a)
+
+
+def test_metadata_sent_under_another_agents_name_is_refused(agents):
+    """A peer's metadata notification must describe the peer that sent it: a stranger cannot
+    replace what this agent knows of a third agent (its regions would redirect transfers)."""
+    target, initiator = agents
+    port = free_port()
+    victim = nixl_agent(uniq("victim"), nixl_agent_config(True, True, port))
+    buf = np.zeros(N, dtype=np.uint8)
+    victim.register_memory(buf)
+    target.fetch_remote_metadata(victim.name, "127.0.0.1", port)
+    known = list(target._remote[victim.name])
+    # The initiator sends victim's metadata, with regions of its choosing, as a notification.
+    magic = b"ferry-nixl-md/1\n"
+    forged = pickle.loads(victim.get_agent_metadata()[len(magic):])
+    forged["regions"] = [(1 << 40, 1 << 20, 1)]
+    initiator.add_remote_agent(target.get_agent_metadata())
+    initiator.agent.notify(target.name, b"\x00ferry-nixl-md\x00" + magic + pickle.dumps(forged))
+    initiator.send_notif(target.name, b"marker")  # after the forgery on the same connection
+    deadline, got = time.time() + 10, {}
+    while not got.get(initiator.name) and time.time() < deadline:
+        got = target.get_new_notifs()
+    assert got == {initiator.name: [b"marker"]}
+    assert target._remote[victim.name] == known
+
+
+def test_query_memory_as_nixls_posix_plugin(tmp_path):
+    a = nixl_agent(uniq("q"), nixl_agent_config(False, False, backends=[]))
+    f = tmp_path / "one.txt"
+    f.write_bytes(b"Test content for file 0")
+    a.create_backend("POSIX", a.get_plugin_params("POSIX"))
+    resp = a.query_memory([(0, 0, 0, str(f)), (0, 0, 0, str(tmp_path / "none"))], "POSIX",
+                          mem_type="FILE")
+    st = os.stat(f)
+    assert resp == [{"size": "23", "mode": str(st.st_mode), "mtime": str(int(st.st_mtime))},
+                    None]
+    with pytest.raises(ValueError, match="Backend 'UCX' not found"):
+        a.query_memory([(0, 0, 0, str(f))], "UCX", mem_type="FILE")
+    with pytest.raises(nixlBind.nixlNotSupportedError):
+        a.register_memory([(0, 0, 0, str(f))], "FILE")
+
+
+def test_transfer_telemetry(agents):
+    target, _ = agents
+    a = nixl_agent(uniq("tel"), nixl_agent_config(capture_telemetry=True))
+    buf = np.zeros(N, dtype=np.uint8)
+    a.register_memory(buf)
+    x = a.initialize_xfer("WRITE", [(buf.ctypes.data, 4096, 0), (buf.ctypes.data + 8192, 4096, 0)],
+                          [(buf.ctypes.data + 4096, 4096, 0), (buf.ctypes.data + 12288, 4096, 0)],
+                          a.name)
+    assert a.transfer(x) != "ERR" and wait_done(a, x) == "DONE"
+    t = a.get_xfer_telemetry(x)
+    assert t.totalBytes == 8192 and t.descCount == 2
+    assert t.startTime > 1.7e15 and t.xferDuration >= t.postDuration >= 0
+    with pytest.raises(nixlBind.nixlNotAllowedError):
+        target.get_xfer_telemetry(x)

@@ -18,25 +18,34 @@ Stricter than NIXL, and loud about it (docs/python.md):
 """
 
 import itertools
+import os
 import pickle
+import sys
 import threading
+import time
+from enum import Enum
 from typing import Optional
 
 import ferry
 
 from . import _bindings as nixlBind
 from ._bindings import translate
+from .logging import get_logger
+
+logger = get_logger(__name__)
 
 DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
 
 nixl_backend_handle = int
-nixl_prepped_dlist_handle = int
-nixl_xfer_handle = int
 
 # ferry's backends under the names NIXL's callers ask for. "UCX" is what NIXL's agent creates
 # by default; on ferry it means "the best backend for each peer" (shm on one host, else tcp or
 # ucx), which is what a NIXL UCX agent gets from UCX.
 _PLUGINS = {"UCX": ["shm", "tcp"], "UCX_MO": ["shm", "tcp"], "TCP": ["tcp"], "SHM": ["shm"]}
+# Storage plugins: POSIX answers query_memory (a stat of each file, as NIXL's queryFileInfo);
+# registering FILE memory for transfers is not served by this layer (ferry's own API moves
+# files, docs/python.md).
+_STORAGE = {"POSIX": ["DRAM", "FILE"]}
 _MAGIC = b"ferry-nixl-md/1\n"
 # NIXL's listener exchange on ferry: each agent publishes its metadata as a named object (a
 # peer fetches it with pull_by_key), and sends it, or its withdrawal, as a notification these
@@ -47,13 +56,83 @@ _INVALIDATE_NOTIF = b"\x00ferry-nixl-invalidate\x00"
 _MD_BYTES = 1 << 22
 
 
+def _is_ndarray(obj) -> bool:
+    """True for a NumPy array, without importing NumPy when the caller has not (as NIXL, which
+    consults sys.modules for torch)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, np.ndarray)
+
+
+class _Handle:
+    """NIXL's opaque handle objects: release() frees, and so does the garbage collector."""
+
+    __slots__ = ("_handle", "_agent", "_released")
+    _kind = "handle"
+
+    def __init__(self, agent, value: int):
+        self._handle = int(value)
+        self._agent = agent
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(0x{self._handle:x}, released={self._released})"
+
+    def __index__(self) -> int:
+        return self._handle
+
+    def release(self):
+        if not self._released:
+            self._agent._release(self._kind, self._handle)
+            self._released = True
+
+    def __del__(self):
+        if not self._released:
+            try:
+                self._agent._release(self._kind, self._handle, quiet=True)
+            except Exception:  # noqa: BLE001 - finalizers never raise, as NIXL's
+                pass
+
+
+class nixl_prepped_dlist_handle(_Handle):
+    """A prepared descriptor list (prep_xfer_dlist)."""
+
+    __slots__ = ()
+    _kind = "dlist"
+
+
+class nixl_xfer_handle(_Handle):
+    """A transfer request (initialize_xfer, make_prepped_xfer); release() cancels a pending one."""
+
+    __slots__ = ()
+    _kind = "xfer"
+
+
+class nixl_thread_sync_t(Enum):
+    NIXL_THREAD_SYNC_NONE = nixlBind.NIXL_THREAD_SYNC_NONE
+    NIXL_THREAD_SYNC_STRICT = nixlBind.NIXL_THREAD_SYNC_STRICT
+    NIXL_THREAD_SYNC_RW = nixlBind.NIXL_THREAD_SYNC_RW
+    NIXL_THREAD_SYNC_DEFAULT = nixlBind.NIXL_THREAD_SYNC_DEFAULT
+
+
 class nixl_agent_config:
+    """NIXL's agent configuration, argument for argument. On ferry the progress thread, thread
+    count and sync mode are the engine's own (it is thread-safe and progresses on its own);
+    capture_telemetry enables get_xfer_telemetry."""
+
     def __init__(self, enable_prog_thread: bool = True, enable_listen_thread: bool = False,
-                 listen_port: int = 0, backends: list[str] = ["UCX"]):
+                 listen_port: int = DEFAULT_COMM_PORT, capture_telemetry: bool = False,
+                 num_threads: int = 0, backends: list[str] = ["UCX"],
+                 sync_mode: Optional[nixl_thread_sync_t] = None):
         self.backends = backends
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
         self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+            raise TypeError(
+                f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})")
+        self.sync_mode = sync_mode
 
 
 def _call(fn, *args, **kwargs):
@@ -80,30 +159,39 @@ class _Xfer:
         self.notif = notif
         self.transfer: Optional[ferry.Transfer] = None
         self.error: Optional[BaseException] = None
+        self.start_us = self.post_us = 0
+        self.done_us: Optional[int] = None
 
 
 class nixl_agent:
     def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
                  instantiate_all: bool = False):
+        if nixl_conf and instantiate_all:
+            instantiate_all = False
+            logger.warning(
+                "Ignoring instantiate_all based on the provided config in agent creation.")
         if not nixl_conf:
             nixl_conf = nixl_agent_config()
         self.name = agent_name
-        self.plugin_list = list(_PLUGINS)
+        self.plugin_list = list(_PLUGINS) + list(_STORAGE)
+        self._telemetry = bool(nixl_conf.capture_telemetry)
         self.backends: dict[str, nixl_backend_handle] = {}
         self.backend_mems: dict[str, list[str]] = {}
         self.backend_options: dict[str, dict[str, str]] = {}
         self.notifs: dict[str, list[bytes]] = {}
+        self._pending: dict[str, list[bytes]] = {}
         wanted = self.plugin_list if instantiate_all else list(nixl_conf.backends)
         ferry_backends = []
         for b in wanted:
-            if b not in _PLUGINS:
-                print("Skipping backend registration", b, "due to the missing plugin.")
+            if b not in self.plugin_list:
+                logger.warning("Skipping backend registration %s due to the missing plugin.", b)
                 continue
-            for fb in _PLUGINS[b]:
+            for fb in _PLUGINS.get(b, []):
                 if fb not in ferry_backends:
                     ferry_backends.append(fb)
-        if not ferry_backends:
-            raise RuntimeError("No plugins available for NIXL, cannot start transfers!")
+        # An agent with no network backend yet (NIXL's backends=[], then create_backend) still
+        # has ferry's engine underneath, with its default links.
+        ferry_backends = ferry_backends or ["shm", "tcp"]
         # NIXL's listener (enable_listen_thread) serves metadata on listen_port; ferry's agent
         # always listens (the side channel), on that port when one is given.
         port = nixl_conf.port if nixl_conf.enable_listen else 0
@@ -118,7 +206,7 @@ class nixl_agent:
         # Remote agents: name -> [(base, length, region id)].
         self._remote: dict[str, list[tuple[int, int, int]]] = {}
         for b in wanted:
-            if b in _PLUGINS:
+            if b in self.plugin_list:
                 self.create_backend(b)
         self._md_region = _call(self.agent.allocate, _MD_BYTES)
         self._md_scratch = _call(self.agent.allocate, _MD_BYTES)
@@ -128,6 +216,7 @@ class nixl_agent:
                           "OBJ": nixlBind.OBJ_SEG, "cpu": nixlBind.DRAM_SEG,
                           "cuda": nixlBind.VRAM_SEG}
         self.nixl_ops = {"WRITE": nixlBind.NIXL_WRITE, "READ": nixlBind.NIXL_READ}
+        logger.info("Initialized NIXL agent: %s", agent_name)
 
     # --- plugins and backends ------------------------------------------------------------
 
@@ -135,10 +224,12 @@ class nixl_agent:
         return self.plugin_list
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
+        if backend in _STORAGE:
+            return list(_STORAGE[backend])
         return ["DRAM"] if backend in _PLUGINS else []
 
     def get_plugin_params(self, backend: str) -> dict[str, str]:
-        return {} if backend in _PLUGINS else {}
+        return {}
 
     def get_backend_mem_types(self, backend: str) -> list[str]:
         return self.backend_mems.get(backend, [])
@@ -147,10 +238,10 @@ class nixl_agent:
         return self.backend_options.get(backend, {})
 
     def create_backend(self, backend: str, initParams: dict[str, str] = {}):
-        if backend not in _PLUGINS:
+        if backend not in self.plugin_list:
             raise nixlBind.nixlNotFoundError(f"no plugin '{backend}' (ferry has {self.plugin_list})")
         self.backends.setdefault(backend, len(self.backends) + 1)
-        self.backend_mems[backend] = ["DRAM"]
+        self.backend_mems[backend] = self.get_plugin_mem_types(backend)
         self.backend_options[backend] = dict(initParams)
 
     # --- descriptors ---------------------------------------------------------------------
@@ -177,41 +268,72 @@ class nixl_agent:
             return (t.__array_interface__["data"][0], t.nbytes, 0)
         return None
 
-    def get_xfer_descs(self, descs, mem_type: Optional[str] = None, is_sorted: bool = False):
-        if isinstance(descs, nixlBind.nixlXferDList):
-            return descs
-        if isinstance(descs, nixlBind.nixlRegDList):
-            print("RegList type detected for transfer, please use XferList")
+    def _desc_list(self, cls, descs, mem_type, width, is_sorted):
+        """NIXL's get_xfer_descs / get_reg_descs, case for case: a list of tuples with a memory
+        type; an N x 3 NumPy array of (addr, len, dev) rows with a memory type; a tensor; a
+        list of tensors. What NIXL refuses it logs and answers None, as NIXL does. One ferry
+        extension: a NumPy array given without a memory type is memory (a host tensor), and so
+        is a list of them (NIXL's examples allocate torch tensors; NumPy's are the same to
+        ferry). A 2-D array with three integer columns and a memory type is always a list of
+        descriptors, as on NIXL."""
+        if isinstance(descs, (list, tuple)) and not descs:
+            logger.error("an empty descriptor list")
             return None
+        if isinstance(descs, (list, tuple)) and isinstance(descs[0], tuple):
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+                return None
+            if len(descs[0]) != width and not (width == 4 and len(descs[0]) == 3):
+                logger.error("%d-tuple list needed for %s", width,
+                             "registration" if width == 4 else "transfer")
+                return None
+            if width == 4 and len(descs[0]) == 3:  # ferry accepts (addr, len, dev): meta ""
+                descs = [d + ("",) for d in descs]
+            return cls(self._mem(mem_type), descs, is_sorted)
+        if _is_ndarray(descs) and mem_type is not None:
+            if descs.ndim != 2 or descs.shape[1] != 3:
+                logger.error("Nx3 shape required for transfer descriptor list from numpy array")
+                return None
+            return cls(self._mem(mem_type), descs, is_sorted)
+        extra = ("",) if width == 4 else ()
         one = self._tensor_desc(descs)
         if one is not None:
-            return nixlBind.nixlXferDList(nixlBind.DRAM_SEG, [one], is_sorted)
-        descs = list(descs)
-        if descs and isinstance(descs[0], tuple):
-            return nixlBind.nixlXferDList(self._mem(mem_type), descs, is_sorted)
-        if descs and self._tensor_desc(descs[0]) is not None:
-            return nixlBind.nixlXferDList(nixlBind.DRAM_SEG,
-                                          [self._tensor_desc(t) for t in descs], is_sorted)
+            return cls(nixlBind.DRAM_SEG, [one + extra], is_sorted)
+        if isinstance(descs, (list, tuple)) and self._tensor_desc(descs[0]) is not None:
+            return cls(nixlBind.DRAM_SEG, [self._tensor_desc(t) + extra for t in descs], is_sorted)
         return None
 
-    def get_reg_descs(self, descs, mem_type: Optional[str] = None, is_sorted: bool = False):
+    def get_xfer_descs(self, descs, mem_type: Optional[str] = None, *, is_sorted: bool = False):
+        if isinstance(descs, nixlBind.nixlXferDList):
+            return descs
+        if isinstance(descs, nixlBind.nixlRegDList):
+            logger.error("RegList type detected for transfer, please use XferList")
+            return None
+        return self._desc_list(nixlBind.nixlXferDList, descs, mem_type, 3, is_sorted)
+
+    def get_reg_descs(self, descs, mem_type: Optional[str] = None, *, is_sorted: bool = False):
         if isinstance(descs, nixlBind.nixlRegDList):
             return descs
         if isinstance(descs, nixlBind.nixlXferDList):
-            print("XferList type detected for registration, please use RegList")
+            logger.error("XferList type detected for registration, please use RegList")
             return None
-        one = self._tensor_desc(descs)
-        if one is not None:
-            return nixlBind.nixlRegDList(nixlBind.DRAM_SEG, [one + ("",)], is_sorted)
-        descs = list(descs)
-        if descs and isinstance(descs[0], tuple):
-            if len(descs[0]) == 3:  # NIXL wants 4-tuples; (addr, len, dev) is taken as meta ""
-                descs = [d + ("",) for d in descs]
-            return nixlBind.nixlRegDList(self._mem(mem_type), descs, is_sorted)
-        if descs and self._tensor_desc(descs[0]) is not None:
-            return nixlBind.nixlRegDList(nixlBind.DRAM_SEG,
-                                         [self._tensor_desc(t) + ("",) for t in descs], is_sorted)
-        return None
+        return self._desc_list(nixlBind.nixlRegDList, descs, mem_type, 4, is_sorted)
+
+    def get_remote_descs(self, descs, mem_type: Optional[str] = None):
+        """(addr, len, dev, agent name) tuples: NIXL's remote view, for prep_mem_view (VRAM
+        only on NIXL, so not served here: ferry takes the list and refuses the view)."""
+        if isinstance(descs, nixlBind.nixlRemoteDList):
+            return descs
+        if not descs or not isinstance(descs[0], tuple):
+            return None
+        if mem_type is None:
+            logger.error("Please specify a mem type")
+            return None
+        if len(descs[0]) != 4:
+            logger.error("4-tuple list (addr, len, dev_id, agent_name) needed for remote "
+                         "descriptors")
+            return None
+        return nixlBind.nixlRemoteDList(self._mem(mem_type), descs)
 
     def get_serialized_descs(self, descs) -> bytes:
         return pickle.dumps(descs)
@@ -221,9 +343,9 @@ class nixl_agent:
 
     # --- memory --------------------------------------------------------------------------
 
-    def register_memory(self, reg_list, mem_type: Optional[str] = None, is_sorted: bool = False,
-                        backends: list[str] = []):
-        reg_descs = self.get_reg_descs(reg_list, mem_type, is_sorted)
+    def register_memory(self, reg_list, mem_type: Optional[str] = None,
+                        backends: list[str] = [], *, is_sorted: bool = False):
+        reg_descs = self.get_reg_descs(reg_list, mem_type, is_sorted=is_sorted)
         if reg_descs is None:
             raise nixlBind.nixlInvalidParamError("register_memory: nothing to register")
         done = []
@@ -251,6 +373,35 @@ class nixl_agent:
             _call(self.agent.deregister, hit[2])
         self._publish_metadata()
 
+    def query_memory(self, reg_list, backend: str,
+                     mem_type: Optional[str] = None) -> list[Optional[dict[str, str]]]:
+        """NIXL's queryMem: on the POSIX plugin, for FILE descriptors (addr, len, dev, path),
+        each file's size, mode and mtime as strings (NIXL's queryFileInfo), or None for a file
+        that does not exist. Other plugins and memory types answer nixlNotSupportedError."""
+        if backend not in self.backends:
+            raise ValueError(f"Backend '{backend}' not found. Available backends: "
+                             f"{list(self.backends.keys())}")
+        if isinstance(reg_list, nixlBind.nixlRegDList):
+            seg, descs = reg_list.getType(), list(reg_list)
+        else:
+            seg, descs = self.nixl_mems.get(mem_type, mem_type), list(reg_list)
+        if backend not in _STORAGE or seg != nixlBind.FILE_SEG:
+            raise nixlBind.nixlNotSupportedError(
+                f"query_memory: {backend} answers FILE queries only on POSIX here")
+        out: list[Optional[dict[str, str]]] = []
+        for d in descs:
+            if len(d) != 4 or not isinstance(d[3], str):
+                raise nixlBind.nixlInvalidParamError(
+                    f"query_memory: a FILE descriptor is (addr, len, dev, path), not {d!r}")
+            try:
+                st = os.stat(d[3])
+            except OSError:
+                out.append(None)
+                continue
+            out.append({"size": str(st.st_size), "mode": str(st.st_mode),
+                        "mtime": str(int(st.st_mtime))})
+        return out
+
     def _resolve_local(self, addr, length):
         with self._lock:
             for base, blen, region in self._local:
@@ -259,9 +410,14 @@ class nixl_agent:
         raise nixlBind.nixlNotFoundError(
             f"local descriptor {addr:#x}+{length} is not inside registered memory")
 
-    def _resolve_remote(self, agent, addr, length):
+    def _resolve_remote(self, agent, addr, length, pumped=False):
         with self._lock:
             regions = self._remote.get(agent)
+        hit = next((r for r in (regions or []) if r[0] <= addr and addr + length <= r[0] + r[1]),
+                   None)
+        if hit is None and not pumped:  # metadata a peer sent may be waiting to be applied
+            self._pump()
+            return self._resolve_remote(agent, addr, length, pumped=True)
         if regions is None:
             raise nixlBind.nixlNotFoundError(f"no metadata for remote agent '{agent}'")
         for base, blen, rid in regions:
@@ -280,7 +436,27 @@ class nixl_agent:
 
     def get_partial_agent_metadata(self, descs, inc_conn_info: bool = False,
                                    backends: list[str] = []) -> bytes:
-        return self.get_agent_metadata()
+        """Metadata of only the registrations that hold `descs` (a registration list, or none
+        for the connection alone). A receiver adds these regions to what it knows of this
+        agent; the rest stay unknown to it (nixlNotFoundError), as on NIXL."""
+        reg = self.get_reg_descs(descs, "DRAM") if descs and not isinstance(
+            descs, nixlBind.nixlRegDList) else descs
+        wanted = []
+        for d in (reg or []):
+            addr, length = int(d[0]), int(d[1])
+            with self._lock:
+                hit = next(((b, n, r.id) for b, n, r in self._local
+                            if b <= addr and addr + length <= b + n), None)
+            if hit is None:
+                raise nixlBind.nixlNotFoundError(
+                    f"get_partial_agent_metadata: {addr:#x}+{length} is not registered")
+            if hit not in wanted:
+                wanted.append(hit)
+        if not wanted and not inc_conn_info:
+            raise nixlBind.nixlInvalidParamError(
+                "get_partial_agent_metadata: no descriptors and no connection info: nothing")
+        return _MAGIC + pickle.dumps({"ferry": self.agent.metadata(), "regions": wanted,
+                                      "name": self.name, "partial": True})
 
     def add_remote_agent(self, metadata: bytes) -> str:
         if not isinstance(metadata, (bytes, bytearray)) or not metadata.startswith(_MAGIC):
@@ -289,11 +465,16 @@ class nixl_agent:
         try:
             md = pickle.loads(bytes(metadata[len(_MAGIC):]))
             ferry_md, regions = md["ferry"], [tuple(map(int, r)) for r in md["regions"]]
+            partial = bool(md.get("partial", False))
         except Exception as e:  # noqa: BLE001 - anything malformed is one error
             raise nixlBind.nixlInvalidParamError(f"add_remote_agent: malformed metadata: {e}")
         name = _call(self.agent.add_peer, ferry_md)
         with self._lock:
-            self._remote[name] = regions
+            if partial:  # adds to what is known of the agent, as NIXL's loadRemoteMD
+                known = self._remote.setdefault(name, [])
+                known.extend(r for r in regions if r not in known)
+            else:
+                self._remote[name] = regions
         return name
 
     def remove_remote_agent(self, agent: str):
@@ -302,7 +483,7 @@ class nixl_agent:
         _call(self.agent.remove_peer, agent)
 
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
-        self._drain(self.notifs)  # applies metadata that peers sent (send_local_metadata)
+        self._pump()  # applies metadata that peers sent (send_local_metadata)
         with self._lock:
             regions = self._remote.get(agent)
         if regions is None:
@@ -339,11 +520,15 @@ class nixl_agent:
 
     def send_partial_agent_metadata(self, descs, inc_conn_info: bool = False,
                                     backends: list[str] = [], ip_addr: str = "",
-                                    port: int = DEFAULT_COMM_PORT):
-        self.send_local_metadata(ip_addr, port)
+                                    port: int = DEFAULT_COMM_PORT, label: str = ""):
+        if not ip_addr:
+            self._central("send_partial_agent_metadata")
+        blob = self.get_partial_agent_metadata(descs, inc_conn_info, backends)
+        peer = self._connect(ip_addr, port)
+        _call(self.agent.notify, peer, _MD_NOTIF + blob)
 
     def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "",
-                              port: int = DEFAULT_COMM_PORT):
+                              port: int = DEFAULT_COMM_PORT, label: str = ""):
         if not ip_addr:
             self._central("fetch_remote_metadata")
         peer = self._connect(ip_addr, port)
@@ -383,8 +568,9 @@ class nixl_agent:
     # --- transfers -----------------------------------------------------------------------
 
     def prep_xfer_dlist(self, agent_name: str, xfer_list, mem_type: Optional[str] = None,
-                        is_sorted: bool = False, backends: list[str] = []) -> int:
-        descs = self.get_xfer_descs(xfer_list, mem_type, is_sorted)
+                        backends: list[str] = [], *,
+                        is_sorted: bool = False) -> nixl_prepped_dlist_handle:
+        descs = self.get_xfer_descs(xfer_list, mem_type, is_sorted=is_sorted)
         if descs is None:
             raise nixlBind.nixlInvalidParamError("prep_xfer_dlist: no descriptors")
         local = agent_name in ("NIXL_INIT_AGENT", "", nixlBind.NIXL_INIT_AGENT)
@@ -396,22 +582,35 @@ class nixl_agent:
         handle = next(self._handles)
         with self._lock:
             self._prepped[handle] = _Prepped(target, entries)
-        return handle
+        return nixl_prepped_dlist_handle(self, handle)
 
     def _xfer_handle(self, xfer):
         handle = next(self._handles)
         with self._lock:
             self._xfers[handle] = xfer
-        return handle
+        return nixl_xfer_handle(self, handle)
 
-    def make_prepped_xfer(self, operation: str, local_xfer_side: int, local_indices: list[int],
-                          remote_xfer_side: int, remote_indices: list[int],
+    @staticmethod
+    def _hid(handle) -> int:
+        """The number behind a handle object (or a bare number, as older NIXL returned)."""
+        if isinstance(handle, _Handle):
+            return handle._handle
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return handle
+        raise nixlBind.nixlInvalidParamError(f"not a NIXL handle: {handle!r}")
+
+    def make_prepped_xfer(self, operation: str, local_xfer_side, local_indices,
+                          remote_xfer_side, remote_indices,
                           notif_msg: bytes = b"", backends: list[str] = [],
-                          skip_desc_merge: bool = False) -> int:
+                          skip_desc_merge: bool = False) -> nixl_xfer_handle:
         op = self._op(operation)
+        if _is_ndarray(local_indices):
+            local_indices = local_indices.tolist()
+        if _is_ndarray(remote_indices):
+            remote_indices = remote_indices.tolist()
         with self._lock:
-            lp = self._prepped.get(local_xfer_side)
-            rp = self._prepped.get(remote_xfer_side)
+            lp = self._prepped.get(self._hid(local_xfer_side))
+            rp = self._prepped.get(self._hid(remote_xfer_side))
         if lp is None or rp is None:
             raise nixlBind.nixlInvalidParamError("make_prepped_xfer: unknown prepared list handle")
         try:
@@ -423,8 +622,10 @@ class nixl_agent:
         return self._xfer_handle(_Xfer(op, local, rp.agent_name, remote, notif_msg))
 
     def initialize_xfer(self, operation: str, local_descs, remote_descs, remote_agent: str,
-                        notif_msg: bytes = b"", backends: list[str] = []) -> int:
+                        notif_msg: bytes = b"", backends: list[str] = []) -> nixl_xfer_handle:
         op = self._op(operation)
+        if local_descs is None or remote_descs is None:
+            raise nixlBind.nixlInvalidParamError("initialize_xfer: no descriptor list (None)")
         local = [self._resolve_local(a, n) for a, n, _ in local_descs]
         if remote_agent == self.name:
             remote = [self._resolve_local(a, n) for a, n, _ in remote_descs]
@@ -444,9 +645,9 @@ class nixl_agent:
             raise nixlBind.nixlInvalidParamError(
                 "the local and remote descriptors differ in number or lengths")
 
-    def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
+    def transfer(self, handle, notif_msg: bytes = b"") -> str:
         with self._lock:
-            x = self._xfers.get(handle)
+            x = self._xfers.get(self._hid(handle))
         if x is None:
             raise nixlBind.nixlInvalidParamError("transfer: unknown transfer handle")
         if x.transfer is not None and self._state(x) == "PROC":
@@ -456,64 +657,113 @@ class nixl_agent:
             msg = msg.encode()
         post = self.agent.read if x.op == "READ" else self.agent.write
         x.error = None
+        x.start_us, x.done_us = time.time_ns() // 1000, None
         try:
             x.transfer = post(x.local, x.remote_agent, x.remote, notification=msg or None)
         except ferry.Error as e:
             x.transfer, x.error = None, e
+            logger.error("posting the transfer failed: %s", e)
             return "ERR"
+        x.post_us = time.time_ns() // 1000 - x.start_us
         return self._state(x)
 
     def _state(self, x):
         if x.transfer is None:
             return "ERR" if x.error is not None else "PROC"
         try:
-            return "DONE" if x.transfer.poll() == "done" else "PROC"
+            if x.transfer.poll() != "done":
+                return "PROC"
         except ferry.Error as e:
             x.error = e
             return "ERR"
+        if x.done_us is None:
+            x.done_us = time.time_ns() // 1000
+        return "DONE"
 
-    def check_xfer_state(self, handle: int) -> str:
+    def check_xfer_state(self, handle) -> str:
         with self._lock:
-            x = self._xfers.get(handle)
+            x = self._xfers.get(self._hid(handle))
         if x is None:
             raise nixlBind.nixlInvalidParamError("check_xfer_state: unknown transfer handle")
         if x.transfer is None and x.error is None:
             raise nixlBind.nixlNotPostedError("check_xfer_state: the transfer was not posted")
         return self._state(x)
 
-    def query_xfer_backend(self, handle: int) -> str:
+    def get_xfer_telemetry(self, handle) -> nixlBind.nixlXferTelemetry:
+        """NIXL's per-transfer telemetry (an agent made with capture_telemetry=True): when the
+        last post started, how long posting and the whole transfer took (microseconds; the
+        transfer's end is when this layer first saw it done), bytes and descriptors."""
+        if not self._telemetry:
+            raise nixlBind.nixlNotAllowedError(
+                "get_xfer_telemetry: the agent was made without capture_telemetry")
         with self._lock:
-            x = self._xfers.get(handle)
+            x = self._xfers.get(self._hid(handle))
+        if x is None:
+            raise nixlBind.nixlInvalidParamError("get_xfer_telemetry: unknown transfer handle")
+        if x.transfer is None or self._state(x) != "DONE":
+            raise nixlBind.nixlNotPostedError("get_xfer_telemetry: the transfer is not done")
+        return nixlBind.nixlXferTelemetry(x.start_us, x.post_us, x.done_us - x.start_us,
+                                          sum(e[2] for e in x.local), len(x.local))
+
+    def estimate_xfer_cost(self, req_handle):
+        raise nixlBind.nixlNotSupportedError(
+            "estimate_xfer_cost: no backend here has an analytical cost model")
+
+    def query_xfer_backend(self, handle) -> str:
+        with self._lock:
+            x = self._xfers.get(self._hid(handle))
         if x is None:
             raise nixlBind.nixlInvalidParamError("query_xfer_backend: unknown transfer handle")
         return "UCX" if "UCX" in self.backends else next(iter(self.backends))
 
-    def release_xfer_handle(self, handle: int):
+    def _release(self, kind, handle: int, quiet: bool = False):
         with self._lock:
-            x = self._xfers.pop(handle, None)
+            table = self._xfers if kind == "xfer" else self._prepped
+            x = table.pop(handle, None)
         if x is None:
-            raise nixlBind.nixlInvalidParamError("release_xfer_handle: unknown transfer handle")
-        if x.transfer is not None:
+            if quiet:
+                return
+            raise nixlBind.nixlInvalidParamError(f"release: unknown {kind} handle {handle:#x}")
+        if kind == "xfer" and x.transfer is not None:
             try:
                 if x.transfer.poll() == "pending":
                     x.transfer.cancel()
             except ferry.Error:
                 pass
 
-    def release_dlist_handle(self, handle: int):
-        with self._lock:
-            if self._prepped.pop(handle, None) is None:
-                raise nixlBind.nixlInvalidParamError("release_dlist_handle: unknown handle")
+    def release_xfer_handle(self, handle):
+        if isinstance(handle, _Handle):
+            handle.release()
+        else:
+            self._release("xfer", self._hid(handle))
+
+    def release_dlist_handle(self, handle):
+        if isinstance(handle, _Handle):
+            handle.release()
+        else:
+            self._release("dlist", self._hid(handle))
 
     # --- notifications -------------------------------------------------------------------
 
-    def _drain(self, into):
+    def _pump(self):
+        """Takes what peers sent: metadata and its withdrawal are applied at once (NIXL's
+        listener thread does it in the background), other notifications wait in _pending for
+        get_new_notifs / update_notifs, so no call that merely checks metadata swallows one."""
         for peer, payload in self.agent.take_notifications():
             if payload.startswith(_MD_NOTIF):
+                blob = payload[len(_MD_NOTIF):]
                 try:
-                    self.add_remote_agent(payload[len(_MD_NOTIF):])
+                    claimed = pickle.loads(blob[len(_MAGIC):]).get("name") if blob.startswith(
+                        _MAGIC) else None
+                except Exception:  # noqa: BLE001 - add_remote_agent names what is wrong
+                    claimed = peer
+                if claimed is not None and claimed != peer:
+                    logger.error("metadata from %s refused: it names agent '%s'", peer, claimed)
+                    continue
+                try:
+                    self.add_remote_agent(blob)
                 except nixlBind.nixlError as e:
-                    print(f"nixl (ferry): metadata from {peer} refused: {e}")
+                    logger.error("metadata from %s refused: %s", peer, e)
                 continue
             if payload.startswith(_INVALIDATE_NOTIF):
                 with self._lock:
@@ -523,7 +773,15 @@ class nixl_agent:
                 except ferry.Error:
                     pass
                 continue
-            into.setdefault(peer, []).append(payload)
+            with self._lock:
+                self._pending.setdefault(peer, []).append(payload)
+
+    def _drain(self, into):
+        self._pump()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for peer, msgs in pending.items():
+            into.setdefault(peer, []).extend(msgs)
         return into
 
     def get_new_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:

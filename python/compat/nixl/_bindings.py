@@ -27,7 +27,10 @@ NIXL_ERR_UNKNOWN = -8
 NIXL_ERR_NOT_SUPPORTED = -9
 NIXL_ERR_REMOTE_DISCONNECT = -10
 NIXL_ERR_CANCELED = -11
-NIXL_THREAD_SYNC_NONE, NIXL_THREAD_SYNC_STRICT = 0, 1
+# Thread sync modes (nixl_thread_sync_t), cost methods (nixl_cost_t).
+NIXL_THREAD_SYNC_NONE, NIXL_THREAD_SYNC_STRICT, NIXL_THREAD_SYNC_RW = 0, 1, 2
+NIXL_THREAD_SYNC_DEFAULT = 3
+NIXL_COST_ANALYTICAL_BACKEND = 0
 
 
 class nixlError(RuntimeError):
@@ -80,17 +83,50 @@ def status_of(e: "ferry.Error") -> int:
     }.get(type(translate(e)), NIXL_ERR_BACKEND)
 
 
+class nixlXferTelemetry:
+    """What get_xfer_telemetry reports of one transfer: startTime (microseconds since the
+    epoch), postDuration and xferDuration (microseconds), totalBytes, descCount."""
+
+    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
+        self.startTime = startTime
+        self.postDuration = postDuration
+        self.xferDuration = xferDuration
+        self.totalBytes = totalBytes
+        self.descCount = descCount
+
+    def __repr__(self):
+        return (f"nixlXferTelemetry(startTime={self.startTime}, postDuration="
+                f"{self.postDuration}, xferDuration={self.xferDuration}, totalBytes="
+                f"{self.totalBytes}, descCount={self.descCount})")
+
+
+def _rows(descs, width):
+    """The descriptors of `descs`: an iterable of tuples, or NIXL's N x 3 NumPy array (one
+    (addr, len, dev) row each; a registration list gets empty meta, as NIXL's bindings do)."""
+    shape = getattr(descs, "shape", None)
+    if shape is not None and hasattr(descs, "tolist"):
+        if len(shape) != 2 or shape[1] != 3:
+            raise nixlInvalidParamError(
+                f"an array of descriptors is N x 3 (addr, len, dev), not {tuple(shape)}")
+        if getattr(descs, "dtype", None) is not None and descs.dtype.kind not in "iu":
+            raise nixlInvalidParamError(
+                f"an array of descriptors holds integers, not {descs.dtype}")
+        extra = ("",) * (width - 3)
+        return [tuple(r) + extra for r in descs.tolist()]
+    return [tuple(d) for d in descs]
+
+
 class _DList:
     """A descriptor list: (addr, len, dev_id) for transfers, (addr, len, dev_id, meta) for
-    registration, all of one memory type. Picklable, as NIXL's lists are."""
+    registration, (addr, len, dev_id, agent) for a remote view, all of one memory type.
+    Picklable, as NIXL's lists are."""
 
     _width = 3
 
     def __init__(self, mem_type=DRAM_SEG, descs=(), is_sorted=False):
         self._type = mem_type
         self._descs = []
-        for d in descs:
-            d = tuple(d)
+        for d in _rows(descs, self._width):
             if len(d) != self._width:
                 raise nixlInvalidParamError(
                     f"{type(self).__name__}: a descriptor is a {self._width}-tuple, not {d!r}")
@@ -136,6 +172,13 @@ class nixlXferDList(_DList):
 
 
 class nixlRegDList(_DList):
+    _width = 4
+
+    def trim(self):
+        return nixlXferDList(self._type, [d[:3] for d in self._descs], self._sorted)
+
+
+class nixlRemoteDList(_DList):
     _width = 4
 
     def trim(self):
