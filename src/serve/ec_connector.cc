@@ -163,11 +163,15 @@ class TransferEcConnector final : public EcConnector {
     Result<media::Embeddings> Load(const std::string& mm_hash, size_t floats,
                                    const EcSource* source) override {
         const Clock::time_point t0 = Clock::now();
-        Result<media::Embeddings> r = Pull(mm_hash, floats, source);
+        Result<media::Embeddings> r =
+            source ? Pull(mm_hash, floats, *source) : PullFromAny(mm_hash, floats);
         std::lock_guard lock(mu_);
         CountLoad(&stats_, t0, floats, r.status());
+        if (!source && r.ok()) ++stats_.found_by_hash;
         return r;
     }
+
+    bool FindsWithoutParams() const override { return cfg_.producers && !cfg_.producers().empty(); }
 
     void Release(const std::string& mm_hash, const EcSource* source) override {
         if (!source || !media::IsMmHash(mm_hash)) return;
@@ -208,14 +212,58 @@ class TransferEcConnector final : public EcConnector {
         std::list<size_t>::iterator lru{};  // valid while not leased
     };
 
+    // No encode worker named (vLLM's EPD proxy): each the deployment knows is asked for the
+    // image by its hash; the first that holds it (for this worker's encoder) wins. NotFound when
+    // none holds it; otherwise the first other failure (a producer unreachable, a foreign
+    // encoder), which the caller's --ec-load-failure then decides on.
+    Result<media::Embeddings> PullFromAny(const std::string& mm_hash, size_t floats) {
+        std::vector<EcSource> producers;
+        if (cfg_.producers) producers = cfg_.producers();
+        if (producers.empty()) return NotFoundError("ec: no encode worker named or known");
+        Status failed = Status::Ok();
+        for (const EcSource& p : producers) {
+            // One that could not be reached is skipped for a while, so a host that went dark
+            // costs one dial timeout, not one per image.
+            const std::string address = FormatHostPort(p.host, p.port);
+            {
+                std::lock_guard lock(mu_);
+                auto it = unreachable_.find(address);
+                if (it != unreachable_.end() && Clock::now() < it->second) {
+                    if (failed.ok()) {
+                        failed = UnavailableError(fmt::format(
+                            "ec: the encode worker at {} did not answer lately", address));
+                    }
+                    continue;
+                }
+            }
+            Result<media::Embeddings> r = Pull(mm_hash, floats, p);
+            if (r.ok()) return r;
+            if (r.status().code() == Code::kUnavailable ||
+                r.status().code() == Code::kDeadlineExceeded) {
+                std::lock_guard lock(mu_);
+                unreachable_[address] = Clock::now() + kSkipUnreachable;
+            }
+            if (r.status().code() != Code::kNotFound && failed.ok()) failed = r.status();
+        }
+        if (!failed.ok()) return failed;
+        return NotFoundError(fmt::format("ec: none of the {} encode workers known holds image {}",
+                                         producers.size(), mm_hash));
+    }
+
     // The producer's agent as a peer of this one: connected once, by name through the store,
-    // or at the params' address (only one --ec-peers / --kv-peers allows, if given).
+    // or at the params' address (only one --ec-peers / --kv-peers allows, if given). A source
+    // with no engine_id (an address the operator listed) is taken under the name it gives.
     Result<std::string> PeerFor(const EcSource& src) {
+        const std::string address = FormatHostPort(src.host, src.port);
         {
             std::lock_guard lock(mu_);
-            if (connected_.count(src.engine_id)) return src.engine_id;
+            if (!src.engine_id.empty() && connected_.count(src.engine_id)) return src.engine_id;
+            if (src.engine_id.empty()) {
+                if (auto it = by_address_.find(address); it != by_address_.end()) {
+                    return it->second;
+                }
+            }
         }
-        const std::string address = FormatHostPort(src.host, src.port);
         Result<std::string> name = [&]() -> Result<std::string> {
             if (!cfg_.trust.allowed_agents.empty()) {
                 if (!cfg_.trust.Listed(address)) {
@@ -226,12 +274,20 @@ class TransferEcConnector final : public EcConnector {
                 }
                 return cfg_.agent->Connect(address, cfg_.pull_timeout);
             }
-            if (cfg_.trust.by_store) return cfg_.agent->ConnectByName(src.engine_id);
+            if (cfg_.trust.by_store && !src.engine_id.empty()) {
+                return cfg_.agent->ConnectByName(src.engine_id);
+            }
             return cfg_.agent->Connect(address, cfg_.pull_timeout);
         }();
         if (!name.ok()) {
             return UnavailableError(fmt::format("ec: the encode worker's agent '{}' at {}: {}",
                                                 src.engine_id, address, name.status().message()));
+        }
+        if (src.engine_id.empty()) {
+            std::lock_guard lock(mu_);
+            by_address_[address] = *name;
+            connected_.insert(*name);
+            return *name;
         }
         if (*name != src.engine_id) {
             (void)cfg_.agent->RemovePeer(*name);
@@ -245,17 +301,16 @@ class TransferEcConnector final : public EcConnector {
     }
 
     Result<media::Embeddings> Pull(const std::string& mm_hash, size_t floats,
-                                   const EcSource* source) {
-        if (!source) return NotFoundError("ec: no encode worker named for this request");
+                                   const EcSource& source) {
         if (floats != cfg_.entry_floats) {
             return InvalidArgumentError("ec: an entry of the wrong shape");
         }
-        if (!source->encoder.empty() && source->encoder != cfg_.encoder) {
+        if (!source.encoder.empty() && source.encoder != cfg_.encoder) {
             // Said before anything moves: the lease ends now, nothing is pulled.
-            Release(mm_hash, source);
-            return ForeignEncoder(mm_hash, source->engine_id, source->encoder);
+            Release(mm_hash, &source);
+            return ForeignEncoder(mm_hash, source.engine_id, source.encoder);
         }
-        FERRY_ASSIGN_OR_RETURN(std::string peer, PeerFor(*source));
+        FERRY_ASSIGN_OR_RETURN(std::string peer, PeerFor(source));
         // One pull at a time into one scratch slot (the media thread is the only caller).
         std::lock_guard pull_lock(pull_mu_);
         if (!scratch_.length) {
@@ -271,6 +326,9 @@ class TransferEcConnector final : public EcConnector {
             if (got.status().code() == Code::kUnavailable) {
                 std::lock_guard lock(mu_);
                 connected_.erase(peer);  // dial again next time (it may have restarted)
+                for (auto it = by_address_.begin(); it != by_address_.end();) {
+                    it = it->second == peer ? by_address_.erase(it) : std::next(it);
+                }
             }
             return got.status().WithContext("ec pull");
         }
@@ -353,6 +411,10 @@ class TransferEcConnector final : public EcConnector {
     std::thread thread_;
     // Consumer.
     std::unordered_set<std::string> connected_;
+    std::unordered_map<std::string, std::string> by_address_;  // listed address -> agent name
+    // PullFromAny: addresses that did not answer, skipped until then.
+    std::unordered_map<std::string, Clock::time_point> unreachable_;
+    static constexpr std::chrono::seconds kSkipUnreachable{2};
     std::mutex pull_mu_;
     RegionInfo scratch_{};
 };

@@ -63,6 +63,12 @@ struct EcConnectorConfig {
     // transfer, consumer: which producer agents it dials (the KV connector's setting; with no
     // allowed agents, no store and no secret, any the params name: docs/security.md).
     PeerTrust trust = {};
+    // transfer, consumer: where an image's embeddings are looked for when its request names no
+    // encode worker (vLLM's EPD proxy sends the original request, no ec_transfer_params): the
+    // deployment's encode workers, asked by mm_hash one after another (one round trip each,
+    // the first that holds it wins). A source without an engine_id is dialed by address and
+    // taken under the name it gives. Unset or empty: such images are encoded here.
+    std::function<std::vector<EcSource>()> producers = {};
     // disk: the shared directory.
     std::string dir = {};
 };
@@ -74,6 +80,7 @@ struct EcConnectorStats {
     uint64_t load_misses = 0;        // consumer: not there (or not for this key and shape)
     uint64_t load_failures = 0;      // consumer: the producer unreachable, a bad file, a timeout
     uint64_t load_foreign = 0;       // consumer: of those, another vision encoder's embeddings
+    uint64_t found_by_hash = 0;      // consumer: of the loads, found with no encode worker named
     uint64_t load_bytes = 0;         // consumer
     uint64_t load_micros = 0;        // consumer: time in Load
     uint64_t released_unpulled = 0;  // consumer: leases ended without a pull (cached here)

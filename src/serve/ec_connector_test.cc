@@ -162,6 +162,58 @@ TEST_P(EcTransfer, AConsumerThatHadTheImageCachedReleasesItsLeaseWithoutPulling)
     EXPECT_EQ(consumer_->Stats().released_unpulled, 1u);
 }
 
+// vLLM's EPD proxy names no encode worker: the consumer asks the deployment's (the store's
+// records, or the agents --kv-peers lists) for the image by its hash, one round trip each, and
+// takes the first that holds it; none known: a miss that is not expected (encoded locally).
+TEST_P(EcTransfer, WithNoEncodeWorkerNamedTheConsumerAsksTheDeploymentsByHash) {
+    Start(4);
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    EcSource unreachable;  // an address nothing listens on, listed first
+    unreachable.host = "127.0.0.1";
+    unreachable.port = 1;
+    EcSource by_address;  // a listed address: taken under the name its agent gives
+    by_address.host = source_.host;
+    by_address.port = source_.port;
+    EcConnectorConfig c;
+    c.kind = "transfer";
+    c.agent = consumer_agent_;
+    c.entry_floats = kFloats;
+    c.width = 100;
+    c.pull_timeout = milliseconds(2000);
+    c.producers = [&] { return std::vector<EcSource>{unreachable, by_address}; };
+    auto consumer = testing::ValueOrDie(MakeEcConnector(c));
+    EXPECT_TRUE(consumer->FindsWithoutParams());
+    media::Embeddings e = testing::ValueOrDie(consumer->Load(Hash('a'), kFloats, nullptr));
+    EXPECT_EQ(*e, Rows(1));
+    ASSERT_TRUE(testing::WaitUntil([&] { return producer_->Stats().released == 1; }));
+    // Not held anywhere it looks: the first other failure (the unreachable agent) is said, so
+    // --ec-load-failure decides; with only the producer listed, a plain miss.
+    EXPECT_THAT(consumer->Load(Hash('c'), kFloats, nullptr), StatusIs(Code::kUnavailable));
+    // The unreachable one is skipped for a while (not dialed per image), still said.
+    const AgentStats before = consumer_agent_->Stats();
+    EXPECT_THAT(consumer->Load(Hash('c'), kFloats, nullptr), StatusIs(Code::kUnavailable));
+    EXPECT_EQ(consumer_agent_->Stats().messages_sent - before.messages_sent, 1u);  // one pull
+    EcConnectorConfig only = c;
+    only.producers = [&] { return std::vector<EcSource>{source_}; };  // named, as a store has it
+    auto named = testing::ValueOrDie(MakeEcConnector(only));
+    EXPECT_THAT(named->Load(Hash('c'), kFloats, nullptr), StatusIs(Code::kNotFound));
+    e = testing::ValueOrDie(named->Load(Hash('b'), kFloats, nullptr));
+    EXPECT_EQ(*e, Rows(2));
+    EXPECT_EQ(named->Stats().found_by_hash, 1u);
+    EXPECT_EQ(consumer->Stats().found_by_hash, 1u);
+    EXPECT_EQ(consumer->Stats().load_failures, 2u);
+    // A consumer that knows no encode worker finds nothing without params, and expects nothing.
+    EXPECT_FALSE(consumer_->FindsWithoutParams());
+    EXPECT_THAT(consumer_->Load(Hash('a'), kFloats, nullptr), StatusIs(Code::kNotFound));
+    // Another encoder's entry found by hash is refused, not used.
+    EcConnectorConfig foreign = only;
+    foreign.encoder = "0123456789abcdef";
+    auto other = testing::ValueOrDie(MakeEcConnector(foreign));
+    FERRY_ASSERT_OK(producer_->Save(Hash('d'), Rows(4)));
+    EXPECT_THAT(other->Load(Hash('d'), kFloats, nullptr), StatusIs(Code::kFailedPrecondition));
+}
+
 TEST_P(EcTransfer, AReleaseToAProducerThatIsGoneIsDropped) {
     // The encode worker died after publishing (its lease would have lapsed there): the consumer
     // that found the image cached sends nothing and counts nothing; a pull is an error, not a

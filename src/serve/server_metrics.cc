@@ -145,6 +145,10 @@ std::string OpenAiServer::Impl::RenderMetrics() {
         gauge("ferry_ec_slots", "Encode role: slots of the transfer buffer.", double(s.slots));
         counter("ferry_ec_loads_total", "Image embeddings loaded from an encode worker.",
                 double(s.loads));
+        counter("ferry_ec_loads_by_hash_total",
+                "Of the loads, those found by the image's hash with no encode worker named "
+                "(vLLM's EPD proxy: asked of the deployment's encode workers).",
+                double(s.found_by_hash));
         counter("ferry_ec_load_misses_total", "Images the encoder-cache connector did not have.",
                 double(s.load_misses));
         counter("ferry_ec_load_failures_total",

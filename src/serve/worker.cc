@@ -27,6 +27,40 @@ const char* WorkerRoleName(WorkerRole role) {
     return "unknown";
 }
 
+namespace {
+
+// Where a consumer of image embeddings looks for an image whose request names no encode worker:
+// the agents the operator listed (--kv-peers), else the encode workers in the store's records.
+// Strangers are never asked: without either, such images are encoded here.
+std::function<std::vector<EcSource>()> EncodeWorkersOf(
+    const PeerTrust& trust, const std::shared_ptr<WorkerDirectory>& directory) {
+    if (!trust.allowed_agents.empty()) {
+        std::vector<EcSource> listed;
+        for (const std::string& a : trust.allowed_agents) {
+            Result<HostPort> hp = ParseHostPort(a);
+            if (!hp.ok()) continue;  // the flag's parser refused these already
+            EcSource s;
+            s.host = hp->host;
+            s.port = hp->port;
+            listed.push_back(std::move(s));
+        }
+        return [listed] { return listed; };
+    }
+    if (!directory) return {};
+    return [directory] {
+        std::vector<EcSource> out;
+        for (const WorkerRecord& r : directory->List()) {
+            if (r.role != WorkerRoleName(WorkerRole::kEncode) || r.agent.empty()) continue;
+            EcSource s;
+            static_cast<schema::AgentAddress&>(s) = r.agent;
+            out.push_back(std::move(s));
+        }
+        return out;
+    };
+}
+
+}  // namespace
+
 Result<WorkerRole> ParseWorkerRole(std::string_view name) {
     for (WorkerRole r :
          {WorkerRole::kColocated, WorkerRole::kPrefill, WorkerRole::kDecode, WorkerRole::kEncode}) {
@@ -79,8 +113,19 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
         if (!agent.ok()) return agent.status().WithContext("agent");
         w->agent_ = std::shared_ptr<Agent>(std::move(agent).value());
     }
+    // The store's worker records: a decode-first decoder finds its prefill workers' agents in
+    // them, and a consumer of image embeddings moved by transfer its encode workers.
+    const bool ec_consumer = ec_needs_agent && c.role != WorkerRole::kEncode;
+    if (trust.by_store && ((c.role == WorkerRole::kDecode && kv_role) || ec_consumer)) {
+        StoreOptions so;
+        so.secret = c.agent.secret;
+        auto dir = WorkerDirectory::Start(c.agent.store, so);
+        if (!dir.ok()) return dir.status().WithContext("worker records in the store");
+        w->directory_ = std::move(dir).value();
+    }
     if (!c.ec.kind.empty()) {
         const model::VisionConfig& vc = c.server.vision->config();
+        if (ec_consumer) c.ec.producers = EncodeWorkersOf(trust, w->directory_);
         c.ec.producer = c.role == WorkerRole::kEncode;
         c.ec.agent = w->agent_;
         c.ec.entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim);
@@ -127,13 +172,8 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             return j.dump();
         };
         c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
-        if (c.role == WorkerRole::kDecode && trust.by_store) {
+        if (c.role == WorkerRole::kDecode && w->directory_) {
             // Decode-first finds its prefill workers' agents in their store records.
-            StoreOptions so;
-            so.secret = c.agent.secret;
-            auto dir = WorkerDirectory::Start(c.agent.store, so);
-            if (!dir.ok()) return dir.status().WithContext("worker records in the store");
-            w->directory_ = std::move(dir).value();
             c.server.remote_prefill_agents = router::AgentsFromDirectory(w->directory_);
         }
     }

@@ -353,6 +353,84 @@ TEST_F(EpdProcess, VllmsEpdCommandLinesRunAsWrittenAndTheConsumerNeedsNoParams) 
     std::filesystem::remove_all(dir);
 }
 
+// vLLM's disagg_epd_proxy.py with the transfer connector: the encode worker gets the original
+// request (max_tokens 1), then the prefill-decode worker (1E1PD), or the prefill worker with
+// vLLM's NIXL P/D params and the decode worker with the prefill's answer's (1E1P1D), the original
+// request with no ec_transfer_params. The consumers find each image's embeddings by its hash at
+// the encode worker the store lists, one round trip each, and encode none; the answers equal a
+// colocated worker's.
+TEST_F(EpdProcess, VllmsEpdProxyFlowFindsEmbeddingsByHashWithTheTransferConnector) {
+    auto store = testing::ValueOrDie(StoreServer::Start({}), "store");
+    const std::string url = store->url();
+    const std::vector<std::string> ec = {"--store", url, "--ec-connector", "transfer"};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto encode = StartOrDie(Args("encode", "shm", ec));
+    ASSERT_TRUE(colocated && encode);
+    // The encode worker's record is in the store before its consumers start.
+    auto md = testing::ValueOrDie(MetadataStore::Open(url), "open");
+    ASSERT_TRUE(testing::WaitUntil([&] { return md->Get("ferry/workers/" + Addr(*encode)).ok(); },
+                                   std::chrono::seconds(10)));
+    std::vector<std::string> pd_args = ec, d_args = ec;
+    pd_args.insert(pd_args.end(), {"--kv-backend", "shm"});
+    d_args.insert(d_args.end(), {"--kv-verify", "all"});
+    auto pd = StartOrDie(Args("colocated", "", pd_args));
+    auto prefill = StartOrDie(Args("prefill", "shm", ec));
+    auto decode = StartOrDie(Args("decode", "shm", d_args));
+    ASSERT_TRUE(pd && prefill && decode);
+    auto encode_first = [&](const std::vector<Json>& bodies) {
+        for (const Json& b : bodies) {
+            Json first = b;  // the proxy's encode request: the original, one token
+            first["max_tokens"] = 1;
+            first["stream"] = false;
+            auto got = http::Fetch(Post(encode->port(), first, "/v1/chat/completions"));
+            ASSERT_TRUE(got.ok() && got->status == 200) << (got.ok() ? got->body : "");
+        }
+    };
+
+    // 1E1PD.
+    const int n = testing::kSanitized ? 4 : 8;
+    std::vector<Json> bodies = Bodies(n, 1700);
+    encode_first(bodies);
+    ExpectSameTokens(SendAll(pd->port(), bodies, 2), SendAll(colocated->port(), bodies, 2),
+                     "1E1PD");
+    EXPECT_GE(pd->Metric("ferry_ec_loads_by_hash_total"), 1);
+    EXPECT_EQ(pd->Metric("ferry_ec_loads_by_hash_total"), pd->Metric("ferry_ec_loads_total"));
+    EXPECT_EQ(pd->Metric("ferry_ec_local_encodes_total"), 0);
+    EXPECT_EQ(pd->Metric("ferry_mm_images_encoded_total"), 0);
+
+    // 1E1P1D: vLLM's proxy asks the prefill worker for the KV (do_remote_decode, max_tokens 1)
+    // and hands its kv_transfer_params to the decode worker with the original request.
+    bodies = Bodies(n, 1800);
+    encode_first(bodies);
+    std::vector<Json> decode_bodies;
+    for (const Json& b : bodies) {
+        Json p = b;
+        p["max_tokens"] = 1;
+        p["stream"] = false;
+        p["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                                   {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                   {"remote_host", nullptr},      {"remote_port", nullptr}};
+        auto got = http::Fetch(Post(prefill->port(), p, "/v1/chat/completions"));
+        ASSERT_TRUE(got.ok() && got->status == 200) << (got.ok() ? got->body : "");
+        Json d = b;
+        d["kv_transfer_params"] = Json::parse(got->body)["kv_transfer_params"];
+        decode_bodies.push_back(std::move(d));
+    }
+    ExpectSameTokens(SendAll(decode->port(), decode_bodies, 2),
+                     SendAll(colocated->port(), bodies, 2), "1E1P1D");
+    for (ServerProcess* w : {prefill.get(), decode.get()}) {
+        EXPECT_EQ(w->Metric("ferry_mm_images_encoded_total"), 0);
+        EXPECT_EQ(w->Metric("ferry_ec_local_encodes_total"), 0);
+        EXPECT_EQ(w->Metric("ferry_ec_load_failures_total"), 0);
+    }
+    EXPECT_GE(prefill->Metric("ferry_ec_loads_by_hash_total"), 1);
+    // The decoder computed no prompt token: the KV came from the prefill worker.
+    EXPECT_LE(decode->Metric("ferry_prompt_tokens_total"), double(n));
+    EXPECT_EQ(decode->Metric("ferry_kv_connector_verify_mismatches_total"), 0);
+    // Every lease ends, pulled or lapsed; the encode worker encoded each distinct image once.
+    EXPECT_EQ(encode->Metric("ferry_mm_images_encoded_total"), 7 * 2);
+}
+
 // The disk connector's files are input like any other: a flipped byte or a truncated file is
 // refused (its checksum, its size), the image encoded here with the colocated answer, or the
 // request refused with --ec-load-failure fail; nothing crashes.
