@@ -13,6 +13,7 @@
 #include "discovery_cmd.h"
 #include "model_cmd.h"
 #include "proxy_cmd.h"
+#include "serve/sglang_cli.h"
 #include "serve/vllm_cli.h"
 #include "transfer/backend.h"
 
@@ -185,7 +186,16 @@ int main(int argc, char** argv) {
     // ferry's flags before they are parsed, each vLLM setting taken or ignored said on stderr.
     std::vector<std::string> args(argv, argv + argc);
     if (args.size() >= 2 && args[1] == "serve") {
-        auto translated = ferry::serve::TranslateVllmServeArgs({args.begin() + 2, args.end()});
+        // SGLang's words first (python3 -m sglang.launch_server ...), then vLLM's.
+        auto sglang = ferry::serve::TranslateSglangServeArgs({args.begin() + 2, args.end()});
+        if (!sglang.ok()) {
+            fmt::print(stderr, "ferry serve: {}\n", sglang.status().message());
+            return 2;
+        }
+        for (const std::string& note : sglang->notes) {
+            fmt::print(stderr, "ferry serve: SGLang's {}\n", note);
+        }
+        auto translated = ferry::serve::TranslateVllmServeArgs(sglang->args);
         if (!translated.ok()) {
             fmt::print(stderr, "ferry serve: {}\n", translated.status().message());
             return 2;

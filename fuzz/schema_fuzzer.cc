@@ -13,6 +13,7 @@
 #include "schema/ec_transfer_params.h"
 #include "schema/kv_transfer_params.h"
 #include "schema/openai_error.h"
+#include "schema/sglang_pd.h"
 
 namespace {
 
@@ -70,12 +71,38 @@ void Error(std::string_view text) {
     if (!again.ok()) std::abort();
 }
 
+// SGLang's PD fields: what is accepted is in range; a prefill worker's bootstrap answer reads
+// back what it writes.
+void Sglang(std::string_view text, size_t batch) {
+    if (!ferry::JsonDepthWithin(text, 8)) return;
+    const Json j = Json::parse(text.begin(), text.end(), nullptr, false);
+    if (j.is_discarded()) return;
+    auto b = schema::ParseSglangBootstrap(j, batch);
+    NamedOrAbort(b);
+    if (b.ok() && *b) {
+        if ((*b)->size() != (batch == 0 ? 1 : batch)) std::abort();
+        for (const auto& e : **b) {
+            if (e.host.empty() || e.host.size() > 255 || e.port < 0 || e.port > 65535 ||
+                e.room > uint64_t(INT64_MAX)) {
+                std::abort();
+            }
+        }
+    }
+    auto info = schema::ParseSglangPrefillInfo(j);
+    NamedOrAbort(info);
+    if (!info.ok()) return;
+    auto again = schema::ParseSglangPrefillInfo(schema::SglangPrefillInfoJson(*info));
+    if (!again.ok() || again->agent != info->agent || again->tp_size != info->tp_size) {
+        std::abort();
+    }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size == 0) return 0;
     std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
-    switch (data[0] % 5) {
+    switch (data[0] % 6) {
         case 0:
             KvParams(text, schema::KvTransferMode::kPull);
             break;
@@ -88,8 +115,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         case 3:
             Agent(text);
             break;
-        default:
+        case 4:
             Error(text);
+            break;
+        default:
+            Sglang(text, (data[0] / 6) % 4);
             break;
     }
     return 0;

@@ -249,13 +249,37 @@ void Engine::Abort(const std::string& id, Status reason) {
     cv_.notify_one();
 }
 
+bool Engine::FlushPrefixCache(std::chrono::milliseconds timeout) {
+    auto asked = std::make_shared<std::promise<bool>>();
+    std::future<bool> done = asked->get_future();
+    {
+        std::lock_guard lock(mu_);
+        if (stop_) return false;
+        flushes_.push_back(asked);
+    }
+    cv_.notify_one();
+    if (done.wait_for(timeout) != std::future_status::ready) return false;
+    try {
+        return done.get();
+    } catch (const std::future_error&) {
+        return false;  // the engine stopped first
+    }
+}
+
 void Engine::DrainInbox() {
     std::vector<std::unique_ptr<Sequence>> inbox;
     std::vector<std::pair<std::string, Status>> aborts;
+    std::vector<std::shared_ptr<std::promise<bool>>> flushes;
     {
         std::lock_guard lock(mu_);
         inbox.swap(inbox_);
         aborts.swap(aborts_);
+        flushes.swap(flushes_);
+    }
+    for (auto& asked : flushes) {
+        const bool idle = inbox.empty() && running_.empty() && waiting_.empty() && held_.empty();
+        if (idle) pool_->ResetCache();
+        asked->set_value(idle);
     }
     for (auto& s : inbox) waiting_.push_back(std::move(s));
     for (const auto& abort : aborts) {
@@ -294,7 +318,7 @@ void Engine::Loop() {
             // that remote transfers hold), only news can change that: a request, an abort, or
             // the connector's wake-up.
             cv_.wait(lock, [&] {
-                return stop_ || !inbox_.empty() || !aborts_.empty() || wake_ ||
+                return stop_ || !inbox_.empty() || !aborts_.empty() || !flushes_.empty() || wake_ ||
                        (progressed_ && (!running_.empty() || !waiting_.empty()));
             });
             if (stop_) return;

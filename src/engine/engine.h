@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -161,6 +162,10 @@ class Engine {
     void RunUntilIdle();
 
     EngineStats Stats() const;
+    // SGLang's /flush_cache: forgets every cached prefix block, on the step thread, when no
+    // request is in flight or held (true); false when one is, or the step thread did not get
+    // to it within `timeout`. Thread-safe.
+    bool FlushPrefixCache(std::chrono::milliseconds timeout);
     const EngineConfig& config() const { return config_; }
     const model::Model& model() const { return *model_; }
     int max_model_len() const { return config_.max_model_len; }
@@ -218,6 +223,7 @@ class Engine {
     std::condition_variable cv_;
     std::vector<std::unique_ptr<Sequence>> inbox_;
     std::vector<std::pair<std::string, Status>> aborts_;
+    std::vector<std::shared_ptr<std::promise<bool>>> flushes_;  // FlushPrefixCache's asks
     std::unordered_map<std::string, bool> live_ids_;
     EngineStats stats_;
     bool stop_ = false;

@@ -23,6 +23,20 @@ namespace ferry::http {
 
 namespace {
 
+// A target's path without its query, runs of '/' as one: SGLang's mini_lb joins a URL that ends
+// in '/' with "/generate" ("http://host:30001//generate"), which its own server takes.
+std::string PathOf(const std::string& target) {
+    std::string path = target.substr(0, target.find('?'));
+    path.erase(
+        std::unique(path.begin(), path.end(), [](char a, char b) { return a == '/' && b == '/'; }),
+        path.end());
+    return path;
+}
+
+}  // namespace
+
+namespace {
+
 namespace asio = boost::asio;
 namespace beast = boost::beast;
 namespace bhttp = beast::http;
@@ -177,7 +191,7 @@ class Session : public std::enable_shared_from_this<Session> {
         if (ec) return OnReadError(ec);
         const auto& h = parser_->get();
         std::string target(h.target());
-        std::string path = target.substr(0, target.find('?'));
+        std::string path = PathOf(target);
         std::string method(h.method_string());
         route_ = nullptr;
         bool path_known = false;
@@ -484,7 +498,7 @@ void Session::OnBody(beast::error_code ec) {
     Request req;
     req.method = std::string(msg.method_string());
     req.target = std::string(msg.target());
-    req.path = req.target.substr(0, req.target.find('?'));
+    req.path = PathOf(req.target);
     for (const auto& f : msg) {
         req.headers.push_back({std::string(f.name_string()), std::string(f.value())});
     }

@@ -1,5 +1,7 @@
 #include "kv/push_protocol.h"
 
+#include <algorithm>
+
 namespace ferry::kv {
 
 using namespace connector_parts;  // NOLINT(build/namespaces): the connector's own parts
@@ -10,13 +12,16 @@ Status PushProtocol::SendPushFailed(const std::string& peer, const std::string& 
         peer, msg::PushEnd{msg::PushEnd::Kind::kFailed, xid, lid, std::nullopt, std::move(error)});
 }
 
-bool PushProtocol::BindTarget(const std::string& id, Push& ps, Target t) {
+bool PushProtocol::BindTarget(const std::string& id, Push& ps, Target t, bool* mismatch) {
+    *mismatch = false;
     if (t.prompt_digest != ps.prompt_digest || t.len != ps.prompt_len) {
         Status st = FailedPreconditionError(fmt::format(
             "kv push {}: the decoder's prompt ({} tokens) is not this prefill's ({} tokens)",
             Esc(ps.xid), t.len, ps.prompt_len));
         (void)SendPushFailed(t.peer, ps.xid, t.lid, st.message());
-        ps.error = st;
+        FERRY_LOG(kWarn, "kv: request {}: a target from '{}' refused: {}", Esc(id), Esc(t.peer),
+                  st.message());
+        *mismatch = true;
         return false;
     }
     // The decoder's blocks are of its own size (the handshake said which).
@@ -100,10 +105,26 @@ Status PushProtocol::On(const std::string& from, msg::PushTarget& m) {
     }
     auto bx = push_by_xid_.find(m.xid);
     if (bx == push_by_xid_.end()) {
-        // The prefill request has not arrived yet: keep the target for it.
+        // The prefill request has not arrived yet: keep the target for it (this peer's latest;
+        // several peers' side by side, the prompt decides which is the request's).
         tg.deadline = SteadyClock::now() + m_.cfg.bootstrap_timeout;
-        if (targets_.size() >= 65536) return ResourceExhaustedError("too many targets");
-        targets_[m.xid] = std::move(tg);
+        auto it = targets_.find(m.xid);
+        if (it == targets_.end()) {
+            if (targets_.size() >= 65536) return ResourceExhaustedError("too many targets");
+            it = targets_.emplace(m.xid, std::vector<Target>{}).first;
+        }
+        std::vector<Target>& early = it->second;
+        auto same = std::find_if(early.begin(), early.end(),
+                                 [&](const Target& t) { return t.peer == from; });
+        if (same != early.end()) {
+            *same = std::move(tg);
+        } else if (early.size() < kMaxEarlyTargets) {
+            early.push_back(std::move(tg));
+        } else {
+            (void)SendPushFailed(from, m.xid, tg.lid, "too many decoders named this transfer id");
+            return ResourceExhaustedError(
+                fmt::format("transfer '{}': too many targets", Esc(m.xid)));
+        }
         return Status::Ok();
     }
     const std::string id = bx->second;
@@ -112,8 +133,12 @@ Status PushProtocol::On(const std::string& from, msg::PushTarget& m) {
         (void)SendPushFailed(from, m.xid, tg.lid, "transfer id already has a decoder");
         return AlreadyExistsError(fmt::format("transfer '{}' already bound", Esc(m.xid)));
     }
-    if (BindTarget(id, ps, std::move(tg))) {
+    bool mismatch = false;
+    if (BindTarget(id, ps, std::move(tg), &mismatch)) {
         m_.Emit({ConnectorEvent::Kind::kReady, id, Status::Ok(), std::nullopt});
+    } else if (mismatch) {
+        return FailedPreconditionError(
+            fmt::format("transfer '{}': a target for another prompt", Esc(m.xid)));
     } else {
         Status err = ps.error;
         push_by_xid_.erase(ps.xid);
@@ -125,8 +150,20 @@ Status PushProtocol::On(const std::string& from, msg::PushTarget& m) {
 }
 
 Status PushProtocol::On(const std::string& from, msg::PushCancel& m) {
-    if (targets_.erase(m.xid) && cancelled_xids_.size() < 65536) {
-        cancelled_xids_[m.xid] = SteadyClock::now() + m_.cfg.bootstrap_timeout;
+    // Only the peer's own early target goes; the request itself fails at once only when no
+    // other decoder's target waits for it.
+    if (auto it = targets_.find(m.xid); it != targets_.end()) {
+        std::vector<Target>& early = it->second;
+        const size_t before = early.size();
+        early.erase(std::remove_if(early.begin(), early.end(),
+                                   [&](const Target& t) { return t.peer == from; }),
+                    early.end());
+        if (early.empty()) {
+            targets_.erase(it);
+            if (before != 0 && cancelled_xids_.size() < 65536) {
+                cancelled_xids_[m.xid] = SteadyClock::now() + m_.cfg.bootstrap_timeout;
+            }
+        }
     }
     auto bx = push_by_xid_.find(m.xid);
     if (bx != push_by_xid_.end()) {
@@ -215,14 +252,20 @@ bool PushProtocol::ReadyToSchedule(const ConnectorRequest& r, const KvTransferPa
                   Esc(p.transfer_id));
         return false;
     }
-    Target tg = std::move(t->second);
+    std::vector<Target> early = std::move(t->second);
     targets_.erase(t);
-    if (!BindTarget(r.id, ps, std::move(tg))) {
-        Status err = ps.error;
-        push_by_xid_.erase(p.transfer_id);
-        return fail(err);
+    for (Target& tg : early) {
+        bool mismatch = false;
+        if (BindTarget(r.id, ps, std::move(tg), &mismatch)) return true;
+        if (!mismatch) {
+            Status err = ps.error;
+            push_by_xid_.erase(p.transfer_id);
+            return fail(err);
+        }
     }
-    return true;
+    FERRY_LOG(kInfo, "kv: request {} bootstrapping (transfer {}; no early target was its own)",
+              Esc(r.id), Esc(p.transfer_id));
+    return false;
 }
 
 LayerHook* PushProtocol::BeginStep(std::span<const StepChunk> chunks) {
@@ -364,7 +407,11 @@ void PushProtocol::Pump(SteadyClock::time_point now) {
              id, st, std::nullopt});
     }
     for (auto it = targets_.begin(); it != targets_.end();) {
-        it = now > it->second.deadline ? targets_.erase(it) : std::next(it);
+        std::vector<Target>& early = it->second;
+        early.erase(std::remove_if(early.begin(), early.end(),
+                                   [&](const Target& t) { return now > t.deadline; }),
+                    early.end());
+        it = early.empty() ? targets_.erase(it) : std::next(it);
     }
     for (auto it = cancelled_xids_.begin(); it != cancelled_xids_.end();) {
         it = now > it->second ? cancelled_xids_.erase(it) : std::next(it);

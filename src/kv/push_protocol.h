@@ -62,15 +62,21 @@ class PushProtocol final : public TransferProtocol, public LayerHook {
     Status SendPushFailed(const std::string& peer, const std::string& xid, const std::string& lid,
                           std::string error);
     // Binds a decoder's block list to a prefill request. Returns false if they do not belong
-    // together (the request then fails).
-    bool BindTarget(const std::string& id, connector_parts::Push& ps, connector_parts::Target t);
+    // together: a target for another prompt is refused (its decoder is told) and the request
+    // keeps waiting for its own (*mismatch set: a transfer id is not a capability, so whoever
+    // learns one cannot fail another's request); other faults fail the request.
+    bool BindTarget(const std::string& id, connector_parts::Push& ps, connector_parts::Target t,
+                    bool* mismatch);
     // A finished push: tell the decoder, free the blocks.
     void EndPush(const std::string& id, bool ok, const Status& err);
 
     AgentKvConnector::Impl& m_;
     std::map<std::string, connector_parts::Push> pushes_;
     std::map<std::string, std::string> push_by_xid_;
-    std::map<std::string, connector_parts::Target> targets_;
+    // Decoders' targets that came before their prefill request, by transfer id: one per peer,
+    // at most kMaxEarlyTargets (a stranger's target cannot displace the rightful decoder's).
+    std::map<std::string, std::vector<connector_parts::Target>> targets_;
+    static constexpr size_t kMaxEarlyTargets = 4;
     // Transfer ids a decoder cancelled before its prefill request came, until the bootstrap
     // timeout (the request then fails at once instead of waiting for it).
     std::map<std::string, connector_parts::SteadyClock::time_point> cancelled_xids_;

@@ -9,6 +9,7 @@
 #include "schema/ec_transfer_params.h"
 #include "schema/kv_transfer_params.h"
 #include "schema/openai_error.h"
+#include "schema/sglang_pd.h"
 
 namespace ferry::schema {
 namespace {
@@ -167,6 +168,65 @@ TEST(OpenAiError, EveryStatusHasItsTypeAndAClientReadsTheBodyBack) {
         EXPECT_FALSE(r.ok()) << bad;
         EXPECT_FALSE(r.status().message().empty());
     }
+}
+
+TEST(SglangPd, BootstrapFieldsAsMiniLbWritesThemScalarsListsAndRefusals) {
+    using nlohmann::json;
+    auto one = ParseSglangBootstrap(
+        json::parse(
+            R"({"bootstrap_host":"[::1]","bootstrap_port":8998,"bootstrap_room":9223372036854775807})"),
+        0);
+    ASSERT_TRUE(one.ok() && *one) << one.status().ToString();
+    EXPECT_EQ((**one)[0].host, "::1");
+    EXPECT_EQ((**one)[0].port, 8998);
+    EXPECT_EQ((**one)[0].room, uint64_t(INT64_MAX));
+    auto none = ParseSglangBootstrap(json::parse(R"({"bootstrap_room":null})"), 0);
+    ASSERT_TRUE(none.ok());
+    EXPECT_FALSE(*none);
+    auto batch = ParseSglangBootstrap(
+        json::parse(R"({"bootstrap_host":"h","bootstrap_port":[null,9],"bootstrap_room":[1,2]})"),
+        2);
+    ASSERT_TRUE(batch.ok() && *batch);
+    EXPECT_EQ((**batch)[0].port, 0);  // null: the decode worker's default
+    EXPECT_EQ((**batch)[1].port, 9);
+    EXPECT_EQ((**batch)[1].host, "h");
+    EXPECT_EQ(SglangTransferId(42), "sglang-room-42");
+    for (const char* bad :
+         {R"({"bootstrap_host":"h","bootstrap_room":-1})",
+          R"({"bootstrap_host":"h","bootstrap_room":9223372036854775808})",
+          R"({"bootstrap_host":"h","bootstrap_room":"7"})", R"({"bootstrap_room":7})",
+          R"({"bootstrap_host":"","bootstrap_room":7})",
+          R"({"bootstrap_host":"h","bootstrap_port":0,"bootstrap_room":7})",
+          R"({"bootstrap_host":"h","bootstrap_room":[1,2]})"}) {
+        auto r = ParseSglangBootstrap(json::parse(bad), 0);
+        EXPECT_FALSE(r.ok()) << bad;
+        EXPECT_NE(r.status().message().find("bootstrap_"), std::string::npos)
+            << r.status().message();
+    }
+    EXPECT_FALSE(
+        ParseSglangBootstrap(json::parse(R"({"bootstrap_host":"h","bootstrap_room":[1,2,3]})"), 2)
+            .ok());
+}
+
+TEST(SglangPd, ThePrefillWorkersBootstrapAnswerReadsBack) {
+    SglangPrefillInfo info;
+    info.tp_size = 2;
+    info.page_size = 16;
+    info.http_port = 30001;
+    info.agent = {"ferry-prefill-1", "127.0.0.1", 4711};
+    const nlohmann::json j = SglangPrefillInfoJson(info);
+    EXPECT_EQ(j["attn_tp_size"], 2);
+    EXPECT_EQ(j["prefill_http_port"], 30001);
+    auto back = ParseSglangPrefillInfo(j);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->agent, info.agent);
+    EXPECT_EQ(back->tp_size, 2);
+    EXPECT_EQ(SglangRankInfoJson(info, 1)["rank_port"], 4711);
+    // An SGLang prefill worker's answer (no ferry agent) is named as such.
+    nlohmann::json theirs = j;
+    theirs.erase("ferry_agent");
+    EXPECT_NE(ParseSglangPrefillInfo(theirs).status().message().find("ferry_agent"),
+              std::string::npos);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <climits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
 #include "core/json_fields.h"
 #include "tokenizer/prompt.h"
@@ -326,6 +327,9 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const tokenizer::Token
             out->ec_transfer_params = ec;
         }
     }
+    for (const char* k : {"bootstrap_host", "bootstrap_port", "bootstrap_room"}) {
+        if (fields.ok() && body.contains(k)) out->sglang_fields[k] = body[k];
+    }
     if (!fields.ok()) {
         *error = fields.error();
         return false;
@@ -414,6 +418,265 @@ bool ParseDetokenizeRequest(std::string_view text, const tokenizer::Tokenizer& t
     if (!f.ok()) {
         *error = f.error();
         return false;
+    }
+    return true;
+}
+
+}  // namespace ferry::serve
+
+namespace ferry::serve {
+
+namespace {
+
+// One prompt's sampling_params (SGLang's SamplingParams): `name` prefixes errors.
+Status ParseSglangSampling(const Json& sp, const std::string& name, const tokenizer::Tokenizer& tk,
+                           model::SamplingParams* out, bool* max_given) {
+    if (!sp.is_null() && !sp.is_object()) {
+        return InvalidArgumentError(
+            fmt::format("'{}' must be an object, not {}", name, JsonFields::KindOf(sp)));
+    }
+    static const std::set<std::string> kKnown = {"max_new_tokens",
+                                                 "temperature",
+                                                 "top_p",
+                                                 "top_k",
+                                                 "min_p",
+                                                 "stop",
+                                                 "stop_token_ids",
+                                                 "ignore_eos",
+                                                 "skip_special_tokens",
+                                                 "spaces_between_special_tokens",
+                                                 "n",
+                                                 "frequency_penalty",
+                                                 "presence_penalty",
+                                                 "repetition_penalty",
+                                                 "min_new_tokens",
+                                                 "sampling_seed",
+                                                 "no_stop_trim",
+                                                 "json_schema",
+                                                 "regex",
+                                                 "ebnf",
+                                                 "structural_tag",
+                                                 "custom_params",
+                                                 "stop_regex",
+                                                 "logit_bias"};
+    const Json empty = Json::object();
+    const Json& j = sp.is_null() ? empty : sp;
+    for (const auto& [k, v] : j.items()) {
+        if (!kKnown.count(k)) {
+            return InvalidArgumentError(
+                fmt::format("'{}.{}' is not one of SGLang's sampling parameters", name, k));
+        }
+    }
+    const JsonFields f(j, name);
+    FERRY_ASSIGN_OR_RETURN(std::optional<int64_t> max, f.OptInt("max_new_tokens", 1, 1 << 30));
+    *max_given = max.has_value();
+    out->max_tokens = static_cast<int>(max.value_or(128));
+    FERRY_ASSIGN_OR_RETURN(std::optional<double> t, f.OptNumber("temperature"));
+    if (t && (*t < 0 || *t > 100)) return f.Bad("temperature", "must be in 0..100");
+    out->temperature = static_cast<float>(t.value_or(1.0));
+    FERRY_ASSIGN_OR_RETURN(std::optional<double> p, f.OptNumber("top_p"));
+    if (p && !(*p > 0 && *p <= 1)) return f.Bad("top_p", "must be in (0, 1]");
+    out->top_p = static_cast<float>(p.value_or(1.0));
+    FERRY_ASSIGN_OR_RETURN(std::optional<int64_t> k, f.OptInt("top_k", -1, 1 << 24));
+    out->top_k = static_cast<int>(k.value_or(-1));
+    if (k && *k == 0) return f.Bad("top_k", "must be -1 (off) or at least 1");
+    FERRY_ASSIGN_OR_RETURN(std::optional<bool> ie, f.OptBool("ignore_eos"));
+    out->ignore_eos = ie.value_or(false);
+    FERRY_ASSIGN_OR_RETURN(std::optional<int64_t> seed,
+                           f.OptInt("sampling_seed", INT64_MIN, INT64_MAX));
+    if (seed) out->seed = static_cast<uint64_t>(*seed);
+    if (const Json* s = f.Given("stop")) {
+        if (s->is_string()) {
+            out->stop.push_back(s->get<std::string>());
+        } else if (s->is_array() && s->size() <= 64 &&
+                   std::all_of(s->begin(), s->end(), [](const Json& e) { return e.is_string(); })) {
+            for (const Json& e : *s) out->stop.push_back(e.get<std::string>());
+        } else {
+            return f.Bad("stop", "must be a string or a list of at most 64 strings");
+        }
+    }
+    if (const Json* s = f.Given("stop_token_ids")) {
+        if (!s->is_array() || s->size() > 1024) {
+            return f.Bad("stop_token_ids", "must be a list of at most 1024 token ids");
+        }
+        for (size_t i = 0; i < s->size(); ++i) {
+            std::optional<int32_t> id = TokenId((*s)[i], tk);
+            if (!id) {
+                return InvalidArgumentError(
+                    fmt::format("'{}.stop_token_ids[{}]' is not a token id of this model (0..{})",
+                                name, i, tk.vocab_size() - 1));
+            }
+            out->stop_token_ids.push_back(*id);
+        }
+    }
+    // The rest only at SGLang's neutral values: anything else would be silently ignored.
+    struct Neutral {
+        const char* key;
+        Json value;
+    };
+    const Neutral neutral[] = {{"min_p", 0.0},
+                               {"n", 1},
+                               {"frequency_penalty", 0.0},
+                               {"presence_penalty", 0.0},
+                               {"repetition_penalty", 1.0},
+                               {"min_new_tokens", 0},
+                               {"skip_special_tokens", true},
+                               {"spaces_between_special_tokens", true},
+                               {"no_stop_trim", false}};
+    for (const Neutral& n : neutral) {
+        const Json* v = f.Given(n.key);
+        if (!v) continue;
+        const bool same = v->is_number() && n.value.is_number()
+                              ? v->get<double>() == n.value.get<double>()
+                              : *v == n.value;
+        if (!same) {
+            return InvalidArgumentError(fmt::format("'{}.{}' = {} is not supported here (only {})",
+                                                    name, n.key, v->dump(), n.value.dump()));
+        }
+    }
+    for (const char* k : {"json_schema", "regex", "ebnf", "structural_tag", "custom_params",
+                          "stop_regex", "logit_bias"}) {
+        if (f.Given(k)) {
+            return InvalidArgumentError(
+                fmt::format("'{}.{}' is not supported here (no constrained decoding)", name, k));
+        }
+    }
+    return Status::Ok();
+}
+
+// Prompt i of a batch (or the one prompt): its token ids.
+Status SglangPrompt(const Json& body, bool batch, size_t i, const tokenizer::Tokenizer& tk,
+                    std::vector<int32_t>* out) {
+    Json one;
+    if (body.contains("text") && !body["text"].is_null()) {
+        one["prompt"] = batch ? body["text"][i] : body["text"];
+    } else {
+        one["prompt"] = batch ? body["input_ids"][i] : body["input_ids"];
+    }
+    tokenizer::PromptError pe;
+    if (!tokenizer::PromptTokens(one, false, tk, out, &pe)) {
+        const std::string field = body.contains("text") && !body["text"].is_null()
+                                      ? std::string("text")
+                                      : std::string("input_ids");
+        return InvalidArgumentError(
+            fmt::format("'{}': {}", batch ? fmt::format("{}[{}]", field, i) : field, pe.message));
+    }
+    return Status::Ok();
+}
+
+}  // namespace
+
+bool ParseGenerateRequest(std::string_view text, const tokenizer::Tokenizer& tk, int max_model_len,
+                          GenerateRequest* out, BadRequest* error) {
+    Json body;
+    if (!ParseBody(text, &body, error)) return false;
+    auto fail = [&](std::string message, std::string param) {
+        *error = {std::move(message), std::move(param), ""};
+        return false;
+    };
+    const bool has_text = body.contains("text") && !body["text"].is_null();
+    const bool has_ids = body.contains("input_ids") && !body["input_ids"].is_null();
+    if (has_text == has_ids) {
+        return fail("exactly one of 'text' and 'input_ids' must be given", "text");
+    }
+    for (const char* k : {"input_embeds", "image_data", "audio_data", "video_data", "lora_path"}) {
+        if (body.contains(k) && !body[k].is_null()) {
+            return fail(fmt::format("'{}' is not supported by /generate here", k), k);
+        }
+    }
+    size_t n = 1;
+    if (has_text) {
+        const Json& t = body["text"];
+        if (t.is_array()) {
+            out->batch = true;
+            n = t.size();
+        } else if (!t.is_string()) {
+            return fail("'text' must be a string or a list of strings", "text");
+        }
+    } else {
+        const Json& ids = body["input_ids"];
+        if (!ids.is_array() || ids.empty()) {
+            return fail("'input_ids' must be a list of token ids or a list of such lists",
+                        "input_ids");
+        }
+        if (ids[0].is_array()) {
+            out->batch = true;
+            n = ids.size();
+        }
+    }
+    if (out->batch && (n == 0 || n > 256)) {
+        return fail(fmt::format("a batch has 1..256 prompts, not {}", n), "text");
+    }
+    const JsonFields f(body);
+    auto opt_bool = [&](const char* key, bool* v) {
+        Result<std::optional<bool>> b = f.OptBool(key);
+        if (!b.ok()) return fail(b.status().message(), key);
+        if (*b) *v = **b;
+        return true;
+    };
+    if (!opt_bool("stream", &out->stream) || !opt_bool("return_logprob", &out->return_logprob) ||
+        !opt_bool("return_text_in_logprobs", &out->return_text_in_logprobs)) {
+        return false;
+    }
+    Result<std::optional<int64_t>> top = f.OptInt("top_logprobs_num", 0, 20);
+    if (!top.ok()) return fail(top.status().message(), "top_logprobs_num");
+    out->top_logprobs_num = static_cast<int>(top->value_or(0));
+    Result<std::optional<int64_t>> start = f.OptInt("logprob_start_len", -1, INT32_MAX);
+    if (!start.ok()) return fail(start.status().message(), "logprob_start_len");
+    if (start->value_or(-1) != -1) {
+        return fail(
+            "'logprob_start_len' >= 0 asks for prompt log-probabilities, which are not "
+            "computed here (only -1: the output's)",
+            "logprob_start_len");
+    }
+    out->rids.assign(n, "");
+    if (body.contains("rid") && !body["rid"].is_null()) {
+        const Json& r = body["rid"];
+        for (size_t i = 0; i < n; ++i) {
+            const Json& e = r.is_array() ? (r.size() == n ? r[i] : Json()) : r;
+            if (!e.is_string() || !ValidRequestId(e.get<std::string>())) {
+                return fail(
+                    "'rid' must be an id of 1..128 of [A-Za-z0-9._:-], or a list of one "
+                    "per prompt",
+                    "rid");
+            }
+            out->rids[i] = e.get<std::string>();
+        }
+    }
+    const Json sp = body.contains("sampling_params") ? body["sampling_params"] : Json();
+    if (sp.is_array() && (!out->batch || sp.size() != n)) {
+        return fail("'sampling_params' is a list: it needs one object per prompt of a batch",
+                    "sampling_params");
+    }
+    out->items.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+        ParsedRequest& pr = out->items[i];
+        Status st = SglangPrompt(body, out->batch, i, tk, &pr.prompt);
+        if (!st.ok()) return fail(st.message(), has_text ? "text" : "input_ids");
+        bool max_given = false;
+        st = ParseSglangSampling(
+            sp.is_array() ? sp[i] : sp,
+            sp.is_array() ? fmt::format("sampling_params[{}]", i) : std::string("sampling_params"),
+            tk, &pr.sampling, &max_given);
+        if (!st.ok()) return fail(st.message(), "sampling_params");
+        if (static_cast<int64_t>(pr.prompt.size()) + pr.sampling.max_tokens > max_model_len &&
+            max_given) {
+            return fail(fmt::format("prompt {} has {} tokens and asks for {} more; the model's "
+                                    "length is {}",
+                                    i, pr.prompt.size(), pr.sampling.max_tokens, max_model_len),
+                        "sampling_params");
+        }
+        if (!max_given) {
+            pr.sampling.max_tokens =
+                std::max(1, std::min(pr.sampling.max_tokens,
+                                     max_model_len - static_cast<int>(pr.prompt.size())));
+        }
+        pr.sampling.logprobs = out->return_logprob ? out->top_logprobs_num : -1;
+        pr.want_logprobs = out->return_logprob;
+        pr.stream = out->stream;
+    }
+    for (const char* k : {"bootstrap_host", "bootstrap_port", "bootstrap_room"}) {
+        if (body.contains(k)) out->sglang_fields[k] = body[k];
     }
     return true;
 }

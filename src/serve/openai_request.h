@@ -52,6 +52,11 @@ struct ParsedRequest {
     // order, their placeholder tokens in `prompt`; the server reads and encodes them into `mm`.
     std::vector<tokenizer::ImagePart> images;
     std::vector<engine::MmInput> mm;
+    // SGLang's PD fields (bootstrap_host, bootstrap_port, bootstrap_room) as the body gave them
+    // (an object of those present; null: none), and whether they made this request's
+    // kv_transfer_params (serve/sglang_pd.h: the prefill side then streams if asked).
+    nlohmann::json sglang_fields;
+    bool sglang = false;
 };
 
 // Nesting deeper than this is refused before any JSON tree is built (JsonDepthWithin).
@@ -64,6 +69,26 @@ inline constexpr size_t kMaxJsonDepth = 64;
 bool ParseOpenAiRequest(std::string_view body, bool chat, const tokenizer::Tokenizer& tokenizer,
                         const std::string& model_name, int max_model_len, ParsedRequest* out,
                         BadRequest* error, const tokenizer::ImageTokens* image_tokens = nullptr);
+
+// SGLang's POST /generate (its GenerateReqInput): "text" (a string, or a batch of them) or
+// "input_ids" (ids, or a batch of lists), "sampling_params" (an object for every prompt, or a list
+// with one per prompt: max_new_tokens (default 128), temperature, top_p, top_k, stop,
+// stop_token_ids, ignore_eos, sampling_seed; the rest only at their neutral values, anything
+// unknown refused by name as SGLang's SamplingParams does), "stream", "return_logprob",
+// "top_logprobs_num", "return_text_in_logprobs", "logprob_start_len" (-1 only: prompt
+// log-probabilities are not computed here), "rid", and SGLang's PD fields.
+struct GenerateRequest {
+    std::vector<ParsedRequest> items;  // one per prompt (sampling, prompt, stream)
+    bool batch = false;                // the body gave lists: the answer is a list
+    bool stream = false;
+    bool return_logprob = false;
+    int top_logprobs_num = 0;
+    bool return_text_in_logprobs = false;
+    std::vector<std::string> rids;  // "" where none was given
+    nlohmann::json sglang_fields;   // as ParsedRequest::sglang_fields
+};
+bool ParseGenerateRequest(std::string_view body, const tokenizer::Tokenizer& tokenizer,
+                          int max_model_len, GenerateRequest* out, BadRequest* error);
 
 // POST /tokenize, as vLLM's server defines it: {"prompt": text} (TokenizeCompletionRequest;
 // add_special_tokens defaults to true) or {"messages": [...]} (TokenizeChatRequest, rendered with

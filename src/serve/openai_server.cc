@@ -5,6 +5,7 @@
 #include "serve/image_pipeline.h"
 #include "serve/openai_server_parts.h"
 #include "serve/remote_prefill.h"
+#include "serve/sglang_pd.h"
 
 namespace ferry::serve {
 
@@ -96,6 +97,9 @@ std::vector<http::Route> OpenAiServer::Impl::Routes() {
     r.push_back({"POST", "/v1/chat/completions",
                  [this](std::shared_ptr<http::Exchange> ex) { Completions(ex, true); },
                  config.max_body_bytes});
+    r.push_back({"POST", "/generate", [this](std::shared_ptr<http::Exchange> ex) { Generate(ex); },
+                 config.max_body_bytes});
+    AddSglangRoutes(&r);
     return r;
 }
 
@@ -140,31 +144,56 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400, bad, x && ValidRequestId(*x) ? *x : ""));
     }
+    if (!pr.sglang_fields.is_null()) {
+        Result<std::optional<std::vector<schema::SglangBootstrap>>> b =
+            schema::ParseSglangBootstrap(pr.sglang_fields, 0);
+        if (!b.ok()) {
+            const std::string* x = ex->request().Find("X-Request-Id");
+            return ex->Reply(Error(400, {b.status().message(), "bootstrap_room", ""},
+                                   x && ValidRequestId(*x) ? *x : ""));
+        }
+        if (*b) {
+            const schema::SglangBootstrap first = (**b)[0];
+            return sglang->Apply(ex, std::move(pr), first, [this, ex, chat](ParsedRequest p) {
+                Continue(ex, chat, std::move(p));
+            });
+        }
+    }
+    Continue(ex, chat, std::move(pr));
+}
+
+std::optional<http::Reply> OpenAiServer::Impl::TakeKvParams(const http::Exchange& ex,
+                                                            ParsedRequest* pr_ptr) {
+    ParsedRequest& pr = *pr_ptr;
     if (!pr.kv_transfer_params.is_null()) {
         // The connector's own format: a malformed field is named before anything else.
-        const std::string* x = ex->request().Find("X-Request-Id");
+        const std::string* x = ex.request().Find("X-Request-Id");
         const std::string rid = x && ValidRequestId(*x) ? *x : "";
         if (!config.parse_kv_params) {
-            return ex->Reply(Error(400,
-                                   {"kv_transfer_params: this worker has no KV connector (start "
-                                    "it with a prefill or decode role)",
-                                    "kv_transfer_params", ""},
-                                   rid));
+            return Error(400,
+                         {"kv_transfer_params: this worker has no KV connector (start it with a "
+                          "prefill or decode role)",
+                          "kv_transfer_params", ""},
+                         rid);
         }
         Result<std::shared_ptr<kv::ConnectorParams>> kv =
             config.parse_kv_params(pr.kv_transfer_params);
-        if (!kv.ok()) {
-            return ex->Reply(Error(400, {kv.status().message(), "kv_transfer_params", ""}, rid));
-        }
+        if (!kv.ok()) return Error(400, {kv.status().message(), "kv_transfer_params", ""}, rid);
         pr.kv_transfer = std::move(*kv);
     }
     if (pr.kv_transfer) {
         // Internal fields: honoured only from the router (with a secret), and counted against
         // whoever sent them.
-        if (auto refused = Authenticate(ex->request(), false, &pr.kv_transfer->requester)) {
-            return ex->Reply(*refused);
+        if (auto refused = Authenticate(ex.request(), false, &pr.kv_transfer->requester)) {
+            return refused;
         }
     }
+    return std::nullopt;
+}
+
+void OpenAiServer::Impl::Continue(const std::shared_ptr<http::Exchange>& ex, bool chat,
+                                  ParsedRequest pr) {
+    if (auto refused = TakeKvParams(*ex, &pr)) return ex->Reply(*refused);
     if (config.encode_only && (!chat || pr.images.empty())) {
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400,
@@ -194,7 +223,7 @@ void OpenAiServer::Impl::Completions(const std::shared_ptr<http::Exchange>& ex, 
         }
         pr.ec_source = std::make_shared<const EcSource>(std::move(*src));
     }
-    if (pr.kv_transfer && pr.kv_transfer->prefill_only() && pr.stream) {
+    if (pr.kv_transfer && pr.kv_transfer->prefill_only() && pr.stream && !pr.sglang) {
         // vLLM's proxies ask the prefill worker for a whole answer (it carries the params).
         pr.stream = false;
     }
@@ -246,8 +275,10 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(std::shared_ptr<engine
     if (config.vision) {
         FERRY_ASSIGN_OR_RETURN(impl->images, ImagePipeline::Create(*impl));
     }
+    impl->sglang = std::make_unique<SglangPd>(*impl);
     FERRY_ASSIGN_OR_RETURN(impl->http, http::Server::Start(std::move(hc), impl->Routes()));
     impl->http_ready = impl->http.get();
+    FERRY_RETURN_IF_ERROR(impl->sglang->Start());
     return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
 
@@ -262,6 +293,7 @@ void OpenAiServer::Stop() {
     // Requests still waiting for the encoder get 503 (their jobs see `stopping`).
     if (impl_->images) impl_->images->StopQueue();
     impl_->http->Stop();
+    impl_->sglang->Stop();
     // The client first: its calls end (their callbacks may still reach the quarantine and the
     // encode step); the quarantine's probes hold only a weak reference to it.
     impl_->client.reset();

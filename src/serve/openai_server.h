@@ -24,6 +24,7 @@
 #include "media/image.h"
 #include "model/vision.h"
 #include "router/router.h"
+#include "schema/sglang_pd.h"
 #include "serve/ec_connector.h"
 
 namespace ferry::serve {
@@ -100,6 +101,13 @@ struct ServerConfig {
     // answered within `remote_prefill_timeout` fails its request (503) and that prefill worker
     // gets no new prompt until it answers again; a prefill worker's agent lookup gives up after
     // `agent_timeout`.
+    // SGLang's PD protocol (serve/sglang_pd.h): this worker's PD role ("prefill", "decode",
+    // "": none); a prefill worker's bootstrap server port (-1: none; 0: any free port), and the
+    // default for requests that name none on a decode worker (-1 or 0: SGLang's 8998); what
+    // the bootstrap server says of this worker (its agent, TP size, block size).
+    std::string pd_role = {};
+    int sglang_bootstrap_port = -1;
+    std::function<schema::SglangPrefillInfo()> sglang_prefill_info = {};
     std::chrono::milliseconds encoder_timeout{10000};
     std::chrono::milliseconds remote_prefill_timeout{60000};
     std::chrono::milliseconds agent_timeout{5000};

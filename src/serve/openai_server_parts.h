@@ -160,6 +160,7 @@ inline int HttpStatusOf(const Status& st) {
 
 class ImagePipeline;
 class RemotePrefill;
+class SglangPd;
 
 struct OpenAiServer::Impl {
     Impl();
@@ -188,12 +189,25 @@ struct OpenAiServer::Impl {
     // Images (with config.vision): reading, decoding, the encoder cache, the encoder or the
     // encode workers (image_pipeline.h).
     std::unique_ptr<ImagePipeline> images;
+    // SGLang's PD protocol: the bootstrap server, the decode side's lookups (sglang_pd.h).
+    std::unique_ptr<SglangPd> sglang;
 
     std::vector<http::Route> Routes();
     // An OpenAI error body; with `request_id` (the X-Request-Id a request goes by here) the body
     // names it ("request_id") and the X-Request-Id header carries it.
     http::Reply Error(int status, const BadRequest& e, const std::string& request_id = "");
     void Completions(const std::shared_ptr<http::Exchange>& ex, bool chat);
+    // The rest of a completion once its SGLang bootstrap fields (if any) became its
+    // kv_transfer_params: the params' checks, images, routing.
+    void Continue(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
+    // A request's kv_transfer_params read by the connector and checked against who sent them
+    // (pr->kv_transfer set); the error reply if they are refused.
+    std::optional<http::Reply> TakeKvParams(const http::Exchange& ex, ParsedRequest* pr);
+    // SGLang's native API (sglang_generate.cc): POST /generate, one prompt or a batch.
+    void Generate(const std::shared_ptr<http::Exchange>& ex);
+    // SGLang's server routes mini_lb calls: /health_generate, /get_server_info,
+    // /get_model_info, /flush_cache (sglang_generate.cc).
+    void AddSglangRoutes(std::vector<http::Route>* routes);
     // A parsed request (its images encoded) to a remote prefill worker (decode-first) or here.
     void Route(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr);
     // Submits a parsed request and streams or returns its answer; the engine request id.

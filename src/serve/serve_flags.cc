@@ -364,6 +364,12 @@ const std::vector<Flag>& Flags() {
          "and push the KV (needs --role decode)"},
         {"--remote-prefill-min-tokens", &ServeFlags::remote_prefill_min_tokens,
          "decode-first: shorter prompts are prefilled here", I{0, 1 << 24}},
+        {"--bootstrap-port", &ServeFlags::bootstrap_port,
+         "SGLang's PD protocol (mini_lb's bootstrap_host/port/room): --role prefill serves "
+         "SGLang's "
+         "bootstrap server on this port (0: any free port; -1: none); --role decode uses it for "
+         "requests whose bootstrap_port is null (-1: SGLang's 8998)",
+         I{-1, 65535}},
         {"--encoder-timeout-ms",
          &ServeFlags::encoder_timeout_ms,
          "--encoder-urls: an encode worker that has not answered by then costs only the "
@@ -514,6 +520,7 @@ Result<WorkerConfig> ToWorkerConfig(const ServeFlags& f) {
     FERRY_ASSIGN_OR_RETURN(sc.ec_load_failure, ParseEcLoadFailure(f.ec_load_failure));
     sc.encoder_timeout = std::chrono::milliseconds(f.encoder_timeout_ms);
     sc.remote_prefill_min_tokens = f.remote_prefill_min_tokens;
+    sc.sglang_bootstrap_port = f.bootstrap_port;
     sc.remote_prefill_timeout = std::chrono::milliseconds(f.remote_prefill_timeout_ms);
     sc.agent_timeout = std::chrono::milliseconds(f.agent_lookup_timeout_ms);
     for (const std::string& u : f.remote_prefill) {

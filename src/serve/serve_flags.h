@@ -89,6 +89,8 @@ struct ServeFlags {
     // Decode-first (ServerConfig).
     std::vector<std::string> remote_prefill;
     int remote_prefill_min_tokens;
+    // SGLang's PD protocol (ServerConfig::sglang_bootstrap_port).
+    int bootstrap_port = -1;
     int64_t remote_prefill_timeout_ms;
     int64_t agent_lookup_timeout_ms;
     // The store record and shutdown.

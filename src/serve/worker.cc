@@ -172,6 +172,17 @@ Result<std::unique_ptr<Worker>> Worker::Start(WorkerConfig c) {
             return j.dump();
         };
         c.server.extra_metrics = [conn = w->connector_] { return conn->RenderMetrics(); };
+        // SGLang's PD protocol: the role, and what the prefill worker's bootstrap server says.
+        c.server.pd_role = WorkerRoleName(c.role);
+        c.server.sglang_prefill_info = [agent = w->agent_, tp = c.model->tp(),
+                                        bt = c.engine.block_tokens, dt = c.engine.kv_dtype] {
+            schema::SglangPrefillInfo info;
+            info.tp_size = tp;
+            info.page_size = bt;
+            info.kv_cache_dtype = std::string(kv::KvDtypeName(dt));
+            info.agent = schema::AgentAt(agent->name(), agent->ListenAddress());
+            return info;
+        };
         if (c.role == WorkerRole::kDecode && w->directory_) {
             // Decode-first finds its prefill workers' agents in their store records.
             c.server.remote_prefill_agents = router::AgentsFromDirectory(w->directory_);

@@ -471,10 +471,13 @@ TEST_F(Trust, HoldFloodsAreCappedPerClient) {
 }
 
 // push: a client pairs its own prefill request (prompt P) with a decode request for another
-// prompt Q under one transfer id. The prefill worker sees the decoder's prompt is not its own and
-// fails both: no 200, nothing of P lands in Q's cache, and Q afterwards equals colocated.
+// prompt Q under one transfer id. The prefill worker sees the decoder's prompt is not its own:
+// that decoder is refused at once, and the prefill request (which a transfer id's rightful
+// decoder could still claim: a stranger who learns an id cannot fail it) expires unpaired at the
+// bootstrap timeout. No 200, nothing of P lands in Q's cache, and Q afterwards equals colocated.
 TEST_F(Trust, APushPairsOnlyOneAndTheSamePrompt) {
-    auto prefill = Start(Args("prefill"));
+    auto prefill =
+        Start(Args("prefill", {"--kv-connector-config", R"({"bootstrap_timeout_ms": 1500})"}));
     auto decode = Start(Args("decode"));
     ASSERT_TRUE(prefill && decode);
     Json agent = PostFrom("127.0.0.1", prefill->port(), "/v1/kv/agent", Json(), "", "GET").json();
