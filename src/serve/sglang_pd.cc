@@ -58,6 +58,12 @@ std::vector<http::Route> SglangPd::BootstrapRoutes() {
     // rank's address. ferry's prefill ranks live in one process behind one agent.
     r.push_back(
         {"GET", "/route", [this](std::shared_ptr<http::Exchange> ex) {
+             // Where the agent is: with a secret, the deployment's alone (as GET /v1/kv/agent);
+             // ferry's decode workers send the router token.
+             std::string who;
+             if (auto refused = s_.Authenticate(ex->request(), false, &who)) {
+                 return ex->Reply(*refused);
+             }
              const std::string& t = ex->request().target;
              const char* keys[] = {"prefill_dp_rank", "prefill_cp_rank", "target_tp_rank",
                                    "target_pp_rank"};
@@ -160,6 +166,9 @@ void SglangPd::Resolve(const std::string& host, int port,
         host, port,
         "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
         s_.config.agent_timeout);
+    if (!s_.config.router_token.empty()) {
+        req.headers.push_back({"Authorization", "Bearer " + s_.config.router_token});
+    }
     client->CallWhole(
         std::move(req),
         [key, finish](Result<http::ClientReply> got) {

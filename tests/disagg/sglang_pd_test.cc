@@ -220,7 +220,9 @@ class SglangPdOne : public SglangPd {};
 // frees its blocks, on either side; a request that names a room of another prompt is refused
 // and the rightful pair still completes; the routes mini_lb calls answer as SGLang's do.
 TEST_F(SglangPdOne, LoneHalvesExpireARoomIsNoCapabilityAndTheRoutesAnswer) {
-    StartPair(1, 1, {"--kv-connector-config", R"({"bootstrap_timeout_ms": 1500})"});
+    StartPair(1, 1,
+              {"--kv-connector-config",
+               R"({"bootstrap_timeout_ms": 1500, "transfer_timeout_ms": 1500})"});
     const auto prompts = Prompts();
     Json body = CompletionBody(prompts[0], 4, false);
     body["bootstrap_host"] = "127.0.0.1";
@@ -296,6 +298,45 @@ TEST_F(SglangPdOne, LoneHalvesExpireARoomIsNoCapabilityAndTheRoutesAnswer) {
     auto missing = http::Fetch(
         http::GetRequest("127.0.0.1", bootstrap_port_, "/route", std::chrono::seconds(5)));
     EXPECT_EQ(missing->status, 400);
+}
+
+// With a deployment secret the PD fields are the router's, as kv_transfer_params are: a client
+// without the router token is refused (401), and so is a stranger asking the bootstrap server
+// where the prefill worker's agent is; ferry's decode worker, which sends the token, is served.
+TEST_F(SglangPdOne, WithASecretTheFieldsAndTheBootstrapServerAreTheRouters) {
+    testing::SecretFile secret("sglang-pd");
+    StartPair(1, 1, {"--secret-file", secret.path()});
+    Json body = CompletionBody(Prompts()[0], 4, false);
+    body["bootstrap_host"] = "127.0.0.1";
+    body["bootstrap_port"] = bootstrap_port_;
+    body["bootstrap_room"] = RandomRoom();
+    EXPECT_EQ(PostOrDie(decode_->port(), "/v1/completions", body).status, 401);
+    EXPECT_EQ(PostOrDie(prefill_->port(), "/v1/completions", body).status, 401);
+    auto route = http::Fetch(http::GetRequest(
+        "127.0.0.1", bootstrap_port_,
+        "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+        std::chrono::seconds(5)));
+    ASSERT_TRUE(route.ok());
+    EXPECT_EQ(route->status, 401) << route->body;
+    // The router (with the token) is served, and the decode worker finds the agent.
+    auto with_token = [&](int port) {
+        http::ClientRequest r;
+        r.port = port;
+        r.target = "/v1/completions";
+        r.body = body.dump();
+        r.timeout = std::chrono::seconds(30);
+        r.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+        return http::Fetch(r);
+    };
+    Result<http::ClientReply> p = UnavailableError(""), d = UnavailableError("");
+    std::thread t([&] { p = with_token(prefill_->port()); });
+    d = with_token(decode_->port());
+    t.join();
+    ASSERT_TRUE(d.ok() && p.ok());
+    EXPECT_EQ(d->status, 200) << d->body;
+    Json plain = CompletionBody(Prompts()[0], 4, false);
+    EXPECT_EQ(TokensOf(d->body, false),
+              TokensOf(PostOrDie(colocated_->port(), "/v1/completions", plain).body, false));
 }
 
 }  // namespace
