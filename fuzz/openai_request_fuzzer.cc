@@ -50,5 +50,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else if (error.message.empty()) {
         std::abort();  // every refusal says why
     }
+    // The same bytes as SGLang's /generate body: every accepted prompt is in the vocabulary and
+    // non-empty, its token budget positive, a batch one item per prompt; a refusal says why.
+    if (data[0] & 4) {
+        ferry::serve::GenerateRequest g;
+        ferry::serve::BadRequest gerr;
+        if (ferry::serve::ParseGenerateRequest(body, TestTokenizer(), 4096, &g, &gerr)) {
+            if (g.items.empty() || (!g.batch && g.items.size() != 1) ||
+                g.rids.size() != g.items.size()) {
+                std::abort();
+            }
+            for (const auto& it : g.items) {
+                if (it.prompt.empty() || it.sampling.max_tokens < 1) std::abort();
+                for (int32_t t : it.prompt) {
+                    if (t < 0 || t >= TestTokenizer().vocab_size()) std::abort();
+                }
+            }
+        } else if (gerr.message.empty()) {
+            std::abort();
+        }
+    }
     return 0;
 }
