@@ -11,6 +11,13 @@
 
 namespace ferry::engine {
 
+Result<EngineConfig::KvLoadFailure> ParseKvLoadFailure(std::string_view name) {
+    if (name == "fail") return EngineConfig::KvLoadFailure::kFail;
+    if (name == "recompute") return EngineConfig::KvLoadFailure::kRecompute;
+    return InvalidArgumentError(
+        fmt::format("--kv-load-failure '{}' is not one of fail, recompute", name));
+}
+
 const char* FinishReasonName(FinishReason r) {
     switch (r) {
         case FinishReason::kNone:
@@ -657,6 +664,27 @@ bool Engine::HandleConnectorEvents() {
         }
         Sequence* s = it->get();
         using Kind = kv::ConnectorEvent::Kind;
+        if (ev.kind == Kind::kFailed && s->phase == Sequence::Phase::kLoading &&
+            config_.kv_load_failure == EngineConfig::KvLoadFailure::kRecompute) {
+            // The load's blocks are the connector's no longer: they go back (the cached prefix
+            // is found again when it is scheduled), and the request is a plain one from now on.
+            ++counters_.kv_load_failures;
+            ++counters_.kv_load_recomputed;
+            FERRY_LOG(kInfo, "engine: request {}: its KV did not arrive ({}); computing it here",
+                      s->req.id, ev.status.message());
+            pool_->Free(s->blocks);
+            s->blocks.clear();
+            s->hashes.clear();
+            s->num_computed = 0;
+            s->num_external = 0;
+            s->cached_tokens = 0;
+            s->phase = Sequence::Phase::kLocal;
+            connector_->Retire(s->req.id);
+            s->req.kv_transfer = nullptr;
+            waiting_.push_front(std::move(*it));
+            remote_.erase(it);
+            continue;
+        }
         if (ev.kind == Kind::kFailed) {
             ++counters_.kv_load_failures;
             s->phase = Sequence::Phase::kLocal;  // the connector is done with its blocks

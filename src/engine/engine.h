@@ -61,7 +61,16 @@ struct EngineConfig {
     kv::KvAllocator allocator;
     // Moves KV to and from other workers (null: colocated). Bound to the caches at Create.
     std::shared_ptr<kv::KvConnector> connector;
+    // vLLM's kv_load_failure_policy: a request whose remote KV did not arrive (the prefill
+    // worker gone, a refused claim, a failed or unverified transfer) fails (kFail), or computes
+    // its prompt here instead (kRecompute): what the local prefix cache holds is kept, the rest
+    // computed, and the answer is the one it would have had.
+    enum class KvLoadFailure : uint8_t { kFail, kRecompute };
+    KvLoadFailure kv_load_failure = KvLoadFailure::kFail;
 };
+
+// "fail" | "recompute"; InvalidArgument naming the text otherwise.
+Result<EngineConfig::KvLoadFailure> ParseKvLoadFailure(std::string_view name);
 
 enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort, kError };
 const char* FinishReasonName(FinishReason r);  // "stop" | "length" | "abort" | "error"
@@ -129,6 +138,7 @@ struct EngineStats {
     int kv_held = 0;     // finished requests whose blocks a remote reader or writer still uses
     uint64_t kv_external_tokens = 0;  // prompt tokens loaded from other workers
     uint64_t kv_load_failures = 0;
+    uint64_t kv_load_recomputed = 0;  // of those, computed here (kv_load_failure kRecompute)
 };
 
 class Engine {

@@ -329,6 +329,14 @@ const std::vector<Flag>& Flags() {
          true},
         {"--ec-connector", &ServeFlags::ec_connector, EcConnectorHelp(), {}, EcConnectorNames()},
         {"--ec-dir", &ServeFlags::ec_dir, "--ec-connector disk: the shared directory"},
+        {"--kv-load-failure",
+         &ServeFlags::kv_load_failure,
+         "vLLM's kv_load_failure_policy, on a decode worker: when a request's remote KV does not "
+         "arrive (the prefill worker gone, a refused claim, a failed transfer), fail it (503) or "
+         "compute its prompt here (recompute: the same answer, later)",
+         {},
+         {"fail", "recompute"},
+         true},
         {"--ec-load-failure",
          &ServeFlags::ec_load_failure,
          "when embeddings an encode worker should hold cannot be loaded: encode here, or fail "
@@ -482,6 +490,7 @@ Result<WorkerConfig> ToWorkerConfig(const ServeFlags& f) {
     ServerConfig& sc = wc.server;
     engine::EngineConfig& ec = wc.engine;
     FERRY_ASSIGN_OR_RETURN(wc.role, ParseWorkerRole(f.role));
+    FERRY_ASSIGN_OR_RETURN(ec.kv_load_failure, engine::ParseKvLoadFailure(f.kv_load_failure));
     if (!f.encoder_urls.empty() && (f.ec_connector.empty() || wc.role == WorkerRole::kEncode)) {
         return InvalidArgumentError(
             "--encoder-urls needs --ec-connector and a role other than encode");

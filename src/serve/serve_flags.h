@@ -81,6 +81,7 @@ struct ServeFlags {
     std::string ec_connector;
     std::string ec_dir;
     std::string ec_load_failure = "encode";
+    std::string kv_load_failure = "fail";
     uint64_t ec_buffer_mib;
     int64_t ec_lease_ms;
     int64_t ec_transfer_timeout_ms;

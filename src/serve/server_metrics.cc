@@ -43,6 +43,9 @@ std::string OpenAiServer::Impl::RenderMetrics() {
             double(s.kv_external_tokens));
     counter("ferry_kv_load_failures_total", "Requests whose remote KV did not arrive.",
             double(s.kv_load_failures));
+    counter("ferry_kv_load_recomputed_total",
+            "Of those, requests that computed their prompt here (--kv-load-failure recompute).",
+            double(s.kv_load_recomputed));
     // The same figures under the names routers scrape from vLLM workers (llm-d's scorers, vLLM's
     // router, Dynamo; labelled as vLLM's V1 engine labels them), so that they route over ferry
     // workers unchanged; ferry's router reads them too (router/membership.h).

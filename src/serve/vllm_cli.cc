@@ -49,7 +49,7 @@ constexpr Connector kConnectors[] = {{"NixlConnector", "pull"},
 
 // KVTransferConfig's fields that ferry takes, and those it has no use for.
 constexpr std::string_view kTakenFields[] = {"kv_connector", "kv_role", "engine_id",
-                                             "kv_connector_extra_config"};
+                                             "kv_connector_extra_config", "kv_load_failure_policy"};
 constexpr std::string_view kUnusedFields[] = {"kv_buffer_device",
                                               "kv_buffer_size",
                                               "kv_rank",
@@ -104,8 +104,9 @@ Result<Json> ReadConfigObject(std::string_view flag, std::string_view kind, std:
 
 // What --kv-transfer-config asks of the command.
 struct KvTransfer {
-    std::string transfer;  // pull | push
-    std::string role;      // prefill | decode
+    std::string load_failure;  // kv_load_failure_policy: fail | recompute ("": not given)
+    std::string transfer;      // pull | push
+    std::string role;          // prefill | decode
     std::string agent_name;
     std::string backend;  // "" | tcp | ucx | shm
 };
@@ -144,6 +145,14 @@ Result<KvTransfer> ParseKvTransferConfig(std::string_view text, std::vector<std:
     }
     FERRY_ASSIGN_OR_RETURN(std::optional<std::string> engine_id, f.OptString("engine_id", 256));
     if (engine_id) kt.agent_name = *engine_id;
+    FERRY_ASSIGN_OR_RETURN(std::optional<std::string> policy,
+                           f.OptString("kv_load_failure_policy", 64));
+    if (policy) {
+        if (*policy != "fail" && *policy != "recompute") {
+            return f.Bad("kv_load_failure_policy", "must be fail or recompute");
+        }
+        kt.load_failure = *policy;
+    }
     if (const Json* extra = f.Given("kv_connector_extra_config")) {
         if (!extra->is_object()) return f.Bad("kv_connector_extra_config", "must be an object");
         const JsonFields e(*extra, "kv-transfer-config.kv_connector_extra_config");
@@ -380,6 +389,9 @@ Result<TranslatedArgs> TranslateVllmServeArgs(const std::vector<std::string>& in
         a.insert(a.end(), {"--kv-transfer", kv->transfer});
         if (!kv->agent_name.empty()) a.insert(a.end(), {"--agent-name", kv->agent_name});
         if (!kv->backend.empty()) a.insert(a.end(), {"--kv-backend", kv->backend});
+        if (!kv->load_failure.empty()) {
+            a.insert(a.end(), {"--kv-load-failure", kv->load_failure});
+        }
     }
     return out;
 }

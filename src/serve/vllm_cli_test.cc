@@ -111,6 +111,16 @@ TEST(VllmCli, EachSpellingMeansFerrysFlag) {
     EXPECT_TRUE(Flags({"m", "--no-enable-prefix-caching"}).no_prefix_caching);
     EXPECT_TRUE(Flags({"m", "--enable-prefix-caching", "false"}).no_prefix_caching);
     EXPECT_EQ(Flags({"m", "-pp", "1", "--seed", "0"}).model, "m");
+    // KVTransferConfig's kv_load_failure_policy is --kv-load-failure.
+    EXPECT_EQ(Flags({"m", "--kv-transfer-config",
+                     R"({"kv_connector":"NixlConnector","kv_role":"kv_consumer",)"
+                     R"("kv_load_failure_policy":"recompute"})"})
+                  .kv_load_failure,
+              "recompute");
+    EXPECT_FALSE(TranslateVllmServeArgs({"m", "--kv-transfer-config",
+                                         R"({"kv_connector":"NixlConnector",)"
+                                         R"("kv_load_failure_policy":"retry"})"})
+                     .ok());
     // The connectors and roles of KVTransferConfig.
     ServeFlags mooncake = Flags(
         {"m", "--kv-transfer-config",

@@ -22,6 +22,7 @@
 #include "disagg/pd_harness.h"
 #include "ferry/discovery.h"
 #include "http/http.h"
+#include "schema/kv_transfer_params.h"
 #include "testing/images.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
@@ -711,6 +712,69 @@ TEST_P(PdFailure, APrefillWorkerKilledMidTransferFailsTheRequestAndFreesTheBlock
         body = again[0].body;
     }
     EXPECT_EQ(status, 200) << body;
+}
+
+// vLLM's kv_load_failure_policy "recompute" (`--kv-load-failure recompute` on the decode
+// worker): the same kill as above, and the request is answered anyway, token for token as
+// colocated, its prompt computed on the decode worker; the blocks of the failed load come back.
+TEST_P(PdFailure, WithRecomputeAKilledPrefillWorkersRequestIsComputedOnTheDecoder) {
+    const std::string mode = GetParam();
+    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1),
+                          WorkerArgs("decode", "shm", 1, {"--kv-load-failure", "recompute"}));
+    ASSERT_TRUE(d.proxy_pull && d.proxy_push);
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    ASSERT_TRUE(colocated);
+    ServerProcess* proxy = mode == "push" ? d.proxy_push.get() : d.proxy_pull.get();
+    auto warm = SendAll(proxy->port(), {CompletionBody(RandomPrompt(40, 1), 2, false)});
+    ASSERT_EQ(warm[0].status, 200) << warm[0].body;
+    const double blocks = d.decode->Metric("ferry_kv_blocks_used");
+    const double computed = d.decode->Metric("ferry_prompt_tokens_total");
+    Json body = CompletionBody(RandomPrompt(700, 5), 20, mode == "push");
+    std::unique_ptr<Background> b;
+    if (mode == "push") {
+        // Straight to the decode worker, as a router sends its half (ferry proxy gives up on a
+        // request whose prefill call failed: the router's retries are the next slice).
+        auto agent = http::Fetch(http::GetRequest("127.0.0.1", d.prefill->port(), "/v1/kv/agent",
+                                                  std::chrono::seconds(5)));
+        ASSERT_TRUE(agent.ok() && agent->status == 200);
+        const Json a = Json::parse(agent->body);
+        Json db = body;
+        db["kv_transfer_params"] = schema::PushDecodeRequestParams(
+            "recompute-test-transfer-0001",
+            {a["engine_id"].get<std::string>(), a["host"].get<std::string>(), a["port"].get<int>()},
+            1);
+        ASSERT_TRUE(d.prefill->Stop());
+        b = std::make_unique<Background>(d.decode->port(), db);
+        ASSERT_TRUE(Eventually([&] {
+            return d.decode->Metric("ferry_kv_connector_requests{state=\"waiting_for_input\"}") ==
+                   1;
+        }));
+    } else {
+        Json p = body;
+        p["kv_transfer_params"] = {{"do_remote_decode", true}};
+        p["max_tokens"] = 1;
+        auto pr = http::Fetch(Post(d.prefill->port(), p));
+        ASSERT_TRUE(pr.ok() && pr->status == 200);
+        Json db = body;
+        db["kv_transfer_params"] = Json::parse(pr->body)["kv_transfer_params"];
+        ASSERT_TRUE(d.prefill->Stop());
+        b = std::make_unique<Background>(d.decode->port(), db);
+        ASSERT_TRUE(Eventually([&] {
+            return d.decode->Metric("ferry_kv_connector_requests{state=\"transferring\"}") == 1;
+        }));
+    }
+    d.prefill->Signal(SIGKILL);
+    d.prefill->Kill();
+    ASSERT_TRUE(b->Wait(std::chrono::seconds(20)));
+    const bool stream = mode == "push";
+    auto want = SendAll(colocated->port(), {body});
+    EXPECT_EQ(b->status(), 200) << b->body().substr(0, 400);
+    EXPECT_EQ(TokensOf(b->body(), stream), want[0].tokens);
+    EXPECT_EQ(TokensOf(b->body(), stream).size(), 20u);
+    EXPECT_EQ(d.decode->Metric("ferry_kv_load_recomputed_total"), 1);
+    EXPECT_GE(d.decode->Metric("ferry_prompt_tokens_total") - computed, 700 - 16);
+    EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_blocks_used", blocks));
+    EXPECT_TRUE(d.decode->WaitMetric("ferry_kv_requests_loading", 0));
 }
 
 // A client that goes away at any stage: both workers free the request's blocks.
