@@ -205,6 +205,10 @@ void SglangPd::Apply(const std::shared_ptr<http::Exchange>& ex, ParsedRequest pr
                                    "bootstrap_room", ""},
                                   rid));
     }
+    // The fields are the router's where there is a secret: a stranger is refused before this
+    // worker dials the bootstrap server it names (TakeKvParams checks the params again).
+    std::string who;
+    if (auto refused = s_.Authenticate(ex->request(), false, &who)) return ex->Reply(*refused);
     const std::string xid = schema::SglangTransferId(b.room);
     if (s_.config.pd_role == "prefill") {
         // SGLang's prefill worker answers one token (its request's max_new_tokens becomes 1);

@@ -311,6 +311,11 @@ TEST_F(SglangPdOne, WithASecretTheFieldsAndTheBootstrapServerAreTheRouters) {
     body["bootstrap_port"] = bootstrap_port_;
     body["bootstrap_room"] = RandomRoom();
     EXPECT_EQ(PostOrDie(decode_->port(), "/v1/completions", body).status, 401);
+    // Refused before the decode worker dials anything: a bootstrap host that would not answer
+    // gives 401, not the 503 of a lookup that failed.
+    Json elsewhere = body;
+    elsewhere["bootstrap_port"] = 1;
+    EXPECT_EQ(PostOrDie(decode_->port(), "/v1/completions", elsewhere).status, 401);
     EXPECT_EQ(PostOrDie(prefill_->port(), "/v1/completions", body).status, 401);
     auto route = http::Fetch(http::GetRequest(
         "127.0.0.1", bootstrap_port_,
