@@ -126,6 +126,17 @@ void AddProxyCommand(CLI::App& app, int* rc) {
                    "request (502) after this long")
         ->check(CLI::Range(int64_t{100}, int64_t{600000}))
         ->capture_default_str();
+    static int max_attempts = defaults.driver.max_attempts;
+    static bool no_prefill_fallback = false;
+    px->add_option("--max-attempts", max_attempts,
+                   "tries per stage of a request: a prefill worker that fails has it prefilled by "
+                   "another, a decode worker lost before the first byte has it sent to another, "
+                   "one lost mid-stream has the stream migrated (1: none again)")
+        ->check(CLI::Range(1, 16))
+        ->capture_default_str();
+    px->add_flag("--no-prefill-fallback", no_prefill_fallback,
+                 "with no prefill worker left to try, fail the request (502/504) instead of "
+                 "letting the decode worker prefill it");
     px->callback([rc] {
         auto fail = [rc](const Status& st) {
             fmt::print(stderr, "ferry proxy: {}\n", st.ToString());
@@ -147,6 +158,8 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         dc.prefill_timeout = std::chrono::milliseconds(prefill_timeout_ms);
         dc.encode_timeout = std::chrono::milliseconds(encode_timeout_ms);
         dc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);
+        dc.max_attempts = max_attempts;
+        dc.prefill_fallback = !no_prefill_fallback;
         auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy, weights);
         if (!picked.ok()) return fail(picked.status());
         pc.routing.policy = std::move(picked).value();

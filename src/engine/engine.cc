@@ -43,6 +43,7 @@ struct Engine::Sequence {
     std::vector<BlockHash> hashes;  // of the leading full blocks recorded in the prefix cache
     int cached_tokens = 0;
     int num_output = 0;
+    int continued = 0;  // of num_output, those produced elsewhere (Request::continued)
     model::Sampler sampler;
     OutputText text;
     bool aborted = false;
@@ -67,7 +68,11 @@ struct Engine::Sequence {
         }
         prompt_len = static_cast<int>(tokens.size());
         no_cache = req.no_cache;
+        tokens.insert(tokens.end(), req.continued.begin(), req.continued.end());
+        continued = num_output = static_cast<int>(req.continued.size());
     }
+    // Nothing was produced here yet (its output so far, if any, came with it).
+    bool NoOutputHere() const { return num_output == continued; }
 };
 
 Engine::Engine(std::shared_ptr<model::Model> model, const EngineConfig& config)
@@ -216,8 +221,15 @@ Status Engine::Submit(Request request) {
             fmt::format("the request needs {} tokens of KV cache but the whole cache holds {}",
                         want, cache_tokens));
     }
+    FERRY_RETURN_IF_ERROR(CheckContinued(request));
     static std::atomic<uint64_t> seed_counter{std::random_device{}()};
     auto seq = std::make_unique<Sequence>(std::move(request), seed_counter.fetch_add(0x9e3779b9));
+    // The continued tokens as the first worker took them: one draw each, their bytes sent.
+    for (size_t i = 0; i < seq->req.continued.size(); ++i) {
+        seq->sampler.Skip();
+        (void)seq->text.Append(model_->tokenizer().TokenBytes(seq->req.continued[i]));
+        (void)seq->text.TakeReady();
+    }
     // The connector's caps (holds and loads per client and per peer), outside mu_: the
     // connector calls into the engine (its wake-up) with its own lock held.
     const bool admitted = connector_ && seq->req.kv_transfer;
@@ -239,6 +251,39 @@ Status Engine::Submit(Request request) {
         ++stats_.waiting;
     }
     cv_.notify_one();
+    return Status::Ok();
+}
+
+Status Engine::CheckContinued(const Request& request) const {
+    const std::vector<int32_t>& c = request.continued;
+    if (c.empty()) return Status::Ok();
+    const model::SamplingParams& sp = request.sampling;
+    if (request.kv_transfer) {
+        return InvalidArgumentError(
+            "a continued stream computes its prompt here: it takes no kv_transfer_params");
+    }
+    if (c.size() >= size_t(sp.max_tokens)) {
+        return InvalidArgumentError(fmt::format(
+            "{} continued tokens leave nothing of max_tokens {}", c.size(), sp.max_tokens));
+    }
+    const tokenizer::Tokenizer& tk = model_->tokenizer();
+    OutputText text(sp.stop);
+    for (int32_t t : c) {
+        if (t < 0 || t >= model_->config().vocab_size) {
+            return InvalidArgumentError(
+                fmt::format("continued token id {} is outside the vocabulary (0..{})", t,
+                            model_->config().vocab_size - 1));
+        }
+        const bool stop_id =
+            std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), t) !=
+                sp.stop_token_ids.end() ||
+            (!sp.ignore_eos &&
+             std::find(tk.stop_ids().begin(), tk.stop_ids().end(), t) != tk.stop_ids().end());
+        if (stop_id || text.Append(tk.TokenBytes(t))) {
+            return InvalidArgumentError(
+                "the continued tokens already end the request (a stop token or string)");
+        }
+    }
     return Status::Ok();
 }
 
@@ -446,7 +491,7 @@ void Engine::Schedule(std::vector<std::pair<Sequence*, int>>* plan) {
             s->num_computed = 0;
             break;
         }
-        if (s->num_output == 0) s->cached_tokens = s->num_computed;
+        if (s->NoOutputHere()) s->cached_tokens = s->num_computed;
         counters_.prefix_query_tokens += len;
         counters_.prefix_hit_tokens += s->num_computed;
         auto fresh = pool_->Allocate(need);
@@ -528,7 +573,7 @@ bool Engine::StepBatch() {
             continue;
         }
         s->num_computed += n;
-        if (s->num_output == 0) counters_.prompt_tokens += n;
+        if (s->NoOutputHere()) counters_.prompt_tokens += n;
         CommitFullBlocks(s);
         if (!chunks[k].want_logits) continue;
         const float* row = &logits_[size_t(li++) * model_->config().vocab_size];

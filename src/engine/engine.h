@@ -118,6 +118,11 @@ struct Request {
     // Its blocks are never put in the prefix cache (inputs from a source outside the
     // deployment, e.g. embeddings an unauthenticated peer sent: they serve this request alone).
     bool no_cache = false;
+    // A stream migrated from a worker that died (router/driver.h): the output tokens it had
+    // already sent. They follow the prompt and count as output (max_tokens, usage); the sampler
+    // skips their draws and the text state takes their bytes as already sent, so the rest
+    // continues exactly as the first worker would have gone on. Not with kv_transfer.
+    std::vector<int32_t> continued;
 };
 
 struct EngineStats {
@@ -206,6 +211,8 @@ class Engine {
     // output never finds the request still counted as running in Stats().
     void DeliverFinals();
     void ProcessToken(Sequence* s, const model::SampledToken& tok, RequestOutput* out);
+    // InvalidArgument for continued tokens the request cannot go on from (Request::continued).
+    Status CheckContinued(const Request& request) const;
     void CommitFullBlocks(Sequence* s);
     void PublishStats();
 

@@ -331,6 +331,60 @@ TEST_F(EngineTest, SeededSamplingIsReproducible) {
     EXPECT_NE(a["a"].tokens, c["c"].tokens);
 }
 
+// A stream continued from output produced elsewhere (a migrated stream, Request::continued)
+// goes on exactly as the uninterrupted run: the same tokens and text after the cut, greedy and
+// seeded, with the usage of the whole request; continued tokens that already end the request or
+// leave nothing of max_tokens are refused.
+TEST_F(EngineTest, AContinuedStreamGoesOnAsTheUninterruptedRun) {
+    auto e = Make(Config());
+    model::SamplingParams seeded;
+    seeded.temperature = 0.9f;
+    seeded.top_k = 40;
+    seeded.ignore_eos = true;
+    seeded.seed = 77;
+    for (const model::SamplingParams& sp : {Greedy(), seeded}) {
+        SCOPED_TRACE(sp.seed ? "seeded" : "greedy");
+        const Collected whole = Run(e.get(), {{"whole", Prompt(40, 9)}}, 24, sp)["whole"];
+        ASSERT_EQ(whole.tokens.size(), 24u);
+        for (size_t cut : {1u, 7u, 23u}) {
+            auto fresh = Make(Config());  // no prefix cache from the whole run
+            Collected rest;
+            Request r;
+            r.id = "rest";
+            r.prompt = Prompt(40, 9);
+            r.sampling = sp;
+            r.sampling.max_tokens = 24;
+            r.continued.assign(whole.tokens.begin(), whole.tokens.begin() + cut);
+            r.on_output = [&rest](const RequestOutput& o) { Add(&rest, o); };
+            FERRY_ASSERT_OK(fresh->Submit(std::move(r)));
+            fresh->RunUntilIdle();
+            EXPECT_EQ(rest.tokens,
+                      std::vector<int32_t>(whole.tokens.begin() + cut, whole.tokens.end()))
+                << "cut " << cut;
+            // What the first worker held back (part of a character) comes from this one.
+            ASSERT_LE(rest.text.size(), whole.text.size());
+            EXPECT_EQ(whole.text.substr(whole.text.size() - rest.text.size()), rest.text);
+            EXPECT_EQ(rest.prompt_tokens, 40);
+            EXPECT_EQ(rest.completion_tokens, 24);
+            EXPECT_EQ(rest.finish, FinishReason::kLength);
+        }
+    }
+    Request bad;
+    bad.id = "bad";
+    bad.prompt = Prompt(10, 1);
+    bad.sampling = Greedy();
+    bad.sampling.max_tokens = 3;
+    bad.on_output = [](const RequestOutput&) {};
+    bad.continued = {1, 2, 3};
+    EXPECT_THAT(e->Submit(bad), StatusHas(Code::kInvalidArgument, "nothing of max_tokens"));
+    bad.continued = {1, 2};
+    bad.sampling.stop_token_ids = {2};
+    EXPECT_THAT(e->Submit(bad), StatusHas(Code::kInvalidArgument, "already end"));
+    bad.sampling.stop_token_ids.clear();
+    bad.continued = {1, 9999};
+    EXPECT_THAT(e->Submit(bad), StatusHas(Code::kInvalidArgument, "outside the vocabulary"));
+}
+
 TEST_F(EngineTest, SubmitRefusesBadRequests) {
     auto e = Make(Config());
     auto make = [&](std::vector<int32_t> prompt, int max_tokens) {

@@ -41,11 +41,37 @@ struct Driver::Flow {
     bool prefill_routed = false;  // false: skipped, the decode worker prefills itself
     http::Endpoint prefill_ep, decode_ep;
     int attempt = 0;  // push: 1 once retried after refreshing the prefill worker's agent
+    // What routing needs again on a retry.
+    std::vector<BlockHash> block_hashes;
+    // Failures and retries: the workers that failed this request (not tried for it again), the
+    // tries made per stage, and the calls' generation (a callback of an earlier one is stale).
+    std::vector<size_t> failed_prefill, failed_decode;
+    int prefill_tries = 1, decode_tries = 1;
+    int gen = 0;
+    bool fallback = false;  // no prefill worker left: the decode worker prefills
+    Json decode_body;       // what the decode worker was last sent (a retry sends it again)
+    // Streamed with migration: the decode worker's events relayed whole, one by one, and the
+    // ids of the tokens they carried (vLLM's return_token_ids, asked for by the driver and
+    // taken out again unless the client asked too).
+    bool track_ids = false;
+    bool client_wants_ids = false;
+    std::vector<int32_t> generated;
+    std::string sse;  // an incomplete event
     // Relay state.
     int status = 0;
     std::string content_type = "application/json";
     std::string collected;
     bool started = false;
+
+    bool Current(int g) {
+        std::lock_guard lock(mu);
+        return g == gen && !cancelled;
+    }
+    RouteRequest Retry(Role role) const {
+        RouteRequest rr{request_id, prompt_tokens, block_hashes};
+        rr.avoid = role == Role::kPrefill ? failed_prefill : failed_decode;
+        return rr;
+    }
 
     void Add(std::shared_ptr<http::ClientCall> c) {
         if (!c) return;
@@ -74,9 +100,39 @@ struct Driver::Flow {
             cs.swap(calls);
             status = 0;
             collected.clear();
+            sse.clear();
             content_type = "application/json";
         }
         for (auto& c : cs) c->Cancel();
+    }
+    // Relays one whole event of the decode worker's stream (mu held): the ids of its tokens
+    // recorded, and taken out unless the client asked for them.
+    void RelayEvent(std::string_view event) {
+        constexpr std::string_view kData = "data: ";
+        if (event.substr(0, kData.size()) != kData || event.substr(kData.size()) == "[DONE]") {
+            ex->Write(std::string(event) + "\n\n");
+            return;
+        }
+        Json j = Json::parse(event.substr(kData.size()), nullptr, false);
+        if (!j.is_object() || !j.contains("choices") || !j["choices"].is_array()) {
+            ex->Write(std::string(event) + "\n\n");
+            return;
+        }
+        for (Json& c : j["choices"]) {
+            if (!c.is_object()) continue;
+            auto ids = c.find("token_ids");
+            if (ids != c.end() && ids->is_array()) {
+                for (const Json& t : *ids) {
+                    if (t.is_number_integer()) generated.push_back(t.get<int32_t>());
+                }
+            }
+            if (!client_wants_ids) {
+                c.erase("token_ids");
+                c.erase("prompt_token_ids");
+            }
+        }
+        if (!client_wants_ids) j.erase("prompt_token_ids");
+        ex->Write(std::string(kData) + DumpJson(j) + "\n\n");
     }
     // The first answer wins; later ones are dropped.
     bool Claim() {
@@ -112,6 +168,10 @@ DriverStats Driver::Stats() const {
                   encoded_.load(),     encode_failed_.load()};
     s.encoders_quarantined = encoders_out_->size();
     s.timeouts = timeouts_.load() + encode_->timeouts();
+    s.prefill_retried = prefill_retried_.load();
+    s.prefill_fallback = prefill_fallback_.load();
+    s.decode_retried = decode_retried_.load();
+    s.migrated = migrated_.load();
     return s;
 }
 
@@ -143,47 +203,60 @@ void Driver::Fail(const std::shared_ptr<Flow>& f, int status, const std::string&
     f->ex->Reply(ErrorReply(status, message, f->request_id));
 }
 
-void Driver::WorkerFailed(const std::shared_ptr<Flow>& f, Role role, const http::Endpoint& ep,
-                          const Status& st) {
-    const bool decode = role == Role::kDecode;
-    f->End(decode ? &Flow::decode : &Flow::prefill, Outcome::kWorkerFailed);
-    const CallFailure failure = FailureOf(decode ? "decode" : "prefill", ep, st);
-    if (failure.timed_out) {
-        ++timeouts_;
-        router_->ReportTimedOut(role, decode ? f->decode.worker() : f->prefill_worker);
-    }
-    Fail(f, failure.status, failure.message);
-}
-
 // Sends the request to the decode worker and relays its answer to the client.
 void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
     const http::Endpoint ep = f->decode_ep;
     auto self = shared_from_this();
-    http::ClientCallbacks cb;
-    cb.on_head = [f](const http::ClientHead& h) {
+    int gen;
+    {
         std::lock_guard lock(f->mu);
+        gen = f->gen;
+        f->decode_body = body;
+        f->status = 0;
+        f->collected.clear();
+        f->sse.clear();
+    }
+    if (f->track_ids) body["return_token_ids"] = true;
+    http::ClientCallbacks cb;
+    cb.on_head = [f, gen](const http::ClientHead& h) {
+        std::lock_guard lock(f->mu);
+        if (gen != f->gen) return;
         f->status = h.status;
         if (const std::string* ct = http::FindHeader(h.headers, "content-type")) {
             f->content_type = *ct;
         }
-        if (f->stream && h.status == 200) {
+        if (f->stream && h.status == 200 && !f->started) {
             f->started = true;
             f->ex->StartStream(h.status, f->content_type,
                                {{"Cache-Control", "no-cache"}, {"X-Request-Id", f->request_id}});
         }
     };
-    cb.on_data = [f](std::string_view d) {
+    cb.on_data = [f, gen](std::string_view d) {
         std::lock_guard lock(f->mu);
-        if (f->started) {
-            f->ex->Write(std::string(d));
+        if (gen != f->gen) return;
+        if (f->started && f->status == 200) {
+            if (!f->track_ids) {
+                f->ex->Write(std::string(d));
+                return;
+            }
+            // Whole events only: one cut off by the worker's death is never half sent.
+            f->sse.append(d);
+            size_t from = 0, end;
+            while ((end = f->sse.find("\n\n", from)) != std::string::npos) {
+                f->RelayEvent(std::string_view(f->sse).substr(from, end - from));
+                from = end + 2;
+            }
+            f->sse.erase(0, from);
+            if (f->sse.size() > (64u << 20)) f->sse.clear();  // no event is this large
         } else if (f->collected.size() < (64u << 20)) {
             f->collected.append(d);
         }
     };
-    cb.on_done = [self, f, ep](const Status& st) {
+    cb.on_done = [self, f, ep, gen](const Status& st) {
+        if (!f->Current(gen)) return;
         if (!st.ok()) {
             if (st.code() == Code::kCancelled) return;
-            return self->WorkerFailed(f, Role::kDecode, ep, st);
+            return self->DecodeFailed(f, ep, st);
         }
         bool retry = false;
         {
@@ -192,9 +265,12 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
             // (503): that agent may have moved (router/worker_call.h). Claimed under the lock,
             // so one callback retries.
             retry = self->config_.protocol == Protocol::kPush && f->prefill_routed &&
-                    f->attempt == 0 && f->status == 503 && !f->started && !f->cancelled &&
-                    !f->answered;
-            if (retry) f->attempt = 1;
+                    !f->fallback && f->attempt == 0 && f->status == 503 && !f->started &&
+                    !f->cancelled && !f->answered;
+            if (retry) {
+                f->attempt = 1;
+                ++f->gen;
+            }
         }
         if (retry && ReplanAfterUnreachableAgent(*self->router_, f->prefill_worker, 0,
                                                  UnavailableError("decode worker: 503"))) {
@@ -219,7 +295,12 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
         }
         f->End(&Flow::decode, OutcomeOfStatus(status));
         self->Finish(f, status == 200);
-        if (started) {
+        if (started && status != 200) {
+            // A migrated stream's new decode worker refused it: the client's stream ends with
+            // the error.
+            f->ex->Write(ErrorEvent(status, {collected.substr(0, 512)}, f->request_id));
+            f->ex->End();
+        } else if (started) {
             f->ex->End();
         } else {
             f->ex->Reply({status,
@@ -233,29 +314,169 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
                          std::move(cb)));
 }
 
+bool Driver::Reroute(const std::shared_ptr<Flow>& f, Role role) {
+    const bool prefill = role == Role::kPrefill;
+    RouteRequest rr;
+    int tries;
+    {
+        std::lock_guard lock(f->mu);
+        rr = f->Retry(role);
+        tries = prefill ? f->prefill_tries : f->decode_tries;
+    }
+    if (tries >= config_.max_attempts) return false;
+    Result<Ticket> t = router_->Route(role, rr);
+    if (!t.ok()) return false;
+    std::lock_guard lock(f->mu);
+    if (prefill) {
+        ++f->prefill_tries;
+        f->prefill_worker = t->worker();
+        f->prefill_ep = t->endpoint();
+        f->prefill = std::move(*t);
+    } else {
+        ++f->decode_tries;
+        f->decode_ep = t->endpoint();
+        f->decode = std::move(*t);
+    }
+    return true;
+}
+
+void Driver::DecodeFailed(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
+                          const Status& st) {
+    const CallFailure failure = FailureOf("decode", ep, st);
+    bool started;
+    size_t worker;
+    {
+        std::lock_guard lock(f->mu);
+        if (f->answered || f->cancelled) return;
+        ++f->gen;  // this attempt's callbacks are stale from here on
+        started = f->started;
+        worker = f->decode.worker();
+        f->failed_decode.push_back(worker);
+        f->decode.End(Outcome::kWorkerFailed);
+    }
+    if (failure.timed_out) ++timeouts_;
+    // Unreachable, cut off or past its deadline: no new request until it answers again.
+    router_->ReportTimedOut(Role::kDecode, worker);
+    if (!Reroute(f, Role::kDecode)) return Fail(f, failure.status, failure.message);
+    const http::Endpoint to = f->decode_ep;
+    if (started) {
+        // Mid-stream: the prompt and what was streamed go to another decode worker, which
+        // computes their KV and goes on; the client's stream continues with its next token.
+        Json body;
+        size_t sent;
+        {
+            std::lock_guard lock(f->mu);
+            body = f->body;
+            sent = f->generated.size();
+            if (sent > 0) body["ferry_continue"] = {{"token_ids", f->generated}};
+            f->status = 0;
+        }
+        ++migrated_;
+        FERRY_LOG(kWarn, "proxy: request {}: {}; migrating its stream after {} tokens to {}",
+                  f->request_id, failure.message, sent, FormatHostPort(to.host, to.port));
+        return Decode(f, std::move(body));
+    }
+    ++decode_retried_;
+    FERRY_LOG(kWarn, "proxy: request {}: {}; sending it to decode worker {}", f->request_id,
+              failure.message, FormatHostPort(to.host, to.port));
+    if (config_.protocol == Protocol::kPush && f->prefill_routed && !f->fallback) {
+        // The prefill worker wrote into the lost decoder's blocks: the hand-off again, both.
+        f->CancelAttempt();
+        return Push(f);
+    }
+    // pull: the prefill worker holds the KV until it is read or its lease ends; the same
+    // kv_transfer_params again (the client's body where no prefill worker was asked).
+    Json body;
+    {
+        std::lock_guard lock(f->mu);
+        body = f->decode_body;
+    }
+    Decode(f, std::move(body));
+}
+
+void Driver::PrefillFailed(const std::shared_ptr<Flow>& f, const http::Endpoint& ep,
+                           const Status& st, std::optional<http::ClientReply> reply) {
+    CallFailure failure = FailureOf("prefill", ep, st);
+    if (st.message().rfind("prefill worker ", 0) == 0) failure.message = st.message();  // named
+    const bool push = config_.protocol == Protocol::kPush;
+    size_t worker;
+    {
+        std::lock_guard lock(f->mu);
+        if (f->answered || f->cancelled) return;
+        worker = f->prefill_worker;
+        f->failed_prefill.push_back(worker);
+        f->prefill.End(Outcome::kWorkerFailed);
+        // push: a decode worker that answered has its KV (or fails on its own): it decides.
+        if (push && f->status != 0) return;
+        ++f->gen;
+    }
+    if (!reply) {
+        if (failure.timed_out) ++timeouts_;
+        router_->ReportTimedOut(Role::kPrefill, worker);
+    }
+    const std::string why = reply ? fmt::format("prefill worker {} answered {}",
+                                                FormatHostPort(ep.host, ep.port), reply->status)
+                                  : failure.message;
+    if (push) f->CancelAttempt();  // the decode worker waits for KV that will not come
+    if (Reroute(f, Role::kPrefill)) {
+        ++prefill_retried_;
+        FERRY_LOG(kWarn, "proxy: request {}: {}; prefilling it on {}", f->request_id, why,
+                  FormatHostPort(f->prefill_ep.host, f->prefill_ep.port));
+        return push ? Push(f) : Pull(f);
+    }
+    if (config_.prefill_fallback) {
+        ++prefill_fallback_;
+        {
+            std::lock_guard lock(f->mu);
+            f->fallback = true;
+        }
+        FERRY_LOG(kWarn,
+                  "proxy: request {}: {}; no prefill worker left to try: the decode worker "
+                  "prefills it",
+                  f->request_id, why);
+        return Decode(f, f->body);
+    }
+    if (!reply) return Fail(f, failure.status, failure.message);
+    if (!f->Claim()) return;
+    f->CancelAll();
+    Finish(f, false);
+    f->ex->Reply({reply->status,
+                  "application/json",
+                  std::move(reply->body),
+                  {{"X-Request-Id", f->request_id}}});
+}
+
 void Driver::Prefill(const std::shared_ptr<Flow>& f, const Json& body,
                      std::function<void(http::ClientReply)> on_ok) {
     const http::Endpoint ep = f->prefill_ep;
     auto self = shared_from_this();
-    f->Add(client_->CallWhole(WorkerRequest(ep, f->path, body, f->request_id, config_.router_token,
-                                            config_.prefill_timeout),
-                              [self, f, ep, on_ok = std::move(on_ok)](Result<http::ClientReply> r) {
-                                  if (!r.ok()) {
-                                      if (r.status().code() == Code::kCancelled) return;
-                                      return self->WorkerFailed(f, Role::kPrefill, ep, r.status());
-                                  }
-                                  f->End(&Flow::prefill, OutcomeOfStatus(r->status));
-                                  if (r->status == 200) return on_ok(std::move(*r));
-                                  // push: the decode worker would wait for KV that never comes:
-                                  // stop it too.
-                                  if (!f->Claim()) return;
-                                  f->CancelAll();
-                                  self->Finish(f, false);
-                                  f->ex->Reply({r->status,
-                                                "application/json",
-                                                std::move(r->body),
-                                                {{"X-Request-Id", f->request_id}}});
-                              }));
+    int gen;
+    {
+        std::lock_guard lock(f->mu);
+        gen = f->gen;
+    }
+    f->Add(client_->CallWhole(
+        WorkerRequest(ep, f->path, body, f->request_id, config_.router_token,
+                      config_.prefill_timeout),
+        [self, f, ep, gen, on_ok = std::move(on_ok)](Result<http::ClientReply> r) {
+            if (!f->Current(gen)) return;
+            if (!r.ok()) {
+                if (r.status().code() == Code::kCancelled) return;
+                return self->PrefillFailed(f, ep, r.status(), std::nullopt);
+            }
+            if (r->status >= 500) return self->PrefillFailed(f, ep, Status::Ok(), std::move(*r));
+            f->End(&Flow::prefill, OutcomeOfStatus(r->status));
+            if (r->status == 200) return on_ok(std::move(*r));
+            // A refusal (4xx) is the request's: relayed as it came. push: the decode worker
+            // would wait for KV that never comes: stop it too.
+            if (!f->Claim()) return;
+            f->CancelAll();
+            self->Finish(f, false);
+            f->ex->Reply({r->status,
+                          "application/json",
+                          std::move(r->body),
+                          {{"X-Request-Id", f->request_id}}});
+        }));
 }
 
 void Driver::Pull(const std::shared_ptr<Flow>& f) {
@@ -279,15 +500,17 @@ void Driver::Pull(const std::shared_ptr<Flow>& f) {
 
 void Driver::Push(const std::shared_ptr<Flow>& f) {
     auto self = shared_from_this();
-    auto planned = [self, f](Result<PushPlan> plan) {
+    int gen;
+    {
+        std::lock_guard lock(f->mu);
+        gen = f->gen;
+    }
+    auto planned = [self, f, gen](Result<PushPlan> plan) {
+        if (!f->Current(gen)) return;
         if (!plan.ok()) {
             if (plan.status().code() == Code::kCancelled) return;
-            f->End(&Flow::prefill, Outcome::kWorkerFailed);
-            if (plan.status().code() == Code::kDeadlineExceeded) {
-                ++self->timeouts_;
-                self->router_->ReportTimedOut(Role::kPrefill, f->prefill_worker);
-            }
-            return self->Fail(f, 502, plan.status().message());
+            // Its agent could not be found: the prefill worker failed this request.
+            return self->PrefillFailed(f, f->prefill_ep, plan.status(), std::nullopt);
         }
         Json pb = PrefillBody(f->body);
         pb["kv_transfer_params"] = std::move(plan->prefill_params);
@@ -390,11 +613,21 @@ void Driver::Handle(const std::shared_ptr<http::Exchange>& ex, const std::string
             block_hashes = router_->PromptBlockHashes(tokens);
         }
     }
+    // Streamed with retries: relayed event by event with the tokens' ids, so that a decode
+    // worker lost mid-stream can be replaced by another that goes on from them.
+    f->client_wants_ids = body.contains("return_token_ids") &&
+                          body["return_token_ids"].is_boolean() &&
+                          body["return_token_ids"].get<bool>();
+    f->track_ids = f->stream && config_.max_attempts > 1;
+    if (body.contains("ferry_continue")) {
+        return ex->Reply(ErrorReply(400, "ferry_continue is the proxy's to set, not the client's"));
+    }
     f->body = std::move(body);
     // One id through every worker: the client's X-Request-Id if it gave a valid one, else 128
     // random bits; the workers name their requests "cmpl-" + it.
     f->request_id = RequestIdOr(ex->request().Find("X-Request-Id"));
-    const RouteRequest rr{f->request_id, f->prompt_tokens, block_hashes};
+    f->block_hashes = std::move(block_hashes);
+    const RouteRequest rr{f->request_id, f->prompt_tokens, f->block_hashes};
     // The decode worker first: if its cache holds (nearly) the whole prompt, no prefill worker.
     Result<Ticket> d = router_->Route(Role::kDecode, rr);
     if (!d.ok()) return ex->Reply(ErrorReply(503, d.status().message(), f->request_id));

@@ -39,7 +39,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "http/http.h"
 #include "router/protocol.h"
@@ -80,6 +82,17 @@ struct DriverConfig {
     std::vector<http::Endpoint> encode = {};
     // More encode workers, found in the discovery store (Membership); null: none.
     std::shared_ptr<const EncoderSet> store_encoders = {};
+    // Tries per stage of one request (1: none again). A prefill worker that fails (unreachable,
+    // cut off, past its deadline, a 5xx answer) has the request prefilled by another; a decode
+    // worker lost before the client saw a byte has it sent to another with the same KV source
+    // (push: the hand-off planned again), and one lost mid-stream has it migrated: another
+    // decode worker gets the prompt and the tokens already streamed (ferry_continue) and the
+    // client's stream goes on. A worker that failed a request is not tried for it again and
+    // gets no new request until it answers (Router::ReportTimedOut).
+    int max_attempts = 3;
+    // With no prefill worker left to try, the decode worker prefills the prompt itself (as the
+    // P/D decision does for a cached prompt) instead of the request failing.
+    bool prefill_fallback = true;
 };
 
 struct DriverStats {
@@ -89,6 +102,10 @@ struct DriverStats {
     uint64_t encode_failed = 0;         // ... that failed there (the workers encoded themselves)
     uint64_t encoders_quarantined = 0;  // encode workers out of rotation now (timed out)
     uint64_t timeouts = 0;              // worker calls that ran past their deadline
+    uint64_t prefill_retried = 0;       // prefills sent to another worker after a failure
+    uint64_t prefill_fallback = 0;      // ... or, with none left, prefilled by the decode worker
+    uint64_t decode_retried = 0;        // requests sent to another decode worker before a byte
+    uint64_t migrated = 0;              // streams migrated to another decode worker
 };
 
 class Driver : public std::enable_shared_from_this<Driver> {
@@ -110,10 +127,15 @@ class Driver : public std::enable_shared_from_this<Driver> {
 
     void Finish(const std::shared_ptr<Flow>& f, bool ok);
     void Fail(const std::shared_ptr<Flow>& f, int status, const std::string& message);
-    // A call to the flow's `role` worker failed before it answered (not cancelled): its ticket
-    // ends as the worker's failure, a deadline reports it timed out, the client gets 504 or 502.
-    void WorkerFailed(const std::shared_ptr<Flow>& f, Role role, const http::Endpoint& ep,
-                      const Status& st);
+    // The prefill worker failed this request (`st`: the call; or it answered `reply`, a 5xx):
+    // another prefill worker, else the decode worker alone (prefill_fallback), else the failure.
+    void PrefillFailed(const std::shared_ptr<Flow>& f, const http::Endpoint& ep, const Status& st,
+                       std::optional<http::ClientReply> reply);
+    // The decode worker's call failed before it answered whole: another decode worker (from
+    // the same KV source before the client saw a byte, migrated after), else the failure.
+    void DecodeFailed(const std::shared_ptr<Flow>& f, const http::Endpoint& ep, const Status& st);
+    // Routes the flow's `role` anew, avoiding the workers that failed it; false when none is left.
+    bool Reroute(const std::shared_ptr<Flow>& f, Role role);
     void Decode(const std::shared_ptr<Flow>& f, nlohmann::json body);
     // Sends `body` to the prefill worker. A transport failure fails the request (502, 504 on a
     // deadline) and an answer other than 200 is relayed to the client as it came; `on_ok` gets
@@ -135,7 +157,8 @@ class Driver : public std::enable_shared_from_this<Driver> {
     std::unique_ptr<Quarantine> encoders_out_;  // encode workers that timed out
     std::unique_ptr<EncodeStep> encode_;
     std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0},
-        prefill_skipped_{0}, encoded_{0}, encode_failed_{0}, timeouts_{0};
+        prefill_skipped_{0}, encoded_{0}, encode_failed_{0}, timeouts_{0}, prefill_retried_{0},
+        prefill_fallback_{0}, decode_retried_{0}, migrated_{0};
 };
 
 }  // namespace ferry::router

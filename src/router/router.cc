@@ -183,22 +183,21 @@ struct Ticket::State {
     }
 
     // The workers a policy may pick from (RoutingPolicy::Pick); empty without members.
-    std::vector<size_t> Candidates(int r) const {
+    // The routable workers, else the members that answer, else every member; never one of
+    // `avoid` (those that failed this request already).
+    std::vector<size_t> Candidates(int r, std::span<const size_t> avoid) const {
         std::vector<size_t> c;
         const auto& ws = workers[r];
-        for (size_t i = 0; i < ws.size(); ++i) {
-            if (ws[i].Routable()) c.push_back(i);
-        }
-        if (c.empty()) {
+        auto take = [&](auto&& eligible) {
             for (size_t i = 0; i < ws.size(); ++i) {
-                if (ws[i].member && ws[i].answering) c.push_back(i);
+                if (eligible(ws[i]) && std::find(avoid.begin(), avoid.end(), i) == avoid.end()) {
+                    c.push_back(i);
+                }
             }
-        }
-        if (c.empty()) {
-            for (size_t i = 0; i < ws.size(); ++i) {
-                if (ws[i].member) c.push_back(i);
-            }
-        }
+        };
+        take([](const WorkerState& w) { return w.Routable(); });
+        if (c.empty()) take([](const WorkerState& w) { return w.member && w.answering; });
+        if (c.empty()) take([](const WorkerState& w) { return w.member; });
         return c;
     }
 
@@ -373,9 +372,10 @@ Result<Ticket> Router::Route(Role role, const RouteRequest& request) {
     const int r = Ticket::State::Index(role);
     auto& ws = state_->workers[r];
     state_->RefreshHealth(r, Clock::now());
-    const std::vector<size_t> candidates = state_->Candidates(r);
+    const std::vector<size_t> candidates = state_->Candidates(r, request.avoid);
     if (candidates.empty()) {
-        return UnavailableError(fmt::format("router: no {} worker", RoleName(role)));
+        return UnavailableError(fmt::format("router: no {} worker{}", RoleName(role),
+                                            request.avoid.empty() ? "" : " left to try"));
     }
     for (size_t i : candidates) {
         WorkerState& c = ws[i];

@@ -102,6 +102,8 @@ struct RouteRequest {
     size_t prompt_tokens = 0;  // 0: not known (no token ids and no tokenizer)
     // Its prompt's full blocks' hashes (core/block_hash.h), when its tokens are known.
     std::span<const BlockHash> block_hashes{};
+    // Workers not to pick (a retry: those that failed this request already).
+    std::span<const size_t> avoid{};
 };
 
 // Picks a worker of one role for a request. Called with the router's lock held (never

@@ -428,7 +428,8 @@ struct DriverHarness {
     std::shared_ptr<Driver> driver;
     std::unique_ptr<http::Server> front;
 
-    explicit DriverHarness(Protocol protocol, RouterConfig rc = {})
+    explicit DriverHarness(Protocol protocol, RouterConfig rc = {},
+                           std::function<void(DriverConfig*)> tweak = nullptr)
         : router(std::make_shared<Router>(std::move(rc))) {
         router->AddWorker(Role::kPrefill, prefill.ep());
         router->AddWorker(Role::kDecode, decode.ep());
@@ -436,6 +437,7 @@ struct DriverHarness {
         dc.protocol = protocol;
         dc.worker_timeout = dc.prefill_timeout = std::chrono::seconds(10);
         dc.router_token = "tok";
+        if (tweak) tweak(&dc);
         driver = Driver::Create(std::move(dc), router, client.get());
         http::ServerConfig c;
         c.name = "front";
@@ -555,7 +557,7 @@ TEST(RouterDriver, PushAsksTheAgentOnceAndSendsBothWorkersOneTransferId) {
 }
 
 TEST(RouterDriver, AFailingDecoderCountsAgainstItAndNotThePrefillWorker) {
-    DriverHarness h(Protocol::kPull);
+    DriverHarness h(Protocol::kPull, {}, [](DriverConfig* c) { c->prefill_fallback = false; });
     h.decode.status = 500;
     h.decode.answer = {{"error", {{"message", "boom"}}}};
     Result<http::ClientReply> got = h.Post({{"prompt", "hi"}}, "req-9");
@@ -579,6 +581,28 @@ TEST(RouterDriver, AFailingDecoderCountsAgainstItAndNotThePrefillWorker) {
     got = h.Post({{"prompt", "hi"}, {"kv_transfer_params", {{"do_remote_prefill", true}}}});
     ASSERT_TRUE(got.ok());
     EXPECT_EQ(got->status, 400);
+}
+
+// With its only prefill worker unreachable, the request goes to the decode worker as the client
+// sent it (no kv_transfer_params): it prefills it itself (DriverConfig::prefill_fallback).
+TEST(RouterDriver, WithNoPrefillWorkerLeftTheDecodeWorkerPrefills) {
+    for (Protocol protocol : {Protocol::kPull, Protocol::kPush}) {
+        SCOPED_TRACE(ProtocolName(protocol));
+        DriverHarness h(protocol);
+        h.decode.answer = {{"choices", Json::array()}};
+        h.prefill.server->Stop();
+        Result<http::ClientReply> got = h.Post({{"prompt", "hi"}, {"max_tokens", 5}}, "req-f");
+        ASSERT_TRUE(got.ok());
+        EXPECT_EQ(got->status, 200) << got->body;
+        const std::vector<http::Request> seen = h.decode.Got();
+        ASSERT_EQ(seen.size(), 1u);
+        const Json body = Json::parse(seen[0].body);
+        EXPECT_FALSE(body.contains("kv_transfer_params")) << body.dump();
+        EXPECT_EQ(body["max_tokens"], 5);
+        EXPECT_EQ(h.driver->Stats().prefill_fallback, 1u);
+        EXPECT_EQ(h.router->Workers(Role::kPrefill)[0].failed, 1u);
+        h.ExpectNothingInFlight();
+    }
 }
 
 TEST(RouterDriver, AnAgentInTheDirectoryIsUsedWithoutAskingTheWorker) {

@@ -101,6 +101,16 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     // another id below (moving its images out here once made that retry run without them).
     er.mm = pr.mm;
     er.no_cache = pr.no_cache;
+    er.continued = pr.continued;
+    if (!pr.continued.empty()) {
+        // The first worker sent the role chunk and the text of these tokens.
+        pending->sent_role = true;
+        for (int32_t t : pr.continued) pending->text_offset += tk.TokenBytes(t).size();
+    }
+    // vLLM's return_token_ids: the prompt's ids once (streamed: in the first chunk).
+    auto prompt_ids = pr.return_token_ids
+                          ? std::make_shared<std::optional<std::vector<int32_t>>>(pr.prompt)
+                          : nullptr;
     // A request whose KV comes from elsewhere can fail before its first token for reasons
     // with their own status (a refused claim 409, an unreachable peer 503): its stream starts
     // with the first output, so that such an error is an HTTP status, not a 200 with an error
@@ -109,8 +119,8 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
     // Runs on the engine's step thread: formats and hands bytes to the connection, never waits.
     er.on_output = [this, weak, pending, submitted, last, first, stream, chat, id, base, object,
                     created_at, chunk_object, want_logprobs = pr.want_logprobs,
-                    include_usage = pr.include_usage, usage_json, logprobs_json, sse, chunk,
-                    retry](const engine::RequestOutput& o) {
+                    include_usage = pr.include_usage, usage_json, logprobs_json, sse, chunk, retry,
+                    prompt_ids](const engine::RequestOutput& o) {
         Clock::time_point now = Clock::now();
         {
             std::lock_guard lock(metrics.mu);
@@ -176,12 +186,17 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
                 choice["text"] = all.text;
             }
             choice["logprobs"] = want_logprobs ? logprobs_json(all, &offset) : Json();
+            if (prompt_ids) {
+                choice["token_ids"] = all.tokens;
+                if (!chat) choice["prompt_token_ids"] = **prompt_ids;
+            }
             Json out = {{"id", id},
                         {"object", object},
                         {"created", created_at},
                         {"model", model_name},
                         {"choices", Json::array({choice})},
                         {"usage", usage_json(all)}};
+            if (prompt_ids && chat) out["prompt_token_ids"] = **prompt_ids;
             if (o.kv_transfer) {
                 out["kv_transfer_params"] = o.kv_transfer->ToJson();
             }
@@ -208,7 +223,17 @@ std::string OpenAiServer::Impl::Dispatch(const std::shared_ptr<http::Exchange>& 
         }
         c["logprobs"] = want_logprobs ? logprobs_json(o, &pending->text_offset) : Json();
         c["finish_reason"] = final ? Json(engine::FinishReasonName(o.finish)) : Json();
-        bytes += sse(chunk(c));
+        Json ch = chunk(c);
+        if (prompt_ids) {
+            Json& choice = ch["choices"][0];
+            choice["token_ids"] = o.tokens;
+            if (*prompt_ids) {
+                // vLLM's placement: on the completion choice, on the chat chunk.
+                (chat ? ch : choice)["prompt_token_ids"] = std::move(**prompt_ids);
+                prompt_ids->reset();
+            }
+        }
+        bytes += sse(ch);
         if (final && include_usage) {
             bytes += sse({{"id", id},
                           {"object", chunk_object},

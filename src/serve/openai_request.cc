@@ -194,6 +194,7 @@ void ParseRequest(const Json& body, bool chat, const tokenizer::Tokenizer& tk,
     }
     f->Bool("stream", &out->stream);
     f->Bool("return_tokens_as_token_ids", &out->tokens_as_ids);
+    f->Bool("return_token_ids", &out->return_token_ids);
     f->Bool("ignore_eos", &sp.ignore_eos);
     double penalty = 0;
     for (const char* k : {"presence_penalty", "frequency_penalty"}) {
@@ -329,6 +330,25 @@ bool ParseOpenAiRequest(std::string_view text, bool chat, const tokenizer::Token
     }
     for (const char* k : {"bootstrap_host", "bootstrap_port", "bootstrap_room"}) {
         if (fields.ok() && body.contains(k)) out->sglang_fields[k] = body[k];
+    }
+    if (fields.ok() && body.contains("ferry_continue") && !body["ferry_continue"].is_null()) {
+        const Json& c = body["ferry_continue"];
+        const Json* ids =
+            c.is_object() && c.size() == 1 && c.contains("token_ids") ? &c["token_ids"] : nullptr;
+        const bool good = ids && ids->is_array() && !ids->empty() &&
+                          ids->size() <= size_t(std::max(1, max_model_len)) &&
+                          std::all_of(ids->begin(), ids->end(), [&](const Json& t) {
+                              return t.is_number_integer() && t.get<int64_t>() >= 0 &&
+                                     t.get<int64_t>() < tk.vocab_size();
+                          });
+        if (!good) {
+            fields.Fail(
+                "'ferry_continue' must be {\"token_ids\": [...]}: 1 to max_model_len token ids of "
+                "the vocabulary, the output a migrated stream already sent",
+                "ferry_continue");
+        } else {
+            out->continued = ids->get<std::vector<int32_t>>();
+        }
     }
     if (!fields.ok()) {
         *error = fields.error();

@@ -35,6 +35,14 @@ struct ParsedRequest {
     bool want_logprobs = false;  // completions: logprobs >= 0; chat: logprobs true
     // vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:<id>".
     bool tokens_as_ids = false;
+    // vLLM's return_token_ids: each choice (each chunk's, streamed) carries the ids of its
+    // tokens ("token_ids"), and the answer the prompt's ("prompt_token_ids": completions on the
+    // choice, chat on the answer; streamed, in the first chunk).
+    bool return_token_ids = false;
+    // "ferry_continue": {"token_ids": [...]}: a stream the router migrates from a decode worker
+    // that died (router/driver.h) goes on after these output tokens (engine::Request::continued).
+    // Internal: honoured only from the router where there is a secret.
+    std::vector<int32_t> continued;
     // "kv_transfer_params": the object as the request gave it (null when absent or null). The
     // worker's KV connector reads it (its own format); the server keeps the result in
     // kv_transfer.

@@ -194,6 +194,12 @@ std::optional<http::Reply> OpenAiServer::Impl::TakeKvParams(const http::Exchange
 void OpenAiServer::Impl::Continue(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                   ParsedRequest pr) {
     if (auto refused = TakeKvParams(*ex, &pr)) return ex->Reply(*refused);
+    if (!pr.continued.empty()) {
+        // Internal, as kv_transfer_params: a migrated stream, from the router alone where
+        // there is a secret (a client would have its prompt counted as output).
+        std::string who;
+        if (auto refused = Authenticate(ex->request(), false, &who)) return ex->Reply(*refused);
+    }
     if (config.encode_only && (!chat || pr.images.empty())) {
         const std::string* x = ex->request().Find("X-Request-Id");
         return ex->Reply(Error(400,
@@ -233,7 +239,9 @@ void OpenAiServer::Impl::Continue(const std::shared_ptr<http::Exchange>& ex, boo
 
 void OpenAiServer::Impl::Route(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                ParsedRequest pr) {
-    if (remote_prefill->Take(ex, chat, pr)) return;
+    // A migrated stream computes its prompt and output so far here (nothing to prefill
+    // elsewhere: it needs the KV of its output too).
+    if (pr.continued.empty() && remote_prefill->Take(ex, chat, pr)) return;
     Dispatch(ex, chat, std::move(pr));
 }
 

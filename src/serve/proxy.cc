@@ -57,6 +57,18 @@ struct Proxy::Impl {
                   "Calls to workers that ran past their deadline (--prefill-timeout-ms, "
                   "--encode-timeout-ms, --worker-timeout-ms).",
                   double(s.timeouts));
+        w.Counter("ferry_proxy_prefill_retried_total",
+                  "Prefills sent to another prefill worker after one failed (--max-attempts).",
+                  double(s.prefill_retried));
+        w.Counter("ferry_proxy_prefill_fallback_total",
+                  "Requests prefilled by their decode worker: no prefill worker was left to try.",
+                  double(s.prefill_fallback));
+        w.Counter("ferry_proxy_decode_retried_total",
+                  "Requests sent to another decode worker after one was lost before a byte.",
+                  double(s.decode_retried));
+        w.Counter("ferry_proxy_streams_migrated_total",
+                  "Streams migrated to another decode worker after theirs was lost mid-stream.",
+                  double(s.migrated));
         w.Append(router->RenderMetrics());
         w.Append(membership->RenderMetrics());
         http::Server* srv = server_ready.load();

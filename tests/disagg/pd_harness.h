@@ -180,6 +180,59 @@ inline void ExpectSameTokens(const std::vector<Answer>& got, const std::vector<A
     }
 }
 
+// Streams a request through a proxy in the background; its outcome once done.
+class Background {
+  public:
+    Background(int port, Json body) : client_(http::Client::Create(1)) {
+        http::ClientCallbacks cb;
+        cb.on_head = [this](const http::ClientHead& h) {
+            std::lock_guard lock(mu_);
+            status_ = h.status;
+        };
+        cb.on_data = [this](std::string_view d) {
+            std::lock_guard lock(mu_);
+            body_.append(d);
+        };
+        cb.on_done = [this](const Status& st) {
+            std::lock_guard lock(mu_);
+            done_ = true;
+            error_ = st;
+            end_ = std::chrono::steady_clock::now();
+            cv_.notify_all();
+        };
+        call_ = client_->Call(Post(port, body), std::move(cb));
+    }
+    bool Wait(std::chrono::milliseconds limit) {
+        std::unique_lock lock(mu_);
+        return cv_.wait_for(lock, limit, [&] { return done_; });
+    }
+    void Cancel() { call_->Cancel(); }
+    int status() {
+        std::lock_guard lock(mu_);
+        return status_;
+    }
+    std::string body() {
+        std::lock_guard lock(mu_);
+        return body_;
+    }
+    std::chrono::steady_clock::time_point end() {
+        std::lock_guard lock(mu_);
+        return end_;
+    }
+
+  private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    int status_ = 0;
+    std::string body_;
+    bool done_ = false;
+    Status error_;
+    std::chrono::steady_clock::time_point end_;
+    std::shared_ptr<http::ClientCall> call_;
+    // Last: destroyed first, so its I/O thread is joined before the callbacks' state goes.
+    std::unique_ptr<http::Client> client_;
+};
+
 inline std::unique_ptr<ServerProcess> StartOrDie(std::vector<std::string> args,
                                                  std::string log_path = "") {
     auto p = ServerProcess::Start(FERRY_BIN, std::move(args), std::chrono::seconds(60),

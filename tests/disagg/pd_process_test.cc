@@ -40,17 +40,21 @@ struct Deployment {
 };
 
 Deployment Deploy(const std::vector<std::string>& prefill_args,
-                  const std::vector<std::string>& decode_args) {
+                  const std::vector<std::string>& decode_args,
+                  const std::vector<std::string>& proxy_args = {}) {
     Deployment d;
     d.prefill = StartOrDie(prefill_args);
     d.decode = StartOrDie(decode_args);
     if (!d.prefill || !d.decode) return d;
     std::string p = fmt::format("127.0.0.1:{}", d.prefill->port());
     std::string q = fmt::format("127.0.0.1:{}", d.decode->port());
-    d.proxy_pull =
-        StartOrDie({"proxy", "--prefill", p, "--decode", q, "--port", "0", "--no-store"});
-    d.proxy_push = StartOrDie({"proxy", "--prefill", p, "--decode", q, "--port", "0", "--no-store",
-                               "--kv-transfer", "push"});
+    std::vector<std::string> pull = {"proxy", "--prefill", p,   "--decode",
+                                     q,       "--port",    "0", "--no-store"};
+    pull.insert(pull.end(), proxy_args.begin(), proxy_args.end());
+    std::vector<std::string> push = pull;
+    push.insert(push.end(), {"--kv-transfer", "push"});
+    d.proxy_pull = StartOrDie(pull);
+    d.proxy_push = StartOrDie(push);
     return d;
 }
 
@@ -584,59 +588,6 @@ bool Eventually(const std::function<bool()>& pred,
     return testing::WaitUntil(pred, limit);
 }
 
-// Streams a request through a proxy in the background; its outcome once done.
-class Background {
-  public:
-    Background(int port, Json body) : client_(http::Client::Create(1)) {
-        http::ClientCallbacks cb;
-        cb.on_head = [this](const http::ClientHead& h) {
-            std::lock_guard lock(mu_);
-            status_ = h.status;
-        };
-        cb.on_data = [this](std::string_view d) {
-            std::lock_guard lock(mu_);
-            body_.append(d);
-        };
-        cb.on_done = [this](const Status& st) {
-            std::lock_guard lock(mu_);
-            done_ = true;
-            error_ = st;
-            end_ = std::chrono::steady_clock::now();
-            cv_.notify_all();
-        };
-        call_ = client_->Call(Post(port, body), std::move(cb));
-    }
-    bool Wait(std::chrono::milliseconds limit) {
-        std::unique_lock lock(mu_);
-        return cv_.wait_for(lock, limit, [&] { return done_; });
-    }
-    void Cancel() { call_->Cancel(); }
-    int status() {
-        std::lock_guard lock(mu_);
-        return status_;
-    }
-    std::string body() {
-        std::lock_guard lock(mu_);
-        return body_;
-    }
-    std::chrono::steady_clock::time_point end() {
-        std::lock_guard lock(mu_);
-        return end_;
-    }
-
-  private:
-    std::mutex mu_;
-    std::condition_variable cv_;
-    int status_ = 0;
-    std::string body_;
-    bool done_ = false;
-    Status error_;
-    std::chrono::steady_clock::time_point end_;
-    std::shared_ptr<http::ClientCall> call_;
-    // Last: destroyed first, so its I/O thread is joined before the callbacks' state goes.
-    std::unique_ptr<http::Client> client_;
-};
-
 // A complete answer: HTTP 200 and a stream that ended with [DONE] and no error event.
 bool Succeeded(Background& b) {
     std::string body = b.body();
@@ -647,10 +598,13 @@ bool Succeeded(Background& b) {
 class PdFailure : public PdProcess, public ::testing::WithParamInterface<std::string> {};
 
 // The prefill worker is SIGKILLed while the decode worker waits for its KV: the client gets an
-// error (never a 200 with tokens), within seconds, and the decoder's blocks come back.
+// error (never a 200 with tokens), within seconds, and the decoder's blocks come back. (With
+// the proxy's prefill fallback, on by default, the decode worker would prefill the request:
+// pd_failover_test.cc.)
 TEST_P(PdFailure, APrefillWorkerKilledMidTransferFailsTheRequestAndFreesTheBlocks) {
     const std::string mode = GetParam();
-    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1), WorkerArgs("decode", "shm", 1));
+    Deployment d = Deploy(WorkerArgs("prefill", "shm", 1), WorkerArgs("decode", "shm", 1),
+                          {"--no-prefill-fallback"});
     ASSERT_TRUE(d.proxy_pull && d.proxy_push);
     ServerProcess* proxy = mode == "push" ? d.proxy_push.get() : d.proxy_pull.get();
     // One request first, so the handshake is done and cached.
@@ -732,8 +686,8 @@ TEST_P(PdFailure, WithRecomputeAKilledPrefillWorkersRequestIsComputedOnTheDecode
     Json body = CompletionBody(RandomPrompt(700, 5), 20, mode == "push");
     std::unique_ptr<Background> b;
     if (mode == "push") {
-        // Straight to the decode worker, as a router sends its half (ferry proxy gives up on a
-        // request whose prefill call failed: the router's retries are the next slice).
+        // Straight to the decode worker, as a router sends its half (ferry proxy would have the
+        // request prefilled elsewhere instead: pd_failover_test.cc).
         auto agent = http::Fetch(http::GetRequest("127.0.0.1", d.prefill->port(), "/v1/kv/agent",
                                                   std::chrono::seconds(5)));
         ASSERT_TRUE(agent.ok() && agent->status == 200);

@@ -330,6 +330,26 @@ TEST_F(Trust, InternalFieldsAndRoutesAreTheRoutersOnly) {
             .status,
         200);
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    // A migrated stream's ferry_continue (its output tokens so far) is the router's too: a client
+    // would have its prompt counted as output. Malformed, it is named; the router's goes on
+    // exactly where the colocated answer does.
+    const std::vector<int32_t> whole = Colocated(prompt);
+    ASSERT_GE(whole.size(), 3u);
+    Json c = Body(prompt);
+    c["ferry_continue"] = {{"token_ids", {whole[0], whole[1]}}};
+    EXPECT_EQ(Post(decode->port(), "/v1/completions", c).status, 401);
+    EXPECT_EQ(Post(decode->port(), "/v1/completions", c, other.router_token()).status, 403);
+    Reply resumed = Post(decode->port(), "/v1/completions", c, secret.router_token());
+    ASSERT_EQ(resumed.status, 200) << resumed.body;
+    EXPECT_EQ(resumed.tokens(), std::vector<int32_t>(whole.begin() + 2, whole.end()));
+    for (const Json& bad : {Json{{"token_ids", Json::array()}}, Json{{"token_ids", {-1}}},
+                            Json{{"ids", {1}}}, Json("1,2")}) {
+        Json x = Body(prompt);
+        x["ferry_continue"] = bad;
+        Reply r = Post(open_decode->port(), "/v1/completions", x);
+        EXPECT_EQ(r.status, 400) << bad.dump();
+        EXPECT_NE(r.body.find("ferry_continue"), std::string::npos) << r.body;
+    }
 }
 
 // A decode worker dials only agents it knows. With --kv-peers a stranger's port is never
