@@ -126,6 +126,13 @@ void AddProxyCommand(CLI::App& app, int* rc) {
                    "request (502) after this long")
         ->check(CLI::Range(int64_t{100}, int64_t{600000}))
         ->capture_default_str();
+    static int64_t stream_idle_timeout_ms = defaults.driver.stream_idle_timeout.count();
+    px->add_option("--stream-idle-timeout-ms", stream_idle_timeout_ms,
+                   "once a decode worker's answer started, the longest silence between its "
+                   "pieces: past it the worker counts as lost (its stream migrates to another; "
+                   "0: no limit but --worker-timeout-ms)")
+        ->check(CLI::Range(int64_t{0}, int64_t{86400000}))
+        ->capture_default_str();
     static int max_attempts = defaults.driver.max_attempts;
     static bool no_prefill_fallback = false;
     px->add_option("--max-attempts", max_attempts,
@@ -159,6 +166,7 @@ void AddProxyCommand(CLI::App& app, int* rc) {
         dc.encode_timeout = std::chrono::milliseconds(encode_timeout_ms);
         dc.agent_timeout = std::chrono::milliseconds(agent_lookup_timeout_ms);
         dc.max_attempts = max_attempts;
+        dc.stream_idle_timeout = std::chrono::milliseconds(stream_idle_timeout_ms);
         dc.prefill_fallback = !no_prefill_fallback;
         auto picked = router::MakePolicy(prefill_policy.empty() ? policy : prefill_policy, weights);
         if (!picked.ok()) return fail(picked.status());

@@ -47,7 +47,10 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
 
   private:
     void Resolve() {
-        if (request_.timeout.count() > 0) stream_.expires_after(request_.timeout);
+        if (request_.timeout.count() > 0) {
+            deadline_ = std::chrono::steady_clock::now() + request_.timeout;
+            stream_.expires_at(deadline_);
+        }
         resolver_.async_resolve(
             request_.host, std::to_string(request_.port),
             [self = shared_from_this()](beast::error_code ec, tcp::resolver::results_type r) {
@@ -97,6 +100,12 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
     void ReadBody() {
         if (done_) return;
         if (parser_.is_done()) return Finish(Status::Ok());
+        if (request_.idle_timeout.count() > 0 && body_started_) {
+            // The next piece within the idle deadline, or the whole call's if that comes first.
+            const auto idle = std::chrono::steady_clock::now() + request_.idle_timeout;
+            idle_armed_ = request_.timeout.count() <= 0 || idle < deadline_;
+            stream_.expires_at(idle_armed_ ? idle : deadline_);
+        }
         piece_.resize(kReadPiece);
         parser_.get().body().data = piece_.data();
         parser_.get().body().size = piece_.size();
@@ -105,6 +114,7 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
                                    if (ec == bhttp::error::need_buffer) ec = {};
                                    if (ec) return self->Fail("read", ec);
                                    size_t n = self->piece_.size() - self->parser_.get().body().size;
+                                   if (n > 0) self->body_started_ = true;
                                    if (n > 0 && self->cb_.on_data && !self->done_) {
                                        self->cb_.on_data(std::string_view(self->piece_.data(), n));
                                    }
@@ -113,6 +123,12 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
     }
 
     void Fail(const char* what, beast::error_code ec) {
+        if (ec == beast::error::timeout && idle_armed_) {
+            return Finish(DeadlineExceededError(
+                fmt::format("http {}{}: the answer stalled: no data for {} ms",
+                            FormatHostPort(request_.host, request_.port), request_.target,
+                            request_.idle_timeout.count())));
+        }
         if (ec == beast::error::timeout) {
             return Finish(DeadlineExceededError(fmt::format(
                 "http {}{}: no answer within {} ms", FormatHostPort(request_.host, request_.port),
@@ -143,6 +159,9 @@ class CallImpl : public std::enable_shared_from_this<CallImpl> {
     bhttp::response_parser<bhttp::buffer_body> parser_;
     std::vector<char> piece_;
     bool done_ = false;
+    std::chrono::steady_clock::time_point deadline_;  // of the whole call, when it has one
+    bool idle_armed_ = false;                         // the timer now is the idle deadline
+    bool body_started_ = false;                       // a first piece of the body came
 };
 
 // What the caller holds: a weak reference.

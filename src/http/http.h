@@ -167,6 +167,10 @@ struct ClientRequest {
     std::string content_type = "application/json";
     // The whole exchange, connect to last byte (0: none).
     std::chrono::milliseconds timeout{0};
+    // Once the body started, the longest wait for each next piece of it (0: none): a stream
+    // whose sender stalls fails DeadlineExceeded then (`timeout` still bounds the whole call).
+    // Before the first piece only `timeout` counts (a server may think long before it answers).
+    std::chrono::milliseconds idle_timeout{0};
 };
 
 // A GET of `target` at host:port, `timeout` for the whole exchange.

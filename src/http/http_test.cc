@@ -13,8 +13,10 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "core/fd.h"
 #include "core/sanitizers.h"
@@ -23,6 +25,7 @@
 namespace ferry::http {
 namespace {
 
+using ::ferry::testing::StatusHas;
 using ::ferry::testing::StatusIs;
 
 ScopedFd Dial(int port) {
@@ -82,6 +85,16 @@ class HttpTest : public ::testing::Test {
                                   ex->End();
                                   ++streams_done_;
                               });
+                          }});
+        // Starts a stream, sends one event, then stalls until the client leaves.
+        routes.push_back({"GET", "/stall", [this](std::shared_ptr<Exchange> ex) {
+                              ex->StartStream(200, "text/event-stream");
+                              ex->Write("data: first\n\n");
+                              {
+                                  std::lock_guard lock(mu_);
+                                  hanging_.push_back(ex);
+                              }
+                              ex->OnClose([this] { ++closed_; });
                           }});
         // Never answers until the client leaves.
         routes.push_back({"GET", "/hang", [this](std::shared_ptr<Exchange> ex) {
@@ -194,6 +207,35 @@ TEST_F(HttpTest, AStreamArrivesPieceByPiece) {
     EXPECT_EQ(all, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
     // Several reads: the events came as they were written, not at the end.
     EXPECT_GE(pieces.size(), 3u);
+}
+
+// The idle deadline of a call: a stream that stalls after its head fails DeadlineExceeded
+// naming the stall, long before the whole call's deadline; one that keeps coming does not.
+TEST_F(HttpTest, AStreamThatStallsFailsAtItsIdleDeadline) {
+    StartServer();
+    auto client = Client::Create(1);
+    auto run = [&](const std::string& path) {
+        std::promise<std::pair<Status, std::string>> done;
+        auto got = std::make_shared<std::string>();
+        ClientRequest r = Get(server_->port(), path);
+        r.timeout = std::chrono::seconds(30);
+        r.idle_timeout = std::chrono::milliseconds(300);
+        ClientCallbacks cb;
+        cb.on_data = [got](std::string_view d) { got->append(d); };
+        cb.on_done = [&done, got](const Status& s) { done.set_value({s, *got}); };
+        const auto t0 = std::chrono::steady_clock::now();
+        client->Call(std::move(r), cb);
+        auto result = done.get_future().get();
+        return std::make_tuple(result.first, result.second, std::chrono::steady_clock::now() - t0);
+    };
+    auto [stalled, first, took] = run("/stall");
+    EXPECT_THAT(stalled, StatusHas(Code::kDeadlineExceeded, "no data for 300 ms"));
+    EXPECT_EQ(first, "data: first\n\n");
+    EXPECT_LT(took, std::chrono::seconds(10));
+    EXPECT_TRUE(testing::WaitUntil([&] { return closed_ == 1; }));  // the server saw it go
+    auto [streamed, all, unused] = run("/stream");
+    FERRY_EXPECT_OK(streamed);
+    EXPECT_EQ(all, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
 }
 
 // The blocking streaming call (the etcd watch's): pieces on the caller's thread, an early stop,

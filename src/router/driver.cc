@@ -172,6 +172,7 @@ DriverStats Driver::Stats() const {
     s.prefill_fallback = prefill_fallback_.load();
     s.decode_retried = decode_retried_.load();
     s.migrated = migrated_.load();
+    s.encode_retried = encode_retried_.load();
     return s;
 }
 
@@ -309,9 +310,12 @@ void Driver::Decode(const std::shared_ptr<Flow>& f, Json body) {
                           {{"X-Request-Id", f->request_id}}});
         }
     };
-    f->Add(client_->Call(WorkerRequest(ep, f->path, body, f->request_id, config_.router_token,
-                                       config_.worker_timeout),
-                         std::move(cb)));
+    http::ClientRequest call = WorkerRequest(ep, f->path, body, f->request_id, config_.router_token,
+                                             config_.worker_timeout);
+    // A stream that stalls (the worker stopped, wedged, cut off without a reset) fails at this
+    // deadline and is migrated, instead of holding the client until worker_timeout.
+    call.idle_timeout = config_.stream_idle_timeout;
+    f->Add(client_->Call(std::move(call), std::move(cb)));
 }
 
 bool Driver::Reroute(const std::shared_ptr<Flow>& f, Role role) {
@@ -327,6 +331,10 @@ bool Driver::Reroute(const std::shared_ptr<Flow>& f, Role role) {
     Result<Ticket> t = router_->Route(role, rr);
     if (!t.ok()) return false;
     std::lock_guard lock(f->mu);
+    if (f->cancelled || f->answered) {
+        t->End(Outcome::kCancelled);  // the client left meanwhile
+        return false;
+    }
     if (prefill) {
         ++f->prefill_tries;
         f->prefill_worker = t->worker();
@@ -526,10 +534,11 @@ void Driver::Push(const std::shared_ptr<Flow>& f) {
 }
 
 void Driver::Encode(const std::shared_ptr<Flow>& f, const std::vector<http::Endpoint>& answering,
-                    std::function<void()> next) {
+                    std::function<void()> next, int tries) {
     auto self = shared_from_this();
     f->Add(encode_->Call(
-        f->body, answering, f->request_id, [self, f, next = std::move(next)](Encoded e) {
+        f->body, answering, f->request_id,
+        [self, f, answering, tries, next = std::move(next)](Encoded e) mutable {
             if (e.kind == Encoded::Kind::kCancelled) return;
             {
                 std::lock_guard lock(f->mu);
@@ -551,11 +560,25 @@ void Driver::Encode(const std::shared_ptr<Flow>& f, const std::vector<http::Endp
                         f->body["ec_transfer_params"] = std::move(e.ec_transfer_params);
                     }
                     break;
-                default:
+                default: {
+                    // Another encode worker, while there is one and tries are left; then the
+                    // workers encode for themselves (the last resort).
+                    std::vector<http::Endpoint> rest;
+                    for (const http::Endpoint& ep : answering) {
+                        if (ep.host != e.worker.host || ep.port != e.worker.port)
+                            rest.push_back(ep);
+                    }
+                    if (!rest.empty() && tries < self->config_.max_attempts) {
+                        ++self->encode_retried_;
+                        FERRY_LOG(kWarn, "proxy: request {}: {}; encoding on {} more worker(s)",
+                                  f->request_id, e.why, rest.size());
+                        return self->Encode(f, rest, std::move(next), tries + 1);
+                    }
                     ++self->encode_failed_;
                     FERRY_LOG(kWarn,
                               "proxy: request {}: {}; the workers encode its images themselves",
                               f->request_id, e.why);
+                }
             }
             next();
         }));

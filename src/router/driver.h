@@ -66,6 +66,11 @@ struct DriverConfig {
     std::chrono::milliseconds prefill_timeout{60000};
     std::chrono::milliseconds encode_timeout{10000};
     std::chrono::milliseconds agent_timeout{5000};
+    // Once a decode worker's answer body started (its first token), the longest silence between
+    // its pieces: past it the worker counts as lost (a stream is migrated, as for a worker that
+    // died). A request waiting in the worker's queue before its first token is not cut off by
+    // it; a running one preempted for longer than this would be (then it is migrated). 0: none.
+    std::chrono::milliseconds stream_idle_timeout{30000};
     // The deployment's router token, sent to the workers on every call ("" = none).
     std::string router_token;
     // Skip the prefill worker when the decode worker lacks fewer than this many prompt tokens
@@ -106,6 +111,7 @@ struct DriverStats {
     uint64_t prefill_fallback = 0;      // ... or, with none left, prefilled by the decode worker
     uint64_t decode_retried = 0;        // requests sent to another decode worker before a byte
     uint64_t migrated = 0;              // streams migrated to another decode worker
+    uint64_t encode_retried = 0;        // encode steps sent to another encode worker
 };
 
 class Driver : public std::enable_shared_from_this<Driver> {
@@ -146,8 +152,10 @@ class Driver : public std::enable_shared_from_this<Driver> {
     void Push(const std::shared_ptr<Flow>& f);
     // EPD: sends the request to one of `answering` (encode workers; router/worker_call.h),
     // puts the ec_transfer_params of its answer into the flow's body, then `next`.
+    // One that fails (other than refusing the images) is left out and another tried, up to
+    // max_attempts in all.
     void Encode(const std::shared_ptr<Flow>& f, const std::vector<http::Endpoint>& answering,
-                std::function<void()> next);
+                std::function<void()> next, int tries = 1);
     // The encode workers now: the flags' and the store's (no duplicates), quarantined or not.
     std::vector<http::Endpoint> Encoders() const;
 
@@ -158,7 +166,7 @@ class Driver : public std::enable_shared_from_this<Driver> {
     std::unique_ptr<EncodeStep> encode_;
     std::atomic<uint64_t> requests_{0}, succeeded_{0}, failed_{0}, client_gone_{0}, in_flight_{0},
         prefill_skipped_{0}, encoded_{0}, encode_failed_{0}, timeouts_{0}, prefill_retried_{0},
-        prefill_fallback_{0}, decode_retried_{0}, migrated_{0};
+        prefill_fallback_{0}, decode_retried_{0}, migrated_{0}, encode_retried_{0};
 };
 
 }  // namespace ferry::router

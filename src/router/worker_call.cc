@@ -79,11 +79,10 @@ std::shared_ptr<http::ClientCall> EncodeStep::Call(const nlohmann::json& body,
                     e.kind = Encoded::Kind::kCancelled;
                     return done(std::move(e));
                 }
-                if (r.status().code() == Code::kDeadlineExceeded) {
-                    // Stopped or wedged: the next requests skip it until it answers a probe.
-                    ++timeouts_;
-                    quarantine_->Add(ep);
-                }
+                // Stopped, wedged, gone or cut off: the next requests skip it until it answers
+                // a probe.
+                if (r.status().code() == Code::kDeadlineExceeded) ++timeouts_;
+                quarantine_->Add(ep);
                 e.why = FailureOf("encode", ep, r.status()).message;
                 return done(std::move(e));
             }

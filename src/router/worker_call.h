@@ -92,8 +92,8 @@ struct EncodeStepConfig {
 // The encode step of a chat request with images (vLLM's disagg_epd_proxy.py): the client's body
 // as a prefill worker would get it (one token, not streamed, no transfer params) goes to the
 // encode worker the rendezvous hash of its image URLs picks (router/protocol.h: PickEncoder), so
-// a repeated image meets the worker that holds it. A worker that runs past the deadline goes into
-// `quarantine` (no request until it answers a probe). Thread-safe.
+// a repeated image meets the worker that holds it. A worker that runs past the deadline or cannot
+// be reached goes into `quarantine` (no request until it answers a probe). Thread-safe.
 class EncodeStep {
   public:
     // Neither is owned; both outlive the step.

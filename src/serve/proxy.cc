@@ -69,6 +69,9 @@ struct Proxy::Impl {
         w.Counter("ferry_proxy_streams_migrated_total",
                   "Streams migrated to another decode worker after theirs was lost mid-stream.",
                   double(s.migrated));
+        w.Counter("ferry_proxy_encode_retried_total",
+                  "Encode steps sent to another encode worker after one failed.",
+                  double(s.encode_retried));
         w.Append(router->RenderMetrics());
         w.Append(membership->RenderMetrics());
         http::Server* srv = server_ready.load();

@@ -190,6 +190,33 @@ TEST_F(EpdProcess, EncodeWorkersAreFoundInTheStoreAndFollowedOut) {
     EXPECT_GT(prefill->Metric("ferry_mm_images_encoded_total"), 0);
 }
 
+// With two encode workers, one SIGKILLed: a request whose images it was to take is encoded by
+// the other (the proxy's retry), none is left to the consumers, and every answer equals
+// colocated.
+TEST_F(EpdProcess, AKilledEncodeWorkersImagesAreEncodedByAnother) {
+    testing::SecretFile secret("epd-retry");
+    const std::vector<std::string> ec = {"--ec-connector", "transfer", "--secret-file",
+                                         secret.path()};
+    auto colocated = StartOrDie(Args("colocated", ""));
+    auto e1 = StartOrDie(Args("encode", "tcp", ec));
+    auto e2 = StartOrDie(Args("encode", "tcp", ec));
+    auto consumer = StartOrDie(Args("colocated", "", ec));
+    ASSERT_TRUE(colocated && e1 && e2 && consumer);
+    auto px =
+        StartOrDie({"proxy", "--encode", Addr(*e1), "--encode", Addr(*e2), "--decode",
+                    Addr(*consumer), "--port", "0", "--no-store", "--secret-file", secret.path()});
+    ASSERT_TRUE(px);
+    const std::vector<Json> bodies = Bodies(testing::kSanitized ? 4 : 8, 300);
+    const std::vector<Answer> want = SendAll(colocated->port(), bodies, 4);
+    e1->Kill();  // SIGKILL
+    ExpectSameTokens(SendAll(px->port(), bodies, 1), want, "one encode worker killed");
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), double(bodies.size()));
+    EXPECT_EQ(px->Metric("ferry_proxy_encode_failed_total"), 0);
+    EXPECT_GE(px->Metric("ferry_proxy_encode_retried_total"), 1);
+    EXPECT_EQ(px->Metric("ferry_proxy_encoders_quarantined"), 1);
+    EXPECT_EQ(consumer->Metric("ferry_mm_images_encoded_total"), 0);
+}
+
 TEST_F(EpdProcess, AKilledEncodeWorkerCostsOnlyTheEncoding) {
     testing::SecretFile secret("epd-kill");
     const std::vector<std::string> ec = {
@@ -226,7 +253,9 @@ TEST_F(EpdProcess, AKilledEncodeWorkerCostsOnlyTheEncoding) {
     encode->Kill();  // SIGKILL
     ExpectSameTokens(SendAll(px->port(), after, 4),
                      std::vector<Answer>(want.begin() + long(half), want.end()), "after");
-    EXPECT_EQ(px->Metric("ferry_proxy_encode_failed_total"), double(after.size()));
+    // The first request to find it dead puts it in quarantine; the rest skip the encode step.
+    EXPECT_GE(px->Metric("ferry_proxy_encode_failed_total"), 1);
+    EXPECT_EQ(px->Metric("ferry_proxy_encoders_quarantined"), 1);
     // A request that names the dead agent: the consumer fails to pull and encodes (a fresh image,
     // so no cache holds it); the strict one refuses.
     Json named = Bodies(1, 900)[0];

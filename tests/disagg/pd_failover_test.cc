@@ -43,8 +43,9 @@ class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::s
 
 // A decode worker SIGKILLed mid-stream: the proxy migrates the stream to the other decode
 // worker with the tokens already sent, and the client's stream goes on: the whole answer equals
-// colocated (greedy, and seeded sampling with the same seed), each token once, the usage counts
-// the original prompt and every output token, and no token id field the client did not ask for.
+// colocated (greedy, seeded sampling with the same seed, and a chat), each token once, the usage
+// counts the original prompt and every output token, and no token id field the client did not
+// ask for.
 TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
     const std::string mode = GetParam();
     auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
@@ -55,10 +56,18 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
     auto proxy = Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()});
     ASSERT_TRUE(proxy);
     constexpr int kTokens = 600;
+    Json chat = {{"messages", {{{"role", "user"}, {"content", "where does the next ferry go?"}}}},
+                 {"max_tokens", kTokens},
+                 {"temperature", 0},
+                 {"ignore_eos", true},
+                 {"logprobs", true},
+                 {"return_tokens_as_token_ids", true},
+                 {"stream", true}};
     int round = 0;
-    for (std::optional<uint64_t> seed : {std::optional<uint64_t>(), std::optional<uint64_t>(42)}) {
-        SCOPED_TRACE(seed ? "seeded" : "greedy");
-        Json body = CompletionBody(RandomPrompt(300, 11 + round), kTokens, true, seed);
+    for (Json body : {CompletionBody(RandomPrompt(300, 11), kTokens, true),
+                      CompletionBody(RandomPrompt(300, 12), kTokens, true, 42), chat}) {
+        SCOPED_TRACE(body.dump().substr(0, 80));
+        const bool is_chat = body.contains("messages");
         body["stream_options"] = {{"include_usage", true}};
         const auto want = SendAll(colocated->port(), {body});
         ASSERT_EQ(want[0].tokens.size(), size_t(kTokens)) << want[0].body.substr(0, 300);
@@ -82,7 +91,10 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
         ASSERT_NE(usage, std::string::npos);
         const size_t from = got.rfind("data: ", usage) + 6;
         const Json u = Json::parse(got.substr(from, got.find("\n\n", from) - from))["usage"];
-        EXPECT_EQ(u["prompt_tokens"], 300);
+        if (!is_chat) {
+            EXPECT_EQ(u["prompt_tokens"], 300);
+        }
+        EXPECT_EQ(got.find("\"role\""), got.rfind("\"role\""));  // chat: one role chunk
         EXPECT_EQ(u["completion_tokens"], kTokens);
         EXPECT_EQ(proxy->Metric("ferry_proxy_streams_migrated_total"), ++round);
         // The survivor's blocks come back; the killed one starts again for the next round.
@@ -96,6 +108,40 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
     }
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
     EXPECT_EQ(proxy->Metric("ferry_proxy_requests_failed_total"), 0);
+}
+
+// A decode worker SIGSTOPped mid-stream: at the proxy's idle deadline (--stream-idle-timeout-ms)
+// the stream migrates to the other decode worker and the answer equals colocated; the stopped
+// worker, resumed, finds its client gone and frees the request's blocks.
+TEST_P(PdFailover, ADecodeWorkerStalledMidStreamHasItsStreamMigratedAtTheIdleDeadline) {
+    const std::string mode = GetParam();
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
+    std::vector<std::unique_ptr<ServerProcess>> decode;
+    for (int i = 0; i < 2; ++i) decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
+    ASSERT_TRUE(colocated && prefill && decode[0] && decode[1]);
+    auto proxy = Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()},
+                       {"--stream-idle-timeout-ms", "1000"});
+    ASSERT_TRUE(proxy);
+    Json body = CompletionBody(RandomPrompt(200, 71), 400, true, 5);
+    const auto want = SendAll(colocated->port(), {body});
+    Background b(proxy->port(), body);
+    ASSERT_TRUE(testing::WaitUntil([&] { return DataEvents(b.body()) >= 10; }));
+    int victim = -1;
+    for (int i = 0; i < 2; ++i) {
+        if (decode[i]->Metric("ferry_num_requests_running") == 1) victim = i;
+    }
+    ASSERT_GE(victim, 0) << "no decode worker runs the request";
+    ASSERT_TRUE(decode[victim]->Stop());
+    ASSERT_TRUE(b.Wait(std::chrono::seconds(120)));
+    EXPECT_EQ(b.status(), 200);
+    EXPECT_EQ(TokensOf(b.body(), true), want[0].tokens);
+    EXPECT_EQ(proxy->Metric("ferry_proxy_streams_migrated_total"), 1);
+    EXPECT_GE(proxy->Metric("ferry_proxy_worker_timeouts_total"), 1);
+    decode[victim]->Signal(SIGCONT);
+    EXPECT_TRUE(decode[victim]->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(decode[1 - victim]->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
 // Prefill workers that fail: one SIGKILLed (its calls refused) and then one SIGSTOPped past the

@@ -20,6 +20,7 @@
 #include "core/sanitizers.h"
 #include "http/http.h"
 #include "serve/serve_flags.h"
+#include "testing/completions.h"
 #include "testing/testing.h"
 #include "testing/tiny_model.h"
 #include "testing/worker_process.h"
@@ -76,40 +77,7 @@ inline Json CompletionBody(const std::vector<int32_t>& prompt, int max_tokens, b
     return b;
 }
 
-// The token ids of a completion answer, whole or streamed.
-inline std::vector<int32_t> TokensOf(const std::string& body, bool stream) {
-    std::vector<int32_t> out;
-    auto take = [&](const Json& choice) {
-        if (!choice.contains("logprobs") || !choice["logprobs"].is_object()) return;
-        const Json& lp = choice["logprobs"];
-        if (lp.contains("content") && lp["content"].is_array()) {  // chat
-            for (const Json& t : lp["content"]) {
-                std::string s = t["token"].get<std::string>();
-                out.push_back(std::stoi(s.substr(s.find(':') + 1)));
-            }
-            return;
-        }
-        for (const Json& t : lp["tokens"]) {
-            std::string s = t.get<std::string>();
-            out.push_back(std::stoi(s.substr(s.find(':') + 1)));
-        }
-    };
-    if (!stream) {
-        Json j = Json::parse(body, nullptr, false);
-        if (j.is_object() && j.contains("choices")) take(j["choices"][0]);
-        return out;
-    }
-    size_t pos = 0;
-    while ((pos = body.find("data: ", pos)) != std::string::npos) {
-        size_t end = body.find("\n\n", pos);
-        std::string ev = body.substr(pos + 6, end - pos - 6);
-        pos = end;
-        if (ev == "[DONE]") break;
-        Json j = Json::parse(ev, nullptr, false);
-        if (j.is_object() && j.contains("choices") && !j["choices"].empty()) take(j["choices"][0]);
-    }
-    return out;
-}
+using testing::TokensOf;
 
 inline http::ClientRequest Post(int port, const Json& body,
                                 const std::string& path = "/v1/completions") {
@@ -200,7 +168,8 @@ class Background {
             end_ = std::chrono::steady_clock::now();
             cv_.notify_all();
         };
-        call_ = client_->Call(Post(port, body), std::move(cb));
+        const char* path = body.contains("messages") ? "/v1/chat/completions" : "/v1/completions";
+        call_ = client_->Call(Post(port, body, path), std::move(cb));
     }
     bool Wait(std::chrono::milliseconds limit) {
         std::unique_lock lock(mu_);
