@@ -8,7 +8,7 @@ JOBS ?= $(shell nproc)
 # release suite 251 s at -j2, 156 s at -j4; the TSan suite 608 s and 284 s; all green).
 TEST_JOBS ?= $(shell echo $$(( $(JOBS) * 2 )))
 
-.PHONY: demo test check-sanitizers fuzz soak deps build format format-check bench clean
+.PHONY: demo test check-sanitizers fuzz soak soak-pd deps build format format-check bench clean
 
 deps:
 	@./scripts/install-deps
@@ -48,6 +48,14 @@ check-sanitizers: deps
 SOAK_TRANSFERS ?= 1000000
 soak: build
 	@$(BUILD)/tests/ferry_soak --transfers $(SOAK_TRANSFERS) --kill-every-ms 2000
+
+# The P/D soak's hour: 2 prefill and 2 decode workers behind ferry proxy under load while they are
+# killed, stopped and restarted; every answer checked against colocated (tests/soak/soak_pd.cc; a
+# 60 s run is part of `make test`; docs/soak.md).
+SOAK_PD_SECONDS ?= 3600
+SOAK_PD_ARGS ?=
+soak-pd: build
+	@$(BUILD)/tests/ferry_soak_pd --duration-s $(SOAK_PD_SECONDS) $(SOAK_PD_ARGS)
 
 # libFuzzer targets (clang, ASan+UBSan) for every decoder of outside input, FUZZ_SECONDS each.
 FUZZ_SECONDS ?= 30

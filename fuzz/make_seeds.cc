@@ -206,6 +206,7 @@ int main(int argc, char** argv) {
             {"claim-refused", msg::ClaimAck{"l1", false, std::nullopt, "gone", "gone"}},
             {"read-done", msg::HoldEnd{msg::HoldEnd::Kind::kReadDone, "r1", nonce}},
             {"release", msg::HoldEnd{msg::HoldEnd::Kind::kRelease, "r1", nonce}},
+            {"hold-renew", msg::HoldRenew{"r1", nonce, 3000}},
             {"push-target", msg::PushTarget{"x1", "l1", {0, 1}, 0, 20, prompt}},
             {"push-cancel", msg::PushCancel{"x1", "l1"}},
             {"push-done", msg::PushEnd{msg::PushEnd::Kind::kDone, "x1", "l1", first, ""}},

@@ -81,6 +81,7 @@ void AgentKvConnector::Impl::PumpLoop() {
         PumpPeers(now);
         push->Pump(now);
         pull->Pump(now);
+        pull->RenewWaiting(now);
         // Sleep until a transfer finishes or there is new work (Waker); the timers above
         // (deadlines, leases, liveness probes) are coarse: a tick of 20 ms serves them.
         lock.unlock();
@@ -353,6 +354,11 @@ Status AgentKvConnector::Admit(const ConnectorRequest& r) {
     } else {
         a.load = true;
         a.peer = p.remote_engine_id;
+        if (p.mode == KvTransferMode::kPull) {
+            a.hold_rid = p.remote_request_id;
+            a.hold_nonce = p.hold_nonce;
+            a.renew_at = SteadyClock::now();  // at once: the first lease may be nearly over
+        }
         int loads = 0, on_peer = 0;
         auto peer_ready = [&](const std::string& name) {
             auto it = m.peers.find(name);

@@ -45,6 +45,11 @@ namespace ferry::kv {
 struct AgentConnectorOptions {
     // pull: a held request's blocks are freed if no decoder claims them within this time.
     std::chrono::milliseconds hold_lease{10000};
+    // pull, the decoder: while a request it was given a hold for waits to claim it (queued
+    // behind others), it renews the hold this often, each time for three intervals (the holder
+    // grants at most hold_lease): a long queue does not lose its holds, and a decoder that dies
+    // stops renewing, so its holds come back within three intervals. 0: no renewals.
+    std::chrono::milliseconds hold_renew_interval{1000};
     // A load or push not finished this long after it started fails (DeadlineExceeded).
     std::chrono::milliseconds transfer_timeout{10000};
     // push: a prefill request whose decoder has not sent its block ids by then fails.
@@ -76,7 +81,8 @@ struct AgentConnectorOptions {
     bool canary = true;
 };
 
-// {"hold_lease_ms", "transfer_timeout_ms", "bootstrap_timeout_ms", "handshake_timeout_ms",
+// {"hold_lease_ms", "hold_renew_interval_ms", "transfer_timeout_ms", "bootstrap_timeout_ms",
+// "handshake_timeout_ms",
 //  "liveness_interval_ms", "transfer_mode", "backend", "max_client_hold_blocks",
 //  "max_client_loads", "max_client_dials", "max_peer_loads", "connect_threads", "verify",
 //  "canary"}: every option.
@@ -119,6 +125,9 @@ struct KvConnectorStats {
     uint64_t descriptors = 0;      // local descriptors over all of them
     uint64_t max_descriptors = 0;  // in one transfer
     uint64_t handshakes = 0;
+    // pull: hold renewals sent (decode side) and granted (prefill side).
+    uint64_t holds_renewals_sent = 0;
+    uint64_t holds_renewed = 0;
     // --kv-verify: loads whose checksums were compared, and those that differed; units checked.
     uint64_t verified = 0;
     uint64_t verify_mismatches = 0;

@@ -80,6 +80,12 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
             double(s.max_descriptors));
     w.Counter("ferry_kv_connector_handshakes_total", "Peer handshakes completed.",
               double(s.handshakes));
+    w.Counter("ferry_kv_connector_hold_renewals_sent_total",
+              "pull, decode side: renewals of holds whose requests wait to claim them.",
+              double(s.holds_renewals_sent));
+    w.Counter("ferry_kv_connector_holds_renewed_total",
+              "pull, prefill side: renewals granted to the decoders of held requests.",
+              double(s.holds_renewed));
     w.Counter("ferry_kv_connector_verified_total",
               "Received KV whose checksums were compared with the sender's (--kv-verify).",
               double(s.verified));

@@ -12,6 +12,7 @@ using Json = nlohmann::json;
 using Ms = std::chrono::milliseconds;
 
 constexpr const char* kKnown[] = {"hold_lease_ms",
+                                  "hold_renew_interval_ms",
                                   "transfer_timeout_ms",
                                   "bootstrap_timeout_ms",
                                   "handshake_timeout_ms",
@@ -30,6 +31,7 @@ constexpr const char* kKnown[] = {"hold_lease_ms",
 
 Json AgentConnectorOptionsJson(const AgentConnectorOptions& o) {
     return {{"hold_lease_ms", o.hold_lease.count()},
+            {"hold_renew_interval_ms", o.hold_renew_interval.count()},
             {"transfer_timeout_ms", o.transfer_timeout.count()},
             {"bootstrap_timeout_ms", o.bootstrap_timeout.count()},
             {"handshake_timeout_ms", o.handshake_timeout.count()},
@@ -76,6 +78,12 @@ Result<AgentConnectorOptions> ParseAgentConnectorOptions(const Json& options) {
         return Status::Ok();
     };
     FERRY_RETURN_IF_ERROR(ms("hold_lease_ms", &o.hold_lease));
+    {
+        // 0 turns renewals off.
+        FERRY_ASSIGN_OR_RETURN(std::optional<int64_t> v,
+                               f.OptInt("hold_renew_interval_ms", 0, 200000));
+        if (v) o.hold_renew_interval = Ms(*v);
+    }
     FERRY_RETURN_IF_ERROR(ms("transfer_timeout_ms", &o.transfer_timeout));
     FERRY_RETURN_IF_ERROR(ms("bootstrap_timeout_ms", &o.bootstrap_timeout));
     FERRY_RETURN_IF_ERROR(ms("handshake_timeout_ms", &o.handshake_timeout));

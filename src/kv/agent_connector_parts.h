@@ -180,6 +180,10 @@ struct Admission {
     std::string requester;
     bool load = false;  // decode: it loads from `peer`
     std::string peer;
+    // pull, decode: the hold it will claim, renewed from `renew_at` on until it is claimed
+    // (AgentConnectorOptions::hold_renew_interval).
+    std::string hold_rid, hold_nonce;
+    SteadyClock::time_point renew_at;
 };
 
 struct PlannedWrite {

@@ -88,6 +88,9 @@ Json EncodeJson(const HoldEnd& m) {
                 {"rid", m.rid},
                 {"nonce", m.nonce}};
 }
+Json EncodeJson(const HoldRenew& m) {
+    return Json{{"t", "hold-renew"}, {"rid", m.rid}, {"nonce", m.nonce}, {"lease_ms", m.lease_ms}};
+}
 Json EncodeJson(const PushTarget& m) {
     Json j{{"t", "push-target"}, {"xid", m.xid}, {"lid", m.lid},      {"blocks", m.blocks},
            {"from", m.from},     {"len", m.len}, {"prompt", m.prompt}};
@@ -244,6 +247,14 @@ Result<PeerMessage> DecodeHoldEnd(const JsonFields& f, HoldEnd::Kind kind) {
     return PeerMessage(std::move(m));
 }
 
+Result<PeerMessage> DecodeHoldRenew(const JsonFields& f) {
+    HoldRenew m;
+    FERRY_ASSIGN_OR_RETURN(m.rid, f.String("rid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.nonce, f.Hex("nonce", 32));
+    FERRY_ASSIGN_OR_RETURN(m.lease_ms, SmallInt(f, "lease_ms", 1, 600000));
+    return PeerMessage(std::move(m));
+}
+
 Result<PeerMessage> DecodePushTarget(const JsonFields& f) {
     PushTarget m;
     FERRY_ASSIGN_OR_RETURN(m.xid, f.String("xid", kMaxIdChars));
@@ -306,6 +317,7 @@ std::string_view TypeOf(const PeerMessage& m) {
             [](const HoldEnd& h) -> std::string_view {
                 return h.kind == HoldEnd::Kind::kReadDone ? "read-done" : "release";
             },
+            [](const HoldRenew&) -> std::string_view { return "hold-renew"; },
             [](const PushTarget&) -> std::string_view { return "push-target"; },
             [](const PushCancel&) -> std::string_view { return "push-cancel"; },
             [](const PushEnd& p) -> std::string_view {
@@ -343,6 +355,8 @@ Result<PeerMessage> Decode(std::string_view payload, std::string* type) {
         m = DecodeHoldEnd(f, HoldEnd::Kind::kReadDone);
     } else if (t == "release") {
         m = DecodeHoldEnd(f, HoldEnd::Kind::kRelease);
+    } else if (t == "hold-renew") {
+        m = DecodeHoldRenew(f);
     } else if (t == "push-target") {
         m = DecodePushTarget(f);
     } else if (t == "push-cancel") {

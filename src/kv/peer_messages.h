@@ -114,6 +114,14 @@ struct HoldEnd {
     std::string rid, nonce;
 };
 
+// pull: the decoder that was given a hold and has not claimed it yet (its request waits in the
+// queue) asks for `lease_ms` more, from now; sent again before that lapses. A decoder that dies
+// stops asking, and the hold lapses that soon after instead of at the whole lease.
+struct HoldRenew {
+    std::string rid, nonce;
+    int lease_ms = 0;  // 1..600000; the holder grants at most its own lease
+};
+
 // push: the decoder's blocks for a transfer id, sent to the prefill worker.
 struct PushTarget {
     std::string xid, lid;
@@ -138,7 +146,8 @@ struct PushEnd {
     std::vector<uint64_t> sums = {};  // kDone, when the push-target asked to verify
 };
 
-using PeerMessage = std::variant<Hello, Claim, ClaimAck, HoldEnd, PushTarget, PushCancel, PushEnd>;
+using PeerMessage =
+    std::variant<Hello, Claim, ClaimAck, HoldEnd, HoldRenew, PushTarget, PushCancel, PushEnd>;
 
 // The wire name of a message ("hello-ack", "claim", ...).
 std::string_view TypeOf(const PeerMessage& m);

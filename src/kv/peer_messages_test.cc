@@ -49,6 +49,7 @@ std::vector<PeerMessage> Every() {
         ClaimAck{"lid-1", false, std::nullopt, "gone away", "gone"},
         HoldEnd{HoldEnd::Kind::kReadDone, "rid-1", kNonce},
         HoldEnd{HoldEnd::Kind::kRelease, "rid-1", kNonce},
+        HoldRenew{"rid-1", kNonce, 3000},
         PushTarget{"x-1", "lid-1", {3, 4}, 16, 40, kPrompt},
         PushTarget{"x-1", "lid-1", {3, 4}, 16, 40, kPrompt, VerifyRequest{16, 40, {1}}},
         PushCancel{"x-1", "lid-1"},
@@ -97,6 +98,10 @@ bool Same(const PeerMessage& a, const PeerMessage& b) {
     if (auto* x = std::get_if<HoldEnd>(&a)) {
         auto& y = std::get<HoldEnd>(b);
         return x->kind == y.kind && x->rid == y.rid && x->nonce == y.nonce;
+    }
+    if (auto* x = std::get_if<HoldRenew>(&a)) {
+        auto& y = std::get<HoldRenew>(b);
+        return x->rid == y.rid && x->nonce == y.nonce && x->lease_ms == y.lease_ms;
     }
     if (auto* x = std::get_if<PushTarget>(&a)) {
         auto& y = std::get<PushTarget>(b);
@@ -206,6 +211,10 @@ TEST(PeerMessages, BadValuesAreRefused) {
         R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 18446744073709551615,
             "len": 1, "prompt": "0000000000000000000000000000000000000000000000000000000000000000"})",
         R"({"t": "push-done", "xid": "x", "lid": "l"})",
+        R"({"t": "hold-renew", "rid": "r", "nonce": "00000000000000000000000000000000",
+            "lease_ms": 0})",
+        R"({"t": "hold-renew", "rid": "r", "nonce": "00000000000000000000000000000000",
+            "lease_ms": 600001})",
         // --kv-verify: a range that is empty, units out of range, checksums that are not 16
         // lowercase hex digits.
         R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 0, "len": 1,

@@ -119,6 +119,40 @@ Status PullProtocol::On(const std::string& from, msg::HoldEnd& m) {
     return Status::Ok();
 }
 
+Status PullProtocol::On(const std::string& from, msg::HoldRenew& m) {
+    bool exists = false;
+    Hold* h = FindHold(from, m.rid, m.nonce, &exists);
+    if (!h) return NotFoundError(fmt::format("no hold '{}' to renew", Esc(m.rid)));
+    if (h->claimed) return Status::Ok();  // the claim's own deadline runs
+    // From now, for what the decoder asked and at most the whole lease: a renewal may shorten
+    // the first lease (a decoder that then dies frees the blocks sooner).
+    h->deadline =
+        SteadyClock::now() + std::min<std::chrono::milliseconds>(
+                                 std::chrono::milliseconds(m.lease_ms), m_.cfg.hold_lease);
+    ++m_.stats.holds_renewed;
+    return Status::Ok();
+}
+
+void PullProtocol::RenewWaiting(SteadyClock::time_point now) {
+    const auto every = m_.cfg.hold_renew_interval;
+    if (every.count() <= 0) return;
+    for (auto& [id, a] : m_.admitted) {
+        if (a.hold_rid.empty() || now < a.renew_at) continue;
+        auto ld = m_.loads.find(id);
+        if (ld != m_.loads.end() && ld->second.state != Load::State::kBootstrapping) {
+            a.hold_rid.clear();  // claimed: the claim's deadline runs from here
+            continue;
+        }
+        auto p = m_.peers.find(a.peer);
+        if (p == m_.peers.end() || p->second.state != Peer::State::kReady) continue;
+        a.renew_at = now + every;
+        const int lease = static_cast<int>(std::min<int64_t>(3 * every.count(), 600000));
+        if (m_.Send(a.peer, msg::HoldRenew{a.hold_rid, a.hold_nonce, lease}).ok()) {
+            ++m_.stats.holds_renewals_sent;
+        }
+    }
+}
+
 Status PullProtocol::On(const std::string& from, msg::ClaimAck& m) {
     auto it = m_.loads.find(m.lid);
     if (it == m_.loads.end() || it->second.peer != from ||

@@ -45,6 +45,10 @@ class PullProtocol final : public TransferProtocol {
     // The peer messages of this protocol.
     Status On(const std::string& from, msg::Claim& m);
     Status On(const std::string& from, msg::HoldEnd& m);
+    Status On(const std::string& from, msg::HoldRenew& m);
+    // The decode side: renews the holds of admitted requests that have not claimed them yet
+    // (their peer ready), each every hold_renew_interval.
+    void RenewWaiting(connector_parts::SteadyClock::time_point now);
     Status On(const std::string& from, msg::ClaimAck& m);
 
     int holding() const { return static_cast<int>(holds_.size()); }

@@ -92,6 +92,8 @@ struct WorkerOptions {
     kv::KvVerifyMode verify = kv::KvVerifyMode::kSample;  // the default of `ferry serve`
     bool canary = true;
     int fault_head_offset = 0;  // a mapping bug on purpose (AgentConnectorConfig)
+    std::chrono::milliseconds hold_renew_interval{1000};
+    bool manual_steps = false;  // the engine steps only when the test calls Step
 };
 
 // One worker as `ferry serve` assembles it (serve::Worker), without its HTTP server: an Agent,
@@ -135,6 +137,7 @@ Worker MakeWorker(const std::string& name, const std::string& backend,
     c.agent = testing::TestConfig(name, backend);
     kv::AgentConnectorOptions options;
     options.hold_lease = o.hold_lease;
+    options.hold_renew_interval = o.hold_renew_interval;
     options.transfer_timeout = o.transfer_timeout;
     options.verify = o.verify;
     options.canary = o.canary;
@@ -143,6 +146,7 @@ Worker MakeWorker(const std::string& name, const std::string& backend,
     c.engine.block_tokens = o.block_tokens;
     c.engine.num_blocks = o.num_blocks;
     c.engine.max_batched_tokens = o.max_batched_tokens;
+    c.engine.manual_steps = o.manual_steps;
     c.serve_http = false;
     Worker w;
     w.parts = testing::ValueOrDie(serve::Worker::Start(std::move(c)), "worker");
@@ -1064,6 +1068,84 @@ TEST_F(Disagg, AnUnclaimedHoldIsFreedWhenItsLeaseLapsesAndALateReaderIsRefused) 
     EXPECT_TRUE(da.Get("l").tokens.empty());
     EXPECT_TRUE(
         WaitStats(decode.engine.get(), [](const auto& s) { return s.kv_blocks_used == 0; }));
+}
+
+// A decoder renews the holds of requests waiting to claim them (its engine stalled here: it
+// steps only when the test says, as a decoder wedged or busy for seconds would): the hold
+// outlives its 0.5 s lease and the request equals colocated; without renewals it lapses. And a
+// decoder that dies stops renewing: its hold comes back within three renewal intervals, not the
+// prefill worker's whole lease.
+TEST_F(Disagg, StalledDecodersRenewTheirHoldsAndADeadOnesHoldsComeBackSoon) {
+    auto hold_for_reader = [] {
+        auto kvp = std::make_shared<KvTransferParams>();
+        kvp->do_remote_decode = true;
+        return kvp;
+    };
+    // Steps the stalled engine until `id` is answered.
+    auto drive = [](Worker& w, Answers& a, const std::string& id) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!a.Wait({id}, std::chrono::milliseconds(1)) &&
+               std::chrono::steady_clock::now() < until) {
+            w.engine->Step();
+        }
+        return a.Wait({id}, std::chrono::milliseconds(1));
+    };
+    const auto prompt = Prompt(60, 7);
+    const auto want = Colocated({{"q", prompt}}, Greedy(4));
+    for (int renew_ms : {100, 0}) {
+        SCOPED_TRACE(renew_ms ? "renewed" : "not renewed");
+        Worker prefill = MakeWorker("prefill-r" + std::to_string(renew_ms), "shm", Model(1),
+                                    {.hold_lease = std::chrono::milliseconds(500)});
+        Worker decode = MakeWorker(
+            "decode-r" + std::to_string(renew_ms), "shm", Model(1),
+            {.hold_renew_interval = std::chrono::milliseconds(renew_ms), .manual_steps = true});
+        Answers pa, da;
+        // A first request, so the peers have shaken hands (renewals go to ready peers).
+        FERRY_ASSERT_OK(
+            Submit(prefill.engine.get(), &pa, "w", Prompt(20, 2), Greedy(1), hold_for_reader()));
+        ASSERT_TRUE(pa.Wait({"w"}));
+        FERRY_ASSERT_OK(
+            Submit(decode.engine.get(), &da, "w", Prompt(20, 2), Greedy(2), pa.Get("w").kv));
+        ASSERT_TRUE(drive(decode, da, "w"));
+        ASSERT_EQ(da.Get("w").finish, FinishReason::kLength);
+        FERRY_ASSERT_OK(
+            Submit(prefill.engine.get(), &pa, "q", prompt, Greedy(1), hold_for_reader()));
+        ASSERT_TRUE(pa.Wait({"q"}));
+        FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "q", prompt, Greedy(4), pa.Get("q").kv));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // three leases
+        ASSERT_TRUE(drive(decode, da, "q"));
+        if (renew_ms) {
+            EXPECT_EQ(da.Get("q").finish, FinishReason::kLength) << da.Get("q").error.ToString();
+            EXPECT_EQ(da.Get("q").tokens, want.at("q").tokens);
+            EXPECT_GE(prefill.conn->Stats().holds_renewed, 5u);
+            EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 0u);
+        } else {
+            EXPECT_THAT(da.Get("q").error, StatusHas(Code::kUnavailable, "lease expired"));
+            EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 1u);
+        }
+    }
+    // The decoder dies while its request waits: the 10 s hold comes back within ~0.3 s of the
+    // last renewal.
+    Worker prefill = MakeWorker("prefill-rd", "shm", Model(1));
+    auto decode = std::make_unique<Worker>(
+        MakeWorker("decode-rd", "shm", Model(1),
+                   {.hold_renew_interval = std::chrono::milliseconds(100), .manual_steps = true}));
+    Answers pa, da;
+    FERRY_ASSERT_OK(
+        Submit(prefill.engine.get(), &pa, "w", Prompt(20, 2), Greedy(1), hold_for_reader()));
+    ASSERT_TRUE(pa.Wait({"w"}));
+    FERRY_ASSERT_OK(
+        Submit(decode->engine.get(), &da, "w", Prompt(20, 2), Greedy(2), pa.Get("w").kv));
+    ASSERT_TRUE(drive(*decode, da, "w"));
+    FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "q", prompt, Greedy(1), hold_for_reader()));
+    ASSERT_TRUE(pa.Wait({"q"}));
+    FERRY_ASSERT_OK(Submit(decode->engine.get(), &da, "q", prompt, Greedy(4), pa.Get("q").kv));
+    ASSERT_TRUE(testing::WaitUntil([&] { return prefill.conn->Stats().holds_renewed >= 2; }));
+    const auto died = std::chrono::steady_clock::now();
+    decode.reset();
+    EXPECT_TRUE(WaitStats(prefill.engine.get(), [](const auto& s) { return s.kv_held == 0; }));
+    EXPECT_LT(std::chrono::steady_clock::now() - died, std::chrono::seconds(5));
+    EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 1u);
 }
 
 TEST_F(Disagg, APrefillWorkerThatDiesWhileADecoderWaitsFailsTheRequestWithinSeconds) {

@@ -1,0 +1,339 @@
+// ferry_soak_pd: a disaggregated deployment under load while its workers are killed, stopped and
+// restarted, with every answer checked against the colocated one (docs/soak.md, "PD soak").
+//
+// The orchestrator writes a tiny model, computes the colocated answers of a pool of requests
+// (token-id prompts of 16..600 tokens, 16..64 output tokens or every fourth 300..500, greedy and
+// seeded sampling, streamed and whole) on a
+// colocated worker, then starts 2 prefill and 2 decode workers and `ferry proxy` over them. Client
+// threads send the pool's requests through the proxy, round and round, each with a deadline,
+// and classify every answer:
+//   completed  200, whole (a stream ended with [DONE] and no error event), the colocated tokens;
+//   failed     an error status, an error event, or the connection failed;
+//   wrong      complete, with other tokens than colocated (must be 0);
+//   hung       no answer by its deadline (must be 0).
+// Every --chaos-every-ms one worker, at random, is SIGKILLed (and restarted on its port) or
+// SIGSTOPped for 1-4 s (and resumed); one at a time, so that a deployment with retries can keep
+// answering. At the end the load stops, every worker runs again, and each must give back every
+// KV block it used (`ferry_kv_blocks_used` 0, no hold left) within 30 s: the rest are leaks.
+// The report: the counts above, how many were retried or migrated (the proxy's counters),
+// latency p50/p99 of the completed, and the leaks. Exit 1 on any wrong, hung or leaked.
+//
+//   ferry_soak_pd --duration-s 60                     what `make test` runs (pull)
+//   ferry_soak_pd --duration-s 3600 --mode push       the hour in docs/soak.md
+//   ferry_soak_pd --max-attempts 1 --no-prefill-fallback --kv-load-failure fail
+//                                                     the same kills without retries (goodput)
+//   ferry_soak_pd --chaos-every-ms 0                  no kills (the goodput reference)
+#include <fmt/core.h>
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "http/http.h"
+#include "serve/serve_flags.h"
+#include "testing/completions.h"
+#include "testing/tiny_model.h"
+#include "testing/worker_process.h"
+
+namespace {
+
+namespace http = ferry::http;
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+using ferry::testing::ServerProcess;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+struct Options {
+    int duration_s = 60;
+    std::string mode = "pull";
+    std::string backend = "shm";
+    int chaos_every_ms = 3000;
+    int clients = 6;
+    int pool = 48;
+    int max_attempts = 3;
+    bool no_prefill_fallback = false;
+    std::string kv_load_failure = "recompute";
+    uint64_t seed = 1;
+    int slo_ms = 2000;
+    std::string log_dir;
+};
+
+struct Request {
+    Json body;
+    bool stream = false;
+    std::vector<int32_t> want;
+};
+
+std::vector<Request> Pool(const Options& o) {
+    std::mt19937_64 g(o.seed);
+    std::vector<Request> out;
+    for (int i = 0; i < o.pool; ++i) {
+        const int len = 16 + int(g() % 585);
+        std::vector<int32_t> prompt(size_t(len), 0);
+        for (auto& t : prompt) t = int32_t(g() % 256);
+        Request r;
+        r.stream = i % 2 == 0;
+        r.body = {{"prompt", prompt},
+                  // Every fourth a long stream, so that kills and stops land mid-stream.
+                  {"max_tokens", i % 4 == 0 ? 300 + int(g() % 200) : 16 + int(g() % 49)},
+                  {"temperature", 0},
+                  {"ignore_eos", true},
+                  {"logprobs", 0},
+                  {"return_tokens_as_token_ids", true},
+                  {"stream", r.stream}};
+        if (i % 3 == 1) {  // seeded sampling: a migrated stream must go on with the same draws
+            r.body["temperature"] = 0.8;
+            r.body["seed"] = int64_t(g() % 100000);
+        }
+        out.push_back(std::move(r));
+    }
+    return out;
+}
+
+http::ClientRequest Post(int port, const Json& body, milliseconds timeout) {
+    http::ClientRequest r;
+    r.port = port;
+    r.target = "/v1/completions";
+    r.body = body.dump();
+    r.timeout = timeout;
+    return r;
+}
+
+// Tokens of an answer; none when it cannot be read.
+std::vector<int32_t> Tokens(const std::string& body, bool stream) {
+    try {
+        return ferry::testing::TokensOf(body, stream);
+    } catch (const std::exception&) {
+        return {};
+    }
+}
+
+std::unique_ptr<ServerProcess> Start(std::vector<std::string> args, const std::string& log) {
+    auto p = ServerProcess::Start(FERRY_BIN, std::move(args), seconds(120), log);
+    if (!p.ok()) {
+        fmt::print(stderr, "ferry_soak_pd: {}\n", p.status().ToString());
+        return nullptr;
+    }
+    return std::move(p).value();
+}
+
+std::vector<std::string> WorkerArgs(const std::string& model, const std::string& role,
+                                    const Options& o) {
+    ferry::serve::ServeFlags f;
+    f.model = model;
+    f.port = 0;
+    f.block_size = 16;
+    f.num_kv_blocks = 4000;
+    f.max_model_len = 2048;
+    f.role = role;
+    std::vector<std::string> extra;
+    if (role != "colocated") f.kv_backend = o.backend;
+    if (role == "decode") extra = {"--kv-load-failure", o.kv_load_failure};
+    if (!extra.empty()) {
+        const ferry::Status st = ferry::serve::ParseServeArgs(extra, &f);
+        if (!st.ok()) fmt::print(stderr, "ferry_soak_pd: {}\n", st.ToString());
+    }
+    std::vector<std::string> a = {"serve"};
+    for (std::string& s : ferry::serve::ServeArgs(f)) a.push_back(std::move(s));
+    return a;
+}
+
+double Percentile(std::vector<double> v, double q) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, size_t(q * double(v.size())))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    signal(SIGPIPE, SIG_IGN);
+    Options o;
+    CLI::App app{"ferry_soak_pd: a P/D deployment under load while its workers die and stall"};
+    app.add_option("--duration-s", o.duration_s, "how long the load runs")->capture_default_str();
+    app.add_option("--mode", o.mode, "pull or push")
+        ->check(CLI::IsMember({"pull", "push"}))
+        ->capture_default_str();
+    app.add_option("--backend", o.backend, "the workers' KV backend")->capture_default_str();
+    app.add_option("--chaos-every-ms", o.chaos_every_ms,
+                   "a worker killed or stopped this often (0: never)")
+        ->capture_default_str();
+    app.add_option("--clients", o.clients, "requests in flight")->capture_default_str();
+    app.add_option("--pool", o.pool, "distinct requests (their colocated answers are computed)")
+        ->capture_default_str();
+    app.add_option("--max-attempts", o.max_attempts, "the proxy's --max-attempts")
+        ->capture_default_str();
+    app.add_flag("--no-prefill-fallback", o.no_prefill_fallback, "the proxy's flag");
+    app.add_option("--kv-load-failure", o.kv_load_failure, "the decode workers' policy")
+        ->check(CLI::IsMember({"fail", "recompute"}))
+        ->capture_default_str();
+    app.add_option("--seed", o.seed, "requests and chaos")->capture_default_str();
+    app.add_option("--slo-ms", o.slo_ms, "goodput: completed within this latency")
+        ->capture_default_str();
+    app.add_option("--log-dir", o.log_dir, "the processes' logs (default: this one's stderr)");
+    CLI11_PARSE(app, argc, argv);
+    auto log = [&](const std::string& name) {
+        return o.log_dir.empty() ? std::string() : o.log_dir + "/" + name + ".log";
+    };
+
+    ferry::testing::TinyModelFile model("soak-pd", ferry::testing::TinyModelSpec(2048), 31);
+    std::vector<Request> pool = Pool(o);
+    {
+        auto colocated = Start(WorkerArgs(model.path(), "colocated", o), log("colocated"));
+        if (!colocated) return 2;
+        for (Request& r : pool) {
+            auto got = http::Fetch(Post(colocated->port(), r.body, seconds(120)));
+            if (!got.ok() || got->status != 200) {
+                fmt::print(stderr, "ferry_soak_pd: the colocated reference failed\n");
+                return 2;
+            }
+            r.want = Tokens(got->body, r.stream);
+        }
+    }
+
+    std::vector<std::unique_ptr<ServerProcess>> workers;  // prefill 0, 1, decode 0, 1
+    for (const char* role : {"prefill", "prefill", "decode", "decode"}) {
+        workers.push_back(Start(WorkerArgs(model.path(), role, o),
+                                log(fmt::format("{}{}", role, workers.size() % 2))));
+        if (!workers.back()) return 2;
+    }
+    std::vector<std::string> px = {"proxy",
+                                   "--port",
+                                   "0",
+                                   "--no-store",
+                                   "--kv-transfer",
+                                   o.mode,
+                                   "--prefill-timeout-ms",
+                                   "3000",
+                                   "--stream-idle-timeout-ms",
+                                   "3000",
+                                   "--worker-timeout-ms",
+                                   "60000",
+                                   "--load-poll-ms",
+                                   "200",
+                                   "--max-attempts",
+                                   std::to_string(o.max_attempts)};
+    if (o.no_prefill_fallback) px.push_back("--no-prefill-fallback");
+    px.push_back("--prefill");
+    for (int i = 0; i < 2; ++i) px.push_back(fmt::format("127.0.0.1:{}", workers[i]->port()));
+    px.push_back("--decode");
+    for (int i = 2; i < 4; ++i) px.push_back(fmt::format("127.0.0.1:{}", workers[i]->port()));
+    auto proxy = Start(px, log("proxy"));
+    if (!proxy) return 2;
+
+    // The load.
+    std::mutex mu;
+    uint64_t completed = 0, failed = 0, wrong = 0, hung = 0;
+    std::vector<double> latencies;
+    std::map<std::string, uint64_t> why_failed;
+    std::atomic<bool> stop{false};
+    const milliseconds deadline = seconds(120);
+    std::vector<std::thread> clients;
+    for (int c = 0; c < o.clients; ++c) {
+        clients.emplace_back([&, c] {
+            for (size_t i = size_t(c); !stop.load(); i += size_t(o.clients)) {
+                const Request& r = pool[i % pool.size()];
+                const auto t0 = Clock::now();
+                auto got = http::Fetch(Post(proxy->port(), r.body, deadline));
+                const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+                std::lock_guard lock(mu);
+                if (!got.ok()) {
+                    if (got.status().code() == ferry::Code::kDeadlineExceeded) {
+                        ++hung;
+                    } else {
+                        ++failed;
+                        ++why_failed["connection: " + got.status().message().substr(0, 60)];
+                    }
+                    continue;
+                }
+                const bool whole =
+                    got->status == 200 &&
+                    (!r.stream || (got->body.find("[DONE]") != std::string::npos &&
+                                   got->body.find("\"error\"") == std::string::npos));
+                if (!whole) {
+                    ++failed;
+                    ++why_failed[got->status == 200 ? std::string("an error event mid-stream")
+                                                    : fmt::format("status {}", got->status)];
+                    continue;
+                }
+                if (Tokens(got->body, r.stream) != r.want) {
+                    ++wrong;
+                    fmt::print(stderr, "ferry_soak_pd: WRONG answer to pool request {}: {}\n",
+                               i % pool.size(), got->body.substr(0, 300));
+                    continue;
+                }
+                ++completed;
+                latencies.push_back(s);
+            }
+        });
+    }
+
+    // The chaos: one worker at a time, killed and restarted, or stopped and resumed.
+    std::mt19937_64 g(o.seed * 7919 + 1);
+    uint64_t kills = 0, stops = 0;
+    const auto end = Clock::now() + seconds(o.duration_s);
+    auto next = Clock::now() + milliseconds(std::max(o.chaos_every_ms, 1));
+    while (Clock::now() < end) {
+        std::this_thread::sleep_for(milliseconds(50));
+        if (o.chaos_every_ms <= 0 || Clock::now() < next) continue;
+        ServerProcess& w = *workers[g() % workers.size()];
+        if (g() % 2 == 0) {
+            w.Signal(SIGKILL);
+            ++kills;
+            std::this_thread::sleep_for(milliseconds(300));
+            const ferry::Status st = w.Restart();
+            if (!st.ok()) fmt::print(stderr, "ferry_soak_pd: restart: {}\n", st.ToString());
+        } else {
+            (void)w.Stop();
+            ++stops;
+            std::this_thread::sleep_for(milliseconds(1000 + int(g() % 3000)));
+            w.Signal(SIGCONT);
+        }
+        next = Clock::now() + milliseconds(o.chaos_every_ms);
+    }
+    stop = true;
+    for (auto& t : clients) t.join();
+
+    // Every block given back.
+    int leaks = 0;
+    for (size_t i = 0; i < workers.size(); ++i) {
+        const bool prefill = i < 2;
+        for (const char* m : {"ferry_kv_blocks_used", "ferry_kv_requests_held"}) {
+            if (!prefill && std::string(m) == "ferry_kv_requests_held") continue;
+            if (!workers[i]->WaitMetric(m, 0, seconds(30))) {
+                ++leaks;
+                fmt::print(stderr, "ferry_soak_pd: {} {} kept {} = {}\n",
+                           prefill ? "prefill" : "decode", i % 2, m, workers[i]->Metric(m));
+            }
+        }
+    }
+    auto metric = [&](const char* name) { return uint64_t(std::max(0.0, proxy->Metric(name))); };
+    const uint64_t total = completed + failed + wrong + hung;
+    const auto good = uint64_t(std::count_if(latencies.begin(), latencies.end(),
+                                             [&](double s) { return s * 1000 <= o.slo_ms; }));
+    fmt::print(
+        "ferry_soak_pd: {} {} s, {} kills, {} stops, --max-attempts {}: {} requests: {} completed "
+        "({:.2f}%; within {} ms: {:.2f}%), {} failed, {} wrong, {} hung; retried: prefill {}, "
+        "decode {}, fallback {}, migrated {}; latency p50 {:.3f} s, p99 {:.3f} s; leaks {}\n",
+        o.mode, o.duration_s, kills, stops,
+        fmt::format("{}{}", o.max_attempts, o.no_prefill_fallback ? " (no fallback)" : ""), total,
+        completed, total ? 100.0 * double(completed) / double(total) : 0.0, o.slo_ms,
+        total ? 100.0 * double(good) / double(total) : 0.0, failed, wrong, hung,
+        metric("ferry_proxy_prefill_retried_total"), metric("ferry_proxy_decode_retried_total"),
+        metric("ferry_proxy_prefill_fallback_total"), metric("ferry_proxy_streams_migrated_total"),
+        Percentile(latencies, 0.5), Percentile(latencies, 0.99), leaks);
+    for (const auto& [why, n] : why_failed) fmt::print("  failed {}: {}\n", n, why);
+    return wrong == 0 && hung == 0 && leaks == 0 && completed > 0 ? 0 : 1;
+}
