@@ -67,6 +67,7 @@ struct Options {
     std::string kv_load_failure = "recompute";
     uint64_t seed = 1;
     int slo_ms = 2000;
+    int failover_probes = 0;
     std::string log_dir;
 };
 
@@ -150,6 +151,96 @@ std::vector<std::string> WorkerArgs(const std::string& model, const std::string&
     return a;
 }
 
+// --failover-probes: a stream that runs on a decode worker SIGKILLed after 20 events; the
+// longest silence of the stream around the kill (what the client saw of its migration), and the
+// time from the kill to the proxy's no longer counting the worker as answering. The worker is
+// restarted after each probe. Empty: a probe failed (named on stderr).
+struct Failover {
+    std::vector<double> next_event_s, left_out_s;
+};
+Failover ProbeFailover(int probes, ServerProcess& proxy,
+                       std::vector<std::unique_ptr<ServerProcess>>& workers, const Request& r) {
+    Failover out;
+    auto client = http::Client::Create(1);
+    for (int i = 0; i < probes; ++i) {
+        struct State {
+            std::mutex mu;
+            int events = 0;
+            std::vector<Clock::time_point> at;  // each piece's arrival
+            bool done = false;
+        };
+        auto st = std::make_shared<State>();
+        http::ClientCallbacks cb;
+        cb.on_data = [st](std::string_view d) {
+            std::lock_guard lock(st->mu);
+            for (size_t pos = 0; (pos = d.find("data: ", pos)) != std::string_view::npos;
+                 pos += 6) {
+                ++st->events;
+            }
+            st->at.push_back(Clock::now());
+        };
+        cb.on_done = [st](const ferry::Status&) {
+            std::lock_guard lock(st->mu);
+            st->done = true;
+        };
+        auto call = client->Call(Post(proxy.port(), r.body, seconds(120)), cb);
+        auto events = [&] {
+            std::lock_guard lock(st->mu);
+            return st->events;
+        };
+        const auto until = Clock::now() + seconds(60);
+        while (events() < 20 && Clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
+        ServerProcess* victim = nullptr;
+        for (size_t w = 2; w < workers.size(); ++w) {
+            if (workers[w]->Metric("ferry_num_requests_running") >= 1) victim = workers[w].get();
+        }
+        if (!victim) {
+            fmt::print(stderr, "ferry_soak_pd: failover probe {}: no decode worker runs it\n", i);
+            call->Cancel();
+            continue;
+        }
+        const int before = events();
+        const auto killed = Clock::now();
+        victim->Signal(SIGKILL);
+        const std::string answering =
+            fmt::format("ferry_router_worker_answering{{role=\"decode\",worker=\"127.0.0.1:{}\"}}",
+                        victim->port());
+        (void)before;
+        std::optional<double> left;
+        while (!left && Clock::now() < killed + seconds(30)) {
+            if (proxy.Metric(answering) == 0) {
+                left = std::chrono::duration<double>(Clock::now() - killed).count();
+            }
+            std::this_thread::sleep_for(milliseconds(1));
+        }
+        if (left) out.left_out_s.push_back(*left);
+        auto done = [&] {
+            std::lock_guard lock(st->mu);
+            return st->done;
+        };
+        while (!done() && Clock::now() < until) std::this_thread::sleep_for(milliseconds(5));
+        {
+            // The stream's longest silence around the kill: what the client saw of the failover
+            // (pieces sent before the kill may still arrive after it).
+            std::lock_guard lock(st->mu);
+            double gap = 0;
+            for (size_t k = 1; k < st->at.size(); ++k) {
+                if (st->at[k] < killed) continue;
+                gap = std::max(gap, std::chrono::duration<double>(
+                                        st->at[k] - std::max(st->at[k - 1], killed - seconds(1)))
+                                        .count());
+            }
+            if (st->done && !st->at.empty()) out.next_event_s.push_back(gap);
+        }
+        (void)victim->Restart();
+        const auto back = Clock::now() + seconds(30);
+        while (proxy.Metric(answering) != 1 && Clock::now() < back) {
+            std::this_thread::sleep_for(milliseconds(20));
+        }
+    }
+    return out;
+}
+
 double Percentile(std::vector<double> v, double q) {
     if (v.empty()) return 0;
     std::sort(v.begin(), v.end());
@@ -181,6 +272,10 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--seed", o.seed, "requests and chaos")->capture_default_str();
     app.add_option("--slo-ms", o.slo_ms, "goodput: completed within this latency")
+        ->capture_default_str();
+    app.add_option("--failover-probes", o.failover_probes,
+                   "before the load: this many streams whose decode worker is killed mid-stream, "
+                   "timed (the stream's longest silence; kill to the proxy leaving the worker out)")
         ->capture_default_str();
     app.add_option("--log-dir", o.log_dir, "the processes' logs (default: this one's stderr)");
     CLI11_PARSE(app, argc, argv);
@@ -232,6 +327,20 @@ int main(int argc, char** argv) {
     for (int i = 2; i < 4; ++i) px.push_back(fmt::format("127.0.0.1:{}", workers[i]->port()));
     auto proxy = Start(px, log("proxy"));
     if (!proxy) return 2;
+
+    if (o.failover_probes > 0) {
+        const Request* longest = &pool[0];
+        for (const Request& r : pool) {
+            if (r.stream && r.body["max_tokens"] > longest->body["max_tokens"]) longest = &r;
+        }
+        Failover f = ProbeFailover(o.failover_probes, *proxy, workers, *longest);
+        fmt::print(
+            "ferry_soak_pd: failover of a stream whose decode worker was SIGKILLed ({} probes): "
+            "the stream's longest silence p50 {:.3f} s (max {:.3f}); kill to the proxy leaving "
+            "the worker out p50 {:.3f} s (max {:.3f})\n",
+            f.next_event_s.size(), Percentile(f.next_event_s, 0.5), Percentile(f.next_event_s, 1),
+            Percentile(f.left_out_s, 0.5), Percentile(f.left_out_s, 1));
+    }
 
     // The load.
     std::mutex mu;
