@@ -39,7 +39,42 @@ int DataEvents(const std::string& body) {
     return n;
 }
 
-class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::string> {};
+class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::string> {
+  protected:
+    // A colocated reference, one prefill and two decode workers, and a proxy over them.
+    struct Parts {
+        std::unique_ptr<ServerProcess> colocated, prefill;
+        std::vector<std::unique_ptr<ServerProcess>> decode;
+        std::unique_ptr<ServerProcess> proxy;
+    };
+    class OnePrefillTwoDecode {
+      public:
+        explicit OnePrefillTwoDecode(const std::string& mode,
+                                     const std::vector<std::string>& proxy_args = {}) {
+            p_.colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+            p_.prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
+            for (int i = 0; i < 2; ++i)
+                p_.decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
+            if (p_.colocated && p_.prefill && p_.decode[0] && p_.decode[1]) {
+                p_.proxy = Proxy(mode, {p_.prefill.get()}, {p_.decode[0].get(), p_.decode[1].get()},
+                                 proxy_args);
+            }
+        }
+        bool up() const { return p_.proxy != nullptr; }
+        Parts& parts() { return p_; }
+
+      private:
+        Parts p_;
+    };
+    // The decode worker running the (one) request now; -1 when none is.
+    static int Running(const std::vector<std::unique_ptr<ServerProcess>>& decode) {
+        int running = -1;
+        for (int i = 0; i < int(decode.size()); ++i) {
+            if (decode[size_t(i)]->Metric("ferry_num_requests_running") == 1) running = i;
+        }
+        return running;
+    }
+};
 
 // A decode worker SIGKILLed mid-stream: the proxy migrates the stream to the other decode
 // worker with the tokens already sent, and the client's stream goes on: the whole answer equals
@@ -47,14 +82,9 @@ class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::s
 // counts the original prompt and every output token, and no token id field the client did not
 // ask for.
 TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
-    const std::string mode = GetParam();
-    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
-    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
-    std::vector<std::unique_ptr<ServerProcess>> decode;
-    for (int i = 0; i < 2; ++i) decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
-    ASSERT_TRUE(colocated && prefill && decode[0] && decode[1]);
-    auto proxy = Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()});
-    ASSERT_TRUE(proxy);
+    OnePrefillTwoDecode d(GetParam());
+    ASSERT_TRUE(d.up());
+    auto& [colocated, prefill, decode, proxy] = d.parts();
     constexpr int kTokens = 600;
     Json chat = {{"messages", {{{"role", "user"}, {"content", "where does the next ferry go?"}}}},
                  {"max_tokens", kTokens},
@@ -74,10 +104,7 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
         Background b(proxy->port(), body);
         ASSERT_TRUE(testing::WaitUntil([&] { return DataEvents(b.body()) >= 20; }));
         // The decode worker running it, killed.
-        int victim = -1;
-        for (int i = 0; i < 2; ++i) {
-            if (decode[i]->Metric("ferry_num_requests_running") == 1) victim = i;
-        }
+        const int victim = Running(decode);
         ASSERT_GE(victim, 0) << "no decode worker runs the request";
         decode[victim]->Signal(SIGKILL);
         ASSERT_TRUE(b.Wait(std::chrono::seconds(120)));
@@ -114,23 +141,14 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
 // the stream migrates to the other decode worker and the answer equals colocated; the stopped
 // worker, resumed, finds its client gone and frees the request's blocks.
 TEST_P(PdFailover, ADecodeWorkerStalledMidStreamHasItsStreamMigratedAtTheIdleDeadline) {
-    const std::string mode = GetParam();
-    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
-    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
-    std::vector<std::unique_ptr<ServerProcess>> decode;
-    for (int i = 0; i < 2; ++i) decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
-    ASSERT_TRUE(colocated && prefill && decode[0] && decode[1]);
-    auto proxy = Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()},
-                       {"--stream-idle-timeout-ms", "1000"});
-    ASSERT_TRUE(proxy);
+    OnePrefillTwoDecode d(GetParam(), {"--stream-idle-timeout-ms", "1000"});
+    ASSERT_TRUE(d.up());
+    auto& [colocated, prefill, decode, proxy] = d.parts();
     Json body = CompletionBody(RandomPrompt(200, 71), 400, true, 5);
     const auto want = SendAll(colocated->port(), {body});
     Background b(proxy->port(), body);
     ASSERT_TRUE(testing::WaitUntil([&] { return DataEvents(b.body()) >= 10; }));
-    int victim = -1;
-    for (int i = 0; i < 2; ++i) {
-        if (decode[i]->Metric("ferry_num_requests_running") == 1) victim = i;
-    }
+    const int victim = Running(decode);
     ASSERT_GE(victim, 0) << "no decode worker runs the request";
     ASSERT_TRUE(decode[victim]->Stop());
     ASSERT_TRUE(b.Wait(std::chrono::seconds(120)));
@@ -200,14 +218,9 @@ TEST_P(PdFailover, FailedPrefillWorkersHaveTheirRequestsPrefilledElsewhere) {
 // worker's hold read by the other; push: the hand-off planned again), and the prefill worker
 // holds nothing afterwards.
 TEST_P(PdFailover, ADecodeWorkerLostBeforeItsFirstByteHasTheRequestSentToAnother) {
-    const std::string mode = GetParam();
-    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
-    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
-    std::vector<std::unique_ptr<ServerProcess>> decode;
-    for (int i = 0; i < 2; ++i) decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
-    ASSERT_TRUE(colocated && prefill && decode[0] && decode[1]);
-    auto proxy = Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()});
-    ASSERT_TRUE(proxy);
+    OnePrefillTwoDecode d(GetParam());
+    ASSERT_TRUE(d.up());
+    auto& [colocated, prefill, decode, proxy] = d.parts();
     std::vector<Json> bodies;
     for (int i = 0; i < 6; ++i) {
         bodies.push_back(CompletionBody(RandomPrompt(150 + 70 * i, 50 + i), 8, i % 2 == 0));
