@@ -84,7 +84,12 @@ class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::s
 TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
     OnePrefillTwoDecode d(GetParam());
     ASSERT_TRUE(d.up());
-    auto& [colocated, prefill, decode, proxy] = d.parts();
+    // References, not a structured binding: clang 14 cannot capture those in a lambda.
+    Parts& parts = d.parts();
+    auto& colocated = parts.colocated;
+    auto& prefill = parts.prefill;
+    auto& decode = parts.decode;
+    auto& proxy = parts.proxy;
     constexpr int kTokens = 600;
     Json chat = {{"messages", {{{"role", "user"}, {"content", "where does the next ferry go?"}}}},
                  {"max_tokens", kTokens},
@@ -143,7 +148,12 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
 TEST_P(PdFailover, ADecodeWorkerStalledMidStreamHasItsStreamMigratedAtTheIdleDeadline) {
     OnePrefillTwoDecode d(GetParam(), {"--stream-idle-timeout-ms", "1000"});
     ASSERT_TRUE(d.up());
-    auto& [colocated, prefill, decode, proxy] = d.parts();
+    // References, not a structured binding: clang 14 cannot capture those in a lambda.
+    Parts& parts = d.parts();
+    auto& colocated = parts.colocated;
+    auto& prefill = parts.prefill;
+    auto& decode = parts.decode;
+    auto& proxy = parts.proxy;
     Json body = CompletionBody(RandomPrompt(200, 71), 400, true, 5);
     const auto want = SendAll(colocated->port(), {body});
     Background b(proxy->port(), body);
@@ -220,7 +230,12 @@ TEST_P(PdFailover, FailedPrefillWorkersHaveTheirRequestsPrefilledElsewhere) {
 TEST_P(PdFailover, ADecodeWorkerLostBeforeItsFirstByteHasTheRequestSentToAnother) {
     OnePrefillTwoDecode d(GetParam());
     ASSERT_TRUE(d.up());
-    auto& [colocated, prefill, decode, proxy] = d.parts();
+    // References, not a structured binding: clang 14 cannot capture those in a lambda.
+    Parts& parts = d.parts();
+    auto& colocated = parts.colocated;
+    auto& prefill = parts.prefill;
+    auto& decode = parts.decode;
+    auto& proxy = parts.proxy;
     std::vector<Json> bodies;
     for (int i = 0; i < 6; ++i) {
         bodies.push_back(CompletionBody(RandomPrompt(150 + 70 * i, 50 + i), 8, i % 2 == 0));
