@@ -190,9 +190,9 @@ TEST_F(EpdProcess, EncodeWorkersAreFoundInTheStoreAndFollowedOut) {
     EXPECT_GT(prefill->Metric("ferry_mm_images_encoded_total"), 0);
 }
 
-// With two encode workers, one SIGKILLed: a request whose images it was to take is encoded by
-// the other (the proxy's retry), none is left to the consumers, and every answer equals
-// colocated.
+// With two encode workers, one SIGKILLed: a request whose images it was to take (the first
+// body's owner, found by sending it once) is encoded by the other (the proxy's retry), none is
+// left to the consumers, and every answer equals colocated.
 TEST_F(EpdProcess, AKilledEncodeWorkersImagesAreEncodedByAnother) {
     testing::SecretFile secret("epd-retry");
     const std::vector<std::string> ec = {"--ec-connector", "transfer", "--secret-file",
@@ -208,9 +208,12 @@ TEST_F(EpdProcess, AKilledEncodeWorkersImagesAreEncodedByAnother) {
     ASSERT_TRUE(px);
     const std::vector<Json> bodies = Bodies(testing::kSanitized ? 4 : 8, 300);
     const std::vector<Answer> want = SendAll(colocated->port(), bodies, 4);
-    e1->Kill();  // SIGKILL
+    ExpectSameTokens(SendAll(px->port(), {bodies[0]}, 1), {want[0]}, "before");
+    ServerProcess* owner = e1->Metric("ferry_mm_images_encoded_total") > 0 ? e1.get() : e2.get();
+    ASSERT_GT(owner->Metric("ferry_mm_images_encoded_total"), 0);
+    owner->Kill();  // SIGKILL
     ExpectSameTokens(SendAll(px->port(), bodies, 1), want, "one encode worker killed");
-    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), double(bodies.size()));
+    EXPECT_EQ(px->Metric("ferry_proxy_encoded_total"), double(bodies.size() + 1));
     EXPECT_EQ(px->Metric("ferry_proxy_encode_failed_total"), 0);
     EXPECT_GE(px->Metric("ferry_proxy_encode_retried_total"), 1);
     EXPECT_EQ(px->Metric("ferry_proxy_encoders_quarantined"), 1);
