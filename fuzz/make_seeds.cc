@@ -208,6 +208,7 @@ int main(int argc, char** argv) {
             {"release", msg::HoldEnd{msg::HoldEnd::Kind::kRelease, "r1", nonce}},
             {"hold-renew", msg::HoldRenew{"r1", nonce, 3000}},
             {"push-target", msg::PushTarget{"x1", "l1", {0, 1}, 0, 20, prompt}},
+            {"push-alive", msg::PushAlive{"x1", "l1", 3000}},
             {"push-cancel", msg::PushCancel{"x1", "l1"}},
             {"push-done", msg::PushEnd{msg::PushEnd::Kind::kDone, "x1", "l1", first, ""}},
             {"push-failed",

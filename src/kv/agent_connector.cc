@@ -351,6 +351,10 @@ Status AgentKvConnector::Admit(const ConnectorRequest& r) {
             }
             if (!st.ok()) return st;
         }
+        if (p.mode == KvTransferMode::kPush) {
+            a.push_xid = p.transfer_id;
+            a.renew_at = SteadyClock::now() + m.cfg.hold_renew_interval;
+        }
     } else {
         a.load = true;
         a.peer = p.remote_engine_id;

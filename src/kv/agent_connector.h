@@ -48,7 +48,13 @@ struct AgentConnectorOptions {
     // pull, the decoder: while a request it was given a hold for waits to claim it (queued
     // behind others), it renews the hold this often, each time for three intervals (the holder
     // grants at most hold_lease): a long queue does not lose its holds, and a decoder that dies
-    // stops renewing, so its holds come back within three intervals. 0: no renewals.
+    // stops renewing, so its holds come back within three intervals.
+    // push, the prefill worker: while a request bound to a decoder's blocks is queued or
+    // computing, it tells the decoder to go on waiting this often (push-alive), for three
+    // intervals each time (the decoder grants at most bootstrap_timeout + transfer_timeout from
+    // now): a long prefill queue does not fail its decoders, and a prefill worker stopped or
+    // wedged stops renewing, so its decoders free their blocks within three intervals.
+    // 0: no renewals.
     std::chrono::milliseconds hold_renew_interval{1000};
     // A load or push not finished this long after it started fails (DeadlineExceeded).
     std::chrono::milliseconds transfer_timeout{10000};
@@ -128,6 +134,9 @@ struct KvConnectorStats {
     // pull: hold renewals sent (decode side) and granted (prefill side).
     uint64_t holds_renewals_sent = 0;
     uint64_t holds_renewed = 0;
+    // push: push-alive messages sent (prefill side) and waits extended by them (decode side).
+    uint64_t push_renewals_sent = 0;
+    uint64_t pushes_renewed = 0;
     // --kv-verify: loads whose checksums were compared, and those that differed; units checked.
     uint64_t verified = 0;
     uint64_t verify_mismatches = 0;

@@ -54,6 +54,7 @@ void AgentKvConnector::Impl::FailLoad(const std::string& id, Status st, const st
         // release them once it says it has (or is gone, or cannot be writing any more).
         (void)Send(ld.peer, msg::PushCancel{ld.params.transfer_id, id});
         ld.state = Load::State::kCancelling;
+        ld.cause = st;
         ld.deadline = SteadyClock::now() + cfg.transfer_timeout + std::chrono::seconds(1);
         FERRY_LOG(kInfo, "kv: request {} cancelling: {}", Esc(id), st.ToString());
         CountFailure(st, reason);
@@ -182,8 +183,7 @@ void AgentKvConnector::Impl::PumpLoads(SteadyClock::time_point now) {
         auto it = loads.find(id);
         if (it == loads.end()) continue;
         if (it->second.state == Load::State::kCancelling) {
-            Emit({ConnectorEvent::Kind::kFailed, id, CancelledError("kv transfer cancelled"),
-                  std::nullopt});
+            Emit({ConnectorEvent::Kind::kFailed, id, it->second.Cause(), std::nullopt});
             loads.erase(it);
             continue;
         }

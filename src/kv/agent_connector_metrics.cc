@@ -86,6 +86,12 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
     w.Counter("ferry_kv_connector_holds_renewed_total",
               "pull, prefill side: renewals granted to the decoders of held requests.",
               double(s.holds_renewed));
+    w.Counter("ferry_kv_connector_push_renewals_sent_total",
+              "push, prefill side: push-alive messages to the decoders of bound requests.",
+              double(s.push_renewals_sent));
+    w.Counter("ferry_kv_connector_pushes_renewed_total",
+              "push, decode side: waits for a prefill worker's writes extended by its push-alive.",
+              double(s.pushes_renewed));
     w.Counter("ferry_kv_connector_verified_total",
               "Received KV whose checksums were compared with the sender's (--kv-verify).",
               double(s.verified));

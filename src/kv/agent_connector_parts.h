@@ -118,6 +118,9 @@ struct Load {
     std::vector<uint64_t> sums;
     uint64_t bytes = 0;
     SteadyClock::time_point started, deadline;
+    // kCancelling: why the load failed (what the request is told once the sender stopped).
+    Status cause;
+    Status Cause() const { return cause.ok() ? CancelledError("kv transfer cancelled") : cause; }
 };
 
 // pull: a finished prefill request's blocks, held for a reader.
@@ -152,6 +155,8 @@ struct Push {
     uint64_t bytes = 0;
     bool timing = false;
     SteadyClock::time_point started, deadline, computed;
+    // From binding on: when the decoder is next told to go on waiting (push-alive).
+    SteadyClock::time_point renew_at;
 };
 
 // push: a decoder's block list that came before its prefill request.
@@ -184,6 +189,10 @@ struct Admission {
     // (AgentConnectorOptions::hold_renew_interval).
     std::string hold_rid, hold_nonce;
     SteadyClock::time_point renew_at;
+    // push, prefill: the transfer id its decoder's blocks come under. While the request waits in
+    // the engine's queue, the decoders whose targets came for it are told to go on waiting
+    // (push-alive), from `renew_at` on.
+    std::string push_xid;
 };
 
 struct PlannedWrite {

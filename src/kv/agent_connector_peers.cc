@@ -175,8 +175,7 @@ void AgentKvConnector::Impl::PeerGone(const std::string& name, const Status& st)
     for (const std::string& id : ids) {
         auto it = loads.find(id);
         if (it != loads.end() && it->second.state == Load::State::kCancelling) {
-            Emit({ConnectorEvent::Kind::kFailed, id, CancelledError("kv transfer cancelled"),
-                  std::nullopt});
+            Emit({ConnectorEvent::Kind::kFailed, id, it->second.Cause(), std::nullopt});
             loads.erase(it);
             continue;
         }

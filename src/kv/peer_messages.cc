@@ -97,6 +97,9 @@ Json EncodeJson(const PushTarget& m) {
     if (m.verify) j["verify"] = VerifyJson(*m.verify);
     return j;
 }
+Json EncodeJson(const PushAlive& m) {
+    return Json{{"t", "push-alive"}, {"xid", m.xid}, {"lid", m.lid}, {"lease_ms", m.lease_ms}};
+}
 Json EncodeJson(const PushCancel& m) {
     return Json{{"t", "push-cancel"}, {"xid", m.xid}, {"lid", m.lid}};
 }
@@ -267,6 +270,14 @@ Result<PeerMessage> DecodePushTarget(const JsonFields& f) {
     return PeerMessage(std::move(m));
 }
 
+Result<PeerMessage> DecodePushAlive(const JsonFields& f) {
+    PushAlive m;
+    FERRY_ASSIGN_OR_RETURN(m.xid, f.String("xid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.lid, f.String("lid", kMaxIdChars));
+    FERRY_ASSIGN_OR_RETURN(m.lease_ms, SmallInt(f, "lease_ms", 1, 600000));
+    return PeerMessage(std::move(m));
+}
+
 Result<PeerMessage> DecodePushCancel(const JsonFields& f) {
     PushCancel m;
     FERRY_ASSIGN_OR_RETURN(m.xid, f.String("xid", kMaxIdChars));
@@ -319,6 +330,7 @@ std::string_view TypeOf(const PeerMessage& m) {
             },
             [](const HoldRenew&) -> std::string_view { return "hold-renew"; },
             [](const PushTarget&) -> std::string_view { return "push-target"; },
+            [](const PushAlive&) -> std::string_view { return "push-alive"; },
             [](const PushCancel&) -> std::string_view { return "push-cancel"; },
             [](const PushEnd& p) -> std::string_view {
                 return p.kind == PushEnd::Kind::kDone     ? "push-done"
@@ -359,6 +371,8 @@ Result<PeerMessage> Decode(std::string_view payload, std::string* type) {
         m = DecodeHoldRenew(f);
     } else if (t == "push-target") {
         m = DecodePushTarget(f);
+    } else if (t == "push-alive") {
+        m = DecodePushAlive(f);
     } else if (t == "push-cancel") {
         m = DecodePushCancel(f);
     } else if (t == "push-done") {

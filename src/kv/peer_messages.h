@@ -132,6 +132,15 @@ struct PushTarget {
     std::optional<VerifyRequest> verify = std::nullopt;
 };
 
+// push: the prefill worker that has a decoder's blocks bound to a request it has not finished
+// yet (queued or computing) tells the decoder to wait `lease_ms` more, from now; sent again
+// before that lapses. A long prefill queue keeps its decoders waiting; a prefill worker that is
+// stopped or wedged stops saying so, and its decoders free their blocks that soon after.
+struct PushAlive {
+    std::string xid, lid;
+    int lease_ms = 0;  // 1..600000; the decoder grants at most its own whole wait
+};
+
 // push: the decoder stops a transfer.
 struct PushCancel {
     std::string xid, lid;
@@ -146,8 +155,8 @@ struct PushEnd {
     std::vector<uint64_t> sums = {};  // kDone, when the push-target asked to verify
 };
 
-using PeerMessage =
-    std::variant<Hello, Claim, ClaimAck, HoldEnd, HoldRenew, PushTarget, PushCancel, PushEnd>;
+using PeerMessage = std::variant<Hello, Claim, ClaimAck, HoldEnd, HoldRenew, PushTarget, PushAlive,
+                                 PushCancel, PushEnd>;
 
 // The wire name of a message ("hello-ack", "claim", ...).
 std::string_view TypeOf(const PeerMessage& m);

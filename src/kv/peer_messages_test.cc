@@ -52,6 +52,7 @@ std::vector<PeerMessage> Every() {
         HoldRenew{"rid-1", kNonce, 3000},
         PushTarget{"x-1", "lid-1", {3, 4}, 16, 40, kPrompt},
         PushTarget{"x-1", "lid-1", {3, 4}, 16, 40, kPrompt, VerifyRequest{16, 40, {1}}},
+        PushAlive{"x-1", "lid-1", 3000},
         PushCancel{"x-1", "lid-1"},
         PushEnd{PushEnd::Kind::kDone, "x-1", "lid-1", First(), ""},
         PushEnd{PushEnd::Kind::kDone, "x-1", "lid-1", First(), "", {42, 1}},
@@ -102,6 +103,10 @@ bool Same(const PeerMessage& a, const PeerMessage& b) {
     if (auto* x = std::get_if<HoldRenew>(&a)) {
         auto& y = std::get<HoldRenew>(b);
         return x->rid == y.rid && x->nonce == y.nonce && x->lease_ms == y.lease_ms;
+    }
+    if (auto* x = std::get_if<PushAlive>(&a)) {
+        auto& y = std::get<PushAlive>(b);
+        return x->xid == y.xid && x->lid == y.lid && x->lease_ms == y.lease_ms;
     }
     if (auto* x = std::get_if<PushTarget>(&a)) {
         auto& y = std::get<PushTarget>(b);
@@ -215,6 +220,8 @@ TEST(PeerMessages, BadValuesAreRefused) {
             "lease_ms": 0})",
         R"({"t": "hold-renew", "rid": "r", "nonce": "00000000000000000000000000000000",
             "lease_ms": 600001})",
+        R"({"t": "push-alive", "xid": "x", "lid": "l", "lease_ms": 0})",
+        R"({"t": "push-alive", "xid": "x", "lid": "l"})",
         // --kv-verify: a range that is empty, units out of range, checksums that are not 16
         // lowercase hex digits.
         R"({"t": "push-target", "xid": "x", "lid": "l", "blocks": [1], "from": 0, "len": 1,

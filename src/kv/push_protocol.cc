@@ -45,6 +45,8 @@ bool PushProtocol::BindTarget(const std::string& id, Push& ps, Target t, bool* m
     ps.target = std::move(t.blocks);
     ps.next_send = t.from;
     ps.verify = std::move(t.verify);
+    // The first push-alive one interval from now: a request that finishes sooner sends none.
+    ps.renew_at = SteadyClock::now() + m_.cfg.hold_renew_interval;
     FERRY_LOG(kInfo, "kv: request {} has its target: '{}' from token {} (transfer {})", Esc(id),
               Esc(ps.peer), ps.next_send, Esc(ps.xid));
     return true;
@@ -180,6 +182,63 @@ Status PushProtocol::On(const std::string& from, msg::PushCancel& m) {
     return Status::Ok();
 }
 
+// The decode side: the prefill worker still has our blocks bound to its request (queued or
+// computing): wait `lease_ms` more from now, at most the whole first wait, and never past
+// kMaxPushWait from the start. A renewal may shorten the first wait: a prefill worker that then
+// stops renewing (stopped, wedged) has our blocks freed that soon after.
+Status PushProtocol::On(const std::string& from, msg::PushAlive& m) {
+    auto it = m_.loads.find(m.lid);
+    if (it == m_.loads.end() || it->second.peer != from ||
+        it->second.params.mode != KvTransferMode::kPush || it->second.params.transfer_id != m.xid) {
+        return NotFoundError(fmt::format("no push load '{}' from this peer", Esc(m.lid)));
+    }
+    Load& ld = it->second;
+    if (ld.state != Load::State::kWaitingForInput) return Status::Ok();
+    const auto whole = m_.cfg.bootstrap_timeout + m_.cfg.transfer_timeout;
+    ld.deadline = std::min(SteadyClock::now() + std::min<std::chrono::milliseconds>(
+                                                    std::chrono::milliseconds(m.lease_ms), whole),
+                           ld.started + kMaxPushWait);
+    ++m_.stats.pushes_renewed;
+    return Status::Ok();
+}
+
+// The prefill side: every push bound to its decoder's blocks and not ended, and every request
+// queued here whose decoder's target came already, tells the decoder to go on waiting, each
+// interval, for three intervals. Runs on the connector's pump thread, so a
+// busy engine still renews and a stopped process does not.
+void PushProtocol::RenewBound(SteadyClock::time_point now) {
+    const auto every = m_.cfg.hold_renew_interval;
+    if (every.count() <= 0) return;
+    const int lease = static_cast<int>(std::min<int64_t>(3 * every.count(), 600000));
+    for (auto& [id, ps] : pushes_) {
+        if (ps.state == Push::State::kBootstrapping || ps.cancelled || ps.peer.empty() ||
+            now < ps.renew_at) {
+            continue;
+        }
+        ps.renew_at = now + every;
+        if (m_.Send(ps.peer, msg::PushAlive{ps.xid, ps.lid, lease}).ok()) {
+            ++m_.stats.push_renewals_sent;
+        }
+    }
+    // Requests still in the engine's queue (not yet scheduled, so no push yet): the decoders
+    // whose targets already came for them.
+    for (auto& [id, a] : m_.admitted) {
+        if (a.push_xid.empty() || now < a.renew_at) continue;
+        if (push_by_xid_.count(a.push_xid)) {
+            a.push_xid.clear();  // scheduled: renewed as a push from here
+            continue;
+        }
+        auto early = targets_.find(a.push_xid);
+        if (early == targets_.end()) continue;
+        a.renew_at = now + every;
+        for (const Target& t : early->second) {
+            if (m_.Send(t.peer, msg::PushAlive{a.push_xid, t.lid, lease}).ok()) {
+                ++m_.stats.push_renewals_sent;
+            }
+        }
+    }
+}
+
 Status PushProtocol::On(const std::string& from, msg::PushEnd& m) {
     auto it = m_.loads.find(m.lid);
     if (it == m_.loads.end() || it->second.peer != from ||
@@ -188,8 +247,7 @@ Status PushProtocol::On(const std::string& from, msg::PushEnd& m) {
     }
     Load& ld = it->second;
     if (ld.state == Load::State::kCancelling) {
-        m_.Emit({ConnectorEvent::Kind::kFailed, m.lid, CancelledError("kv transfer cancelled"),
-                 std::nullopt});
+        m_.Emit({ConnectorEvent::Kind::kFailed, m.lid, ld.Cause(), std::nullopt});
         m_.loads.erase(it);
         return Status::Ok();
     }
@@ -398,6 +456,7 @@ void PushProtocol::Pump(SteadyClock::time_point now) {
                                    fmt::format("kv push {} did not finish in time", Esc(ps.xid))));
         }
     }
+    RenewBound(now);
     for (auto& [id, ok, st] : ended) {
         const bool was_bootstrapping =
             pushes_.count(id) && pushes_[id].state == Push::State::kBootstrapping;

@@ -47,6 +47,7 @@ class PushProtocol final : public TransferProtocol, public LayerHook {
 
     // The peer messages of this protocol.
     Status On(const std::string& from, msg::PushTarget& m);
+    Status On(const std::string& from, msg::PushAlive& m);
     Status On(const std::string& from, msg::PushCancel& m);
     Status On(const std::string& from, msg::PushEnd& m);
 
@@ -67,6 +68,8 @@ class PushProtocol final : public TransferProtocol, public LayerHook {
     // learns one cannot fail another's request); other faults fail the request.
     bool BindTarget(const std::string& id, connector_parts::Push& ps, connector_parts::Target t,
                     bool* mismatch);
+    // Prefill side, from Pump: push-alive to the decoders of bound pushes, each interval.
+    void RenewBound(connector_parts::SteadyClock::time_point now);
     // A finished push: tell the decoder, free the blocks.
     void EndPush(const std::string& id, bool ok, const Status& err);
 
@@ -77,6 +80,8 @@ class PushProtocol final : public TransferProtocol, public LayerHook {
     // at most kMaxEarlyTargets (a stranger's target cannot displace the rightful decoder's).
     std::map<std::string, std::vector<connector_parts::Target>> targets_;
     static constexpr size_t kMaxEarlyTargets = 4;
+    // The decoder waits at most this long in all, however often the prefill worker renews.
+    static constexpr std::chrono::minutes kMaxPushWait{10};
     // Transfer ids a decoder cancelled before its prefill request came, until the bootstrap
     // timeout (the request then fails at once instead of waiting for it).
     std::map<std::string, connector_parts::SteadyClock::time_point> cancelled_xids_;

@@ -94,6 +94,7 @@ struct WorkerOptions {
     int fault_head_offset = 0;  // a mapping bug on purpose (AgentConnectorConfig)
     std::chrono::milliseconds hold_renew_interval{1000};
     bool manual_steps = false;  // the engine steps only when the test calls Step
+    std::chrono::milliseconds bootstrap_timeout{30000};
 };
 
 // One worker as `ferry serve` assembles it (serve::Worker), without its HTTP server: an Agent,
@@ -139,6 +140,7 @@ Worker MakeWorker(const std::string& name, const std::string& backend,
     options.hold_lease = o.hold_lease;
     options.hold_renew_interval = o.hold_renew_interval;
     options.transfer_timeout = o.transfer_timeout;
+    options.bootstrap_timeout = o.bootstrap_timeout;
     options.verify = o.verify;
     options.canary = o.canary;
     c.kv_connector_options = kv::AgentConnectorOptionsJson(options);
@@ -1146,6 +1148,75 @@ TEST_F(Disagg, StalledDecodersRenewTheirHoldsAndADeadOnesHoldsComeBackSoon) {
     EXPECT_TRUE(WaitStats(prefill.engine.get(), [](const auto& s) { return s.kv_held == 0; }));
     EXPECT_LT(std::chrono::steady_clock::now() - died, std::chrono::seconds(5));
     EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 1u);
+}
+
+// push: a prefill worker whose request is queued (not yet scheduled) or bound to a decoder's
+// blocks but not run yet (its engine stalled here: it steps only when the test says, as a
+// worker busy or wedged for seconds would) tells the decoder to go on waiting (push-alive): the
+// decoder's 0.6 s wait is outlived and the answer equals colocated. Without push-alive the
+// decoder gives up at its deadline.
+TEST_F(Disagg, APushDecoderWaitsAsLongAsItsPrefillWorkerSaysItIsAlive) {
+    const auto prompt = Prompt(60, 8);
+    const auto want = Colocated({{"q", prompt}}, Greedy(4));
+    for (auto [renew_ms, scheduled] : {std::pair{100, true}, {100, false}, {0, true}}) {
+        SCOPED_TRACE(renew_ms ? "renewed" : "not renewed");
+        SCOPED_TRACE(scheduled ? "bound to its target" : "queued");
+        const std::string tag = fmt::format("{}{}", renew_ms, scheduled ? "b" : "q");
+        Worker prefill = MakeWorker(
+            "prefill-pa" + tag, "shm", Model(1),
+            {.hold_renew_interval = std::chrono::milliseconds(renew_ms), .manual_steps = true});
+        Worker decode = MakeWorker("decode-pa" + tag, "shm", Model(1),
+                                   {.transfer_timeout = std::chrono::milliseconds(300),
+                                    .bootstrap_timeout = std::chrono::milliseconds(300)});
+        Answers pa, da;
+        const std::string xid = "push-alive-" + tag;
+        // The prefill request first: scheduled once (parked until its decoder's blocks come,
+        // which binds them to it), or not at all (queued: the blocks wait as an early target).
+        FERRY_ASSERT_OK(
+            Submit(prefill.engine.get(), &pa, "q", prompt, Greedy(1), PushPrefillParams(xid)));
+        if (scheduled) {
+            ASSERT_TRUE(testing::WaitUntil([&] {
+                prefill.engine->Step();
+                return prefill.conn->Stats().bootstrapping == 1;
+            }));
+        }
+        FERRY_ASSERT_OK(Submit(decode.engine.get(), &da, "q", prompt, Greedy(4),
+                               PushDecodeParams(xid, prefill)));
+        // The decoder waits for the writes, the prefill engine does not step.
+        ASSERT_TRUE(
+            testing::WaitUntil([&] { return decode.conn->Stats().waiting_for_input == 1; }));
+        if (scheduled) {
+            ASSERT_TRUE(
+                testing::WaitUntil([&] { return prefill.conn->Stats().bootstrapping == 0; }));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // 2.5 whole waits
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!pa.Wait({"q"}, std::chrono::milliseconds(1)) &&
+               std::chrono::steady_clock::now() < until) {
+            prefill.engine->Step();
+        }
+        ASSERT_TRUE(da.Wait({"q"}));
+        if (renew_ms) {
+            EXPECT_EQ(da.Get("q").finish, FinishReason::kLength) << da.Get("q").error.ToString();
+            EXPECT_EQ(da.Get("q").tokens, want.at("q").tokens);
+            EXPECT_GE(prefill.conn->Stats().push_renewals_sent, 10u);
+            EXPECT_GE(decode.conn->Stats().pushes_renewed, 10u);
+        } else {
+            EXPECT_EQ(da.Get("q").finish, FinishReason::kError);
+            EXPECT_THAT(da.Get("q").error, StatusHas(Code::kDeadlineExceeded, "in time"));
+            EXPECT_EQ(decode.conn->Stats().pushes_renewed, 0u);
+        }
+        EXPECT_TRUE(WaitStats(decode.engine.get(), [](const auto& s) {
+            return s.kv_blocks_used == 0 && s.kv_loading == 0;
+        }));
+        const auto drained = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (prefill.engine->Stats().kv_blocks_used != 0 &&
+               std::chrono::steady_clock::now() < drained) {
+            prefill.engine->Step();
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        EXPECT_EQ(prefill.engine->Stats().kv_blocks_used, 0);
+    }
 }
 
 TEST_F(Disagg, APrefillWorkerThatDiesWhileADecoderWaitsFailsTheRequestWithinSeconds) {

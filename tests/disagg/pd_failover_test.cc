@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "disagg/pd_harness.h"
+#include "schema/kv_transfer_params.h"
 #include "testing/testing.h"
 
 namespace ferry::pd_test {
@@ -251,6 +252,165 @@ TEST_P(PdFailover, ADecodeWorkerLostBeforeItsFirstByteHasTheRequestSentToAnother
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
     EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
     EXPECT_TRUE(decode[1]->WaitMetric("ferry_kv_blocks_used", 0));
+}
+
+// The router (`ferry proxy`) SIGKILLed with requests in flight at every stage (streams being
+// decoded, long prompts being prefilled or handed off, and for pull holds no decoder came for
+// yet) and started again on its port: its clients' connections end with it, since nothing else
+// holds state for them; every worker aborts the requests whose caller went away and gives their
+// blocks back (a pull hold nobody claims, by its lease); the new router serves as colocated at
+// once.
+TEST_P(PdFailover, ARouterKilledMidRequestLeavesNothingBehindAndItsSuccessorServes) {
+    const std::string mode = GetParam();
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    auto prefill = StartOrDie(WorkerArgs("prefill", "shm", 1, {"--kv-hold-lease-ms", "2000"}));
+    std::vector<std::unique_ptr<ServerProcess>> decode;
+    for (int i = 0; i < 2; ++i) decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
+    ASSERT_TRUE(colocated && prefill && decode[0] && decode[1]);
+    auto proxy = Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()});
+    ASSERT_TRUE(proxy);
+    std::vector<std::unique_ptr<Background>> inflight;
+    for (int i = 0; i < 4; ++i) {
+        inflight.push_back(std::make_unique<Background>(
+            proxy->port(), CompletionBody(RandomPrompt(100, 200 + i), 3000, true)));
+    }
+    ASSERT_TRUE(testing::WaitUntil([&] { return DataEvents(inflight[0]->body()) >= 10; }));
+    for (int i = 0; i < 6; ++i) {
+        inflight.push_back(std::make_unique<Background>(
+            proxy->port(), CompletionBody(RandomPrompt(1500, 210 + i), 8, i % 2 == 0)));
+    }
+    ASSERT_TRUE(
+        testing::WaitUntil([&] { return prefill->Metric("ferry_num_requests_running") >= 1; }));
+    proxy->Signal(SIGKILL);
+    for (auto& b : inflight) {
+        ASSERT_TRUE(b->Wait(std::chrono::seconds(30)));
+        EXPECT_EQ(b->body().find("[DONE]"), std::string::npos) << "a cut stream is not complete";
+    }
+    ASSERT_TRUE(proxy->Restart().ok());
+    // The streams were aborted (not run to their end), and nothing is left on the workers for
+    // the requests of the dead router.
+    const std::string aborted = "ferry_request_success_total{finished_reason=\"abort\"}";
+    EXPECT_TRUE(testing::WaitUntil([&] {
+        return decode[0]->Metric(aborted) + decode[1]->Metric(aborted) >= 4;
+    })) << decode[0]->Metric(aborted)
+        << " + " << decode[1]->Metric(aborted);
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(prefill->WaitMetric("ferry_num_requests_running", 0));
+    for (auto& w : decode) {
+        EXPECT_TRUE(w->WaitMetric("ferry_kv_blocks_used", 0));
+        EXPECT_TRUE(w->WaitMetric("ferry_num_requests_running", 0));
+        EXPECT_TRUE(w->WaitMetric("ferry_kv_requests_loading", 0));
+    }
+    // The router that took its place serves at once, as colocated does.
+    std::vector<Json> bodies;
+    for (int i = 0; i < 6; ++i) {
+        bodies.push_back(CompletionBody(RandomPrompt(120 + 40 * i, 230 + i), 8, i % 2 == 1));
+    }
+    ExpectSameTokens(SendAll(proxy->port(), bodies), SendAll(colocated->port(), bodies));
+    EXPECT_EQ(proxy->Metric("ferry_proxy_requests_failed_total"), 0);
+}
+
+// push, a decode worker's blocks while its prefill worker has the request (push-alive): behind
+// a prefill queue many times longer than the decoder's whole wait (0.3 s here) the decoder goes
+// on waiting and answers as colocated does; a prefill worker SIGSTOPped (on shm, where the
+// decoder's liveness read still succeeds) stops renewing, and its decoder gives up three renewal
+// intervals after the last instead of at its whole wait (21 s here, 40 s by default).
+TEST_F(PdProcess, APushDecoderWaitsBehindALongPrefillQueueButNotForAStoppedPrefillWorker) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    // One request at a time; push-alive every 100 ms.
+    auto prefill = StartOrDie(WorkerArgs(
+        "prefill", "shm", 1,
+        {"--max-num-seqs", "1", "--kv-connector-config", R"({"hold_renew_interval_ms": 100})"}));
+    auto impatient = StartOrDie(WorkerArgs(
+        "decode", "shm", 1,
+        {"--kv-connector-config", R"({"bootstrap_timeout_ms": 100, "transfer_timeout_ms": 200})"}));
+    auto patient =
+        StartOrDie(WorkerArgs("decode", "shm", 1,
+                              {"--kv-connector-config",
+                               R"({"bootstrap_timeout_ms": 20000, "transfer_timeout_ms": 1000})"}));
+    ASSERT_TRUE(colocated && prefill && impatient && patient);
+    auto agent = http::Fetch(
+        http::GetRequest("127.0.0.1", prefill->port(), "/v1/kv/agent", std::chrono::seconds(5)));
+    ASSERT_TRUE(agent.ok() && agent->status == 200);
+    const Json a = Json::parse(agent->body);
+    const schema::AgentAddress where{a["engine_id"].get<std::string>(),
+                                     a["host"].get<std::string>(), a["port"].get<int>()};
+    // The prefill worker busy with long streams, one after the other; the hand-off's prefill
+    // half queued behind them. The answer of the last is when the queue ended.
+    struct Busy {
+        std::vector<std::unique_ptr<Background>> streams;
+        void Cancel() {
+            for (auto& b : streams) b->Cancel();
+        }
+        std::chrono::steady_clock::time_point end() {
+            for (auto& b : streams) b->Wait(std::chrono::seconds(60));
+            std::chrono::steady_clock::time_point last{};
+            for (auto& b : streams) last = std::max(last, b->end());
+            return last;
+        }
+    };
+    auto busy = [&] {
+        auto b = std::make_unique<Busy>();
+        for (int i = 0; i < 3; ++i) {
+            b->streams.push_back(std::make_unique<Background>(
+                prefill->port(), CompletionBody(RandomPrompt(20, 90 + i), 4000, true)));
+            if (i == 0) {
+                EXPECT_TRUE(
+                    testing::WaitUntil([&] { return DataEvents(b->streams[0]->body()) >= 3; }));
+            }
+        }
+        // Queued first (first come, first served): the hand-off's prefill half comes after.
+        EXPECT_TRUE(prefill->WaitMetric("ferry_num_requests_waiting", 2));
+        return b;
+    };
+    auto hand_off = [&](ServerProcess& decode, const Json& body, const std::string& xid) {
+        Json db = body;
+        db["kv_transfer_params"] = schema::PushDecodeRequestParams(xid, where, 1);
+        Json pb = body;
+        pb["kv_transfer_params"] = schema::PushPrefillRequestParams(xid);
+        pb["max_tokens"] = 1;
+        return std::make_pair(std::make_unique<Background>(decode.port(), db),
+                              std::make_unique<Background>(prefill->port(), pb));
+    };
+    const Json body = CompletionBody(RandomPrompt(300, 91), 12, false);
+    const auto want = SendAll(colocated->port(), {body});
+    {
+        SCOPED_TRACE("a long prefill queue");
+        auto long_stream = busy();
+        const auto sent = std::chrono::steady_clock::now();
+        auto [d, p] = hand_off(*impatient, body, "push-alive-test-queue-00000001");
+        ASSERT_TRUE(d->Wait(std::chrono::seconds(120)));
+        EXPECT_EQ(d->status(), 200) << d->body().substr(0, 300);
+        EXPECT_EQ(TokensOf(d->body(), false), want[0].tokens);
+        // It waited behind the stream, many times its whole wait, kept by push-alive.
+        EXPECT_GE(d->end(), long_stream->end());
+        EXPECT_GT(long_stream->end() - sent, std::chrono::milliseconds(900))
+            << "the queue was too short to tell";
+        EXPECT_GE(impatient->Metric("ferry_kv_connector_pushes_renewed_total"), 3);
+        ASSERT_TRUE(p->Wait(std::chrono::seconds(60)));
+    }
+    EXPECT_TRUE(impatient->WaitMetric("ferry_kv_blocks_used", 0));
+    {
+        SCOPED_TRACE("a stopped prefill worker");
+        auto long_stream = busy();
+        auto [d, p] = hand_off(*patient, body, "push-alive-test-stop-00000002");
+        ASSERT_TRUE(testing::WaitUntil(
+            [&] { return patient->Metric("ferry_kv_connector_pushes_renewed_total") >= 2; }));
+        ASSERT_TRUE(prefill->Stop());
+        const auto stopped = std::chrono::steady_clock::now();
+        ASSERT_TRUE(d->Wait(std::chrono::seconds(60)));
+        // 0.3 s after the last push-alive, then the cancel's wait (its transfer timeout and a
+        // second, for a stopped worker that resumes mid-write): ~2.3 s, not 21 + 2.
+        EXPECT_LT(d->end() - stopped, std::chrono::seconds(10));
+        EXPECT_EQ(d->status(), 503) << d->body().substr(0, 300);
+        EXPECT_NE(d->body().find("did not finish in time"), std::string::npos) << d->body();
+        EXPECT_TRUE(patient->WaitMetric("ferry_kv_blocks_used", 0));
+        prefill->Signal(SIGCONT);
+        long_stream->Cancel();
+        ASSERT_TRUE(p->Wait(std::chrono::seconds(60)));
+    }
+    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, PdFailover, ::testing::Values("pull", "push"),
