@@ -2,6 +2,8 @@
 
 #include <fmt/core.h>
 
+#include <optional>
+
 #include "core/block_hash.h"
 #include "core/json_fields.h"
 #include "core/log.h"
@@ -135,19 +137,23 @@ void WorkerDirectory::Loop() {
     uint64_t after = 0;
     bool listed = false;
     const auto poll = std::chrono::milliseconds(1000);
-    auto apply = [&](const std::string& key, const std::string* value) {
-        const std::string url = key.substr(kWorkerPrefix.size());
-        std::lock_guard lock(mu_);
-        ++changes_;
-        cv_.notify_all();
-        if (!value) {
-            records_.erase(url);
-            return;
-        }
-        Result<WorkerRecord> r = DecodeWorkerRecord(*value);
+    // A record as the store holds it, or nullopt (logged) when it is not one for its key.
+    auto decode = [](const std::string& url, const std::string& value) {
+        Result<WorkerRecord> r = DecodeWorkerRecord(value);
         if (!r.ok() || r->url != url) {
             FERRY_LOG(kWarn, "discovery: worker record '{}' ignored: {}", url.substr(0, 200),
                       r.ok() ? std::string("its url is another worker's") : r.status().ToString());
+            return std::optional<WorkerRecord>();
+        }
+        return std::optional<WorkerRecord>(std::move(*r));
+    };
+    auto apply = [&](const std::string& key, const std::string* value) {
+        const std::string url = key.substr(kWorkerPrefix.size());
+        std::optional<WorkerRecord> r = value ? decode(url, *value) : std::nullopt;
+        std::lock_guard lock(mu_);
+        ++changes_;
+        cv_.notify_all();
+        if (!r) {
             records_.erase(url);
             return;
         }
@@ -166,12 +172,18 @@ void WorkerDirectory::Loop() {
                 cv_.wait_for(lock, poll, [&] { return stop_; });
                 continue;
             }
+            // Swapped in whole: a reader never sees the directory empty while it is listed.
+            std::map<std::string, WorkerRecord> fresh;
+            for (const StoreEntry& e : *entries) {
+                const std::string url = e.key.substr(kWorkerPrefix.size());
+                if (auto r = decode(url, e.value)) fresh[url] = std::move(*r);
+            }
             {
                 std::lock_guard lock(mu_);
-                records_.clear();
+                records_.swap(fresh);
                 ++changes_;
             }
-            for (const StoreEntry& e : *entries) apply(e.key, &e.value);
+            cv_.notify_all();
             after = rev;
             listed = true;
             {
@@ -183,6 +195,10 @@ void WorkerDirectory::Loop() {
         }
         Result<WatchResult> w = store_->Watch(kWorkerPrefix, after, poll);
         if (!w.ok()) {
+            // The store may come back as a new one (restarted without its data): its revisions
+            // start again, and a watch from our old revision would miss what was put before
+            // the new store reached it. List again once it answers.
+            listed = false;
             std::unique_lock lock(mu_);
             cv_.wait_for(lock, poll, [&] { return stop_; });
             continue;

@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "core/child_process.h"
 #include "core/sanitizers.h"
 #include "disagg/pd_harness.h"
 #include "ferry/discovery.h"
@@ -429,6 +430,49 @@ TEST_F(XpYd, CacheAwareFollowsTheBlocksAndForgetsARestartedWorker) {
     EXPECT_TRUE(proxy->WaitMetric("ferry_router_worker_kv_in_sync" + WorkerLabel("decode", *holder),
                                   1, std::chrono::seconds(15)));
     EXPECT_EQ(proxy->Metric("ferry_router_kv_event_malformed_total"), 0);
+}
+
+// The discovery store (`ferry discovery`, a process) SIGKILLed under a running P/D deployment
+// and started again on its address, empty, as a store without persistence comes back: while it
+// is down the proxy routes to the workers it knew and every answer equals colocated; the workers
+// register again, the proxy follows the new store, and a decode worker that starts after the
+// restart is routed to.
+TEST_F(XpYd, AStoreRestartedUnderARunningDeploymentLosesNoRequest) {
+    auto start_store = [](const std::string& listen) {
+        std::string line;
+        auto p = ChildProcess::Start({FERRY_BIN, "discovery", "--listen", listen},
+                                     "ferry discovery: store at ", &line);
+        EXPECT_TRUE(p.ok()) << p.status().ToString();
+        return std::make_pair(p.ok() ? std::move(p).value() : ChildProcess(),
+                              line.substr(0, line.find(' ')));
+    };
+    auto [first, url] = start_store("127.0.0.1:0");
+    ASSERT_FALSE(url.empty());
+    ChildProcess store = std::move(first);
+    url_ = url;  // the workers and the proxy use this store, not the fixture's
+    Fleet fleet;
+    ASSERT_TRUE(StartFleet(1, 2, &fleet));
+    auto proxy = Proxy("round-robin");
+    ASSERT_TRUE(proxy && Routes(*proxy, fleet.prefill, fleet.decode));
+    Want();
+    ExpectColocated(SendAll(proxy->port(), Bodies(), 8), "before the restart");
+    store.Kill();
+    ExpectColocated(SendAll(proxy->port(), Bodies(), 8), "the store down");
+    auto [second, again] = start_store(url.substr(url.find("//") + 2));
+    ASSERT_EQ(again, url);
+    store = std::move(second);
+    ExpectColocated(SendAll(proxy->port(), Bodies(), 8), "the store back, empty");
+    // The workers are in the new store again (they register again), and a newcomer is routed to.
+    auto late = Worker("decode");
+    ASSERT_TRUE(late);
+    std::vector<ServerProcess*> decode = fleet.decode;
+    decode.push_back(late.get());
+    ASSERT_TRUE(Routes(*proxy, fleet.prefill, decode));
+    ExpectColocated(SendAll(proxy->port(), Bodies(), 8), "with a worker that came later");
+    EXPECT_GE(Succeeded(*proxy, "decode", *late), 1);
+    EXPECT_EQ(proxy->Metric("ferry_proxy_requests_failed_total"), 0);
+    for (ServerProcess* w : fleet.prefill) EXPECT_TRUE(w->WaitMetric("ferry_kv_blocks_used", 0));
+    for (ServerProcess* w : decode) EXPECT_EQ(w->Metric("ferry_prompt_tokens_total"), 0);
 }
 
 // A router restarted mid-run: it replays each worker's events from the start, so its credit is
