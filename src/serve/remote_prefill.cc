@@ -28,35 +28,90 @@ bool RemotePrefill::Take(const std::shared_ptr<http::Exchange>& ex, bool chat, P
         t->End(router::Outcome::kCancelled);  // it timed out lately: prefilled here
         return false;
     }
-    DecodeFirst(ex, chat, std::move(pr), std::make_shared<router::Ticket>(std::move(*t)), base);
+    auto tried = std::make_shared<std::vector<size_t>>(1, t->worker());
+    DecodeFirst(ex, chat, std::move(pr), std::make_shared<router::Ticket>(std::move(*t)), base, 0,
+                std::move(tried));
     return true;
 }
 
 std::string RemotePrefill::RenderMetrics() const {
     if (router_->Workers(router::Role::kPrefill).empty()) return "";
-    return router_->RenderMetrics();
+    std::string out = router_->RenderMetrics();
+    out += fmt::format(
+        "# HELP ferry_remote_prefill_retried_total Decode-first requests whose remote prefill "
+        "failed and went to another prefill worker.\n"
+        "# TYPE ferry_remote_prefill_retried_total counter\n"
+        "ferry_remote_prefill_retried_total {}\n"
+        "# HELP ferry_remote_prefill_fallback_total Decode-first requests prefilled here after "
+        "every prefill worker tried failed (--kv-load-failure recompute).\n"
+        "# TYPE ferry_remote_prefill_fallback_total counter\n"
+        "ferry_remote_prefill_fallback_total {}\n",
+        retried_.load(), fallbacks_.load());
+    return out;
+}
+
+bool RemotePrefill::Failover(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
+                             const std::string& base, int attempt, const Tried& tried,
+                             const Status& st) {
+    if (m_.stopping || ex->closed()) return false;
+    // The request's own fault (or its client's, or a cap): not a prefill worker's.
+    switch (st.code()) {
+        case Code::kInvalidArgument:
+        case Code::kResourceExhausted:
+        case Code::kPermissionDenied:
+        case Code::kCancelled:
+            return false;
+        default:
+            break;
+    }
+    if (attempt + 1 < kMaxAttempts) {
+        Result<router::Ticket> t =
+            router_->Route(router::Role::kPrefill, {.request_id = base,
+                                                    .prompt_tokens = pr.prompt.size(),
+                                                    .avoid = std::span<const size_t>(*tried)});
+        if (t.ok() && !m_.quarantine->Contains(t->endpoint())) {
+            ++retried_;
+            FERRY_LOG(kInfo, "serve: request {}: remote prefill failed ({}); trying {}", base,
+                      st.ToString(), FormatHostPort(t->endpoint().host, t->endpoint().port));
+            tried->push_back(t->worker());
+            DecodeFirst(ex, chat, std::move(pr), std::make_shared<router::Ticket>(std::move(*t)),
+                        base, attempt + 1, tried);
+            return true;
+        }
+        if (t.ok()) t->End(router::Outcome::kCancelled);
+    }
+    if (m_.engine->config().kv_load_failure != engine::EngineConfig::KvLoadFailure::kRecompute) {
+        return false;
+    }
+    ++fallbacks_;
+    FERRY_LOG(kInfo, "serve: request {}: remote prefill failed ({}); prefilling here", base,
+              st.ToString());
+    pr.kv_transfer = nullptr;
+    m_.Dispatch(ex, chat, std::move(pr), nullptr, base);
+    return true;
 }
 
 void RemotePrefill::DecodeFirst(const std::shared_ptr<http::Exchange>& ex, bool chat,
                                 ParsedRequest pr, std::shared_ptr<router::Ticket> ticket,
-                                std::string base, int attempt) {
+                                std::string base, int attempt, Tried tried) {
     auto shared = std::make_shared<ParsedRequest>(std::move(pr));
     router::PlanPush(
         *m_.client, router_, ticket->worker(), m_.config.router_token, m_.config.agent_timeout,
-        [this, ex, chat, shared, ticket, base, attempt](Result<router::PushPlan> plan) {
+        [this, ex, chat, shared, ticket, base, attempt, tried](Result<router::PushPlan> plan) {
             if (!plan.ok()) {
                 ticket->End(router::Outcome::kWorkerFailed);
                 if (plan.status().code() == Code::kDeadlineExceeded) TimedOut(*ticket);
-                return ex->Reply(
-                    m_.Error(503, {"remote " + plan.status().message(), "", ""}, base));
+                Status st = UnavailableError("remote " + plan.status().message());
+                if (Failover(ex, chat, std::move(*shared), base, attempt, tried, st)) return;
+                return ex->Reply(m_.Error(503, {st.message(), "", ""}, base));
             }
-            Send(ex, chat, std::move(*shared), ticket, base, attempt, *plan);
+            Send(ex, chat, std::move(*shared), ticket, base, attempt, *plan, tried);
         });
 }
 
 void RemotePrefill::Send(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                          std::shared_ptr<router::Ticket> ticket, const std::string& base,
-                         int attempt, const router::PushPlan& plan) {
+                         int attempt, const router::PushPlan& plan, Tried tried) {
     const http::Endpoint ep = ticket->endpoint();
     const std::string key = FormatHostPort(ep.host, ep.port);
     // This worker's own params for the local request, in the connector's format (the router's
@@ -91,25 +146,28 @@ void RemotePrefill::Send(const std::shared_ptr<http::Exchange>& ex, bool chat, P
     pr.kv_transfer = std::move(*kvp);
     auto prefill_call = std::make_shared<std::shared_ptr<http::ClientCall>>();
     auto call_mu = std::make_shared<std::mutex>();
-    std::function<bool(const Status&)> retry;
-    if (attempt == 0) {
-        retry = [this, ex, chat, key, original, prefill_call, call_mu, ticket,
-                 base](const Status& st) {
-            if (m_.stopping ||
-                !router::ReplanAfterUnreachableAgent(*router_, ticket->worker(), 0, st)) {
-                return false;
-            }
-            {
-                std::lock_guard lock(*call_mu);
-                if (*prefill_call) (*prefill_call)->Cancel();
-            }
+    // The request failed before anything was sent (its KV did not come): the same prefill
+    // worker once more if it restarted (its agent is gone), else another one, else here.
+    std::function<bool(const Status&)> retry = [this, ex, chat, key, original, prefill_call,
+                                                call_mu, ticket, base, attempt,
+                                                tried](const Status& st) {
+        if (m_.stopping) return false;
+        {
+            std::lock_guard lock(*call_mu);
+            if (*prefill_call) (*prefill_call)->Cancel();
+        }
+        if (attempt == 0 &&
+            router::ReplanAfterUnreachableAgent(*router_, ticket->worker(), 0, st)) {
             FERRY_LOG(kInfo,
                       "serve: request {}: remote prefill via {} failed ({}); asking it again", base,
                       key, st.ToString());
-            DecodeFirst(ex, chat, std::move(*original), ticket, base, 1);
+            DecodeFirst(ex, chat, std::move(*original), ticket, base, 1, tried);
             return true;
-        };
-    }
+        }
+        // This worker's attempt is over (its call's answer, if it came, ended it already).
+        ticket->End(router::Outcome::kWorkerFailed);
+        return Failover(ex, chat, std::move(*original), base, attempt, tried, st);
+    };
     const std::string id = m_.Dispatch(ex, chat, std::move(pr), std::move(retry), base);
     if (id.empty()) return ticket->End(router::Outcome::kCancelled);
     std::lock_guard lock(*call_mu);

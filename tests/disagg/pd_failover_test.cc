@@ -311,6 +311,62 @@ TEST_P(PdFailover, ARouterKilledMidRequestLeavesNothingBehindAndItsSuccessorServ
     EXPECT_EQ(proxy->Metric("ferry_proxy_requests_failed_total"), 0);
 }
 
+// Decode-first (`--remote-prefill`, Dynamo style) with prefill workers that fail: a SIGKILLed
+// one has its prompts prefilled by the other; with none left, a decode worker started with
+// --kv-load-failure recompute prefills them itself and one without answers 503. Every 200
+// equals colocated.
+TEST_F(PdProcess, DecodeFirstRetriesAnotherPrefillWorkerThenPrefillsHere) {
+    auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+    std::vector<std::unique_ptr<ServerProcess>> prefill;
+    for (int i = 0; i < 2; ++i) prefill.push_back(StartOrDie(WorkerArgs("prefill", "shm", 1)));
+    ASSERT_TRUE(colocated && prefill[0] && prefill[1]);
+    const std::vector<std::string> remote = {"--remote-prefill",
+                                             Addr(*prefill[0]),
+                                             "--remote-prefill",
+                                             Addr(*prefill[1]),
+                                             "--remote-prefill-min-tokens",
+                                             "32"};
+    std::vector<std::string> recompute = remote;
+    recompute.insert(recompute.end(), {"--kv-load-failure", "recompute"});
+    auto lenient = StartOrDie(WorkerArgs("decode", "shm", 1, recompute));
+    auto strict = StartOrDie(WorkerArgs("decode", "shm", 1, remote));
+    ASSERT_TRUE(lenient && strict);
+    auto bodies = [](int offset) {
+        std::vector<Json> b;
+        for (int i = 0; i < 6; ++i) {
+            b.push_back(
+                CompletionBody(RandomPrompt(100 + 30 * i, 300 + 10 * offset + i), 6, i % 2 == 0));
+        }
+        return b;
+    };
+    const char* retried = "ferry_remote_prefill_retried_total";
+    const char* fallback = "ferry_remote_prefill_fallback_total";
+    ExpectSameTokens(SendAll(lenient->port(), bodies(0), 1), SendAll(colocated->port(), bodies(0)));
+    EXPECT_EQ(lenient->Metric(retried), 0);
+    EXPECT_EQ(lenient->Metric("ferry_prompt_tokens_total"), 0) << "prefilled remotely";
+    // One prefill worker gone: round robin sends every other prompt to it first.
+    prefill[0]->Signal(SIGKILL);
+    for (ServerProcess* d : {lenient.get(), strict.get()}) {
+        SCOPED_TRACE(d == lenient.get() ? "lenient" : "strict");
+        ExpectSameTokens(SendAll(d->port(), bodies(1), 1), SendAll(colocated->port(), bodies(1)));
+        EXPECT_GE(d->Metric(retried), 1);
+        EXPECT_EQ(d->Metric(fallback), 0);
+    }
+    // None left: prefilled here with recompute, else refused.
+    prefill[1]->Signal(SIGKILL);
+    ExpectSameTokens(SendAll(lenient->port(), bodies(2), 1), SendAll(colocated->port(), bodies(2)));
+    EXPECT_GE(lenient->Metric(fallback), 1);
+    for (const Answer& a : SendAll(strict->port(), bodies(2), 1)) {
+        EXPECT_EQ(a.status, 503) << a.body.substr(0, 300);
+        EXPECT_TRUE(a.tokens.empty());
+    }
+    EXPECT_EQ(strict->Metric(fallback), 0);
+    for (ServerProcess* d : {lenient.get(), strict.get()}) {
+        EXPECT_TRUE(d->WaitMetric("ferry_kv_blocks_used", 0));
+        EXPECT_TRUE(d->WaitMetric("ferry_kv_requests_loading", 0));
+    }
+}
+
 // push, a decode worker's blocks while its prefill worker has the request (push-alive): behind
 // a prefill queue many times longer than the decoder's whole wait (0.3 s here) the decoder goes
 // on waiting and answers as colocated does; a prefill worker SIGSTOPped (on shm, where the

@@ -1,10 +1,12 @@
 // ferry_soak_pd: a disaggregated deployment under load while its workers are killed, stopped and
 // restarted, with every answer checked against the colocated one (docs/soak.md, "PD soak").
 //
-// The orchestrator writes a tiny model, computes the colocated answers of a pool of requests
-// (token-id prompts of 16..600 tokens, 16..64 output tokens or every fourth 300..500, greedy and
-// seeded sampling, streamed and whole) on a
-// colocated worker, then starts 2 prefill and 2 decode workers and `ferry proxy` over them. Client
+// The orchestrator writes a tiny model and vision projector, computes the colocated answers of a
+// pool of requests (token-id prompts of 16..600 tokens, 16..64 output tokens or every fourth
+// 300..500, greedy and seeded sampling, streamed and whole; with --images-every N, every Nth a
+// chat with one or two images) on a colocated worker, then starts 2 prefill and 2 decode workers
+// (and, for the images, 1 encode worker whose embeddings the others load over the encoder-cache
+// connector) and `ferry proxy` over them. Client
 // threads send the pool's requests through the proxy, round and round, each with a deadline,
 // and classify every answer:
 //   completed  200, whole (a stream ended with [DONE] and no error event), the colocated tokens;
@@ -14,7 +16,9 @@
 // Every --chaos-every-ms one worker, at random, is SIGKILLed (and restarted on its port) or
 // SIGSTOPped for 1-4 s (and resumed); one at a time, so that a deployment with retries can keep
 // answering. At the end the load stops, every worker runs again, and each must give back every
-// KV block it used (`ferry_kv_blocks_used` 0, no hold left) within 30 s: the rest are leaks.
+// KV block it used (`ferry_kv_blocks_used` 0, no hold left) within 30 s, and the encode worker
+// every encoder-cache slot it leased (`ferry_ec_leased` 0, within its lease): the rest are
+// leaks.
 // The report: the counts above, how many were retried or migrated (the proxy's counters),
 // latency p50/p99 of the completed, and the leaks. Exit 1 on any wrong, hung or leaked.
 //
@@ -30,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -43,6 +48,7 @@
 #include "http/http.h"
 #include "serve/serve_flags.h"
 #include "testing/completions.h"
+#include "testing/images.h"
 #include "testing/tiny_model.h"
 #include "testing/worker_process.h"
 
@@ -68,12 +74,14 @@ struct Options {
     uint64_t seed = 1;
     int slo_ms = 2000;
     int failover_probes = 0;
+    int images_every = 4;
     std::string log_dir;
 };
 
 struct Request {
     Json body;
     bool stream = false;
+    std::string path = "/v1/completions";
     std::vector<int32_t> want;
 };
 
@@ -98,16 +106,34 @@ std::vector<Request> Pool(const Options& o) {
             r.body["temperature"] = 0.8;
             r.body["seed"] = int64_t(g() % 100000);
         }
+        if (o.images_every > 0 && i % o.images_every == o.images_every - 1) {
+            // A chat with one or two images from a pool of 6 (repeated across requests, as an
+            // encoder cache sees them), text around them.
+            Json content = Json::array();
+            for (int j = 0; j < 1 + i % 2; ++j) {
+                const int k = int(g() % 6);
+                content.push_back({{"type", "text"}, {"text", std::string(3 + j, 'a' + i % 26)}});
+                content.push_back({{"type", "image_url"},
+                                   {"image_url",
+                                    {{"url", ferry::testing::RandomPngUrl(
+                                                 16 + 5 * k, 40 - 3 * k, uint32_t(o.seed) + k)}}}});
+            }
+            content.push_back({{"type", "text"}, {"text", fmt::format("image prompt {}?", i)}});
+            r.body.erase("prompt");
+            r.body["messages"] = {{{"role", "user"}, {"content", content}}};
+            r.body["logprobs"] = true;
+            r.path = "/v1/chat/completions";
+        }
         out.push_back(std::move(r));
     }
     return out;
 }
 
-http::ClientRequest Post(int port, const Json& body, milliseconds timeout) {
+http::ClientRequest Post(int port, const Request& req, milliseconds timeout) {
     http::ClientRequest r;
     r.port = port;
-    r.target = "/v1/completions";
-    r.body = body.dump();
+    r.target = req.path;
+    r.body = req.body.dump();
     r.timeout = timeout;
     return r;
 }
@@ -130,18 +156,24 @@ std::unique_ptr<ServerProcess> Start(std::vector<std::string> args, const std::s
     return std::move(p).value();
 }
 
-std::vector<std::string> WorkerArgs(const std::string& model, const std::string& role,
-                                    const Options& o) {
+// `mmproj` ("": none) the vision projector of every worker when the pool has images; the
+// consumers then load what the encode worker publishes (the encoder-cache connector).
+std::vector<std::string> WorkerArgs(const std::string& model, const std::string& mmproj,
+                                    const std::string& role, const Options& o) {
     ferry::serve::ServeFlags f;
     f.model = model;
     f.port = 0;
     f.block_size = 16;
-    f.num_kv_blocks = 4000;
+    f.num_kv_blocks = role == "encode" ? 300 : 4000;  // the language model does not run there
     f.max_model_len = 2048;
     f.role = role;
+    f.mmproj = mmproj;
     std::vector<std::string> extra;
     if (role != "colocated") f.kv_backend = o.backend;
     if (role == "decode") extra = {"--kv-load-failure", o.kv_load_failure};
+    if (!mmproj.empty() && role != "colocated") {
+        extra.insert(extra.end(), {"--ec-connector", "transfer"});
+    }
     if (!extra.empty()) {
         const ferry::Status st = ferry::serve::ParseServeArgs(extra, &f);
         if (!st.ok()) fmt::print(stderr, "ferry_soak_pd: {}\n", st.ToString());
@@ -183,7 +215,7 @@ Failover ProbeFailover(int probes, ServerProcess& proxy,
             std::lock_guard lock(st->mu);
             st->done = true;
         };
-        auto call = client->Call(Post(proxy.port(), r.body, seconds(120)), cb);
+        auto call = client->Call(Post(proxy.port(), r, seconds(120)), cb);
         auto events = [&] {
             std::lock_guard lock(st->mu);
             return st->events;
@@ -191,7 +223,7 @@ Failover ProbeFailover(int probes, ServerProcess& proxy,
         const auto until = Clock::now() + seconds(60);
         while (events() < 20 && Clock::now() < until) std::this_thread::sleep_for(milliseconds(1));
         ServerProcess* victim = nullptr;
-        for (size_t w = 2; w < workers.size(); ++w) {
+        for (size_t w = 2; w < 4; ++w) {  // the decode workers
             if (workers[w]->Metric("ferry_num_requests_running") >= 1) victim = workers[w].get();
         }
         if (!victim) {
@@ -277,6 +309,10 @@ int main(int argc, char** argv) {
                    "before the load: this many streams whose decode worker is killed mid-stream, "
                    "timed (the stream's longest silence; kill to the proxy leaving the worker out)")
         ->capture_default_str();
+    app.add_option("--images-every", o.images_every,
+                   "every Nth request of the pool a chat with images, through an encode worker "
+                   "(0: no images, no encode worker)")
+        ->capture_default_str();
     app.add_option("--log-dir", o.log_dir, "the processes' logs (default: this one's stderr)");
     CLI11_PARSE(app, argc, argv);
     auto log = [&](const std::string& name) {
@@ -284,12 +320,20 @@ int main(int argc, char** argv) {
     };
 
     ferry::testing::TinyModelFile model("soak-pd", ferry::testing::TinyModelSpec(2048), 31);
+    const std::string mmproj =
+        o.images_every > 0 ? ferry::testing::WriteTinyMmproj("soak-pd", 37) : std::string();
+    struct Cleanup {
+        std::string path;
+        ~Cleanup() {
+            if (!path.empty()) std::remove(path.c_str());
+        }
+    } cleanup{mmproj};
     std::vector<Request> pool = Pool(o);
     {
-        auto colocated = Start(WorkerArgs(model.path(), "colocated", o), log("colocated"));
+        auto colocated = Start(WorkerArgs(model.path(), mmproj, "colocated", o), log("colocated"));
         if (!colocated) return 2;
         for (Request& r : pool) {
-            auto got = http::Fetch(Post(colocated->port(), r.body, seconds(120)));
+            auto got = http::Fetch(Post(colocated->port(), r, seconds(120)));
             if (!got.ok() || got->status != 200) {
                 fmt::print(stderr, "ferry_soak_pd: the colocated reference failed\n");
                 return 2;
@@ -298,9 +342,12 @@ int main(int argc, char** argv) {
         }
     }
 
-    std::vector<std::unique_ptr<ServerProcess>> workers;  // prefill 0, 1, decode 0, 1
-    for (const char* role : {"prefill", "prefill", "decode", "decode"}) {
-        workers.push_back(Start(WorkerArgs(model.path(), role, o),
+    // prefill 0, 1, decode 0, 1, and with images encode 0.
+    std::vector<std::unique_ptr<ServerProcess>> workers;
+    std::vector<std::string> roles = {"prefill", "prefill", "decode", "decode"};
+    if (!mmproj.empty()) roles.push_back("encode");
+    for (const std::string& role : roles) {
+        workers.push_back(Start(WorkerArgs(model.path(), mmproj, role, o),
                                 log(fmt::format("{}{}", role, workers.size() % 2))));
         if (!workers.back()) return 2;
     }
@@ -321,6 +368,10 @@ int main(int argc, char** argv) {
                                    "--max-attempts",
                                    std::to_string(o.max_attempts)};
     if (o.no_prefill_fallback) px.push_back("--no-prefill-fallback");
+    if (!mmproj.empty()) {
+        px.insert(px.end(), {"--encode", fmt::format("127.0.0.1:{}", workers[4]->port()),
+                             "--encode-timeout-ms", "3000"});
+    }
     px.push_back("--prefill");
     for (int i = 0; i < 2; ++i) px.push_back(fmt::format("127.0.0.1:{}", workers[i]->port()));
     px.push_back("--decode");
@@ -344,7 +395,7 @@ int main(int argc, char** argv) {
 
     // The load.
     std::mutex mu;
-    uint64_t completed = 0, failed = 0, wrong = 0, hung = 0;
+    uint64_t completed = 0, failed = 0, wrong = 0, hung = 0, images_completed = 0;
     std::vector<double> latencies;
     std::map<std::string, uint64_t> why_failed;
     std::atomic<bool> stop{false};
@@ -355,7 +406,7 @@ int main(int argc, char** argv) {
             for (size_t i = size_t(c); !stop.load(); i += size_t(o.clients)) {
                 const Request& r = pool[i % pool.size()];
                 const auto t0 = Clock::now();
-                auto got = http::Fetch(Post(proxy->port(), r.body, deadline));
+                auto got = http::Fetch(Post(proxy->port(), r, deadline));
                 const double s = std::chrono::duration<double>(Clock::now() - t0).count();
                 std::lock_guard lock(mu);
                 if (!got.ok()) {
@@ -384,6 +435,7 @@ int main(int argc, char** argv) {
                     continue;
                 }
                 ++completed;
+                if (r.body.contains("messages")) ++images_completed;
                 latencies.push_back(s);
             }
         });
@@ -415,9 +467,15 @@ int main(int argc, char** argv) {
     stop = true;
     for (auto& t : clients) t.join();
 
-    // Every block given back.
+    // Every block given back, and every encoder-cache lease (a consumer that died before it
+    // pulled leaves one until the lease, 30 s, lapses).
     int leaks = 0;
-    for (size_t i = 0; i < workers.size(); ++i) {
+    if (!mmproj.empty() && !workers[4]->WaitMetric("ferry_ec_leased", 0, seconds(40))) {
+        ++leaks;
+        fmt::print(stderr, "ferry_soak_pd: encode kept ferry_ec_leased = {}\n",
+                   workers[4]->Metric("ferry_ec_leased"));
+    }
+    for (size_t i = 0; i < 4; ++i) {
         const bool prefill = i < 2;
         for (const char* m : {"ferry_kv_blocks_used", "ferry_kv_requests_held"}) {
             if (!prefill && std::string(m) == "ferry_kv_requests_held") continue;
@@ -443,6 +501,13 @@ int main(int argc, char** argv) {
         metric("ferry_proxy_prefill_retried_total"), metric("ferry_proxy_decode_retried_total"),
         metric("ferry_proxy_prefill_fallback_total"), metric("ferry_proxy_streams_migrated_total"),
         Percentile(latencies, 0.5), Percentile(latencies, 0.99), leaks);
+    if (!mmproj.empty()) {
+        fmt::print(
+            "  with images: {} completed; the proxy's encode step: {} encoded, {} retried "
+            "on another encode worker, {} left to the consumers\n",
+            images_completed, metric("ferry_proxy_encoded_total"),
+            metric("ferry_proxy_encode_retried_total"), metric("ferry_proxy_encode_failed_total"));
+    }
     for (const auto& [why, n] : why_failed) fmt::print("  failed {}: {}\n", n, why);
     return wrong == 0 && hung == 0 && leaks == 0 && completed > 0 ? 0 : 1;
 }
