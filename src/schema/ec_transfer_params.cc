@@ -16,6 +16,7 @@ constexpr char kEcParam[] = "ec_transfer_params";
 nlohmann::json EcTransferParamsJson(const EcTransferParams& p) {
     nlohmann::json j = AgentAddressJson(p);
     j["encoder"] = p.encoder;
+    if (!p.mm_hashes.empty()) j["mm_hashes"] = p.mm_hashes;
     return j;
 }
 
@@ -25,6 +26,19 @@ Result<EcTransferParams> ParseEcTransferParams(const nlohmann::json& params) {
     const JsonFields f(params, kEcParam);
     FERRY_ASSIGN_OR_RETURN(std::optional<std::string> encoder, f.OptString("encoder", 128));
     if (encoder) p.encoder = std::move(*encoder);
+    if (f.Has("mm_hashes")) {
+        FERRY_ASSIGN_OR_RETURN(const nlohmann::json* a, f.Array("mm_hashes", kMaxEcHashes));
+        for (size_t i = 0; i < a->size(); ++i) {
+            const nlohmann::json& h = (*a)[i];
+            if (!h.is_string() || h.get_ref<const std::string&>().size() != 64 ||
+                h.get_ref<const std::string&>().find_first_not_of("0123456789abcdef") !=
+                    std::string::npos) {
+                return InvalidArgumentError(fmt::format(
+                    "field '{}.mm_hashes[{}]' must be 64 lowercase hex digits", kEcParam, i));
+            }
+            p.mm_hashes.push_back(h.get<std::string>());
+        }
+    }
     return p;
 }
 

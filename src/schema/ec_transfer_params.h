@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/status.h"
 #include "schema/agent_address.h"
@@ -18,9 +19,14 @@ struct EcTransferParams : AgentAddress {
     // The producer's vision encoder (model::VisionEncoder::fingerprint); optional, "" when not
     // given. A consumer with another encoder does not pull (the slot's own copy is checked too).
     std::string encoder;
+    // The request's images as the producer keyed them (mm_hash: 64 lowercase hex digits each,
+    // at most kMaxEcHashes); optional, empty when not given. A consumer renews their leases
+    // with the producer while the request waits to load them.
+    std::vector<std::string> mm_hashes;
 };
+inline constexpr size_t kMaxEcHashes = 256;
 
-// {"engine_id", "host", "port", "encoder"}.
+// {"engine_id", "host", "port", "encoder"}, and "mm_hashes" when there are any.
 nlohmann::json EcTransferParamsJson(const EcTransferParams& p);
 // engine_id, host and port required (schema::ParseAgentAddress), encoder at most 128
 // characters; unknown fields ignored. InvalidArgument naming the field.

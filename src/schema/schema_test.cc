@@ -110,8 +110,13 @@ TEST(EcTransferParams, ReadsBackWhatItWritesNamesABadFieldAndIgnoresAnUnknownOne
     EXPECT_EQ(text->encoder, "vit-abc");
 
     Json newer = EcTransferParamsJson(p);
-    newer["mm_hashes"] = {"a", "b"};
+    newer["a_later_field"] = {"a", "b"};
     EXPECT_TRUE(ParseEcTransferParams(newer).ok()) << "unknown fields are ignored";
+    EXPECT_FALSE(EcTransferParamsJson(p).contains("mm_hashes")) << "written only when there are";
+    p.mm_hashes = {std::string(64, 'a'), std::string(64, '0')};
+    back = ParseEcTransferParams(EcTransferParamsJson(p));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->mm_hashes, p.mm_hashes);
     Json no_encoder = AgentAddressJson(p);
     ASSERT_TRUE(ParseEcTransferParams(no_encoder).ok());
     EXPECT_EQ(ParseEcTransferParams(no_encoder)->encoder, "");
@@ -125,6 +130,20 @@ TEST(EcTransferParams, ReadsBackWhatItWritesNamesABadFieldAndIgnoresAnUnknownOne
          "'ec_transfer_params.encoder' must be a string"},
         {{{"engine_id", "e"}, {"host", "h"}, {"port", 1}, {"encoder", std::string(200, 'v')}},
          "'ec_transfer_params.encoder' is longer than 128"},
+        {{{"engine_id", "e"}, {"host", "h"}, {"port", 1}, {"mm_hashes", "x"}},
+         "'ec_transfer_params.mm_hashes' must be an array"},
+        {{{"engine_id", "e"}, {"host", "h"}, {"port", 1}, {"mm_hashes", {std::string(63, 'a')}}},
+         "'ec_transfer_params.mm_hashes[0]' must be 64 lowercase hex digits"},
+        {{{"engine_id", "e"},
+          {"host", "h"},
+          {"port", 1},
+          {"mm_hashes", {std::string(64, 'a'), std::string(64, 'A')}}},
+         "'ec_transfer_params.mm_hashes[1]' must be 64 lowercase hex digits"},
+        {{{"engine_id", "e"},
+          {"host", "h"},
+          {"port", 1},
+          {"mm_hashes", std::vector<std::string>(257, std::string(64, 'a'))}},
+         "'ec_transfer_params.mm_hashes' has more than 256 elements"},
     };
     for (const auto& [j, want] : cases) {
         Result<EcTransferParams> r = ParseEcTransferParams(j);

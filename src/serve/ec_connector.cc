@@ -12,6 +12,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -46,6 +47,9 @@ void CountLoad(EcConnectorStats* s, Clock::time_point t0, size_t floats, const S
 
 // The notification a consumer sends after pulling (it ends the slot's lease).
 constexpr std::string_view kReleasePrefix = "ferry-ec-release:";
+// The notification a consumer whose request waits to load entries sends:
+// "ferry-ec-renew:LEASE_MS:HASH,HASH,...".
+constexpr std::string_view kRenewPrefix = "ferry-ec-renew:";
 
 // A slot: this header, then the payload (entry_floats floats).
 struct SlotHeader {
@@ -180,6 +184,33 @@ class TransferEcConnector final : public EcConnector {
         if (cfg_.agent->Notify(*peer, std::string(kReleasePrefix) + mm_hash).ok()) {
             std::lock_guard lock(mu_);
             ++stats_.released_unpulled;
+        }
+    }
+
+    void Renew(const EcSource& source, std::chrono::milliseconds lease) override {
+        if (source.mm_hashes.empty() || cfg_.producer) return;
+        // Only to a producer already connected: this runs where a request arrives, which must
+        // not wait for a dial (the load dials, later, on the media queue's thread).
+        std::optional<std::string> peer;
+        {
+            std::lock_guard lock(mu_);
+            const std::string address = FormatHostPort(source.host, source.port);
+            if (!source.engine_id.empty() && connected_.count(source.engine_id)) {
+                peer = source.engine_id;
+            } else if (auto it = by_address_.find(address);
+                       source.engine_id.empty() && it != by_address_.end()) {
+                peer = it->second;
+            }
+        }
+        if (!peer) return;
+        std::string note = fmt::format("{}{}:", kRenewPrefix, lease.count());
+        for (size_t i = 0; i < source.mm_hashes.size(); ++i) {
+            if (i) note += ',';
+            note += source.mm_hashes[i];
+        }
+        if (cfg_.agent->Notify(*peer, note).ok()) {
+            std::lock_guard lock(mu_);
+            ++stats_.renewals_sent;
         }
     }
 
@@ -373,6 +404,10 @@ class TransferEcConnector final : public EcConnector {
             if (stop_) return;
             const Clock::time_point now = Clock::now();
             for (const Notification& n : notes) {
+                if (n.payload.rfind(kRenewPrefix, 0) == 0) {
+                    RenewLocked(n.payload.substr(kRenewPrefix.size()), now);
+                    continue;
+                }
                 if (n.payload.rfind(kReleasePrefix, 0) != 0) continue;
                 auto it = by_hash_.find(n.payload.substr(kReleasePrefix.size()));
                 if (it == by_hash_.end() || !slots_[it->second].leased) continue;
@@ -385,6 +420,34 @@ class TransferEcConnector final : public EcConnector {
                     ++stats_.lapsed;
                 }
             }
+        }
+    }
+    // Producer, under mu_: "LEASE_MS:HASH,HASH,..." from a consumer whose request waits to
+    // load these entries. Each leased one lasts LEASE_MS (at most the producer's lease) from
+    // now: a slot leased to that consumer alone may end sooner than its first lease (a consumer
+    // that then dies frees it that soon); one leased to several is only ever extended. Not
+    // leased (released, lapsed, unknown), or malformed: nothing.
+    void RenewLocked(std::string_view body, Clock::time_point now) {
+        const size_t colon = body.find(':');
+        if (colon == std::string_view::npos || colon == 0 || colon > 6) return;
+        int64_t ms = 0;
+        for (char c : body.substr(0, colon)) {
+            if (c < '0' || c > '9') return;
+            ms = ms * 10 + (c - '0');
+        }
+        if (ms <= 0) return;
+        const Clock::time_point end =
+            now + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(ms), cfg_.lease);
+        body.remove_prefix(colon + 1);
+        for (size_t n = 0; !body.empty() && n < schema::kMaxEcHashes; ++n) {
+            const size_t comma = body.find(',');
+            const std::string_view hash = body.substr(0, comma);
+            body.remove_prefix(comma == std::string_view::npos ? body.size() : comma + 1);
+            auto it = by_hash_.find(std::string(hash));
+            if (it == by_hash_.end() || !slots_[it->second].leased) continue;
+            Slot& slot = slots_[it->second];
+            slot.lease_end = slot.holders <= 1 ? end : std::max(slot.lease_end, end);
+            ++stats_.renewed;
         }
     }
     void Unlease(size_t i) {

@@ -86,6 +86,8 @@ struct EcConnectorStats {
     uint64_t released_unpulled = 0;  // consumer: leases ended without a pull (cached here)
     uint64_t released = 0;           // producer: consumers' notifications that they pulled an entry
     uint64_t lapsed = 0;             // producer: leases that ran out
+    uint64_t renewals_sent = 0;      // consumer: renewals of waiting requests' entries
+    uint64_t renewed = 0;            // producer: leases a consumer's renewal set anew
     uint64_t leased = 0;             // producer: slots leased now
     uint64_t entries = 0;            // producer: slots in use now
     uint64_t slots = 0;              // producer
@@ -110,6 +112,15 @@ class EcConnector {
     virtual void Release(const std::string& mm_hash, const EcSource* source) {
         (void)mm_hash;
         (void)source;
+    }
+    // Consumer: a request that will load `source`'s entries (its mm_hashes) waits here (in the
+    // media queue): their leases are to last `lease` more from now, no longer (transfer: one
+    // notification, not waited for). Sent on arrival and again each renewal interval while it
+    // waits, so a long queue keeps its entries and a consumer that dies frees them within
+    // `lease` instead of the producer's whole lease.
+    virtual void Renew(const EcSource& source, std::chrono::milliseconds lease) {
+        (void)source;
+        (void)lease;
     }
     // Whether what Load returns may be cached (the encoder cache, and the prefix cache's blocks
     // computed from it): only when it can come from the deployment alone (a secret, the

@@ -146,6 +146,57 @@ TEST_P(EcTransfer, LeasesLapseSoNothingWaitsForAConsumerThatNeverCame) {
     LoadAndRelease(Hash('c'), 3);
 }
 
+// A consumer whose request waits to load renews the entries' leases: renewed past the
+// producer's 0.6 s lease they are still there to pull; a consumer that stops renewing (it died)
+// lets a 30 s lease go within its renewal's 0.3 s; a slot leased to two consumers is only ever
+// extended by one of them; malformed or foreign renewals change nothing.
+TEST_P(EcTransfer, ARenewedLeaseOutlivesItsFirst) {
+    Start(3, milliseconds(600));
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    source_.mm_hashes = {Hash('a')};
+    LoadAndRelease(Hash('a'), 1);  // connects (renewals go to producers already connected)
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    for (int i = 0; i < 8; ++i) {  // 1.6 s: past the lease twice over
+        consumer_->Renew(source_, milliseconds(300));
+        std::this_thread::sleep_for(milliseconds(200));
+    }
+    EXPECT_GE(producer_->Stats().renewed, 8u);
+    EXPECT_EQ(producer_->Stats().lapsed, 0u);
+    EXPECT_EQ(consumer_->Stats().renewals_sent, 8u);
+    LoadAndRelease(Hash('a'), 1);
+}
+
+TEST_P(EcTransfer, ALeaseNoLongerRenewedEndsSoonUnlessAnotherConsumerHoldsIt) {
+    Start(3);  // a 30 s lease
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    source_.mm_hashes = {Hash('a')};
+    LoadAndRelease(Hash('a'), 1);  // connects
+    FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));
+    FERRY_ASSERT_OK(producer_->Save(Hash('b'), Rows(2)));  // leased to two consumers
+    ASSERT_EQ(producer_->Stats().leased, 2u);
+    source_.mm_hashes = {Hash('a'), Hash('b'), Hash('c')};  // c: not there, skipped
+    const auto renewed = std::chrono::steady_clock::now();
+    consumer_->Renew(source_, milliseconds(300));
+    // a (one holder) lapses 0.3 s after the renewal, not at 30 s; b (two) keeps its lease.
+    ASSERT_TRUE(testing::WaitUntil([&] { return producer_->Stats().lapsed == 1; }));
+    EXPECT_LT(std::chrono::steady_clock::now() - renewed, std::chrono::seconds(10));
+    EXPECT_EQ(producer_->Stats().leased, 1u);
+    std::this_thread::sleep_for(milliseconds(500));
+    EXPECT_EQ(producer_->Stats().leased, 1u) << "b is another consumer's too";
+    // Renewals that are not one change nothing.
+    for (const char* bad : {"ferry-ec-renew:", "ferry-ec-renew:x:aa", "ferry-ec-renew:0:",
+                            "ferry-ec-renew:9999999999:bbbb", "ferry-ec-renew:-5:bb"}) {
+        FERRY_ASSERT_OK(consumer_agent_->Notify(producer_agent_->name(), bad));
+    }
+    std::this_thread::sleep_for(milliseconds(300));
+    EXPECT_EQ(producer_->Stats().leased, 1u);
+    // A producer's own Renew, and a source without hashes, send nothing.
+    source_.mm_hashes.clear();
+    consumer_->Renew(source_, milliseconds(300));
+    EXPECT_EQ(consumer_->Stats().renewals_sent, 1u);
+}
+
 TEST_P(EcTransfer, AConsumerThatHadTheImageCachedReleasesItsLeaseWithoutPulling) {
     Start(1);
     FERRY_ASSERT_OK(producer_->Save(Hash('a'), Rows(1)));

@@ -38,6 +38,9 @@ Result<std::unique_ptr<ImagePipeline>> ImagePipeline::Create(OpenAiServer::Impl&
                                 .entry_floats = size_t(vc.tokens_per_image()) * size_t(vc.out_dim),
                                 .width = size_t(vc.out_dim)}));
     p->queue_ = std::make_unique<MediaQueue>(size_t(config.max_pending_image_requests));
+    if (config.ec_connector && !config.encode_only && config.ec_renew_interval.count() > 0) {
+        p->renewals_ = std::make_unique<EcRenewals>(config.ec_connector, config.ec_renew_interval);
+    }
     p->encode_step_ = std::make_unique<router::EncodeStep>(
         router::EncodeStepConfig{config.router_token, config.encoder_timeout}, server.client.get(),
         server.quarantine.get());
@@ -202,7 +205,12 @@ void ImagePipeline::CallEncoder(const std::shared_ptr<http::Exchange>& ex, bool 
 
 void ImagePipeline::Enqueue(const std::shared_ptr<http::Exchange>& ex, bool chat, ParsedRequest pr,
                             const std::string& rid) {
-    auto job = [this, ex, chat, rid, pr = std::move(pr)]() mutable {
+    // Its encode worker's entries are kept for it while it waits (and no longer).
+    const uint64_t renewal = renewals_ && pr.ec_source && !pr.ec_source->mm_hashes.empty()
+                                 ? renewals_->Waiting(pr.ec_source)
+                                 : 0;
+    auto job = [this, ex, chat, rid, renewal, pr = std::move(pr)]() mutable {
+        if (renewal) renewals_->Done(renewal);
         if (m_.stopping) {
             return ex->Reply(m_.Error(503, {"the server is stopping", "", ""}, rid));
         }
@@ -220,6 +228,7 @@ void ImagePipeline::Enqueue(const std::shared_ptr<http::Exchange>& ex, bool chat
         m_.Route(ex, chat, std::move(pr));
     };
     if (!queue_->Post(std::move(job))) {
+        if (renewal) renewals_->Done(renewal);
         ++metrics_.busy;
         ex->Reply(m_.Error(503,
                            {fmt::format("{} requests with images are waiting for the encoder; "
@@ -248,10 +257,61 @@ void ImagePipeline::ReplyEncoded(const std::shared_ptr<http::Exchange>& ex, cons
                                   {"finish_reason", "length"}}})},
         {"usage", {{"prompt_tokens", prompt}, {"completion_tokens", 0}, {"total_tokens", prompt}}}};
     Json params = m_.config.ec_connector->Params();
-    if (!params.is_null()) answer["ec_transfer_params"] = std::move(params);
+    if (!params.is_null()) {
+        // The entries this request's consumers will load, so that they can renew their
+        // leases while they wait.
+        Json hashes = Json::array();
+        for (const engine::MmInput& m : pr.mm) {
+            if (hashes.size() < schema::kMaxEcHashes) hashes.push_back(m.hash);
+        }
+        if (!hashes.empty()) params["mm_hashes"] = std::move(hashes);
+        answer["ec_transfer_params"] = std::move(params);
+    }
     std::vector<http::Header> headers;
     if (!rid.empty()) headers.push_back({"X-Request-Id", rid});
     ex->Reply({200, "application/json", DumpJson(answer), std::move(headers)});
+}
+
+EcRenewals::~EcRenewals() {
+    {
+        std::lock_guard lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+}
+
+uint64_t EcRenewals::Waiting(std::shared_ptr<const EcSource> source) {
+    ec_->Renew(*source, 3 * every_);  // at once: a first lease may be nearly over
+    std::lock_guard lock(mu_);
+    const uint64_t id = next_id_++;
+    waiting_[id] = {std::move(source), std::chrono::steady_clock::now() + every_};
+    if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+    return id;
+}
+
+void EcRenewals::Done(uint64_t id) {
+    std::lock_guard lock(mu_);
+    waiting_.erase(id);
+}
+
+void EcRenewals::Run() {
+    std::unique_lock lock(mu_);
+    while (!stop_) {
+        cv_.wait_for(lock,
+                     std::min<std::chrono::milliseconds>(every_ / 4 + std::chrono::milliseconds(1),
+                                                         std::chrono::milliseconds(250)));
+        const auto now = std::chrono::steady_clock::now();
+        std::vector<std::shared_ptr<const EcSource>> due;
+        for (auto& [id, e] : waiting_) {
+            if (now < e.next) continue;
+            e.next = now + every_;
+            due.push_back(e.source);
+        }
+        lock.unlock();
+        for (const auto& src : due) ec_->Renew(*src, 3 * every_);  // not waited for
+        lock.lock();
+    }
 }
 
 }  // namespace ferry::serve

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,6 +79,35 @@ class MediaQueue {
 };
 
 // What the image path counts (/metrics).
+// EPD consumer: while a request that will load an encode worker's entries waits in the media
+// queue, their leases are renewed (EcConnector::Renew) on arrival and each interval, for three
+// intervals each time: a long queue keeps them, and a consumer that dies lets them go within
+// three intervals instead of the producer's whole lease.
+class EcRenewals {
+  public:
+    EcRenewals(std::shared_ptr<EcConnector> ec, std::chrono::milliseconds every)
+        : ec_(std::move(ec)), every_(every) {}
+    ~EcRenewals();
+    // A request that waits: renewed now, then each interval until Done(the id returned).
+    uint64_t Waiting(std::shared_ptr<const EcSource> source);
+    void Done(uint64_t id);
+
+  private:
+    void Run();
+    const std::shared_ptr<EcConnector> ec_;
+    const std::chrono::milliseconds every_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    struct Entry {
+        std::shared_ptr<const EcSource> source;
+        std::chrono::steady_clock::time_point next;
+    };
+    std::map<uint64_t, Entry> waiting_;
+    uint64_t next_id_ = 1;
+    bool stop_ = false;
+    std::thread thread_;
+};
+
 struct ImageMetrics {
     std::atomic<uint64_t> images{0};         // decoded
     std::atomic<uint64_t> encoded{0};        // run through the encoder
@@ -132,6 +162,9 @@ class ImagePipeline {
     OpenAiServer::Impl& m_;
     tokenizer::ImageTokens tokens_;
     std::unique_ptr<media::EncoderCache> cache_;
+    // EPD consumer: the leases of queued requests' entries (null: not a consumer). Before the
+    // queue: the queue's jobs (run as it stops) end their renewals.
+    std::unique_ptr<EcRenewals> renewals_;
     std::unique_ptr<MediaQueue> queue_;
     ImageMetrics metrics_;
     // --encoder-urls: the encode step, as the router runs it.

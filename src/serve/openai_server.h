@@ -90,6 +90,10 @@ struct ServerConfig {
     // the request when it cannot (ec_load_failure kFail).
     std::shared_ptr<EcConnector> ec_connector = {};
     EcLoadFailure ec_load_failure = EcLoadFailure::kEncode;
+    // EPD consumer: how often the encode worker's entries of a request waiting in the media
+    // queue are renewed (each time for three intervals; 0: never, they last the producer's
+    // lease).
+    std::chrono::milliseconds ec_renew_interval{1000};
     bool encode_only = false;
     // SGLang's --encoder-urls (with an ec_connector): encode workers this worker sends its
     // image requests to itself before loading their embeddings, when the request does not

@@ -143,6 +143,13 @@ std::string OpenAiServer::Impl::RenderMetrics() {
                 double(s.released));
         counter("ferry_ec_leases_lapsed_total", "Encode role: leases that ran out unpulled.",
                 double(s.lapsed));
+        counter("ferry_ec_leases_renewed_total",
+                "Encode role: leases set anew by the renewal of a consumer whose request waits "
+                "to load them.",
+                double(s.renewed));
+        counter("ferry_ec_lease_renewals_sent_total",
+                "Renewals sent for the entries of requests waiting here to load them.",
+                double(s.renewals_sent));
         gauge("ferry_ec_leased", "Encode role: entries leased to consumers now.", double(s.leased));
         gauge("ferry_ec_entries", "Encode role: entries published now.", double(s.entries));
         gauge("ferry_ec_slots", "Encode role: slots of the transfer buffer.", double(s.slots));
