@@ -390,8 +390,11 @@ struct FakeWorker {
     std::vector<http::Request> got;
     int status = 200;
     Json answer = Json::object();
-    // Runs before each answer, outside the lock (a push decoder waits for its prefill here).
+    // Runs before each answer, outside the lock (a push decoder waits for its prefill here);
+    // the answer is read after it.
     std::function<void(const http::Request&)> before_answer;
+    // When set and it returns true, it answered the exchange itself (a stream).
+    std::function<bool(const std::shared_ptr<http::Exchange>&)> take_over;
     std::unique_ptr<http::Server> server;
 
     explicit FakeWorker(std::string name) {
@@ -399,15 +402,19 @@ struct FakeWorker {
         c.name = std::move(name);
         c.io_threads = 1;
         auto handler = [this](std::shared_ptr<http::Exchange> ex) {
+            {
+                std::lock_guard lock(mu);
+                got.push_back(ex->request());
+            }
+            if (before_answer) before_answer(ex->request());
+            if (take_over && take_over(ex)) return;
             int s;
             Json a;
             {
                 std::lock_guard lock(mu);
-                got.push_back(ex->request());
                 s = status;
                 a = answer;
             }
-            if (before_answer) before_answer(ex->request());
             ex->Reply({s, "application/json", a.dump(), {}});
         };
         std::vector<http::Route> routes = {{"POST", "/v1/completions", handler, 0},
@@ -603,6 +610,114 @@ TEST(RouterDriver, WithNoPrefillWorkerLeftTheDecodeWorkerPrefills) {
         EXPECT_EQ(h.router->Workers(Role::kPrefill)[0].failed, 1u);
         h.ExpectNothingInFlight();
     }
+}
+
+// A prefill worker that answers 5xx (its own failure: overloaded, shutting down) has the request
+// prefilled by another; one that answers 4xx (the request's fault) is relayed to the client and
+// not retried anywhere.
+TEST(RouterDriver, APrefillWorkers5xxIsRetriedOnAnotherAndA4xxIsRelayed) {
+    DriverHarness h(Protocol::kPull);
+    FakeWorker other("prefill-2");
+    h.router->AddWorker(Role::kPrefill, other.ep());
+    h.prefill.status = other.status = 503;
+    h.prefill.answer = other.answer = {{"error", {{"message", "busy"}}}};
+    h.decode.answer = {{"choices", Json::array({{{"text", "ok"}}})}};
+    // Whichever the router picks first answers 503; the other then answers 200.
+    std::atomic<int> calls{0};
+    auto second_succeeds = [&](FakeWorker& w) {
+        w.before_answer = [&calls, &w](const http::Request&) {
+            if (calls++ == 1) {
+                std::lock_guard lock(w.mu);
+                w.status = 200;
+                w.answer = {{"kv_transfer_params", {{"remote_engine_id", "p"}, {"nonce", "n"}}}};
+            }
+        };
+    };
+    second_succeeds(h.prefill);
+    second_succeeds(other);
+    Result<http::ClientReply> got = h.Post({{"prompt", {1, 2, 3}}, {"max_tokens", 4}}, "req-5xx");
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->status, 200) << got->body;
+    EXPECT_EQ(h.prefill.Got().size() + other.Got().size(), 2u);
+    EXPECT_EQ(h.prefill.Got().size(), 1u) << "each tried once";
+    EXPECT_EQ(h.driver->Stats().prefill_retried, 1u);
+    EXPECT_EQ(h.driver->Stats().prefill_fallback, 0u);
+    ASSERT_EQ(h.decode.Got().size(), 1u);
+    EXPECT_EQ(Json::parse(h.decode.Got()[0].body)["kv_transfer_params"]["remote_engine_id"], "p");
+
+    // 400 from a prefill worker: the client's request is at fault; relayed, nothing retried.
+    for (FakeWorker* w : {&h.prefill, &other}) {
+        w->before_answer = nullptr;
+        std::lock_guard lock(w->mu);
+        w->status = 400;
+        w->answer = {{"error", {{"message", "prompt too long"}}}};
+    }
+    got = h.Post({{"prompt", {1, 2, 3}}, {"max_tokens", 4}}, "req-4xx");
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->status, 400) << got->body;
+    EXPECT_NE(got->body.find("prompt too long"), std::string::npos) << got->body;
+    EXPECT_EQ(h.prefill.Got().size() + other.Got().size(), 3u);
+    EXPECT_EQ(h.driver->Stats().prefill_retried, 1u);
+    EXPECT_EQ(h.driver->Stats().prefill_fallback, 0u);
+    EXPECT_EQ(h.decode.Got().size(), 1u);
+}
+
+// A stream whose decode worker goes silent mid-stream migrates; when the decode worker it
+// migrates to refuses the continuation (here 400), the client's stream, already started, ends
+// with an error event naming the refusal and [DONE]: the tokens it had stay, none is invented.
+TEST(RouterDriver, AMigratedStreamWhoseNewDecoderRefusesEndsWithAnErrorEvent) {
+    DriverHarness h(Protocol::kPull, {}, [](DriverConfig* c) {
+        c->stream_idle_timeout = std::chrono::milliseconds(300);
+    });
+    FakeWorker other("decode-2");
+    h.router->AddWorker(Role::kDecode, other.ep());
+    h.prefill.answer = {{"kv_transfer_params", {{"remote_engine_id", "p0"}, {"nonce", "n"}}}};
+    std::mutex mu;
+    std::vector<std::shared_ptr<http::Exchange>> stalled;  // kept open, silent
+    std::vector<Json> continued;
+    std::atomic<int> calls{0};
+    auto decoder = [&](const std::shared_ptr<http::Exchange>& ex) {
+        if (calls++ == 0) {
+            // The first: two tokens, then nothing more.
+            ex->StartStream(200, "text/event-stream");
+            for (int t : {11, 12}) {
+                ex->Write(
+                    "data: " +
+                    Json{{"choices", {{{"index", 0}, {"text", "x"}, {"token_ids", {t}}}}}}.dump() +
+                    "\n\n");
+            }
+            std::lock_guard lock(mu);
+            stalled.push_back(ex);
+            return true;
+        }
+        std::lock_guard lock(mu);
+        continued.push_back(Json::parse(ex->request().body));
+        ex->Reply({400,
+                   "application/json",
+                   Json{{"error", {{"message", "the continuation ends the request"}}}}.dump(),
+                   {}});
+        return true;
+    };
+    h.decode.take_over = decoder;
+    other.take_over = decoder;
+    Result<http::ClientReply> got =
+        h.Post({{"prompt", {1, 2, 3}}, {"max_tokens", 8}, {"stream", true}}, "req-refused");
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->status, 200);
+    const std::string& b = got->body;
+    EXPECT_NE(b.find("\"text\":\"x\""), std::string::npos) << b;
+    EXPECT_EQ(b.find("token_ids"), std::string::npos) << "ids the client did not ask for: " << b;
+    EXPECT_NE(b.find("the continuation ends the request"), std::string::npos) << b;
+    EXPECT_LT(b.find("\"text\":\"x\""), b.find("\"error\"")) << b;
+    EXPECT_EQ(b.find("[DONE]"), b.rfind("[DONE]")) << b;
+    {
+        std::lock_guard lock(mu);
+        ASSERT_EQ(continued.size(), 1u);
+        EXPECT_EQ(continued[0]["ferry_continue"]["token_ids"], Json({11, 12}));
+    }
+    EXPECT_EQ(h.driver->Stats().migrated, 1u);
+    std::lock_guard lock(mu);
+    for (auto& ex : stalled) ex->End();
 }
 
 TEST(RouterDriver, AnAgentInTheDirectoryIsUsedWithoutAskingTheWorker) {
