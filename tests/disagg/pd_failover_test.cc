@@ -43,29 +43,22 @@ int DataEvents(const std::string& body) {
 class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::string> {
   protected:
     // A colocated reference, one prefill and two decode workers, and a proxy over them.
-    struct Parts {
+    struct OnePrefillTwoDecode {
+        explicit OnePrefillTwoDecode(const std::string& mode,
+                                     const std::vector<std::string>& proxy_args = {}) {
+            colocated = StartOrDie(WorkerArgs("colocated", "", 1));
+            prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
+            for (int i = 0; i < 2; ++i)
+                decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
+            if (colocated && prefill && decode[0] && decode[1]) {
+                proxy =
+                    Proxy(mode, {prefill.get()}, {decode[0].get(), decode[1].get()}, proxy_args);
+            }
+        }
+        bool up() const { return proxy != nullptr; }
         std::unique_ptr<ServerProcess> colocated, prefill;
         std::vector<std::unique_ptr<ServerProcess>> decode;
         std::unique_ptr<ServerProcess> proxy;
-    };
-    class OnePrefillTwoDecode {
-      public:
-        explicit OnePrefillTwoDecode(const std::string& mode,
-                                     const std::vector<std::string>& proxy_args = {}) {
-            p_.colocated = StartOrDie(WorkerArgs("colocated", "", 1));
-            p_.prefill = StartOrDie(WorkerArgs("prefill", "shm", 1));
-            for (int i = 0; i < 2; ++i)
-                p_.decode.push_back(StartOrDie(WorkerArgs("decode", "shm", 1)));
-            if (p_.colocated && p_.prefill && p_.decode[0] && p_.decode[1]) {
-                p_.proxy = Proxy(mode, {p_.prefill.get()}, {p_.decode[0].get(), p_.decode[1].get()},
-                                 proxy_args);
-            }
-        }
-        bool up() const { return p_.proxy != nullptr; }
-        Parts& parts() { return p_; }
-
-      private:
-        Parts p_;
     };
     // The decode worker running the (one) request now; -1 when none is.
     static int Running(const std::vector<std::unique_ptr<ServerProcess>>& decode) {
@@ -85,12 +78,6 @@ class PdFailover : public PdProcess, public ::testing::WithParamInterface<std::s
 TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
     OnePrefillTwoDecode d(GetParam());
     ASSERT_TRUE(d.up());
-    // References, not a structured binding: clang 14 cannot capture those in a lambda.
-    Parts& parts = d.parts();
-    auto& colocated = parts.colocated;
-    auto& prefill = parts.prefill;
-    auto& decode = parts.decode;
-    auto& proxy = parts.proxy;
     constexpr int kTokens = 600;
     Json chat = {{"messages", {{{"role", "user"}, {"content", "where does the next ferry go?"}}}},
                  {"max_tokens", kTokens},
@@ -105,14 +92,14 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
         SCOPED_TRACE(body.dump().substr(0, 80));
         const bool is_chat = body.contains("messages");
         body["stream_options"] = {{"include_usage", true}};
-        const auto want = SendAll(colocated->port(), {body});
+        const auto want = SendAll(d.colocated->port(), {body});
         ASSERT_EQ(want[0].tokens.size(), size_t(kTokens)) << want[0].body.substr(0, 300);
-        Background b(proxy->port(), body);
+        Background b(d.proxy->port(), body);
         ASSERT_TRUE(testing::WaitUntil([&] { return DataEvents(b.body()) >= 20; }));
         // The decode worker running it, killed.
-        const int victim = Running(decode);
+        const int victim = Running(d.decode);
         ASSERT_GE(victim, 0) << "no decode worker runs the request";
-        decode[victim]->Signal(SIGKILL);
+        d.decode[victim]->Signal(SIGKILL);
         ASSERT_TRUE(b.Wait(std::chrono::seconds(120)));
         const std::string got = b.body();
         EXPECT_EQ(b.status(), 200);
@@ -129,18 +116,18 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
         }
         EXPECT_EQ(got.find("\"role\""), got.rfind("\"role\""));  // chat: one role chunk
         EXPECT_EQ(u["completion_tokens"], kTokens);
-        EXPECT_EQ(proxy->Metric("ferry_proxy_streams_migrated_total"), ++round);
+        EXPECT_EQ(d.proxy->Metric("ferry_proxy_streams_migrated_total"), ++round);
         // The survivor's blocks come back; the killed one starts again for the next round.
-        EXPECT_TRUE(decode[1 - victim]->WaitMetric("ferry_kv_blocks_used", 0));
-        ASSERT_TRUE(decode[victim]->Restart().ok());
+        EXPECT_TRUE(d.decode[1 - victim]->WaitMetric("ferry_kv_blocks_used", 0));
+        ASSERT_TRUE(d.decode[victim]->Restart().ok());
         ASSERT_TRUE(testing::WaitUntil([&] {
-            return proxy->Metric(
+            return d.proxy->Metric(
                        fmt::format("ferry_router_worker_answering{{role=\"decode\",worker=\"{}\"}}",
-                                   Addr(*decode[victim]))) == 1;
+                                   Addr(*d.decode[victim]))) == 1;
         }));
     }
-    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
-    EXPECT_EQ(proxy->Metric("ferry_proxy_requests_failed_total"), 0);
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_EQ(d.proxy->Metric("ferry_proxy_requests_failed_total"), 0);
 }
 
 // A decode worker SIGSTOPped mid-stream: at the proxy's idle deadline (--stream-idle-timeout-ms)
@@ -149,28 +136,22 @@ TEST_P(PdFailover, ADecodeWorkerKilledMidStreamHasItsStreamMigrated) {
 TEST_P(PdFailover, ADecodeWorkerStalledMidStreamHasItsStreamMigratedAtTheIdleDeadline) {
     OnePrefillTwoDecode d(GetParam(), {"--stream-idle-timeout-ms", "1000"});
     ASSERT_TRUE(d.up());
-    // References, not a structured binding: clang 14 cannot capture those in a lambda.
-    Parts& parts = d.parts();
-    auto& colocated = parts.colocated;
-    auto& prefill = parts.prefill;
-    auto& decode = parts.decode;
-    auto& proxy = parts.proxy;
     Json body = CompletionBody(RandomPrompt(200, 71), 400, true, 5);
-    const auto want = SendAll(colocated->port(), {body});
-    Background b(proxy->port(), body);
+    const auto want = SendAll(d.colocated->port(), {body});
+    Background b(d.proxy->port(), body);
     ASSERT_TRUE(testing::WaitUntil([&] { return DataEvents(b.body()) >= 10; }));
-    const int victim = Running(decode);
+    const int victim = Running(d.decode);
     ASSERT_GE(victim, 0) << "no decode worker runs the request";
-    ASSERT_TRUE(decode[victim]->Stop());
+    ASSERT_TRUE(d.decode[victim]->Stop());
     ASSERT_TRUE(b.Wait(std::chrono::seconds(120)));
     EXPECT_EQ(b.status(), 200);
     EXPECT_EQ(TokensOf(b.body(), true), want[0].tokens);
-    EXPECT_EQ(proxy->Metric("ferry_proxy_streams_migrated_total"), 1);
-    EXPECT_GE(proxy->Metric("ferry_proxy_worker_timeouts_total"), 1);
-    decode[victim]->Signal(SIGCONT);
-    EXPECT_TRUE(decode[victim]->WaitMetric("ferry_kv_blocks_used", 0));
-    EXPECT_TRUE(decode[1 - victim]->WaitMetric("ferry_kv_blocks_used", 0));
-    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_EQ(d.proxy->Metric("ferry_proxy_streams_migrated_total"), 1);
+    EXPECT_GE(d.proxy->Metric("ferry_proxy_worker_timeouts_total"), 1);
+    d.decode[victim]->Signal(SIGCONT);
+    EXPECT_TRUE(d.decode[victim]->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(d.decode[1 - victim]->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
 // Prefill workers that fail: one SIGKILLed (its calls refused) and then one SIGSTOPped past the
@@ -231,12 +212,6 @@ TEST_P(PdFailover, FailedPrefillWorkersHaveTheirRequestsPrefilledElsewhere) {
 TEST_P(PdFailover, ADecodeWorkerLostBeforeItsFirstByteHasTheRequestSentToAnother) {
     OnePrefillTwoDecode d(GetParam());
     ASSERT_TRUE(d.up());
-    // References, not a structured binding: clang 14 cannot capture those in a lambda.
-    Parts& parts = d.parts();
-    auto& colocated = parts.colocated;
-    auto& prefill = parts.prefill;
-    auto& decode = parts.decode;
-    auto& proxy = parts.proxy;
     std::vector<Json> bodies;
     for (int i = 0; i < 6; ++i) {
         bodies.push_back(CompletionBody(RandomPrompt(150 + 70 * i, 50 + i), 8, i % 2 == 0));
@@ -244,14 +219,14 @@ TEST_P(PdFailover, ADecodeWorkerLostBeforeItsFirstByteHasTheRequestSentToAnother
     // ferry_continue is the proxy's to set.
     Json forged = bodies[0];
     forged["ferry_continue"] = {{"token_ids", {1, 2}}};
-    EXPECT_EQ(SendAll(proxy->port(), {forged})[0].status, 400);
-    decode[0]->Signal(SIGKILL);
-    ExpectSameTokens(SendAll(proxy->port(), bodies), SendAll(colocated->port(), bodies));
-    EXPECT_GE(proxy->Metric("ferry_proxy_decode_retried_total"), 1);
-    EXPECT_EQ(proxy->Metric("ferry_proxy_requests_failed_total"), 0);
-    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_requests_held", 0));
-    EXPECT_TRUE(prefill->WaitMetric("ferry_kv_blocks_used", 0));
-    EXPECT_TRUE(decode[1]->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_EQ(SendAll(d.proxy->port(), {forged})[0].status, 400);
+    d.decode[0]->Signal(SIGKILL);
+    ExpectSameTokens(SendAll(d.proxy->port(), bodies), SendAll(d.colocated->port(), bodies));
+    EXPECT_GE(d.proxy->Metric("ferry_proxy_decode_retried_total"), 1);
+    EXPECT_EQ(d.proxy->Metric("ferry_proxy_requests_failed_total"), 0);
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_requests_held", 0));
+    EXPECT_TRUE(d.prefill->WaitMetric("ferry_kv_blocks_used", 0));
+    EXPECT_TRUE(d.decode[1]->WaitMetric("ferry_kv_blocks_used", 0));
 }
 
 // The router (`ferry proxy`) SIGKILLed with requests in flight at every stage (streams being
