@@ -49,9 +49,9 @@ SOAK_TRANSFERS ?= 1000000
 soak: build
 	@$(BUILD)/tests/ferry_soak --transfers $(SOAK_TRANSFERS) --kill-every-ms 2000
 
-# The P/D soak's hour: 2 prefill and 2 decode workers behind ferry proxy under load while they are
-# killed, stopped and restarted; every answer checked against colocated (tests/soak/soak_pd.cc; a
-# 60 s run is part of `make test`; docs/soak.md).
+# The P/D soak's hour: 2 prefill, 2 decode and 1 encode worker behind ferry proxy under load
+# (text and image requests) while they are killed, stopped and restarted; every answer checked
+# against colocated (tests/soak/soak_pd.cc; a 60 s run is part of `make test`; docs/soak.md).
 SOAK_PD_SECONDS ?= 3600
 SOAK_PD_ARGS ?=
 soak-pd: build

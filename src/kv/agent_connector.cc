@@ -57,6 +57,7 @@ void AgentKvConnector::Impl::OnMessage(const std::string& from, const std::strin
     };
     Status st = bound ? std::visit(route, *m) : FailedPreconditionError("not bound");
     if (!st.ok()) {
+        ++stats.messages_refused;
         FERRY_LOG(kWarn, "kv: '{}' message from '{}' refused: {}", Esc(type), Esc(from),
                   st.ToString());
     }
@@ -264,6 +265,8 @@ void AgentKvConnector::StartLoad(const ConnectorRequest& r, std::span<const Bloc
     Impl& m = *impl_;
     std::lock_guard lock(m.mu);
     Load& ld = m.loads[r.id];
+    // Its hold is renewed from here on only while the load waits to claim it.
+    if (auto a = m.admitted.find(r.id); a != m.admitted.end()) a->second.load_started = true;
     const KvTransferParams& params = AsKvTransferParams(r.params);
     ld.params = params;
     ld.peer = params.remote_engine_id;

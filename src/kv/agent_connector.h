@@ -137,6 +137,8 @@ struct KvConnectorStats {
     // push: push-alive messages sent (prefill side) and waits extended by them (decode side).
     uint64_t push_renewals_sent = 0;
     uint64_t pushes_renewed = 0;
+    // Peer messages refused after the handshake (unknown request, wrong nonce or peer, ...).
+    uint64_t messages_refused = 0;
     // --kv-verify: loads whose checksums were compared, and those that differed; units checked.
     uint64_t verified = 0;
     uint64_t verify_mismatches = 0;

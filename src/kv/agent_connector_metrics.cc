@@ -92,6 +92,9 @@ std::string RenderKvConnectorMetrics(const KvConnectorStats& s) {
     w.Counter("ferry_kv_connector_pushes_renewed_total",
               "push, decode side: waits for a prefill worker's writes extended by its push-alive.",
               double(s.pushes_renewed));
+    w.Counter("ferry_kv_connector_messages_refused_total",
+              "Peer messages refused after the handshake (each logged with its reason).",
+              double(s.messages_refused));
     w.Counter("ferry_kv_connector_verified_total",
               "Received KV whose checksums were compared with the sender's (--kv-verify).",
               double(s.verified));

@@ -189,6 +189,7 @@ struct Admission {
     // (AgentConnectorOptions::hold_renew_interval).
     std::string hold_rid, hold_nonce;
     SteadyClock::time_point renew_at;
+    bool load_started = false;  // StartLoad ran: the load (while it is there) says more
     // push, prefill: the transfer id its decoder's blocks come under. While the request waits in
     // the engine's queue, the decoders whose targets came for it are told to go on waiting
     // (push-alive), from `renew_at` on.

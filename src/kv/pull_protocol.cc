@@ -138,9 +138,12 @@ void PullProtocol::RenewWaiting(SteadyClock::time_point now) {
     if (every.count() <= 0) return;
     for (auto& [id, a] : m_.admitted) {
         if (a.hold_rid.empty() || now < a.renew_at) continue;
+        // Claimed (the claim's deadline runs from here), or the load is over (read, or
+        // failed): nothing more to renew. Before StartLoad (queued) there is no load yet.
         auto ld = m_.loads.find(id);
-        if (ld != m_.loads.end() && ld->second.state != Load::State::kBootstrapping) {
-            a.hold_rid.clear();  // claimed: the claim's deadline runs from here
+        if (a.load_started &&
+            (ld == m_.loads.end() || ld->second.state != Load::State::kBootstrapping)) {
+            a.hold_rid.clear();
             continue;
         }
         auto p = m_.peers.find(a.peer);

@@ -1121,6 +1121,30 @@ TEST_F(Disagg, StalledDecodersRenewTheirHoldsAndADeadOnesHoldsComeBackSoon) {
             EXPECT_EQ(da.Get("q").tokens, want.at("q").tokens);
             EXPECT_GE(prefill.conn->Stats().holds_renewed, 5u);
             EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 0u);
+            // Read, a hold is renewed no more while its request decodes on (a long one here,
+            // stepped for 0.5 s: five renewal intervals).
+            FERRY_ASSERT_OK(Submit(prefill.engine.get(), &pa, "z", Prompt(40, 9), Greedy(1),
+                                   hold_for_reader()));
+            ASSERT_TRUE(pa.Wait({"z"}));
+            FERRY_ASSERT_OK(
+                Submit(decode.engine.get(), &da, "z", Prompt(40, 9), Greedy(900), pa.Get("z").kv));
+            const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+            while (prefill.engine->Stats().kv_held != 0 &&
+                   std::chrono::steady_clock::now() < until) {
+                decode.engine->Step();
+            }
+            ASSERT_EQ(prefill.engine->Stats().kv_held, 0);
+            const uint64_t renewals = decode.conn->Stats().holds_renewals_sent;
+            const auto more = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+            while (std::chrono::steady_clock::now() < more) {
+                decode.engine->Step();
+                std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            }
+            EXPECT_FALSE(da.Wait({"z"}, std::chrono::milliseconds(1))) << "still decoding";
+            EXPECT_EQ(decode.conn->Stats().holds_renewals_sent, renewals);
+            EXPECT_EQ(prefill.conn->Stats().messages_refused, 0u);
+            decode.engine->Abort("z");
+            ASSERT_TRUE(drive(decode, da, "z"));
         } else {
             EXPECT_THAT(da.Get("q").error, StatusHas(Code::kUnavailable, "lease expired"));
             EXPECT_EQ(prefill.conn->Stats().failures["lease_expired"], 1u);
