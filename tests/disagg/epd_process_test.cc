@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "disagg/epd_harness.h"
 #include "ferry/discovery.h"
@@ -229,6 +230,8 @@ TEST_F(EpdProcess, AKilledEncodeWorkersImagesAreEncodedByAnother) {
     EXPECT_EQ(consumer->Metric("ferry_mm_images_encoded_total"), 0);
 }
 
+// An encode worker SIGKILLed costs only the encoding; restarted on its port it is a new epoch:
+// taken back, its entries loaded, the old process's params never resolving to it.
 TEST_F(EpdProcess, AKilledEncodeWorkerCostsOnlyTheEncoding) {
     testing::SecretFile secret("epd-kill");
     const std::vector<std::string> ec = {
@@ -292,6 +295,35 @@ TEST_F(EpdProcess, AKilledEncodeWorkerCostsOnlyTheEncoding) {
     }
     // Both still serve.
     EXPECT_EQ(SendAll(strict->port(), {bodies[0]})[0].tokens, want[0].tokens);
+
+    // Restarted on its port: a new process with a new agent (a new epoch). The proxy takes it
+    // back once it answers; what it publishes now is loaded; the dead process's params still
+    // name nobody (the new one did not inherit its agent), so they cost a pull and an encoding.
+    ASSERT_TRUE(encode->Restart().ok());
+    const Json probe = Bodies(1, 940)[0];
+    ASSERT_TRUE(testing::WaitUntil([&] {
+        // The proxy probes a quarantined worker as requests come (no timer of its own).
+        EXPECT_EQ(SendAll(px->port(), {probe}, 1)[0].status, 200);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        return px->Metric("ferry_proxy_encoders_quarantined") == 0;
+    }));
+    const double loads = consumer->Metric("ferry_ec_loads_total");
+    const double local = consumer->Metric("ferry_ec_local_encodes_total");
+    const std::vector<Json> fresh = Bodies(testing::kSanitized ? 2 : 6, 950);
+    ExpectSameTokens(SendAll(px->port(), fresh, 4), SendAll(colocated->port(), fresh, 4),
+                     "restarted");
+    EXPECT_GT(consumer->Metric("ferry_ec_loads_total"), loads);
+    EXPECT_EQ(consumer->Metric("ferry_ec_local_encodes_total"), local);
+    Json stale = Bodies(1, 990)[0];
+    stale["stream"] = false;
+    stale["ec_transfer_params"] = params;
+    http::ClientRequest r = Post(consumer->port(), stale, "/v1/chat/completions");
+    r.headers.push_back({"Authorization", "Bearer " + secret.router_token()});
+    auto got = http::Fetch(r);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->status, 200) << got->body;
+    EXPECT_EQ(consumer->Metric("ferry_ec_local_encodes_total"), local + 1);
+    EXPECT_EQ(consumer->Metric("ferry_ec_load_failures_total"), 2);
 }
 
 // ec_transfer_params is the router's to set: the proxy refuses it from a client, a worker with a
