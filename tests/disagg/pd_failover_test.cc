@@ -385,7 +385,8 @@ TEST_F(PdProcess, APushDecoderWaitsBehindALongPrefillQueueButNotForAStoppedPrefi
         auto b = std::make_unique<Busy>();
         for (int i = 0; i < 3; ++i) {
             b->streams.push_back(std::make_unique<Background>(
-                prefill->port(), CompletionBody(RandomPrompt(20, 90 + i), 4000, true)));
+                prefill->port(),
+                CompletionBody(RandomPrompt(20, 90 + i), testing::kSanitized ? 1500 : 4000, true)));
             if (i == 0) {
                 EXPECT_TRUE(
                     testing::WaitUntil([&] { return DataEvents(b->streams[0]->body()) >= 3; }));
