@@ -257,9 +257,13 @@ TEST_P(PdFailover, ARouterKilledMidRequestLeavesNothingBehindAndItsSuccessorServ
     ASSERT_TRUE(
         testing::WaitUntil([&] { return prefill->Metric("ferry_num_requests_running") >= 1; }));
     proxy->Signal(SIGKILL);
-    for (auto& b : inflight) {
-        ASSERT_TRUE(b->Wait(std::chrono::seconds(30)));
-        EXPECT_EQ(b->body().find("[DONE]"), std::string::npos) << "a cut stream is not complete";
+    for (size_t i = 0; i < inflight.size(); ++i) {
+        ASSERT_TRUE(inflight[i]->Wait(std::chrono::seconds(30)));
+        // The long streams were cut (a short request may have finished before the kill).
+        if (i < 4) {
+            EXPECT_EQ(inflight[i]->body().find("[DONE]"), std::string::npos)
+                << "a cut stream is not complete";
+        }
     }
     ASSERT_TRUE(proxy->Restart().ok());
     // The streams were aborted (not run to their end), and nothing is left on the workers for
