@@ -347,19 +347,24 @@ TEST_F(PdProcess, DecodeFirstRetriesAnotherPrefillWorkerThenPrefillsHere) {
 }
 
 // push, a decode worker's blocks while its prefill worker has the request (push-alive): behind
-// a prefill queue many times longer than the decoder's whole wait (0.3 s here) the decoder goes
+// a prefill queue many times longer than the decoder's whole wait (0.3 s here; 1.5 s under the
+// sanitizers, whose pump threads run late) the decoder goes
 // on waiting and answers as colocated does; a prefill worker SIGSTOPped (on shm, where the
 // decoder's liveness read still succeeds) stops renewing, and its decoder gives up three renewal
 // intervals after the last instead of at its whole wait (21 s here, 40 s by default).
 TEST_F(PdProcess, APushDecoderWaitsBehindALongPrefillQueueButNotForAStoppedPrefillWorker) {
     auto colocated = StartOrDie(WorkerArgs("colocated", "", 1));
     // One request at a time; push-alive every 100 ms.
-    auto prefill = StartOrDie(WorkerArgs(
-        "prefill", "shm", 1,
-        {"--max-num-seqs", "1", "--kv-connector-config", R"({"hold_renew_interval_ms": 100})"}));
+    auto prefill =
+        StartOrDie(WorkerArgs("prefill", "shm", 1,
+                              {"--max-num-seqs", "1", "--kv-connector-config",
+                               testing::kSanitized ? R"({"hold_renew_interval_ms": 500})"
+                                                   : R"({"hold_renew_interval_ms": 100})"}));
     auto impatient = StartOrDie(WorkerArgs(
         "decode", "shm", 1,
-        {"--kv-connector-config", R"({"bootstrap_timeout_ms": 100, "transfer_timeout_ms": 200})"}));
+        {"--kv-connector-config",
+         testing::kSanitized ? R"({"bootstrap_timeout_ms": 1000, "transfer_timeout_ms": 500})"
+                             : R"({"bootstrap_timeout_ms": 100, "transfer_timeout_ms": 200})"}));
     auto patient =
         StartOrDie(WorkerArgs("decode", "shm", 1,
                               {"--kv-connector-config",
@@ -421,7 +426,8 @@ TEST_F(PdProcess, APushDecoderWaitsBehindALongPrefillQueueButNotForAStoppedPrefi
         EXPECT_EQ(TokensOf(d->body(), false), want[0].tokens);
         // It waited behind the stream, many times its whole wait, kept by push-alive.
         EXPECT_GE(d->end(), long_stream->end());
-        EXPECT_GT(long_stream->end() - sent, std::chrono::milliseconds(900))
+        EXPECT_GT(long_stream->end() - sent,
+                  std::chrono::milliseconds(testing::kSanitized ? 4500 : 900))
             << "the queue was too short to tell";
         EXPECT_GE(impatient->Metric("ferry_kv_connector_pushes_renewed_total"), 3);
         ASSERT_TRUE(p->Wait(std::chrono::seconds(60)));
