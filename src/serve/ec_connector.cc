@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <list>
@@ -194,13 +195,7 @@ class TransferEcConnector final : public EcConnector {
         std::optional<std::string> peer;
         {
             std::lock_guard lock(mu_);
-            const std::string address = FormatHostPort(source.host, source.port);
-            if (!source.engine_id.empty() && connected_.count(source.engine_id)) {
-                peer = source.engine_id;
-            } else if (auto it = by_address_.find(address);
-                       source.engine_id.empty() && it != by_address_.end()) {
-                peer = it->second;
-            }
+            peer = ConnectedLocked(source);
         }
         if (!peer) return;
         std::string note = fmt::format("{}{}:", kRenewPrefix, lease.count());
@@ -284,16 +279,21 @@ class TransferEcConnector final : public EcConnector {
     // The producer's agent as a peer of this one: connected once, by name through the store,
     // or at the params' address (only one --ec-peers / --kv-peers allows, if given). A source
     // with no engine_id (an address the operator listed) is taken under the name it gives.
+    // Under mu_: the agent `src` names when this consumer is connected to it already.
+    std::optional<std::string> ConnectedLocked(const EcSource& src) const {
+        if (!src.engine_id.empty()) {
+            if (connected_.count(src.engine_id)) return src.engine_id;
+            return std::nullopt;
+        }
+        auto it = by_address_.find(FormatHostPort(src.host, src.port));
+        if (it != by_address_.end()) return it->second;
+        return std::nullopt;
+    }
     Result<std::string> PeerFor(const EcSource& src) {
         const std::string address = FormatHostPort(src.host, src.port);
         {
             std::lock_guard lock(mu_);
-            if (!src.engine_id.empty() && connected_.count(src.engine_id)) return src.engine_id;
-            if (src.engine_id.empty()) {
-                if (auto it = by_address_.find(address); it != by_address_.end()) {
-                    return it->second;
-                }
-            }
+            if (std::optional<std::string> known = ConnectedLocked(src)) return *known;
         }
         Result<std::string> name = [&]() -> Result<std::string> {
             if (!cfg_.trust.allowed_agents.empty()) {
@@ -429,13 +429,10 @@ class TransferEcConnector final : public EcConnector {
     // leased (released, lapsed, unknown), or malformed: nothing.
     void RenewLocked(std::string_view body, Clock::time_point now) {
         const size_t colon = body.find(':');
-        if (colon == std::string_view::npos || colon == 0 || colon > 6) return;
+        if (colon == std::string_view::npos) return;
         int64_t ms = 0;
-        for (char c : body.substr(0, colon)) {
-            if (c < '0' || c > '9') return;
-            ms = ms * 10 + (c - '0');
-        }
-        if (ms <= 0) return;
+        const auto [end_ms, ec] = std::from_chars(body.data(), body.data() + colon, ms);
+        if (ec != std::errc() || end_ms != body.data() + colon || ms <= 0) return;
         const Clock::time_point end =
             now + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(ms), cfg_.lease);
         body.remove_prefix(colon + 1);
